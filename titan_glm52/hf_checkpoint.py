@@ -1,0 +1,152 @@
+"""Read and write HF safetensors directories with exactly the published GLM-5.2 names and shapes.
+
+``load_hf_model(hf_dir)`` builds the model from ``config.json`` and fills every parameter and buffer from the
+safetensors files (single file or sharded with ``model.safetensors.index.json``); missing or unexpected keys
+and shape mismatches are errors. ``save_hf_model(model, out_dir)`` writes ``config.json`` plus shards and an
+index; ``e_score_correction_bias`` stays fp32 as in the published checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import defaultdict
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from titan_glm52.model.args import GLM52ModelArgs
+from titan_glm52.model.model import GLM52Model
+from titan_glm52.model.state_dict_adapter import FP32_KEYS, hf_to_ours, to_hf
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+
+
+def hf_weight_files(hf_dir: str) -> dict[str, str]:
+    """HF key -> file path, from the index or the single safetensors file."""
+    index = os.path.join(hf_dir, INDEX_NAME)
+    if os.path.exists(index):
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        return {k: os.path.join(hf_dir, v) for k, v in weight_map.items()}
+    single = os.path.join(hf_dir, SINGLE_NAME)
+    if not os.path.exists(single):
+        raise FileNotFoundError(f"{hf_dir} holds neither {INDEX_NAME} nor {SINGLE_NAME}")
+    with safe_open(single, "pt") as f:
+        return {k: single for k in f.keys()}
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+@torch.no_grad()
+def load_hf_state(model: GLM52Model, hf_dir: str) -> None:
+    """Copies every tensor of an HF checkpoint into ``model`` (which must already be materialised)."""
+    args = model.args
+    targets = dict(model.named_parameters())
+    targets.update({k: v for k, v in model.named_buffers() if "tokens_per_expert" not in k})
+    filled: dict[str, set[int] | bool] = {}
+    by_file: dict[str, list[str]] = defaultdict(list)
+    for key, path in hf_weight_files(hf_dir).items():
+        by_file[path].append(key)
+    for path, keys in sorted(by_file.items()):
+        with safe_open(path, "pt", device="cpu") as f:
+            for hf_key in keys:
+                name, expert = hf_to_ours(hf_key, args)
+                if name not in targets:
+                    raise KeyError(f"{hf_key!r} maps to {name!r}, which this model does not have "
+                                   "(indexer weights on a shared layer? MTP layer disabled?)")
+                dst = targets[name]
+                src = f.get_tensor(hf_key)
+                view = dst if expert is None else dst[expert]
+                if tuple(view.shape) != tuple(src.shape):
+                    raise ValueError(f"{hf_key}: checkpoint shape {tuple(src.shape)} != model {tuple(view.shape)}")
+                view.copy_(src.to(device=view.device, dtype=view.dtype))
+                if expert is None:
+                    filled[name] = True
+                else:
+                    filled.setdefault(name, set()).add(expert)
+    missing = []
+    for name, t in targets.items():
+        got = filled.get(name)
+        if got is None or (isinstance(got, set) and len(got) != t.shape[0]):
+            missing.append(name)
+    if missing:
+        raise KeyError(f"{len(missing)} tensors missing from {hf_dir}: {missing[:8]}")
+
+
+def load_hf_model(hf_dir: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                  with_mtp: bool | None = None, **arg_overrides) -> GLM52Model:
+    """Builds a GLM52Model from ``hf_dir/config.json`` and loads its safetensors weights.
+
+    ``with_mtp=None`` keeps the MTP layer when the config has one and the checkpoint holds it.
+    """
+    args = GLM52ModelArgs.from_hf_config(hf_dir, **arg_overrides)
+    if with_mtp is None:
+        mtp_prefix = f"model.layers.{args.num_hidden_layers}."
+        with_mtp = args.num_nextn_predict_layers > 0 and any(
+            k.startswith(mtp_prefix) for k in hf_weight_files(hf_dir))
+    if not with_mtp:
+        args = args.replace(num_nextn_predict_layers=0)
+    with torch.device("meta"):
+        model = GLM52Model(args, with_mtp=with_mtp)
+    model.to_empty(device=device)
+    model.to(dtype)
+    for mod in model.modules():  # the routing bias stays fp32 whatever the dtype
+        if hasattr(mod, "e_score_correction_bias"):
+            mod.e_score_correction_bias.data = mod.e_score_correction_bias.data.float()
+        if hasattr(mod, "tokens_per_expert"):
+            mod.tokens_per_expert.data = torch.zeros_like(mod.tokens_per_expert, dtype=torch.float32)
+    load_hf_state(model, hf_dir)
+    return model
+
+
+def hf_state_dict(model: GLM52Model, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """The model's weights under published HF names (per-expert tensors, fp32 routing bias)."""
+    state = {k: v for k, v in model.state_dict().items() if "tokens_per_expert" not in k}
+    out = {}
+    for hf_key, t in to_hf(state, model.args):
+        t = _full(t).detach()
+        if FP32_KEYS.match(hf_key):
+            t = t.float()
+        elif dtype is not None:
+            t = t.to(dtype)
+        out[hf_key] = t.contiguous().cpu()
+    return out
+
+
+def save_hf_model(model: GLM52Model, out_dir: str, dtype: torch.dtype = torch.bfloat16,
+                  max_shard_bytes: int = 5 * 1024 ** 3) -> None:
+    """Writes ``config.json`` and safetensors (sharded with an index when over ``max_shard_bytes``)."""
+    os.makedirs(out_dir, exist_ok=True)
+    args = model.args
+    if model.mtp is None and args.num_nextn_predict_layers:
+        args = args.replace(num_nextn_predict_layers=0)
+    args = args.replace(dtype=str(dtype).removeprefix("torch."))
+    args.save_hf_config(out_dir)
+    tensors = hf_state_dict(model, dtype)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for key in sorted(tensors):
+        nbytes = tensors[key].numel() * tensors[key].element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][key] = tensors[key]
+        size += nbytes
+    metadata = {"format": "pt"}
+    if len(shards) == 1:
+        save_file(shards[0], os.path.join(out_dir, SINGLE_NAME), metadata=metadata)
+        return
+    weight_map, total = {}, 0
+    for i, shard in enumerate(shards, 1):
+        name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, os.path.join(out_dir, name), metadata=metadata)
+        for key, t in shard.items():
+            weight_map[key] = name
+            total += t.numel() * t.element_size()
+    with open(os.path.join(out_dir, INDEX_NAME), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)

@@ -1,0 +1,160 @@
+"""MLA attention with DeepSeek Sparse Attention (lightning indexer + top-k) and IndexShare.
+
+Tokens arrive packed: ``x [T, D]`` with ``cu_seqlens`` marking documents (see ``kernels/reference.py``).
+Attention runs in the absorbed (MQA) form for both backends: the key up-projection is folded into the
+queries (``q_nope @ W_uk`` -> 512-d latent), every head attends over the same latent row per key
+``[c_kv (512) | k_rope (64)]``, and the value up-projection is applied to the latent output. This is
+algebraically the published MLA; it makes a selected key cost 576 values instead of 64 * 448.
+
+IndexShare is explicit dataflow (architecture rule 2): ``forward`` takes the top-k of the previous block and
+returns the top-k its successors use. A full layer computes new indices (deterministically, so a recompute
+under activation checkpointing selects the same keys); a shared layer passes its input on.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from titan_glm52.kernels import reference
+from titan_glm52.model.args import GLM52ModelArgs
+from titan_glm52.model.norms import RMSNorm
+from titan_glm52.model.rope import apply_rope
+
+BACKENDS = ("torch", "triton")
+
+
+@functools.cache
+def _triton_kernels():
+    try:
+        from titan_glm52.kernels import indexer_topk, sparse_mla  # noqa: F401  (Triton modules)
+    except Exception as e:  # pragma: no cover - depends on the machine
+        raise RuntimeError(f"[dsa] backend = 'triton' was asked for but the Triton kernels cannot be loaded "
+                           f"({type(e).__name__}: {e}); use backend = 'torch' or install triton 3.6") from e
+    import titan_glm52.kernels as k
+    return k
+
+
+def dsa_ops(backend: str):
+    """(indexer_topk, sparse_mla) of a backend; both follow the signatures in ``kernels/reference.py``."""
+    if backend == "torch":
+        return reference.indexer_topk, reference.sparse_mla
+    if backend == "triton":
+        k = _triton_kernels()
+        return k.indexer_topk, k.sparse_mla
+    raise ValueError(f"unknown DSA backend {backend!r}; choose one of {BACKENDS}")
+
+
+@dataclass
+class PackedContext:
+    """What every block needs about the packed batch: document boundaries and rotary tables."""
+
+    cu_seqlens: torch.Tensor  # int32 [N + 1] over the flattened T tokens
+    cos: torch.Tensor  # fp32 [T, qk_rope_head_dim // 2]
+    sin: torch.Tensor
+
+
+class Indexer(nn.Module):
+    """The lightning indexer: scores ``sum_h w[t,h] * relu(q_I[t,h] . k_I[s]) / sqrt(d_I)``, keeps the top-k."""
+
+    def __init__(self, args: GLM52ModelArgs) -> None:
+        super().__init__()
+        self.n_heads, self.head_dim = args.index_n_heads, args.index_head_dim
+        self.rope_dim, self.interleave = args.qk_rope_head_dim, args.indexer_rope_interleave
+        self.topk = args.index_topk
+        self.wq_b = nn.Linear(args.q_lora_rank, self.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(args.hidden_size, self.head_dim, bias=False)
+        self.k_norm = nn.LayerNorm(self.head_dim, eps=args.index_norm_eps)
+        self.weights_proj = nn.Linear(args.hidden_size, self.n_heads, bias=False)
+        self.softmax_scale = self.head_dim ** -0.5
+
+    def project(self, x: torch.Tensor, c_q: torch.Tensor, ctx: PackedContext):
+        """q_I ``[T, H_I, d_I]``, k_I ``[T, d_I]`` (RoPE on the first rope dims) and fp32 head weights ``[T, H_I]``."""
+        t = x.shape[0]
+        q = self.wq_b(c_q).view(t, self.n_heads, self.head_dim)
+        k = self.k_norm(self.wk(x))
+        r = self.rope_dim
+        q = torch.cat((apply_rope(q[..., :r], ctx.cos, ctx.sin, self.interleave), q[..., r:]), dim=-1)
+        k = torch.cat((apply_rope(k[..., :r], ctx.cos, ctx.sin, self.interleave), k[..., r:]), dim=-1)
+        # The head gate is computed in fp32 (the published model keeps weights_proj in fp32).
+        w = F.linear(x.float(), self.weights_proj.weight.float()) * self.n_heads ** -0.5
+        return q, k, w
+
+    def reset_parameters(self, std: float) -> None:
+        for lin in (self.wq_b, self.wk, self.weights_proj):
+            nn.init.normal_(lin.weight, std=std)
+        self.k_norm.reset_parameters()
+
+
+class Attention(nn.Module):
+    """MLA + DSA for one layer. ``indexer`` is None on IndexShare-shared layers (as in the checkpoint).
+
+    Plain attributes set from outside (not config objects): ``backend`` ("torch" | "triton") and
+    ``sparse`` (False = dense causal attention over the document, e.g. the DSA dense warm-up).
+    """
+
+    def __init__(self, args: GLM52ModelArgs, has_indexer: bool) -> None:
+        super().__init__()
+        self.n_heads = args.num_attention_heads
+        self.nope, self.rope_dim, self.v_dim = args.qk_nope_head_dim, args.qk_rope_head_dim, args.v_head_dim
+        self.kv_rank = args.kv_lora_rank
+        self.interleave = args.rope_interleave
+        self.softmax_scale = args.qk_head_dim ** -0.5
+        self.wq_a = nn.Linear(args.hidden_size, args.q_lora_rank, bias=False)
+        self.q_norm = RMSNorm(args.q_lora_rank, args.latent_eps)
+        self.wq_b = nn.Linear(args.q_lora_rank, self.n_heads * args.qk_head_dim, bias=False)
+        self.wkv_a = nn.Linear(args.hidden_size, self.kv_rank + self.rope_dim, bias=False)
+        self.kv_norm = RMSNorm(self.kv_rank, args.latent_eps)
+        self.wkv_b = nn.Linear(self.kv_rank, self.n_heads * (self.nope + self.v_dim), bias=False)
+        self.wo = nn.Linear(self.n_heads * self.v_dim, args.hidden_size, bias=False)
+        self.indexer = Indexer(args) if has_indexer else None
+        self.backend = "torch"
+        self.sparse = True
+
+    def forward(self, x: torch.Tensor, ctx: PackedContext, topk_in: torch.Tensor | None):
+        """``x [T, D]`` -> (``out [T, D]``, top-k ``[T, index_topk]`` int32 for the following layers)."""
+        t = x.shape[0]
+        c_q = self.q_norm(self.wq_a(x))
+        q = self.wq_b(c_q).view(t, self.n_heads, self.nope + self.rope_dim)
+        q_nope, q_rope = q.split((self.nope, self.rope_dim), dim=-1)
+        c_kv, k_rope = self.wkv_a(x).split((self.kv_rank, self.rope_dim), dim=-1)
+        c_kv = self.kv_norm(c_kv)
+        q_rope = apply_rope(q_rope, ctx.cos, ctx.sin, self.interleave)
+        k_rope = apply_rope(k_rope, ctx.cos, ctx.sin, self.interleave)
+
+        # Absorb W_uk into the queries: q_lat[t, h] = q_nope[t, h] @ W_uk[h]  (W_uk[h]: [nope, kv_rank]).
+        w_kv_b = self.wkv_b.weight.view(self.n_heads, self.nope + self.v_dim, self.kv_rank)
+        w_uk, w_uv = w_kv_b[:, : self.nope], w_kv_b[:, self.nope:]
+        q_lat = torch.einsum("thn,hnr->thr", q_nope, w_uk)
+        q_abs = torch.cat((q_lat, q_rope), dim=-1)  # [T, H, kv_rank + rope]
+        kv = torch.cat((c_kv, k_rope), dim=-1)  # [T, kv_rank + rope]
+
+        indexer_topk, sparse_mla = dsa_ops(self.backend)
+        if self.indexer is not None:
+            with torch.no_grad():
+                q_i, k_i, w_i = self.indexer.project(x, c_q, ctx)
+                topk = indexer_topk(q_i, k_i, w_i, ctx.cu_seqlens, self.indexer.topk, self.indexer.softmax_scale)
+        elif topk_in is None:
+            raise ValueError("an IndexShare-shared layer got no top-k: it needs a full layer before it in the "
+                             "same pipeline stage (check indexer_types and the pipeline layout)")
+        else:
+            topk = topk_in
+
+        if self.sparse:
+            o_lat, _ = sparse_mla(q_abs, kv, topk, self.softmax_scale, self.kv_rank)
+        else:
+            o_lat = reference.dense_causal_attention(q_abs, kv, ctx.cu_seqlens, self.softmax_scale, self.kv_rank)
+        out = torch.einsum("thr,hvr->thv", o_lat, w_uv).reshape(t, self.n_heads * self.v_dim)
+        return self.wo(out), topk
+
+    def reset_parameters(self, std: float) -> None:
+        for lin in (self.wq_a, self.wq_b, self.wkv_a, self.wkv_b, self.wo):
+            nn.init.normal_(lin.weight, std=std)
+        self.q_norm.reset_parameters()
+        self.kv_norm.reset_parameters()
+        if self.indexer is not None:
+            self.indexer.reset_parameters(std)

@@ -1,0 +1,168 @@
+"""GLM52Model: token embedding, 78 MLA+DSA blocks (3 dense, 75 MoE), final norm, output head, MTP layer.
+
+Inputs are ``tokens [B, S]`` and optionally ``cu_seqlens`` (int32 over the flattened ``B * S`` stream) for
+packed documents: no attention or indexer score crosses a document and positions restart per document.
+Without ``cu_seqlens`` each row is one document. Internally tokens are flattened to ``[T = B * S, D]``.
+
+Pipeline stages are this same module with pieces removed (``tok_embeddings``, ``norm``, ``output`` or ``mtp``
+set to None and layers deleted from ``layers``); ``forward`` then takes / returns hidden states.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from titan_glm52.kernels.reference import check_cu_seqlens, doc_positions
+from titan_glm52.model.args import GLM52ModelArgs
+from titan_glm52.model.attention import Attention, PackedContext
+from titan_glm52.model.moe import MoE, FeedForward
+from titan_glm52.model.norms import RMSNorm
+from titan_glm52.model.rope import rope_cos_sin
+
+
+class Block(nn.Module):
+    """Pre-norm block: ``h += attn(norm(h))``; ``h += mlp(norm(h))``; threads the IndexShare top-k."""
+
+    def __init__(self, layer_id: int, args: GLM52ModelArgs, has_indexer: bool) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.attention_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.attention = Attention(args, has_indexer)
+        self.ffn_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.moe_enabled = args.is_moe_layer(layer_id)
+        if self.moe_enabled:
+            self.moe = MoE(args)
+        else:
+            self.feed_forward = FeedForward(args.hidden_size, args.intermediate_size)
+
+    def forward(self, h: torch.Tensor, ctx: PackedContext, topk: torch.Tensor | None):
+        a, topk = self.attention(self.attention_norm(h), ctx, topk)
+        h = h + a
+        m = self.ffn_norm(h)
+        h = h + (self.moe(m) if self.moe_enabled else self.feed_forward(m))
+        return h, topk
+
+    def reset_parameters(self, std: float) -> None:
+        self.attention_norm.reset_parameters()
+        self.ffn_norm.reset_parameters()
+        self.attention.reset_parameters(std)
+        (self.moe if self.moe_enabled else self.feed_forward).reset_parameters(std)
+
+
+class MTPLayer(nn.Module):
+    """Depth-1 multi-token prediction (checkpoint layer ``num_hidden_layers``).
+
+    At position i it combines the main model's final-normed hidden ``h_i`` with the embedding of token
+    ``t_{i+1}``: ``x = eh_proj([enorm(emb), hnorm(h)])``, runs its own full block (own indexer, MoE), and
+    returns ``shared_head.norm(x)``; the caller applies the shared output head to predict ``t_{i+2}``.
+    """
+
+    def __init__(self, args: GLM52ModelArgs) -> None:
+        super().__init__()
+        d = args.hidden_size
+        self.enorm = RMSNorm(d, args.rms_norm_eps)
+        self.hnorm = RMSNorm(d, args.rms_norm_eps)
+        self.eh_proj = nn.Linear(2 * d, d, bias=False)
+        self.block = Block(args.num_hidden_layers, args, has_indexer=True)
+        self.norm = RMSNorm(d, args.rms_norm_eps)  # shared_head.norm
+
+    def forward(self, h: torch.Tensor, emb_next: torch.Tensor, ctx: PackedContext) -> torch.Tensor:
+        x = self.eh_proj(torch.cat((self.enorm(emb_next), self.hnorm(h)), dim=-1))
+        x, _ = self.block(x, ctx, None)
+        return self.norm(x)
+
+    def reset_parameters(self, std: float) -> None:
+        for n in (self.enorm, self.hnorm, self.norm):
+            n.reset_parameters()
+        nn.init.normal_(self.eh_proj.weight, std=std)
+        self.block.reset_parameters(std)
+
+
+def next_token_embeddings(emb: torch.Tensor, batch: int) -> torch.Tensor:
+    """``emb [B*S, D]`` shifted left by one token within each row (the last position gets zeros)."""
+    e = emb.view(batch, -1, emb.shape[-1])
+    return torch.cat((e[:, 1:], torch.zeros_like(e[:, :1])), dim=1).reshape(emb.shape)
+
+
+class GLM52Model(nn.Module):
+    def __init__(self, args: GLM52ModelArgs, with_mtp: bool | None = None) -> None:
+        super().__init__()
+        self.args = args
+        sched = args.index_share
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleDict(
+            {str(i): Block(i, args, sched.is_full(i)) for i in range(args.num_hidden_layers)}
+        )
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.output = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        if with_mtp is None:
+            with_mtp = args.num_nextn_predict_layers > 0
+        self.mtp = MTPLayer(args) if with_mtp else None
+
+    # ------------------------------------------------------------------------------------- setup
+    def init_weights(self, buffer_device: torch.device | None = None) -> None:
+        """Random init (normal with ``initializer_range``, norms 1, biases 0); also valid after ``to_empty``."""
+        std = self.args.initializer_range
+        if self.tok_embeddings is not None:
+            nn.init.normal_(self.tok_embeddings.weight, std=std)
+        for block in self.layers.values():
+            block.reset_parameters(std)
+        if self.norm is not None:
+            self.norm.reset_parameters()
+        if self.output is not None:
+            nn.init.normal_(self.output.weight, std=std)
+        if self.mtp is not None:
+            self.mtp.reset_parameters(std)
+
+    def set_dsa_backend(self, backend: str) -> None:
+        for m in self.modules():
+            if isinstance(m, Attention):
+                m.backend = backend
+
+    def set_sparse_attention(self, sparse: bool) -> None:
+        for m in self.modules():
+            if isinstance(m, Attention):
+                m.sparse = sparse
+
+    # ------------------------------------------------------------------------------------- forward
+    def packed_context(self, batch: int, seq: int, cu_seqlens: torch.Tensor | None,
+                       device: torch.device) -> PackedContext:
+        total = batch * seq
+        if cu_seqlens is None:
+            cu_seqlens = torch.arange(0, total + 1, seq, dtype=torch.int32, device=device)
+        else:
+            cu_seqlens = cu_seqlens.to(device=device, dtype=torch.int32)
+            check_cu_seqlens(cu_seqlens, total)
+        cos, sin = rope_cos_sin(doc_positions(cu_seqlens, total), self.args.qk_rope_head_dim, self.args.rope_theta)
+        return PackedContext(cu_seqlens, cos, sin)
+
+    def run_layers(self, h: torch.Tensor, ctx: PackedContext) -> torch.Tensor:
+        topk = None  # every stage starts on a full layer (pipeline splitter), so it begins with no top-k
+        for block in self.layers.values():
+            h, topk = block(h, ctx, topk)
+        return h
+
+    def forward(self, tokens: torch.Tensor, cu_seqlens: torch.Tensor | None = None, *,
+                with_mtp: bool = False):
+        """Main-head logits ``[B, S, vocab]``; with ``with_mtp`` also the MTP head's ``[B, S, vocab]``
+        (position i predicts token i + 2)."""
+        b, s = tokens.shape[:2]
+        ctx = self.packed_context(b, s, cu_seqlens, tokens.device)
+        emb = self.tok_embeddings(tokens).view(b * s, -1)
+        h = self.norm(self.run_layers(emb, ctx))
+        logits = self.output(h).view(b, s, -1)
+        if not with_mtp:
+            return logits
+        if self.mtp is None:
+            raise ValueError("with_mtp=True but the model was built without its MTP layer "
+                             "(num_nextn_predict_layers = 0 or with_mtp=False)")
+        x = self.mtp(h, next_token_embeddings(emb, b), ctx)
+        return logits, self.output(x).view(b, s, -1)
+
+
+def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    """Summed token cross-entropy in fp32 (callers divide by the global count of valid tokens)."""
+    return F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), ignore_index=ignore_index,
+                           reduction="sum")

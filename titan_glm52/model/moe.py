@@ -1,0 +1,158 @@
+"""Dense SwiGLU MLP and the sigmoid-routed MoE (router, grouped experts, shared expert, load statistics).
+
+Routing (published GLM-5.2 / DeepSeek-V3 ``noaux_tc``): fp32 logits, ``s = sigmoid(logits)``; the expert
+choice uses ``s + e_score_correction_bias`` (group-limited when ``n_group > 1``), the combine weights use the
+unbiased ``s`` of the chosen experts, renormalised when ``norm_topk_prob`` and scaled by
+``routed_scaling_factor``. ``tokens_per_expert`` accumulates the routed counts of every forward (not of
+activation-checkpoint recomputes) for the aux-loss-free bias update.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from titan_glm52.model.args import GLM52ModelArgs
+
+logger = logging.getLogger(__name__)
+
+
+class FeedForward(nn.Module):
+    """``w2(silu(w1 x) * w3 x)``: the dense MLP of the first layers and the shared expert."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)  # gate_proj
+        self.w3 = nn.Linear(dim, hidden, bias=False)  # up_proj
+        self.w2 = nn.Linear(hidden, dim, bias=False)  # down_proj
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+    def reset_parameters(self, std: float) -> None:
+        for lin in (self.w1, self.w2, self.w3):
+            nn.init.normal_(lin.weight, std=std)
+
+
+def _grouped_mm_usable(x: torch.Tensor) -> bool:
+    return (hasattr(torch, "_grouped_mm") and x.is_cuda and x.dtype == torch.bfloat16
+            and torch.cuda.get_device_capability(x.device)[0] >= 9)
+
+
+_logged_loop_fallback = False
+
+
+class GroupedExperts(nn.Module):
+    """All routed experts as 3-D weights: w1/w3 ``[E, F, D]`` (gate/up), w2 ``[E, D, F]`` (down).
+
+    ``forward(x, counts)`` takes tokens already sorted by expert (``counts[e]`` rows for expert e) — the
+    interface expert parallelism dispatches into. It runs ``torch._grouped_mm`` on Hopper-class GPUs in bf16
+    and an exact per-expert loop elsewhere (logged once, since the two round differently).
+    """
+
+    def __init__(self, num_experts: int, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.w1 = nn.Parameter(torch.empty(num_experts, hidden, dim))
+        self.w3 = nn.Parameter(torch.empty(num_experts, hidden, dim))
+        self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden))
+        self.use_grouped_mm: bool | None = None  # None = decide per call
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        w1, w2, w3 = self.w1, self.w2, self.w3
+        if hasattr(w1, "to_local"):  # DTensor weights (FSDP/EP): compute on the local shard
+            w1, w2, w3 = w1.to_local(), w2.to_local(), w3.to_local()
+        use_gmm = _grouped_mm_usable(x) if self.use_grouped_mm is None else self.use_grouped_mm
+        if use_gmm:
+            offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
+            h = F.silu(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs))
+            h = h * torch._grouped_mm(x, w3.transpose(-2, -1), offs=offs)
+            return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs)
+        global _logged_loop_fallback
+        if not _logged_loop_fallback and x.is_cuda:
+            logger.warning("MoE experts: torch._grouped_mm is not usable here (%s, %s); using the per-expert loop",
+                           x.dtype, x.device)
+            _logged_loop_fallback = True
+        outs = []
+        for e, chunk in enumerate(torch.split(x, counts.tolist(), dim=0)):
+            h = F.silu(chunk @ w1[e].T) * (chunk @ w3[e].T)
+            outs.append(h @ w2[e].T)
+        return torch.cat(outs) if outs else x.new_zeros(0, w2.shape[1])
+
+    def reset_parameters(self, std: float) -> None:
+        for w in (self.w1, self.w2, self.w3):
+            nn.init.normal_(w, std=std)
+
+
+def _in_backward() -> bool:
+    """True while autograd runs a backward pass (e.g. an activation-checkpoint recompute)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class Router(nn.Module):
+    """fp32 sigmoid router; ``e_score_correction_bias`` steers the choice only."""
+
+    def __init__(self, args: GLM52ModelArgs) -> None:
+        super().__init__()
+        self.num_experts, self.top_k = args.n_routed_experts, args.num_experts_per_tok
+        self.n_group, self.topk_group = args.n_group, args.topk_group
+        self.norm_topk_prob, self.scale = args.norm_topk_prob, args.routed_scaling_factor
+        self.weight = nn.Parameter(torch.empty(self.num_experts, args.hidden_size))
+        self.register_buffer("e_score_correction_bias", torch.zeros(self.num_experts, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor):
+        """Returns (scores ``[N, E]`` fp32, chosen experts ``[N, k]``, combine weights ``[N, k]`` fp32)."""
+        scores = torch.sigmoid(F.linear(x.float(), self.weight.float()))
+        choice = scores + self.e_score_correction_bias.float()
+        if self.n_group > 1:
+            grouped = choice.detach().view(-1, self.n_group, self.num_experts // self.n_group)
+            group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
+            keep = group_scores.topk(self.topk_group, dim=-1).indices
+            mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
+            choice = choice.masked_fill(~mask.repeat_interleave(self.num_experts // self.n_group, dim=1),
+                                        float("-inf"))
+        idx = choice.detach().topk(self.top_k, dim=-1).indices
+        weights = scores.gather(1, idx)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return scores, idx, weights * self.scale
+
+    def reset_parameters(self, std: float) -> None:
+        nn.init.normal_(self.weight, std=std)
+        nn.init.zeros_(self.e_score_correction_bias)
+
+
+class MoE(nn.Module):
+    def __init__(self, args: GLM52ModelArgs) -> None:
+        super().__init__()
+        self.num_experts = args.n_routed_experts
+        self.router = Router(args)
+        self.experts = GroupedExperts(args.n_routed_experts, args.hidden_size, args.moe_intermediate_size)
+        self.shared_experts = FeedForward(args.hidden_size, args.moe_intermediate_size * args.n_shared_experts)
+        self.register_buffer("tokens_per_expert", torch.zeros(args.n_routed_experts, dtype=torch.float32),
+                             persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [N, D]`` -> ``[N, D]``."""
+        n, k = x.shape[0], self.router.top_k
+        scores, idx, weights = self.router(x)
+        flat = idx.reshape(-1)
+        counts = torch.bincount(flat, minlength=self.num_experts)
+        if not _in_backward():
+            with torch.no_grad():
+                self.tokens_per_expert += counts.to(self.tokens_per_expert.dtype)
+        order = torch.argsort(flat, stable=True)
+        token_of = order // k
+        routed = self.experts(x[token_of], counts)
+        routed = (routed.float() * weights.reshape(-1)[order, None]).to(x.dtype)
+        out = torch.zeros_like(x).index_add_(0, token_of, routed)
+        return out + self.shared_experts(x)
+
+    def reset_parameters(self, std: float) -> None:
+        self.router.reset_parameters(std)
+        self.experts.reset_parameters(std)
+        self.shared_experts.reset_parameters(std)
+        self.tokens_per_expert.zero_()
