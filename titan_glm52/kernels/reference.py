@@ -38,6 +38,11 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, total: int) -> None:
         raise ValueError("cu_seqlens must be non-decreasing")
 
 
+def _acc(x: torch.Tensor) -> torch.Tensor:
+    """Accumulation precision: fp32, or fp64 for fp64 inputs (gradchecks)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
 def _chunks(total: int, chunk: int):
     for a in range(0, total, chunk):
         yield a, min(a + chunk, total)
@@ -47,10 +52,10 @@ def _chunks(total: int, chunk: int):
 def _indexer_scores_chunk(q, k, weights, scale, starts, a, b):
     """fp32 ``[b - a, b - lo]`` scores of queries a..b-1 against keys lo..b-1 (masked to -inf), and lo."""
     lo = int(starts[a])
-    kf = k[lo:b].float()
-    acc = torch.zeros(b - a, b - lo, dtype=torch.float32, device=q.device)
+    kf = _acc(k[lo:b])
+    acc = torch.zeros(b - a, b - lo, dtype=kf.dtype, device=q.device)
     for h in range(q.shape[1]):  # one head at a time keeps the chunk O(chunk * T)
-        acc += weights[a:b, h, None].float() * torch.relu(q[a:b, h].float() @ kf.T)
+        acc += _acc(weights[a:b, h, None]) * torch.relu(_acc(q[a:b, h]) @ kf.T)
     acc = acc * scale
     keys = torch.arange(lo, b, device=q.device)
     rows = torch.arange(a, b, device=q.device)
@@ -85,8 +90,8 @@ def indexer_topk(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, cu_seq
 def _sparse_mla_chunk(q, kv, idx, sm_scale: float, d_v: int):
     """fp32 attention of ``q [c, H, D]`` over the rows ``kv[idx]`` (idx ``[c, K]``, -1 = none)."""
     valid = idx >= 0
-    g = kv[idx.clamp(min=0).long()].float()  # [c, K, D]
-    s = torch.einsum("chd,ckd->chk", q.float(), g) * sm_scale
+    g = _acc(kv[idx.clamp(min=0).long()])  # [c, K, D]
+    s = torch.einsum("chd,ckd->chk", _acc(q), g) * sm_scale
     s = s.masked_fill(~valid[:, None, :], float("-inf"))
     m = s.amax(dim=-1, keepdim=True).detach()
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
@@ -105,7 +110,7 @@ def sparse_mla(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scal
 
     q ``[T, H, D_qk]``; kv ``[T, D_qk]``, one latent row per token shared by all heads, values
     ``kv[:, :d_v]``; indices int32 ``[T, K]`` (``-1`` = no key). Returns ``out [T, H, d_v]`` (q's dtype) and
-    ``lse [T, H]`` (fp32, natural log). A row without a valid key gives out 0, lse -inf and zero gradients.
+    ``lse [T, H]`` (fp32, or fp64 for fp64 inputs; natural log). A row without a valid key gives out 0, lse -inf and zero gradients.
     Differentiable in q and kv.
     """
     total = q.shape[0]
@@ -136,14 +141,14 @@ def _sparse_kl_chunk(q, kv, sm_scale, idx, q_i, k_i, w_i, idx_scale):
     valid = idx >= 0
     safe = idx.clamp(min=0).long()
     with torch.no_grad():
-        g = kv[safe].float()
-        s = torch.einsum("chd,ckd->chk", q.float(), g) * sm_scale
+        g = _acc(kv[safe])
+        s = torch.einsum("chd,ckd->chk", _acc(q), g) * sm_scale
         s = s.masked_fill(~valid[:, None, :], float("-inf"))
         p = torch.softmax(s, dim=-1).nan_to_num(0.0).sum(dim=1)  # [c, K], sum over heads
         target = p / p.sum(dim=-1, keepdim=True).clamp_min(1e-10)
-    ki = k_i[safe].float()  # [c, K, D_I]
-    logits = torch.einsum("chd,ckd->chk", q_i.float(), ki).relu()
-    logits = (w_i.float()[:, :, None] * logits).sum(dim=1) * idx_scale
+    ki = _acc(k_i[safe])  # [c, K, D_I]
+    logits = torch.einsum("chd,ckd->chk", _acc(q_i), ki).relu()
+    logits = (_acc(w_i)[:, :, None] * logits).sum(dim=1) * idx_scale
     logits = logits.masked_fill(~valid, float("-inf"))
     kl = _kl_rows(target, logits)
     return torch.where(valid.any(dim=-1), kl, torch.zeros_like(kl))
@@ -153,16 +158,16 @@ def _dense_kl_chunk(q, kv, sm_scale, q_i, k_i, w_i, idx_scale, starts, a):
     b = a + q.shape[0]
     with torch.no_grad():
         lo = int(starts[a])
-        g = kv[lo:b].float()
+        g = _acc(kv[lo:b])
         rows = torch.arange(a, b, device=q.device)
         keys = torch.arange(lo, b, device=q.device)
         visible = (keys[None, :] >= starts[a:b, None]) & (keys[None, :] <= rows[:, None])
-        s = torch.einsum("chd,kd->chk", q.float(), g) * sm_scale
+        s = torch.einsum("chd,kd->chk", _acc(q), g) * sm_scale
         s = s.masked_fill(~visible[:, None, :], float("-inf"))
         p = torch.softmax(s, dim=-1).sum(dim=1)
         target = p / p.sum(dim=-1, keepdim=True).clamp_min(1e-10)
-    logits = torch.einsum("chd,kd->chk", q_i.float(), k_i[lo:b].float()).relu()
-    logits = (w_i.float()[:, :, None] * logits).sum(dim=1) * idx_scale
+    logits = torch.einsum("chd,kd->chk", _acc(q_i), _acc(k_i[lo:b])).relu()
+    logits = (_acc(w_i)[:, :, None] * logits).sum(dim=1) * idx_scale
     logits = logits.masked_fill(~visible, float("-inf"))
     return _kl_rows(target, logits)
 

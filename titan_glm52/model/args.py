@@ -94,8 +94,11 @@ class GLM52ModelArgs:
     index_norm_eps: float = 1e-6
     # Keys of a config.json that no field above covers, kept so that to_hf_config round-trips them.
     extra: dict[str, Any] = field(default_factory=dict)
+    # The keys the source config.json had (None: built in code); to_hf_config writes those (and always an
+    # explicit indexer_types, since codebases derive different defaults from freq/offset).
+    hf_source_keys: tuple[str, ...] | None = None
 
-    _OWN_FIELDS = ("latent_norm_eps", "index_norm_eps", "extra")
+    _OWN_FIELDS = ("latent_norm_eps", "index_norm_eps", "extra", "hf_source_keys")
 
     def __post_init__(self) -> None:
         if self.qk_head_dim is None:
@@ -192,16 +195,21 @@ class GLM52ModelArgs:
         known = {k: v for k, v in cfg.items() if k in names}
         extra = {k: v for k, v in cfg.items() if k not in names}
         known.update(overrides)
-        return cls(**known, extra=extra)
+        return cls(**known, extra=extra, hf_source_keys=tuple(cfg))
 
     def to_hf_config(self) -> dict[str, Any]:
         """The ``config.json`` dict (keys sorted, as the published file)."""
         out = {f.name: copy.deepcopy(getattr(self, f.name)) for f in dataclasses.fields(self)
                if f.name not in self._OWN_FIELDS}
         out.update(copy.deepcopy(self.extra))
-        for key in ("transformers_version", "quantization_config", "bos_token_id"):
-            if out.get(key) is None:
-                out.pop(key, None)
+        out["indexer_types"] = self.index_share.indexer_types()
+        if self.hf_source_keys is not None:
+            keep = set(self.hf_source_keys) | {"indexer_types"}
+            out = {k: v for k, v in out.items() if k in keep}
+        else:
+            for key in ("transformers_version", "quantization_config", "bos_token_id"):
+                if out.get(key) is None:
+                    out.pop(key, None)
         return dict(sorted(out.items()))
 
     def save_hf_config(self, directory: str | os.PathLike) -> None:

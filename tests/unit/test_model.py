@@ -1,0 +1,154 @@
+"""Model pieces: RoPE pairing, routing semantics, IndexShare dataflow, experts, MTP wiring."""
+
+import pytest
+import torch
+
+from titan_glm52 import GLM52Model, get_flavor
+from titan_glm52.model.attention import Attention
+from titan_glm52.model.moe import GroupedExperts, MoE, Router
+from titan_glm52.model.rope import apply_rope, rope_cos_sin
+
+
+def test_interleaved_rope_rotates_adjacent_pairs():
+    x = torch.randn(5, 2, 8)
+    cos, sin = rope_cos_sin(torch.arange(5), 8, 10000.0)
+    y = apply_rope(x, cos, sin, interleave=True)
+    # pair j = dims (2j, 2j+1), angle p * theta^(-2j/8)
+    p, j = 3, 1
+    ang = p * 10000.0 ** (-2 * j / 8)
+    c, s = torch.cos(torch.tensor(ang)), torch.sin(torch.tensor(ang))
+    x0, x1 = x[p, :, 2 * j], x[p, :, 2 * j + 1]
+    torch.testing.assert_close(y[p, :, 2 * j], x0 * c - x1 * s)
+    torch.testing.assert_close(y[p, :, 2 * j + 1], x0 * s + x1 * c)
+    neox = apply_rope(x, cos, sin, interleave=False)
+    assert not torch.allclose(neox, y)
+    # relative property: q(p) . k(p') depends on p - p' only
+    q, k = torch.randn(8), torch.randn(8)
+    qs = apply_rope(q.expand(5, 1, 8), cos, sin)[:, 0]
+    ks = apply_rope(k.expand(5, 1, 8), cos, sin)[:, 0]
+    torch.testing.assert_close(qs[3] @ ks[1], qs[4] @ ks[2], rtol=1e-5, atol=1e-5)
+
+
+def test_indexer_ropes_its_first_dims_only():
+    args = get_flavor("debug")
+    attn = Attention(args, has_indexer=True)
+    attn.reset_parameters(0.1)
+    x, cq = torch.randn(6, args.hidden_size), torch.randn(6, args.q_lora_rank)
+    model = GLM52Model(args)
+    ctx = model.packed_context(1, 6, None, x.device)
+    q, k, _ = attn.indexer.project(x, cq, ctx)
+    raw_q = attn.indexer.wq_b(cq).view(6, args.index_n_heads, args.index_head_dim)
+    r = args.qk_rope_head_dim
+    torch.testing.assert_close(q[..., r:], raw_q[..., r:])
+    torch.testing.assert_close(q[0], raw_q[0])  # position 0: no rotation
+    assert not torch.allclose(q[3, :, :r], raw_q[3, :, :r])
+
+
+def test_router_bias_steers_choice_but_not_weights():
+    args = get_flavor("debug")
+    router = Router(args)
+    router.reset_parameters(0.5)
+    x = torch.randn(10, args.hidden_size)
+    scores, idx, w = router(x)
+    assert torch.allclose(w.sum(-1), torch.full((10,), args.routed_scaling_factor))  # norm_topk_prob then x2.5
+    with torch.no_grad():
+        router.e_score_correction_bias[5] = 100.0
+    scores2, idx2, w2 = router(x)
+    torch.testing.assert_close(scores, scores2)
+    assert (idx2 == 5).any(dim=-1).all()
+    sel = scores.gather(1, idx2)
+    torch.testing.assert_close(w2, sel / sel.sum(-1, keepdim=True) * args.routed_scaling_factor)
+
+
+def test_group_limited_routing_keeps_chosen_groups():
+    args = get_flavor("debug").replace(n_group=4, topk_group=2)
+    router = Router(args)
+    router.reset_parameters(0.5)
+    _, idx, _ = router(torch.randn(32, args.hidden_size))
+    groups = idx // 2
+    assert all(len(set(row.tolist())) <= 2 for row in groups)
+
+
+def test_grouped_experts_loop_equals_dense_math_and_grouped_mm():
+    ex = GroupedExperts(4, 16, 32)
+    ex.reset_parameters(0.2)
+    counts = torch.tensor([3, 0, 5, 8])
+    x = torch.randn(16, 16)
+    ex.use_grouped_mm = False
+    got = ex(x, counts)
+    ref, start = [], 0
+    for e, n in enumerate(counts.tolist()):
+        c = x[start:start + n]
+        ref.append(ex.w2[e] @ (torch.nn.functional.silu(ex.w1[e] @ c.T) * (ex.w3[e] @ c.T)))
+        start += n
+    torch.testing.assert_close(got, torch.cat([r.T for r in ref]))
+    if hasattr(torch, "_grouped_mm"):
+        exb = GroupedExperts(4, 16, 32).to(torch.bfloat16)
+        exb.load_state_dict(ex.state_dict())
+        exb.use_grouped_mm = True
+        xb = x.bfloat16()
+        gmm = exb(xb, counts)
+        exb.use_grouped_mm = False
+        torch.testing.assert_close(gmm.float(), exb(xb, counts).float(), rtol=2e-2, atol=2e-2)
+
+
+def test_moe_counts_tokens_but_not_checkpoint_recomputes():
+    args = get_flavor("debug")
+    moe = MoE(args)
+    moe.reset_parameters(0.1)
+    x = torch.randn(12, args.hidden_size, requires_grad=True)
+    out = torch.utils.checkpoint.checkpoint(moe, x, use_reentrant=False)
+    out.sum().backward()
+    assert moe.tokens_per_expert.sum() == 12 * args.num_experts_per_tok
+
+
+def test_shared_layer_without_full_predecessor_raises():
+    args = get_flavor("debug")
+    model = GLM52Model(args)
+    model.init_weights()
+    del model.layers["0"], model.layers["1"], model.layers["2"]  # a "stage" starting on shared layer 3
+    ctx = model.packed_context(1, 8, None, torch.device("cpu"))
+    with pytest.raises(ValueError, match="shared layer got no top-k"):
+        model.run_layers(torch.randn(8, args.hidden_size), ctx)
+
+
+def test_topk_is_explicit_dataflow_and_recompute_safe():
+    """Full layers emit new indices, shared layers pass theirs on, and a checkpointed rerun selects the same."""
+    args = get_flavor("debug").replace(index_topk=4)
+    torch.manual_seed(0)
+    model = GLM52Model(args)
+    model.init_weights()
+    seen = {}
+    for name, blk in model.layers.items():
+        blk.register_forward_hook(lambda m, a, out, i=int(name): seen.setdefault(i, []).append(out[1].clone()))
+    ctx = model.packed_context(1, 20, None, torch.device("cpu"))
+    h = torch.randn(20, args.hidden_size, requires_grad=True)
+    topk = None
+    with torch.utils.checkpoint.set_checkpoint_early_stop(False):  # recompute whole blocks so hooks fire
+        for blk in model.layers.values():
+            h, topk = torch.utils.checkpoint.checkpoint(blk, h, ctx, topk, use_reentrant=False)
+    h.sum().backward()
+    sched = args.index_share
+    for i in range(args.num_hidden_layers):
+        first, recomputed = seen[i]
+        assert torch.equal(first, recomputed)
+        assert torch.equal(first, seen[sched.source_layer(i)][0])
+    assert not torch.equal(seen[0][0], seen[6][0])
+
+
+def test_mtp_predicts_from_hidden_and_next_embedding():
+    args = get_flavor("debug")
+    torch.manual_seed(0)
+    model = GLM52Model(args)
+    model.init_weights()
+    tokens = torch.randint(0, args.vocab_size, (2, 10))
+    logits, mtp = model(tokens, with_mtp=True)
+    torch.testing.assert_close(logits, model(tokens))
+    changed = tokens.clone()
+    changed[0, 5] = (changed[0, 5] + 1) % args.vocab_size
+    _, mtp2 = model(changed, with_mtp=True)
+    # MTP at position 4 sees embedding of token 5; positions < 4 are unaffected (causal)
+    torch.testing.assert_close(mtp2[0, :4], mtp[0, :4])
+    assert not torch.allclose(mtp2[0, 4], mtp[0, 4])
+    with pytest.raises(ValueError, match="without its MTP layer"):
+        GLM52Model(args, with_mtp=False)(tokens, with_mtp=True)
