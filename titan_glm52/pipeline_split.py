@@ -39,6 +39,7 @@ each stage starting on a shared layer, that layer's source layer, and the valid 
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Sequence
 
@@ -338,8 +339,9 @@ def validate_layout(schedule: IndexShareSchedule, num_stages: int, layers_per_st
     that layer's source layer) and the nearest valid layout.
     """
     given = list(layers_per_stage)
-    if any(not isinstance(n, int) or isinstance(n, bool) for n in given):
+    if any(not isinstance(n, numbers.Integral) or isinstance(n, bool) for n in given):
         raise LayoutError(f"layers per stage must be integers, got {given!r}")
+    given = [int(n) for n in given]
     _check_feasible(schedule, num_stages)
     L = schedule.num_layers
     problems = []
@@ -354,7 +356,7 @@ def validate_layout(schedule: IndexShareSchedule, num_stages: int, layers_per_st
     for k, n in enumerate(given):
         if 0 < start < L and n >= 1 and not schedule.is_full(start):
             problems.append(f"stage {k} starts at layer {start}, a shared layer (source layer "
-                            f"{schedule.source_layer(start)}, whose top-k is not sent across stages)")
+                            f"{schedule.source_layer(start)})")
         start += max(n, 0)
     if not problems:
         return given
@@ -362,7 +364,8 @@ def validate_layout(schedule: IndexShareSchedule, num_stages: int, layers_per_st
     suggestion = nearest_valid_layout(schedule, num_stages, target)
     raise LayoutError(
         f"invalid pipeline layout {_fmt(given)} ({L} layers, {num_stages} stages): " + "; ".join(problems)
-        + f". Every stage must start on a full (indexer) layer; full layers: {_fmt(schedule.full_layers)}."
+        + ". Every stage must start on a full (indexer) layer, since top-k indices are not sent across stages; "
+        + f"full layers: {_fmt(schedule.full_layers)}."
         + f" Nearest valid layout: {_fmt(suggestion)}")
 
 
