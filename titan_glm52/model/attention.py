@@ -22,6 +22,7 @@ from torch import nn
 
 from titan_glm52.kernels import reference
 from titan_glm52.model.args import GLM52ModelArgs
+from titan_glm52.model.aux_loss import AuxLoss
 from titan_glm52.model.norms import RMSNorm
 from titan_glm52.model.rope import apply_rope
 
@@ -56,6 +57,23 @@ class PackedContext:
     cu_seqlens: torch.Tensor  # int32 [N + 1] over the flattened T tokens
     cos: torch.Tensor  # fp32 [T, qk_rope_head_dim // 2]
     sin: torch.Tensor
+    rows: int = 1  # B: the flattened stream is B rows of T / B tokens
+
+
+@torch.no_grad()
+def topk_recall(q: torch.Tensor, kv: torch.Tensor, topk: torch.Tensor, rows: torch.Tensor, starts: torch.Tensor,
+                sm_scale: float) -> torch.Tensor:
+    """Mean over queries of |selected ∩ dense top-k| / |dense top-k|, where the dense top-k are the keys with the
+    largest head-summed attention probability over all visible keys (queries ``rows``, ``q [n, H, D]``)."""
+    recalls = []
+    for i in range(q.shape[0]):
+        lo, hi = int(starts[i]), int(rows[i]) + 1
+        probs = torch.softmax(torch.einsum("hd,kd->hk", q[i].float(), kv[lo:hi].float()) * sm_scale, -1).sum(0)
+        sel = topk[i][topk[i] >= 0].long()
+        k = sel.numel()
+        dense = set((probs.topk(k).indices + lo).tolist())
+        recalls.append(len(dense & set(sel.tolist())) / max(k, 1))
+    return torch.tensor(sum(recalls) / max(len(recalls), 1))
 
 
 class Indexer(nn.Module):
@@ -114,6 +132,11 @@ class Attention(nn.Module):
         self.indexer = Indexer(args) if has_indexer else None
         self.backend = "torch"
         self.sparse = True
+        # Indexer KL loss (DeepSeek-V3.2): None = off; else coefficient / normaliser, set per step by the trainer.
+        self.indexer_loss_scale: float | None = None
+        self.recall_queries = 0  # > 0: measure the top-k recall of the last that many queries of row 0
+        self.last_indexer_kl: torch.Tensor | None = None  # detached sum over rows, for logging
+        self.last_recall: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor, ctx: PackedContext, topk_in: torch.Tensor | None):
         """``x [T, D]`` -> (``out [T, D]``, top-k ``[T, index_topk]`` int32 for the following layers)."""
@@ -134,10 +157,14 @@ class Attention(nn.Module):
         kv = torch.cat((c_kv, k_rope), dim=-1)  # [T, kv_rank + rope]
 
         indexer_topk, sparse_mla = dsa_ops(self.backend)
+        train_indexer = self.indexer is not None and self.indexer_loss_scale is not None and torch.is_grad_enabled()
         if self.indexer is not None:
+            # The indexer sees detached inputs: it learns only from its KL loss, the model only from the LM loss.
+            with torch.set_grad_enabled(train_indexer):
+                q_i, k_i, w_i = self.indexer.project(x.detach(), c_q.detach(), ctx)
             with torch.no_grad():
-                q_i, k_i, w_i = self.indexer.project(x, c_q, ctx)
-                topk = indexer_topk(q_i, k_i, w_i, ctx.cu_seqlens, self.indexer.topk, self.indexer.softmax_scale)
+                topk = indexer_topk(q_i.detach(), k_i.detach(), w_i.detach(), ctx.cu_seqlens, self.indexer.topk,
+                                    self.indexer.softmax_scale)
         elif topk_in is None:
             raise ValueError("an IndexShare-shared layer got no top-k: it needs a full layer before it in the "
                              "same pipeline stage (check indexer_types and the pipeline layout)")
@@ -148,8 +175,20 @@ class Attention(nn.Module):
             o_lat, _ = sparse_mla(q_abs, kv, topk, self.softmax_scale, self.kv_rank)
         else:
             o_lat = reference.dense_causal_attention(q_abs, kv, ctx.cu_seqlens, self.softmax_scale, self.kv_rank)
-        out = torch.einsum("thr,hvr->thv", o_lat, w_uv).reshape(t, self.n_heads * self.v_dim)
-        return self.wo(out), topk
+        out = self.wo(torch.einsum("thr,hvr->thv", o_lat, w_uv).reshape(t, self.n_heads * self.v_dim))
+        if train_indexer:
+            kl = reference.indexer_kl(q_abs.detach(), kv.detach(), self.softmax_scale, q_i, k_i, w_i,
+                                      self.indexer.softmax_scale, ctx.cu_seqlens,
+                                      indices=topk if self.sparse else None).sum()
+            self.last_indexer_kl = kl.detach()
+            out = AuxLoss.apply(out, kl * self.indexer_loss_scale)
+        if self.recall_queries and self.indexer is not None:
+            n = min(self.recall_queries, t // ctx.rows)
+            rows = torch.arange(t // ctx.rows - n, t // ctx.rows, device=x.device)
+            starts = reference.doc_starts(ctx.cu_seqlens, t)[rows]
+            self.last_recall = topk_recall(q_abs[rows].detach(), kv.detach(), topk[rows], rows, starts,
+                                           self.softmax_scale)
+        return out, topk
 
     def reset_parameters(self, std: float) -> None:
         for lin in (self.wq_a, self.wq_b, self.wkv_a, self.wkv_b, self.wo):

@@ -41,7 +41,7 @@ class Block(nn.Module):
         a, topk = self.attention(self.attention_norm(h), ctx, topk)
         h = h + a
         m = self.ffn_norm(h)
-        h = h + (self.moe(m) if self.moe_enabled else self.feed_forward(m))
+        h = h + (self.moe(m, ctx.rows) if self.moe_enabled else self.feed_forward(m))
         return h, topk
 
     def reset_parameters(self, std: float) -> None:
@@ -136,7 +136,7 @@ class GLM52Model(nn.Module):
             cu_seqlens = cu_seqlens.to(device=device, dtype=torch.int32)
             check_cu_seqlens(cu_seqlens, total)
         cos, sin = rope_cos_sin(doc_positions(cu_seqlens, total), self.args.qk_rope_head_dim, self.args.rope_theta)
-        return PackedContext(cu_seqlens, cos, sin)
+        return PackedContext(cu_seqlens, cos, sin, rows=batch)
 
     def run_layers(self, h: torch.Tensor, ctx: PackedContext) -> torch.Tensor:
         topk = None  # every stage starts on a full layer (pipeline splitter), so it begins with no top-k

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from titan_glm52.model.args import GLM52ModelArgs
+from titan_glm52.model.aux_loss import AuxLoss
 
 logger = logging.getLogger(__name__)
 
@@ -134,9 +135,22 @@ class MoE(nn.Module):
         self.shared_experts = FeedForward(args.hidden_size, args.moe_intermediate_size * args.n_shared_experts)
         self.register_buffer("tokens_per_expert", torch.zeros(args.n_routed_experts, dtype=torch.float32),
                              persistent=False)
+        # Sequence-level balance loss (DeepSeek-V3): None = off; else alpha / global number of sequences.
+        self.seq_aux_scale: float | None = None
+        self.last_seq_aux: torch.Tensor | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x [N, D]`` -> ``[N, D]``."""
+    def seq_aux_loss(self, scores: torch.Tensor, idx: torch.Tensor, rows: int) -> torch.Tensor:
+        """``sum over sequences of sum_i f_i * P_i`` with ``f_i = E / (k S) * (tokens of the sequence routed to i)``
+        and ``P_i`` the sequence mean of the normalised sigmoid scores."""
+        e, k = self.num_experts, self.router.top_k
+        seq = scores.shape[0] // rows
+        chosen = torch.zeros_like(scores).scatter_(1, idx, 1.0).view(rows, seq, e)
+        f = chosen.sum(1) * (e / (k * seq))
+        p = (scores / scores.sum(-1, keepdim=True)).view(rows, seq, e).mean(1)
+        return (f.detach() * p).sum()
+
+    def forward(self, x: torch.Tensor, rows: int = 1) -> torch.Tensor:
+        """``x [N, D]`` (``rows`` sequences of N / rows tokens) -> ``[N, D]``."""
         n, k = x.shape[0], self.router.top_k
         scores, idx, weights = self.router(x)
         flat = idx.reshape(-1)
@@ -148,8 +162,12 @@ class MoE(nn.Module):
         token_of = order // k
         routed = self.experts(x[token_of], counts)
         routed = (routed.float() * weights.reshape(-1)[order, None]).to(x.dtype)
-        out = torch.zeros_like(x).index_add_(0, token_of, routed)
-        return out + self.shared_experts(x)
+        out = torch.zeros_like(x).index_add_(0, token_of, routed) + self.shared_experts(x)
+        if self.seq_aux_scale is not None and torch.is_grad_enabled():
+            aux = self.seq_aux_loss(scores, idx, rows)
+            self.last_seq_aux = aux.detach()
+            out = AuxLoss.apply(out, aux * self.seq_aux_scale)
+        return out
 
     def reset_parameters(self, std: float) -> None:
         self.router.reset_parameters(std)

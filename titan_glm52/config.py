@@ -1,0 +1,206 @@
+"""The job config: torchtitan 0.2.2's ``JobConfig`` (TOML + ``--section.key`` CLI) with this project's sections.
+
+``parse_job_config(argv)`` parses (CLI overrides TOML overrides defaults; unknown keys are refused by
+torchtitan's ConfigManager) and then ``validate`` refuses every combination this project cannot run, before any
+work, with a message that names the key and the fix. ``python train.py --help`` lists every option.
+"""
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from torchtitan.config import ConfigManager
+from torchtitan.config import job_config as tt
+
+
+class ConfigError(ValueError):
+    """A job config that cannot work; the message names the key and the fix."""
+
+
+@dataclass
+class Model(tt.Model):
+    name: str = "glm52"
+    """Model family; only "glm52"."""
+
+    flavor: str = "debug"
+    """Built-in model args: "debug" (tiny, CPU), "glm52_proxy" (GLM-5.2 widths, 4 layers, 16 experts),
+    "glm52_744b" (the published config). Ignored when model.hf_config is set."""
+
+    hf_config: str | None = None
+    """A config.json (or a directory holding one, e.g. an HF checkpoint) to build the model from."""
+
+    num_layers: int | None = None
+    """Override num_hidden_layers of the chosen args (the IndexShare schedule is re-derived from freq/offset)."""
+
+    n_routed_experts: int | None = None
+    """Override the number of routed experts of the chosen args."""
+
+    hf_assets_path: str = "embedded"
+    """The tokenizer: an HF tokenizer directory (tokenizer.json), or "embedded" for the one shipped with the
+    package (it matches the debug flavor's 2048-token vocabulary)."""
+
+
+@dataclass
+class Training(tt.Training):
+    dataset: str = "embedded"
+    """"embedded" (real English text shipped with the package, needs no network) or a local path
+    (a file, directory or glob of .txt / .jsonl / .parquet files, or a saved HF dataset directory)."""
+
+    seq_len: int = 256
+    """Tokens per sample; documents are packed with cu_seqlens so attention never crosses them."""
+
+    local_batch_size: int = 4
+    """Samples per data-parallel rank per micro-batch."""
+
+
+@dataclass
+class Data:
+    text_field: str = "text"
+    """Column / JSON field holding the text for .jsonl, .parquet and saved HF datasets."""
+
+    seed: int = 0
+    """Shuffling seed of the document order (deterministic; saved with the checkpoint position)."""
+
+
+@dataclass
+class DSA:
+    backend: Literal["auto", "torch", "triton"] = "auto"
+    """Attention kernels: "torch" (reference, any device), "triton" (CUDA), "auto" = triton on CUDA else torch."""
+
+    mode: Literal["sparse", "dense_warmup"] = "sparse"
+    """"sparse": top-k attention (DeepSeek-V3.2 sparse stage). "dense_warmup": dense causal attention, everything
+    but the indexers frozen, indexers trained by the KL loss over all visible keys (DeepSeek-V3.2 stage 1)."""
+
+    indexer_loss_coeff: float = 0.0
+    """Weight of the indexer KL loss (0 = off in sparse mode). In sparse mode the KL is over the selected keys and
+    the indexer's input is detached, so the indexer learns only from this loss."""
+
+    freeze_indexer: bool = False
+    """Keep the indexer weights fixed (no gradient, not in the optimizer)."""
+
+    index_topk: int | None = None
+    """Override index_topk of the model args."""
+
+    recall_queries: int = 64
+    """Queries per step (from the first sequence, one full layer) for the logged top-k recall against dense
+    attention; 0 disables the metric."""
+
+
+@dataclass
+class MoE:
+    bias_update_rate: float = 1e-3
+    """Aux-loss-free balancing: after each step e_score_correction_bias += rate * sign(mean_load - load) from the
+    global token counts (0 disables)."""
+
+    seq_aux_loss_coeff: float = 0.0
+    """DeepSeek-V3 sequence-level balance loss alpha * sum_i f_i * P_i per sequence (0 = off)."""
+
+    grouped_mm: Literal["auto", "on", "off"] = "auto"
+    """Expert GEMMs: torch._grouped_mm ("on"; bf16 on Hopper), the per-expert loop ("off"), or "auto"."""
+
+
+@dataclass
+class MTP:
+    enable: bool = True
+    """Train the multi-token-prediction layer (predicts token i+2 from position i)."""
+
+    loss_weight: float = 0.3
+    """Weight of the MTP cross-entropy in the total loss."""
+
+
+@dataclass
+class Faults:
+    max_consecutive_nonfinite: int = 3
+    """Stop the run after this many consecutive steps with a non-finite loss or gradient (each is skipped)."""
+
+    inject_nan_at_steps: list[int] = field(default_factory=list)
+    """Testing aid: make the loss NaN at these steps (the step is skipped and counted like a real fault)."""
+
+
+@dataclass
+class JobConfig(tt.JobConfig):
+    model: Model = field(default_factory=Model)
+    training: Training = field(default_factory=Training)
+    data: Data = field(default_factory=Data)
+    dsa: DSA = field(default_factory=DSA)
+    moe: MoE = field(default_factory=MoE)
+    mtp: MTP = field(default_factory=MTP)
+    faults: Faults = field(default_factory=Faults)
+
+
+def _refuse(key: str, why: str) -> None:
+    raise ConfigError(f"{key}: {why}")
+
+
+def validate(cfg: JobConfig, world_size: int | None = None) -> None:
+    """Refuses combinations this project cannot run; the message names the key and the fix."""
+    p = cfg.parallelism
+    if cfg.model.name != "glm52":
+        _refuse("model.name", f"{cfg.model.name!r} is not supported; titan_glm52 trains 'glm52'")
+    if p.tensor_parallel_degree != 1:
+        _refuse("parallelism.tensor_parallel_degree", "tensor parallelism is not implemented; use data/expert/"
+                "pipeline parallelism (set it to 1)")
+    if p.context_parallel_degree != 1:
+        _refuse("parallelism.context_parallel_degree", "context parallelism is not implemented; set it to 1")
+    if p.expert_tensor_parallel_degree != 1:
+        _refuse("parallelism.expert_tensor_parallel_degree", "expert tensor parallelism is not implemented; set 1")
+    if p.expert_parallel_comm_backend != "standard":
+        _refuse("parallelism.expert_parallel_comm_backend", "only 'standard' (all-to-all) is implemented")
+    if cfg.training.seq_len < 2:
+        _refuse("training.seq_len", "must be >= 2")
+    if cfg.training.local_batch_size < 1:
+        _refuse("training.local_batch_size", "must be >= 1")
+    if cfg.training.steps < 1:
+        _refuse("training.steps", "must be >= 1")
+    if cfg.training.dataset_path is not None:
+        _refuse("training.dataset_path", "put the path in training.dataset (\"embedded\" or a local path)")
+    if cfg.training.enable_cpu_offload:
+        _refuse("training.enable_cpu_offload", "CPU offload is not implemented; set it to false")
+    if cfg.mtp.loss_weight < 0 or cfg.dsa.indexer_loss_coeff < 0 or cfg.moe.seq_aux_loss_coeff < 0:
+        _refuse("mtp.loss_weight / dsa.indexer_loss_coeff / moe.seq_aux_loss_coeff", "must be >= 0")
+    if cfg.dsa.mode == "dense_warmup":
+        if cfg.dsa.freeze_indexer:
+            _refuse("dsa.freeze_indexer", "the dense warm-up trains only the indexers; unfreeze them or use "
+                    "dsa.mode = 'sparse'")
+        if cfg.dsa.indexer_loss_coeff <= 0:
+            _refuse("dsa.indexer_loss_coeff", "dsa.mode = 'dense_warmup' trains the indexers by the KL loss alone; "
+                    "set a coefficient > 0 (e.g. 1.0)")
+    if cfg.dsa.freeze_indexer and cfg.dsa.indexer_loss_coeff > 0:
+        _refuse("dsa.freeze_indexer", "a frozen indexer cannot learn from dsa.indexer_loss_coeff > 0; set one of "
+                "them off")
+    if cfg.faults.max_consecutive_nonfinite < 1:
+        _refuse("faults.max_consecutive_nonfinite", "must be >= 1")
+    if cfg.checkpoint.enable and cfg.checkpoint.keep_latest_k == 1:
+        _refuse("checkpoint.keep_latest_k", "1 could delete the only good checkpoint while a new one is written; "
+                "use 0 (keep all) or >= 2")
+    if cfg.checkpoint.async_mode != "disabled":
+        _refuse("checkpoint.async_mode", "asynchronous checkpointing is not supported; use 'disabled'")
+    if cfg.activation_checkpoint.mode not in ("none", "full", "selective"):
+        _refuse("activation_checkpoint.mode", f"{cfg.activation_checkpoint.mode!r}: choose none, full or selective")
+    if cfg.compile.enable and cfg.compile.backend not in ("inductor", "aot_eager", "eager"):
+        _refuse("compile.backend", "choose inductor, aot_eager or eager")
+    if cfg.training.global_batch_size > 0 and world_size is not None:
+        dp = world_size // max(p.pipeline_parallel_degree, 1)
+        per_step = cfg.training.local_batch_size * dp
+        if cfg.training.global_batch_size % per_step:
+            _refuse("training.global_batch_size", f"{cfg.training.global_batch_size} is not a multiple of "
+                    f"local_batch_size x data-parallel degree = {per_step}; gradient accumulation needs a whole "
+                    "number of micro-batches")
+    if p.pipeline_parallel_degree > 1 and cfg.training.local_batch_size % p.pipeline_parallel_microbatch_size:
+        _refuse("parallelism.pipeline_parallel_microbatch_size", "must divide training.local_batch_size")
+
+
+class _ConfigManager(ConfigManager):
+    def _validate_config(self) -> None:
+        """torchtitan's checks concern its own tokenizer assets; ours are in ``validate``."""
+        if self.config.model.tokenizer_path:
+            _refuse("model.tokenizer_path", "use model.hf_assets_path (a tokenizer directory or 'embedded')")
+
+
+def parse_job_config(argv: list[str]) -> JobConfig:
+    """Parses TOML + CLI into a JobConfig (refusing unknown keys) and validates what needs no process group."""
+    try:
+        cfg = _ConfigManager(JobConfig).parse_args(list(argv))
+    except ValueError as e:  # torchtitan's message names the unknown key; make it our error type
+        raise ConfigError(str(e)) from e
+    validate(cfg)
+    return cfg
