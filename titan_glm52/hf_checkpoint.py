@@ -106,9 +106,15 @@ def load_hf_model(hf_dir: str, dtype: torch.dtype = torch.float32, device: str |
 
 def hf_state_dict(model: GLM52Model, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """The model's weights under published HF names (per-expert tensors, fp32 routing bias)."""
-    state = {k: v for k, v in model.state_dict().items() if "tokens_per_expert" not in k}
+    return to_hf_tensors(model.state_dict(), model.args, dtype)
+
+
+def to_hf_tensors(state: dict[str, torch.Tensor], args: GLM52ModelArgs,
+                  dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """Our (full, unsharded or DTensor) state dict -> contiguous CPU tensors under published HF names."""
+    state = {k: v for k, v in state.items() if "tokens_per_expert" not in k}
     out = {}
-    for hf_key, t in to_hf(state, model.args):
+    for hf_key, t in to_hf(state, args):
         t = _full(t).detach()
         if FP32_KEYS.match(hf_key):
             t = t.float()
@@ -121,13 +127,18 @@ def hf_state_dict(model: GLM52Model, dtype: torch.dtype | None = None) -> dict[s
 def save_hf_model(model: GLM52Model, out_dir: str, dtype: torch.dtype = torch.bfloat16,
                   max_shard_bytes: int = 5 * 1024 ** 3) -> None:
     """Writes ``config.json`` and safetensors (sharded with an index when over ``max_shard_bytes``)."""
-    os.makedirs(out_dir, exist_ok=True)
     args = model.args
     if model.mtp is None and args.num_nextn_predict_layers:
         args = args.replace(num_nextn_predict_layers=0)
-    args = args.replace(dtype=str(dtype).removeprefix("torch."))
-    args.save_hf_config(out_dir)
-    tensors = hf_state_dict(model, dtype)
+    save_hf_state(model.state_dict(), args, out_dir, dtype, max_shard_bytes)
+
+
+def save_hf_state(state: dict[str, torch.Tensor], args: GLM52ModelArgs, out_dir: str,
+                  dtype: torch.dtype = torch.bfloat16, max_shard_bytes: int = 5 * 1024 ** 3) -> None:
+    """``save_hf_model`` for a state dict under our names (e.g. gathered from a sharded model)."""
+    os.makedirs(out_dir, exist_ok=True)
+    args.replace(dtype=str(dtype).removeprefix("torch.")).save_hf_config(out_dir)
+    tensors = to_hf_tensors(state, args, dtype)
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for key in sorted(tensors):

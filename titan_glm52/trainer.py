@@ -1,0 +1,429 @@
+"""The training loop: config -> model -> parallelize -> data -> forward/backward -> optimizer -> checkpoints.
+
+Device-agnostic: CUDA + NCCL on GPUs (bf16 mixed precision: fp32 master weights, bf16 compute, fp32 gradient
+reduction), CPU + gloo elsewhere (fp32), same code. Losses are normalised by the global number of valid tokens
+(architecture rule 6): every rank divides its summed token losses by the count over all data-parallel ranks and
+all micro-batches of the step, and gradients are summed across ranks.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+from torchtitan.components import checkpoint as tt_checkpoint
+from torchtitan.components.lr_scheduler import build_lr_schedulers
+from torchtitan.components.optimizer import OptimizersContainer
+from torchtitan.tools.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling
+
+from titan_glm52 import distributed as tdist
+from titan_glm52.config import ConfigError, JobConfig, validate
+from titan_glm52.data import IGNORE_INDEX, build_dataloader, build_tokenizer
+from titan_glm52.hf_checkpoint import hf_weight_files, load_hf_state, save_hf_state
+from titan_glm52.metrics import (MetricsLogger, doc_lengths_of, format_line, memory_stats, peak_flops,
+                                 reset_peak_memory, step_flops)
+from titan_glm52.model.args import GLM52ModelArgs, get_flavor
+from titan_glm52.model.attention import Attention
+from titan_glm52.model.model import GLM52Model, cross_entropy_sum
+from titan_glm52.model.moe import MoE
+from titan_glm52.parallelize import clip_grad_norm_, parallelize_model
+
+logger = logging.getLogger("titan_glm52")
+
+
+# --------------------------------------------------------------------------------------------- pieces
+def build_model_args(cfg: JobConfig) -> GLM52ModelArgs:
+    args = GLM52ModelArgs.from_hf_config(cfg.model.hf_config) if cfg.model.hf_config else get_flavor(cfg.model.flavor)
+    changes = {}
+    if cfg.model.num_layers is not None:
+        changes["num_hidden_layers"] = cfg.model.num_layers
+        changes["first_k_dense_replace"] = min(args.first_k_dense_replace, cfg.model.num_layers)
+    if cfg.model.n_routed_experts is not None:
+        changes["n_routed_experts"] = cfg.model.n_routed_experts
+    if cfg.dsa.index_topk is not None:
+        changes["index_topk"] = cfg.dsa.index_topk
+    try:
+        return args.replace(**changes) if changes else args
+    except ValueError as e:
+        raise ConfigError(f"model overrides ({', '.join(changes)}): {e}") from e
+
+
+def mtp_labels(labels: torch.Tensor) -> torch.Tensor:
+    """Labels of the MTP head: position i predicts token i + 2, valid when i -> i+1 -> i+2 stay in one document."""
+    nxt = torch.cat((labels[:, 1:], torch.full_like(labels[:, :1], IGNORE_INDEX)), dim=1)
+    return torch.where(labels == IGNORE_INDEX, torch.full_like(nxt, IGNORE_INDEX), nxt)
+
+
+def moe_modules(model: torch.nn.Module) -> list[tuple[str, MoE]]:
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, MoE)]
+
+
+def attention_modules(model: torch.nn.Module) -> list[tuple[str, Attention]]:
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, Attention)]
+
+
+@dataclass
+class TrainState:
+    """Step counters saved with every checkpoint (torch.distributed.checkpoint Stateful)."""
+
+    step: int = 0
+    tokens_seen: int = 0
+    skipped_steps: int = 0
+    consecutive_skips: int = 0
+    extra: dict = field(default_factory=dict)
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "tokens_seen": self.tokens_seen, "skipped_steps": self.skipped_steps,
+                "consecutive_skips": self.consecutive_skips}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.step = int(sd["step"])
+        self.tokens_seen = int(sd["tokens_seen"])
+        self.skipped_steps = int(sd["skipped_steps"])
+        self.consecutive_skips = int(sd["consecutive_skips"])
+
+
+class CheckpointManager(tt_checkpoint.CheckpointManager):
+    """torchtitan's DCP manager, plus ``save_now`` (a full checkpoint outside the interval, e.g. on SIGTERM)."""
+
+    _force = False
+
+    def _should_save(self, curr_step: int, last_step: bool = False) -> bool:
+        return (self.enable and not self.load_only and self._force) or super()._should_save(curr_step, last_step)
+
+    def save_now(self, step: int) -> None:
+        self._force = True
+        try:
+            self.save(step)
+        finally:
+            self._force = False
+
+
+# --------------------------------------------------------------------------------------------- trainer
+class Trainer:
+    def __init__(self, cfg: JobConfig) -> None:
+        self.cfg = cfg
+        self.env = tdist.init_distributed()
+        self.device = self.env.device
+        validate(cfg, self.env.world_size)
+        p = cfg.parallelism
+        torch.manual_seed(cfg.debug.seed if cfg.debug.seed is not None else 0)
+        self.args = build_model_args(cfg)
+        if p.pipeline_parallel_degree > 1:
+            raise ConfigError("parallelism.pipeline_parallel_degree: pipeline parallelism is not wired into the "
+                              "trainer yet; set it to 1")
+        try:
+            self.mesh = tdist.build_mesh(
+                self.env.world_size, dp_replicate=p.data_parallel_replicate_degree,
+                dp_shard=p.data_parallel_shard_degree, ep=p.expert_parallel_degree,
+                pp=p.pipeline_parallel_degree, device_type=self.device.type,
+                n_routed_experts=self.args.n_routed_experts)
+        except ValueError as e:
+            raise ConfigError(str(e)) from e
+        dp_mesh = self.mesh["dp"]
+        self.dp_rank, self.dp_world = dp_mesh.get_local_rank(), dp_mesh.size()
+        self.dp_group = dp_mesh.get_group()
+
+        # Model.
+        self.tokenizer = build_tokenizer(cfg.model.hf_assets_path)
+        if self.tokenizer.vocab_size > self.args.vocab_size:
+            raise ConfigError(f"model.hf_assets_path: the tokenizer has {self.tokenizer.vocab_size} tokens but the "
+                              f"model's vocab_size is {self.args.vocab_size}; use a matching tokenizer/flavor")
+        self.with_mtp = cfg.mtp.enable and self.args.num_nextn_predict_layers > 0
+        if cfg.mtp.enable and not self.with_mtp:
+            logger.warning("mtp.enable is set but the model args have num_nextn_predict_layers = 0: no MTP loss")
+        with torch.device("meta"):
+            model = GLM52Model(self.args, with_mtp=self.with_mtp)
+        backend = cfg.dsa.backend
+        if backend == "auto":
+            backend = "triton" if self.device.type == "cuda" else "torch"
+        model.set_dsa_backend(backend)
+        model.set_sparse_attention(cfg.dsa.mode == "sparse")
+        grouped = {"auto": None, "on": True, "off": False}[cfg.moe.grouped_mm]
+        for _, moe in moe_modules(model):
+            moe.experts.use_grouped_mm = grouped
+        self._freeze(model)
+        on_gpu = self.device.type == "cuda"
+        self.model = parallelize_model(
+            model, self.mesh,
+            param_dtype=torch.bfloat16 if on_gpu and cfg.training.mixed_precision_param == "bfloat16" else torch.float32,
+            reduce_dtype=torch.float32,
+            reshard_after_forward=p.fsdp_reshard_after_forward,
+            ac_mode=cfg.activation_checkpoint.mode,
+            compile=cfg.compile.enable, compile_backend=cfg.compile.backend,
+            ep_enabled=p.expert_parallel_degree > 1,
+        )
+        self.model.to_empty(device=self.device)
+        with torch.no_grad():
+            self.model.init_weights()
+        self.model.train()
+
+        # Data.
+        self.dataloader = build_dataloader(
+            self.tokenizer, cfg.training.dataset, cfg.training.seq_len, cfg.training.local_batch_size,
+            dp_rank=self.dp_rank, dp_world=self.dp_world, seed=cfg.data.seed, text_field=cfg.data.text_field)
+        per_step = cfg.training.local_batch_size * self.dp_world
+        self.accum = max(cfg.training.global_batch_size // per_step, 1) if cfg.training.global_batch_size > 0 else 1
+
+        # Optimizer, LR schedule, checkpoints.
+        o = cfg.optimizer
+        if o.name not in ("AdamW", "Adam"):
+            raise ConfigError(f"optimizer.name: {o.name!r}; choose AdamW or Adam")
+        opt_cls = torch.optim.AdamW if o.name == "AdamW" else torch.optim.Adam
+        impl = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for-loop": {"foreach": False}}[o.implementation]
+        self.optimizers = OptimizersContainer([self.model], opt_cls, dict(
+            lr=o.lr, betas=(0.9, 0.95), eps=o.eps, weight_decay=o.weight_decay, **impl))
+        self.lr_schedulers = build_lr_schedulers(self.optimizers, cfg.lr_scheduler, cfg.training.steps)
+        self.state = TrainState()
+        ckpt_cfg = _copy_dataclass(cfg.checkpoint, initial_load_path=None, initial_load_in_hf=False,
+                                   last_save_in_hf=False)
+        self.checkpointer = CheckpointManager(
+            dataloader=self.dataloader, model_parts=[self.model], optimizers=self.optimizers,
+            lr_schedulers=self.lr_schedulers, states={"train_state": self.state}, checkpoint_config=ckpt_cfg,
+            sd_adapter=None, base_folder=cfg.job.dump_folder)
+        resumed = self.checkpointer.load(step=cfg.checkpoint.load_step)
+        if not resumed and cfg.checkpoint.initial_load_path:
+            self._initial_load(cfg.checkpoint.initial_load_path, cfg.checkpoint.initial_load_in_hf)
+
+        # Metrics.
+        self.metrics = MetricsLogger(os.path.join(cfg.job.dump_folder, cfg.metrics.save_tb_folder)
+                                     if cfg.metrics.enable_tensorboard else None, enabled=self.env.rank == 0)
+        self.peak = peak_flops(self.device)
+        self._stop = False
+        signal.signal(signal.SIGTERM, self._on_sigterm)
+        logger.info("model %s: %s params (%s active/token), layers %d (IndexShare %s), MTP %s, DSA %s/%s, "
+                    "world %d (dp %d), accum %d", cfg.model.hf_config or cfg.model.flavor,
+                    f"{self.args.num_params(self.with_mtp):,}", f"{self.args.num_active_params():,}",
+                    self.args.num_hidden_layers, self.args.index_share.pattern, self.with_mtp, backend,
+                    cfg.dsa.mode, self.env.world_size, self.dp_world, self.accum)
+
+    # ----------------------------------------------------------------------------------------- setup helpers
+    def _freeze(self, model: GLM52Model) -> None:
+        """dsa.freeze_indexer freezes the indexers; the dense warm-up freezes everything else."""
+        for name, param in model.named_parameters():
+            is_indexer = ".indexer." in name
+            if self.cfg.dsa.mode == "dense_warmup":
+                param.requires_grad_(is_indexer)
+            elif self.cfg.dsa.freeze_indexer and is_indexer:
+                param.requires_grad_(False)
+
+    def _initial_load(self, path: str, in_hf: bool) -> None:
+        if not in_hf:
+            raise ConfigError("checkpoint.initial_load_path without checkpoint.initial_load_in_hf: put a DCP "
+                              "checkpoint in checkpoint.folder to resume from it, or set initial_load_in_hf")
+        keys = hf_weight_files(path)
+        logger.info("initial load of %d HF tensors from %s", len(keys), path)
+        full = None
+        if self.env.rank == 0:  # names and shapes are checked against this job's model args
+            cpu_model = GLM52Model(self.args, with_mtp=self.with_mtp)
+            load_hf_state(cpu_model, path)
+            full = {k: v for k, v in cpu_model.state_dict().items() if "tokens_per_expert" not in k}
+        set_model_state_dict(self.model, full or {}, options=StateDictOptions(
+            full_state_dict=True, broadcast_from_rank0=True, strict=False))
+
+    def _on_sigterm(self, signum, frame) -> None:
+        logger.warning("SIGTERM: saving a checkpoint after this step, then stopping")
+        self._stop = True
+
+    # ----------------------------------------------------------------------------------------- one step
+    def _set_aux_scales(self, global_tokens: float, global_rows: float) -> None:
+        coeff = self.cfg.dsa.indexer_loss_coeff
+        for _, attn in attention_modules(self.model):
+            attn.indexer_loss_scale = coeff / global_tokens if coeff > 0 and attn.indexer is not None else None
+        alpha = self.cfg.moe.seq_aux_loss_coeff
+        for _, moe in moe_modules(self.model):
+            moe.seq_aux_scale = alpha / global_rows if alpha > 0 else None
+
+    def train_step(self, batches: list[dict]) -> dict[str, float]:
+        cfg, dev = self.cfg, self.device
+        counts = torch.zeros(3, dtype=torch.float64, device=dev)  # valid tokens, valid MTP tokens, rows
+        for b in batches:
+            counts[0] += (b["labels"] != IGNORE_INDEX).sum()
+            counts[1] += (mtp_labels(b["labels"]) != IGNORE_INDEX).sum()
+            counts[2] += b["labels"].shape[0]
+        dist.all_reduce(counts, group=self.dp_group)
+        n_tok, n_mtp, n_rows = (max(float(c), 1.0) for c in counts)
+        self._set_aux_scales(n_tok, n_rows)
+        parts = torch.zeros(5, dtype=torch.float64, device=dev)  # ce, mtp, indexer kl, moe aux, total
+        for i, b in enumerate(batches):
+            tokens, labels = b["input_ids"].to(dev), b["labels"].to(dev)
+            out = self.model(tokens, b["cu_seqlens"].to(dev), with_mtp=self.with_mtp)
+            logits, mtp_logits = out if self.with_mtp else (out, None)
+            ce = cross_entropy_sum(logits, labels) / n_tok
+            loss = ce
+            parts[0] += ce.detach()
+            if mtp_logits is not None:
+                mtp = cross_entropy_sum(mtp_logits, mtp_labels(labels)) / n_mtp * cfg.mtp.loss_weight
+                loss = loss + mtp
+                parts[1] += mtp.detach()
+            if self.state.step + 1 in cfg.faults.inject_nan_at_steps and i == 0:
+                loss = loss * float("nan")
+            loss.backward()
+            parts[4] += loss.detach()
+            parts[2] += sum((a.last_indexer_kl * a.indexer_loss_scale for _, a in attention_modules(self.model)
+                             if a.indexer_loss_scale is not None and a.last_indexer_kl is not None),
+                            torch.zeros((), device=dev))
+            parts[3] += sum((m.last_seq_aux * m.seq_aux_scale for _, m in moe_modules(self.model)
+                             if m.seq_aux_scale is not None and m.last_seq_aux is not None),
+                            torch.zeros((), device=dev))
+        dist.all_reduce(parts, group=self.dp_group)
+        parts[4] += parts[2] + parts[3]
+        return {"ce": float(parts[0]), "mtp": float(parts[1]), "indexer_kl": float(parts[2]),
+                "moe_aux": float(parts[3]), "total": float(parts[4]), "tokens": n_tok, "rows": n_rows}
+
+    @torch.no_grad()
+    def _moe_balance(self, apply_update: bool) -> dict[str, float]:
+        """All-reduces the per-expert token counts, logs max/mean load, and (unless skipped) steps the bias."""
+        out = {}
+        rate = self.cfg.moe.bias_update_rate
+        for name, moe in moe_modules(self.model):
+            load = moe.tokens_per_expert.clone()
+            dist.all_reduce(load, group=self.dp_group)
+            mean = load.mean()
+            out[f"moe/imbalance/{name.removesuffix('.moe')}"] = float(load.max() / mean.clamp_min(1e-9))
+            if apply_update and rate > 0:
+                bias = moe.router.e_score_correction_bias
+                bias += rate * torch.sign(mean - load).to(bias.dtype)
+            moe.tokens_per_expert.zero_()
+        return out
+
+    def train(self) -> None:
+        cfg = self.cfg
+        total = cfg.training.steps
+        t_start = time.perf_counter()
+        start_step = self.state.step
+        prof = maybe_enable_profiling(cfg.profiling, global_step=self.state.step, base_folder=cfg.job.dump_folder)
+        snap = maybe_enable_memory_snapshot(cfg.profiling, global_step=self.state.step,
+                                            base_folder=cfg.job.dump_folder)
+        with prof as torch_profiler, snap as memory_profiler:
+            while self.state.step < total and not self._stop:
+                t0 = time.perf_counter()
+                reset_peak_memory(self.device)
+                batches = [next(self.dataloader) for _ in range(self.accum)]
+                t_data = time.perf_counter()
+                self._probe_recall(on=self.state.step + 1 == 1 or (self.state.step + 1) % cfg.metrics.log_freq == 0)
+                losses = self.train_step(batches)
+                t_fb = time.perf_counter()
+                grad_norm = clip_grad_norm_([p for p in self.model.parameters() if p.requires_grad],
+                                            cfg.training.max_norm)
+                finite = math.isfinite(losses["total"]) and math.isfinite(float(grad_norm))
+                self.state.step += 1
+                self.state.tokens_seen += int(losses["tokens"])
+                moe_stats = self._moe_balance(apply_update=finite)
+                if finite:
+                    self.optimizers.step()
+                    self.lr_schedulers.step()
+                    self.state.consecutive_skips = 0
+                else:
+                    self.state.skipped_steps += 1
+                    self.state.consecutive_skips += 1
+                    logger.warning("step %d: non-finite loss (%s) or grad norm (%s): step skipped (%d in a row, %d "
+                                   "total)", self.state.step, losses["total"], float(grad_norm),
+                                   self.state.consecutive_skips, self.state.skipped_steps)
+                self.optimizers.zero_grad()
+                t_opt = time.perf_counter()
+                if self.state.consecutive_skips >= cfg.faults.max_consecutive_nonfinite:
+                    raise RuntimeError(
+                        f"stopping: {self.state.consecutive_skips} consecutive steps with a non-finite loss or "
+                        f"gradient (faults.max_consecutive_nonfinite = {cfg.faults.max_consecutive_nonfinite}); "
+                        "the last checkpoint was written before the fault and is intact")
+                if finite:
+                    self.checkpointer.save(self.state.step, last_step=self.state.step == total)
+                if self._stop:
+                    self.checkpointer.save_now(self.state.step)
+                if torch_profiler is not None:
+                    torch_profiler.step()
+                if memory_profiler is not None:
+                    memory_profiler.step()
+                if self.state.step == 1 or self.state.step % cfg.metrics.log_freq == 0 or self.state.step == total:
+                    self._log(losses, float(grad_norm), moe_stats, batches, t0, t_data, t_fb, t_opt,
+                              (time.perf_counter() - t_start) / (self.state.step - start_step))
+        if cfg.checkpoint.last_save_in_hf and self.state.step == total:
+            self.export_hf(os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder, f"step-{self.state.step}-hf"),
+                           getattr(torch, cfg.checkpoint.export_dtype))
+        self.metrics.close()
+        self.checkpointer.close()
+
+    def _probe_recall(self, on: bool) -> None:
+        n = self.cfg.dsa.recall_queries if on and self.cfg.dsa.mode == "sparse" else 0
+        first = True
+        for _, attn in attention_modules(self.model):
+            attn.recall_queries = n if (first and attn.indexer is not None) else 0
+            attn.last_recall = None
+            first = first and attn.indexer is None
+
+    def _log(self, losses, grad_norm, moe_stats, batches, t0, t_data, t_fb, t_opt, avg_step_s) -> None:
+        step_s = t_opt - t0
+        doc_lengths = torch.cat([doc_lengths_of(b["cu_seqlens"]) for b in batches])
+        flops = step_flops(self.args, doc_lengths, self.with_mtp, sparse=self.cfg.dsa.mode == "sparse")
+        tokens_local = sum(b["input_ids"].numel() for b in batches)
+        s = {"loss/total": losses["total"], "loss/ce": losses["ce"], "lr": self.lr_schedulers.schedulers[0].get_last_lr()[0],
+             "grad_norm": grad_norm, "throughput/tokens_per_s_per_device": tokens_local / step_s,
+             "time/step_s": step_s, "time/data_s": t_data - t0, "time/forward_backward_s": t_fb - t_data,
+             "time/optimizer_s": t_opt - t_fb, "faults/skipped_steps": self.state.skipped_steps}
+        if self.with_mtp:
+            s["loss/mtp"] = losses["mtp"]
+        if self.cfg.dsa.indexer_loss_coeff > 0:
+            s["loss/indexer_kl"] = losses["indexer_kl"]
+        if self.cfg.moe.seq_aux_loss_coeff > 0:
+            s["loss/moe_aux"] = losses["moe_aux"]
+        if self.peak:
+            s["throughput/mfu_pct"] = 100.0 * flops / step_s / self.peak
+        s["throughput/tflops_per_device"] = flops / step_s / 1e12
+        recall = [a.last_recall for _, a in attention_modules(self.model) if a.last_recall is not None]
+        if recall:
+            s["dsa/topk_recall"] = float(recall[0])
+        s.update(moe_stats)
+        s.update(memory_stats(self.device))
+        eta = avg_step_s * (self.cfg.training.steps - self.state.step)
+        self.metrics.log(self.state.step, s, format_line(self.state.step, self.cfg.training.steps, s, eta))
+
+    def export_hf(self, out_dir: str, dtype: torch.dtype) -> None:
+        """Writes the model as an HF safetensors directory (published names) that transformers can load."""
+        sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if self.env.rank == 0:
+            sd = {k: v for k, v in sd.items() if "tokens_per_expert" not in k}
+            args = self.args if self.with_mtp else self.args.replace(num_nextn_predict_layers=0)
+            save_hf_state(sd, args, out_dir, dtype)
+            logger.info("exported HF checkpoint to %s", out_dir)
+        dist.barrier()
+
+
+def _copy_dataclass(obj, **changes):
+    import dataclasses
+
+    return dataclasses.replace(obj, **changes)
+
+
+def main(argv: list[str]) -> None:
+    from titan_glm52.config import parse_job_config
+
+    logging.basicConfig(level=logging.INFO, format="[%(asctime)s rank%(rank)s] %(message)s",
+                        datefmt="%H:%M:%S")
+    rank = os.environ.get("RANK", "0")
+    for h in logging.getLogger().handlers:
+        h.addFilter(lambda r: setattr(r, "rank", rank) or True)
+    cfg = parse_job_config(argv)
+    if "RANK" not in os.environ:  # plain `python train.py`: a one-process group keeps one code path
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(_free_port()))
+    trainer = Trainer(cfg)
+    try:
+        trainer.train()
+    finally:
+        tdist.destroy_distributed()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
