@@ -18,6 +18,7 @@ FLOPs of one training step (forward x 3: backward costs twice the forward; recom
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import resource
@@ -89,17 +90,21 @@ def reset_peak_memory(device: torch.device) -> None:
 
 
 class MetricsLogger:
-    """One console line per log step and TensorBoard scalars (written by one rank only)."""
+    """One console line per log step, TensorBoard scalars (``tb_folder``) and the same scalars as JSON lines
+    (``jsonl_path``, one object per log step); written by one rank only."""
 
-    def __init__(self, folder: str | None, enabled: bool) -> None:
+    def __init__(self, tb_folder: str | None, jsonl_path: str | None, enabled: bool) -> None:
         self.writer = None
+        self.jsonl = None
         self.enabled = enabled
-        if enabled and folder:
+        if enabled and tb_folder:
             from torch.utils.tensorboard import SummaryWriter
 
-            os.makedirs(folder, exist_ok=True)
-            self.writer = SummaryWriter(folder)
-            self.folder = folder
+            os.makedirs(tb_folder, exist_ok=True)
+            self.writer = SummaryWriter(tb_folder)
+        if enabled and jsonl_path:
+            os.makedirs(os.path.dirname(jsonl_path) or ".", exist_ok=True)
+            self.jsonl = open(jsonl_path, "a")
 
     def log(self, step: int, scalars: dict[str, float], line: str) -> None:
         if not self.enabled:
@@ -109,10 +114,15 @@ class MetricsLogger:
             for key, value in scalars.items():
                 self.writer.add_scalar(key, value, step)
             self.writer.flush()
+        if self.jsonl is not None:
+            self.jsonl.write(json.dumps({"step": step, **scalars}) + "\n")
+            self.jsonl.flush()
 
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+        if self.jsonl is not None:
+            self.jsonl.close()
 
 
 def format_line(step: int, total_steps: int, s: dict[str, float], eta_s: float) -> str:

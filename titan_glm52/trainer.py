@@ -33,7 +33,7 @@ from titan_glm52.model.args import GLM52ModelArgs, get_flavor
 from titan_glm52.model.attention import Attention
 from titan_glm52.model.model import GLM52Model, cross_entropy_sum
 from titan_glm52.model.moe import MoE
-from titan_glm52.parallelize import clip_grad_norm_, parallelize_model
+from titan_glm52.parallelize import apply_fsdp, clip_grad_norm_, parallelize_model
 
 logger = logging.getLogger("titan_glm52")
 
@@ -156,10 +156,14 @@ class Trainer:
             param_dtype=torch.bfloat16 if on_gpu and cfg.training.mixed_precision_param == "bfloat16" else torch.float32,
             reduce_dtype=torch.float32,
             reshard_after_forward=p.fsdp_reshard_after_forward,
-            ac_mode=cfg.activation_checkpoint.mode,
+            ac_mode=cfg.activation_checkpoint.mode, selective_ac_option=cfg.activation_checkpoint.selective_ac_option,
             compile=cfg.compile.enable, compile_backend=cfg.compile.backend,
             ep_enabled=p.expert_parallel_degree > 1,
         )
+        if on_gpu and not (self.mesh.dp_enabled or self.mesh.ep_enabled):
+            # One GPU: FSDP over a 1-rank mesh still gives bf16 compute with fp32 master weights.
+            apply_fsdp(self.model, self.mesh, param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                       reshard_after_forward=p.fsdp_reshard_after_forward)
         self.model.to_empty(device=self.device)
         with torch.no_grad():
             self.model.init_weights()
@@ -193,8 +197,9 @@ class Trainer:
             self._initial_load(cfg.checkpoint.initial_load_path, cfg.checkpoint.initial_load_in_hf)
 
         # Metrics.
-        self.metrics = MetricsLogger(os.path.join(cfg.job.dump_folder, cfg.metrics.save_tb_folder)
-                                     if cfg.metrics.enable_tensorboard else None, enabled=self.env.rank == 0)
+        self.metrics = MetricsLogger(
+            os.path.join(cfg.job.dump_folder, cfg.metrics.save_tb_folder) if cfg.metrics.enable_tensorboard else None,
+            os.path.join(cfg.job.dump_folder, "metrics.jsonl"), enabled=self.env.rank == 0)
         self.peak = peak_flops(self.device)
         self._stop = False
         signal.signal(signal.SIGTERM, self._on_sigterm)
@@ -251,7 +256,7 @@ class Trainer:
         dist.all_reduce(counts, group=self.dp_group)
         n_tok, n_mtp, n_rows = (max(float(c), 1.0) for c in counts)
         self._set_aux_scales(n_tok, n_rows)
-        parts = torch.zeros(5, dtype=torch.float64, device=dev)  # ce, mtp, indexer kl, moe aux, total
+        parts = torch.zeros(6, dtype=torch.float64, device=dev)  # ce, mtp, indexer kl, moe aux, total, raw kl
         for i, b in enumerate(batches):
             tokens, labels = b["input_ids"].to(dev), b["labels"].to(dev)
             out = self.model(tokens, b["cu_seqlens"].to(dev), with_mtp=self.with_mtp)
@@ -267,16 +272,18 @@ class Trainer:
                 loss = loss * float("nan")
             loss.backward()
             parts[4] += loss.detach()
-            parts[2] += sum((a.last_indexer_kl * a.indexer_loss_scale for _, a in attention_modules(self.model)
-                             if a.indexer_loss_scale is not None and a.last_indexer_kl is not None),
-                            torch.zeros((), device=dev))
+            kl = sum((a.last_indexer_kl for _, a in attention_modules(self.model)
+                      if a.indexer_loss_scale is not None and a.last_indexer_kl is not None), torch.zeros((), device=dev))
+            parts[2] += kl * cfg.dsa.indexer_loss_coeff / n_tok
+            parts[5] += kl / n_tok
             parts[3] += sum((m.last_seq_aux * m.seq_aux_scale for _, m in moe_modules(self.model)
                              if m.seq_aux_scale is not None and m.last_seq_aux is not None),
                             torch.zeros((), device=dev))
         dist.all_reduce(parts, group=self.dp_group)
         parts[4] += parts[2] + parts[3]
         return {"ce": float(parts[0]), "mtp": float(parts[1]), "indexer_kl": float(parts[2]),
-                "moe_aux": float(parts[3]), "total": float(parts[4]), "tokens": n_tok, "rows": n_rows}
+                "moe_aux": float(parts[3]), "total": float(parts[4]), "kl_per_token": float(parts[5]),
+                "tokens": n_tok, "rows": n_rows}
 
     @torch.no_grad()
     def _moe_balance(self, apply_update: bool) -> dict[str, float]:
@@ -371,7 +378,8 @@ class Trainer:
         if self.with_mtp:
             s["loss/mtp"] = losses["mtp"]
         if self.cfg.dsa.indexer_loss_coeff > 0:
-            s["loss/indexer_kl"] = losses["indexer_kl"]
+            s["loss/indexer_kl"] = losses["indexer_kl"]  # coefficient x KL, as added to the loss
+            s["dsa/indexer_kl_per_token"] = losses["kl_per_token"]  # summed over indexer layers
         if self.cfg.moe.seq_aux_loss_coeff > 0:
             s["loss/moe_aux"] = losses["moe_aux"]
         if self.peak:

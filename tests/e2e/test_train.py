@@ -1,0 +1,140 @@
+"""End-to-end: the README's main command on the debug config, resume, HF export, config errors, faults."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+DEBUG_TOML = os.path.join(ROOT, "train_configs", "glm52_debug.toml")
+
+
+def run_train(tmp_path, *overrides: str, nproc: int = 2, check: bool = True) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", "0",
+           os.path.join(ROOT, "train.py"), "--job.config_file", DEBUG_TOML,
+           "--job.dump_folder", str(tmp_path), *overrides]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"train.py failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def read_metrics(folder) -> list[dict]:
+    with open(os.path.join(folder, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def small(*extra: str) -> tuple[str, ...]:
+    return ("--training.seq_len", "128", "--training.local_batch_size", "2", "--metrics.log_freq", "1", *extra)
+
+
+def test_main_command_trains_and_writes_tensorboard(tmp_path):
+    run_train(tmp_path, "--training.steps", "40", "--metrics.log_freq", "1")
+    rows = read_metrics(tmp_path)
+    assert [r["step"] for r in rows] == list(range(1, 41))
+    first, last = sum(r["loss/ce"] for r in rows[:5]) / 5, sum(r["loss/ce"] for r in rows[-5:]) / 5
+    assert last < first - 0.5, (first, last)  # real text: the loss falls
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tb = [os.path.join(tmp_path, "tb", d) for d in os.listdir(os.path.join(tmp_path, "tb"))] or [
+        os.path.join(tmp_path, "tb")]
+    acc = EventAccumulator(os.path.join(tmp_path, "tb"))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    for tag in ("loss/total", "loss/ce", "loss/mtp", "loss/indexer_kl", "lr", "grad_norm",
+                "throughput/tokens_per_s_per_device", "time/step_s", "time/data_s", "time/forward_backward_s",
+                "time/optimizer_s", "dsa/topk_recall", "memory/peak_rss_gib", "moe/imbalance/layers.3"):
+        assert tag in tags, (tag, sorted(tags), tb)
+    assert 0.0 <= rows[0]["dsa/topk_recall"] <= 1.0
+    assert os.path.isdir(os.path.join(tmp_path, "checkpoint", "step-40"))
+
+
+def test_resume_reproduces_uninterrupted_losses(tmp_path):
+    full, part = tmp_path / "full", tmp_path / "part"
+    # The LR schedule is pinned to 6 steps, so stopping after 3 and extending to 6 is the same run.
+    common = small("--checkpoint.interval", "3", "--checkpoint.keep_latest_k", "0", "--lr_scheduler.total_steps", "6")
+    run_train(full, "--training.steps", "6", *common)
+    run_train(part, "--training.steps", "3", *common)
+    assert os.path.exists(part / "checkpoint" / "step-3" / ".metadata")
+    run_train(part, "--training.steps", "6", *common)
+    a = {r["step"]: r for r in read_metrics(full)}
+    b = {}
+    for r in read_metrics(part):
+        b[r["step"]] = r  # the resumed run appends steps 4..6
+    for step in range(1, 7):
+        assert a[step]["loss/total"] == b[step]["loss/total"], step
+        assert a[step]["grad_norm"] == b[step]["grad_norm"], step
+
+
+def test_sigterm_saves_a_checkpoint_and_stops(tmp_path):
+    import signal
+    import time
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "train.py"), "--job.config_file", DEBUG_TOML,
+                             "--job.dump_folder", str(tmp_path), "--training.steps", "1000",
+                             "--checkpoint.interval", "500", *small()], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics = tmp_path / "metrics.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out[-3000:]
+    steps = [int(d.split("-")[1]) for d in os.listdir(tmp_path / "checkpoint") if d.startswith("step-")]
+    assert len(steps) == 1 and 2 <= steps[0] < 1000
+    assert os.path.exists(tmp_path / "checkpoint" / f"step-{steps[0]}" / ".metadata")
+
+
+def test_export_to_hf_loads_in_transformers_with_same_logits(tmp_path):
+    run_train(tmp_path, "--training.steps", "2", "--checkpoint.last_save_in_hf", "--checkpoint.export_dtype",
+              "float32", *small(), nproc=2)
+    out = tmp_path / "checkpoint" / "step-2-hf"
+    from transformers import GlmMoeDsaForCausalLM
+
+    from titan_glm52 import load_hf_model
+
+    hf = GlmMoeDsaForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    ours = load_hf_model(str(out), dtype=torch.float32, latent_norm_eps=1e-6).eval()
+    assert ours.mtp is not None
+    tokens = torch.randint(0, 2048, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref, got = hf(tokens).logits, ours(tokens)
+    assert (got - ref).abs().max() / ref.abs().max() < 1e-4
+
+
+def test_forced_nan_is_skipped_and_counted(tmp_path):
+    run_train(tmp_path, "--training.steps", "4", "--faults.inject_nan_at_steps", "2", *small(), nproc=1)
+    rows = {r["step"]: r for r in read_metrics(tmp_path)}
+    assert rows[1]["faults/skipped_steps"] == 0 and rows[2]["faults/skipped_steps"] == 1
+    assert rows[4]["faults/skipped_steps"] == 1
+
+
+def test_consecutive_faults_stop_and_keep_last_good_checkpoint(tmp_path):
+    proc = run_train(tmp_path, "--training.steps", "8", "--faults.inject_nan_at_steps", "3,4,5",
+                     "--faults.max_consecutive_nonfinite", "3", "--checkpoint.interval", "2", *small(), nproc=1,
+                     check=False)
+    assert proc.returncode != 0
+    assert "consecutive steps with a non-finite loss" in proc.stdout + proc.stderr
+    assert os.path.exists(tmp_path / "checkpoint" / "step-2" / ".metadata")
+    assert not os.path.exists(tmp_path / "checkpoint" / "step-4")
+
+
+@pytest.mark.parametrize("override, message", [
+    (("--parallelism.tensor_parallel_degree", "2"), "parallelism.tensor_parallel_degree"),
+    (("--parallelism.expert_parallel_degree", "3"), "parallelism.expert_parallel_degree"),
+    (("--dsa.mode", "dense_warmup", "--dsa.indexer_loss_coeff", "0"), "dsa.indexer_loss_coeff"),
+    (("--checkpoint.keep_latest_k", "1"), "checkpoint.keep_latest_k"),
+    (("--model.flavor", "nope"), "unknown model flavor"),
+])
+def test_config_errors_name_the_key(tmp_path, override, message):
+    proc = run_train(tmp_path, *override, nproc=1, check=False)
+    assert proc.returncode != 0
+    assert message in proc.stdout + proc.stderr

@@ -1,0 +1,113 @@
+"""Pipeline parallelism: GLM52Model cut into stages by the skip-aware splitter, run by a
+``torch.distributed.pipelining`` schedule (built through torchtitan's ``build_pipeline_schedule``).
+
+A stage is the model with the other stages' pieces removed; its layers keep their global names
+(``layers.17``), so DCP checkpoints move between pipeline layouts. Stages exchange plain tensors:
+
+    first stage in : tokens [mb, S], positions [mb, S]
+    between stages : hidden [mb, S, D], positions [mb, S] (+ next-token embeddings [mb, S, D] with MTP)
+    last stage out : logits [mb, S, V] (or (logits, mtp_logits))
+
+``positions`` (restarting at 0 on every document) carries the packing: every stage rebuilds ``cu_seqlens``
+from it. With MTP, the first stage also sends the embeddings of the next tokens down the pipeline, so the MTP
+layer on the last stage uses the one embedding table of stage 0 and its gradient flows back through the
+pipeline (no tied copy to synchronise). IndexShare top-k never crosses a stage: the splitter only cuts before
+full layers, and each stage starts with no top-k.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+
+from titan_glm52.model.args import GLM52ModelArgs
+from titan_glm52.model.model import GLM52Model, next_token_embeddings
+from titan_glm52.pipeline_split import PipelinePlan, plan_pipeline
+
+
+def cu_seqlens_from_positions(positions: torch.Tensor) -> torch.Tensor:
+    """int32 ``cu_seqlens`` of the flattened ``[B, S]`` stream: a document starts wherever position == 0
+    (every row starts a document)."""
+    flat = positions.reshape(-1)
+    starts = torch.nonzero(flat == 0).flatten()
+    row_starts = torch.arange(0, flat.numel(), positions.shape[-1], device=flat.device)
+    starts = torch.unique(torch.cat((starts, row_starts)))
+    return torch.cat((starts, starts.new_tensor([flat.numel()]))).to(torch.int32)
+
+
+class PipelineStageModule(nn.Module):
+    """One stage of GLM52Model (tensor in, tensor out), see the module docstring for the interface."""
+
+    def __init__(self, model: GLM52Model, is_first: bool, is_last: bool, with_mtp: bool) -> None:
+        super().__init__()
+        self.model = model
+        self.is_first, self.is_last, self.with_mtp = is_first, is_last, with_mtp
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, emb_next: torch.Tensor | None = None):
+        m = self.model
+        mb, s = positions.shape
+        ctx = m.packed_context(mb, s, cu_seqlens_from_positions(positions), positions.device)
+        if self.is_first:
+            h = m.tok_embeddings(x).view(mb * s, -1)
+            if self.with_mtp:
+                emb_next = next_token_embeddings(h, mb)
+        else:
+            h = x.reshape(mb * s, -1)
+            if self.with_mtp:
+                emb_next = emb_next.reshape(mb * s, -1)
+        h = m.run_layers(h, ctx)
+        if not self.is_last:
+            h = h.view(mb, s, -1)
+            return (h, positions, emb_next.view(mb, s, -1)) if self.with_mtp else (h, positions)
+        h = m.norm(h)
+        logits = m.output(h).view(mb, s, -1)
+        if not self.with_mtp:
+            return logits
+        return logits, m.output(m.mtp(h, emb_next, ctx)).view(mb, s, -1)
+
+    def init_weights(self) -> None:
+        self.model.init_weights()
+
+
+def prune_to_stage(model: GLM52Model, layer_ids: range, is_first: bool, is_last: bool) -> GLM52Model:
+    """Removes from ``model`` everything that stage does not hold (in place) and returns it."""
+    for key in list(model.layers.keys()):
+        if int(key) not in layer_ids:
+            del model.layers[key]
+    if not is_first:
+        model.tok_embeddings = None
+    if not is_last:
+        model.norm, model.output, model.mtp = None, None, None
+    return model
+
+
+def build_pipeline_stages(args: GLM52ModelArgs, plan: PipelinePlan, pp_rank: int, pp_group, device: torch.device,
+                          with_mtp: bool, prepare: Callable[[nn.Module], nn.Module]) -> tuple[list[PipelineStage],
+                                                                                              list[nn.Module]]:
+    """Builds this rank's stages (on the meta device, then ``prepare`` parallelizes each stage module; the caller
+    materialises and initialises them). Returns the PipelineStages and their modules (the model parts)."""
+    starts = [sum(plan.layers_per_stage[:i]) for i in range(len(plan.layers_per_stage))]
+    num_stages = len(plan.layers_per_stage)
+    stages, parts = [], []
+    for stage_idx, rank in enumerate(plan.placement.stage_to_rank):
+        if rank != pp_rank:
+            continue
+        first, last = stage_idx == 0, stage_idx == num_stages - 1
+        with torch.device("meta"):
+            model = GLM52Model(args, with_mtp=with_mtp and last)
+        layers = range(starts[stage_idx], starts[stage_idx] + plan.layers_per_stage[stage_idx])
+        module = PipelineStageModule(prune_to_stage(model, layers, first, last), first, last, with_mtp)
+        module = prepare(module)
+        stages.append(PipelineStage(module, stage_idx, num_stages, device, group=pp_group))
+        parts.append(module)
+    return stages, parts
+
+
+def make_plan(args: GLM52ModelArgs, schedule: str, pp_degree: int, stages_per_rank: int | None, seq_len: int,
+              layers_per_stage: list[int] | None) -> PipelinePlan:
+    """The splitter's plan; a bad explicit layout raises before any work (LayoutError names the fix)."""
+    return plan_pipeline(args, schedule, pp_degree, stages_per_rank, seq_len=seq_len,
+                         layers_per_stage=layers_per_stage)
