@@ -53,6 +53,17 @@ class Training(tt.Training):
 
 
 @dataclass
+class Parallelism(tt.Parallelism):
+    pipeline_parallel_layout: str | None = None
+    """Explicit layers per pipeline stage, e.g. "14,8,8,8,8,8,8,16" (validated: every stage must start on an
+    IndexShare full layer). Unset: the skip-aware splitter balances the estimated cost per stage."""
+
+    pipeline_parallel_stages_per_rank: int | None = None
+    """Stages per pipeline rank: 1 for single-stage schedules (GPipe, 1F1B), >= 2 for looped ones
+    (Interleaved1F1B, ...), 2 for V schedules (ZBVZeroBubble, DualPipeV). Unset: 1 or 2 by schedule."""
+
+
+@dataclass
 class Data:
     text_field: str = "text"
     """Column / JSON field holding the text for .jsonl, .parquet and saved HF datasets."""
@@ -120,6 +131,7 @@ class Faults:
 class JobConfig(tt.JobConfig):
     model: Model = field(default_factory=Model)
     training: Training = field(default_factory=Training)
+    parallelism: Parallelism = field(default_factory=Parallelism)
     data: Data = field(default_factory=Data)
     dsa: DSA = field(default_factory=DSA)
     moe: MoE = field(default_factory=MoE)
@@ -185,6 +197,22 @@ def validate(cfg: JobConfig, world_size: int | None = None) -> None:
             _refuse("training.global_batch_size", f"{cfg.training.global_batch_size} is not a multiple of "
                     f"local_batch_size x data-parallel degree = {per_step}; gradient accumulation needs a whole "
                     "number of micro-batches")
+    for key, default in (("pipeline_parallel_layers_per_stage", None), ("module_fqns_per_model_part", None),
+                         ("pipeline_parallel_schedule_csv", ""), ("pipeline_parallel_first_stage_less_layers", 1),
+                         ("pipeline_parallel_last_stage_less_layers", 1)):
+        if getattr(p, key) not in (default, None if default == "" else default):
+            _refuse(f"parallelism.{key}", "the skip-aware splitter decides the stages (they must start on "
+                    "IndexShare full layers); give an explicit split with parallelism.pipeline_parallel_layout")
+    if p.pipeline_parallel_layout is not None:
+        try:
+            [int(v) for v in p.pipeline_parallel_layout.split(",")]
+        except ValueError:
+            _refuse("parallelism.pipeline_parallel_layout", f"{p.pipeline_parallel_layout!r} is not a comma-separated "
+                    "list of layer counts, e.g. \"14,8,8,8,8,8,8,16\"")
+    if p.pipeline_parallel_degree > 1 and p.pipeline_parallel_expert_parallel_overlap and \
+            p.pipeline_parallel_schedule.lower() == "dualpipev":
+        _refuse("parallelism.pipeline_parallel_expert_parallel_overlap", "the DualPipeV EP overlap callback is "
+                "torchtitan's for its own MoE; set it to false")
     if p.pipeline_parallel_degree > 1 and cfg.training.local_batch_size % p.pipeline_parallel_microbatch_size:
         _refuse("parallelism.pipeline_parallel_microbatch_size", "must divide training.local_batch_size")
 

@@ -38,56 +38,48 @@ def cu_seqlens_from_positions(positions: torch.Tensor) -> torch.Tensor:
     return torch.cat((starts, starts.new_tensor([flat.numel()]))).to(torch.int32)
 
 
-class PipelineStageModule(nn.Module):
-    """One stage of GLM52Model (tensor in, tensor out), see the module docstring for the interface."""
+class GLM52Stage(GLM52Model):
+    """One pipeline stage: GLM52Model holding only this stage's pieces (same parameter names as the full
+    model, so checkpoints move between layouts), with a tensor-in, tensor-out forward (module docstring)."""
 
-    def __init__(self, model: GLM52Model, is_first: bool, is_last: bool, with_mtp: bool) -> None:
-        super().__init__()
-        self.model = model
+    def __init__(self, args: GLM52ModelArgs, layer_ids: range, is_first: bool, is_last: bool,
+                 with_mtp: bool) -> None:
+        super().__init__(args, with_mtp=with_mtp and is_last)
+        for key in list(self.layers.keys()):
+            if int(key) not in layer_ids:
+                del self.layers[key]
+        if not is_first:
+            self.tok_embeddings = None
+        if not is_last:
+            self.norm, self.output = None, None
         self.is_first, self.is_last, self.with_mtp = is_first, is_last, with_mtp
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, emb_next: torch.Tensor | None = None):
-        m = self.model
         mb, s = positions.shape
-        ctx = m.packed_context(mb, s, cu_seqlens_from_positions(positions), positions.device)
+        ctx = self.packed_context(mb, s, cu_seqlens_from_positions(positions), positions.device)
         if self.is_first:
-            h = m.tok_embeddings(x).view(mb * s, -1)
+            h = self.tok_embeddings(x).view(mb * s, -1)
             if self.with_mtp:
                 emb_next = next_token_embeddings(h, mb)
         else:
             h = x.reshape(mb * s, -1)
             if self.with_mtp:
                 emb_next = emb_next.reshape(mb * s, -1)
-        h = m.run_layers(h, ctx)
+        h = self.run_layers(h, ctx)
         if not self.is_last:
             h = h.view(mb, s, -1)
             return (h, positions, emb_next.view(mb, s, -1)) if self.with_mtp else (h, positions)
-        h = m.norm(h)
-        logits = m.output(h).view(mb, s, -1)
+        h = self.norm(h)
+        logits = self.output(h).view(mb, s, -1)
         if not self.with_mtp:
             return logits
-        return logits, m.output(m.mtp(h, emb_next, ctx)).view(mb, s, -1)
-
-    def init_weights(self) -> None:
-        self.model.init_weights()
-
-
-def prune_to_stage(model: GLM52Model, layer_ids: range, is_first: bool, is_last: bool) -> GLM52Model:
-    """Removes from ``model`` everything that stage does not hold (in place) and returns it."""
-    for key in list(model.layers.keys()):
-        if int(key) not in layer_ids:
-            del model.layers[key]
-    if not is_first:
-        model.tok_embeddings = None
-    if not is_last:
-        model.norm, model.output, model.mtp = None, None, None
-    return model
+        return logits, self.output(self.mtp(h, emb_next, ctx)).view(mb, s, -1)
 
 
 def build_pipeline_stages(args: GLM52ModelArgs, plan: PipelinePlan, pp_rank: int, pp_group, device: torch.device,
                           with_mtp: bool, prepare: Callable[[nn.Module], nn.Module]) -> tuple[list[PipelineStage],
                                                                                               list[nn.Module]]:
-    """Builds this rank's stages (on the meta device, then ``prepare`` parallelizes each stage module; the caller
+    """Builds this rank's stages on the meta device; ``prepare`` parallelizes each stage module (the caller
     materialises and initialises them). Returns the PipelineStages and their modules (the model parts)."""
     starts = [sum(plan.layers_per_stage[:i]) for i in range(len(plan.layers_per_stage))]
     num_stages = len(plan.layers_per_stage)
@@ -95,11 +87,9 @@ def build_pipeline_stages(args: GLM52ModelArgs, plan: PipelinePlan, pp_rank: int
     for stage_idx, rank in enumerate(plan.placement.stage_to_rank):
         if rank != pp_rank:
             continue
-        first, last = stage_idx == 0, stage_idx == num_stages - 1
-        with torch.device("meta"):
-            model = GLM52Model(args, with_mtp=with_mtp and last)
         layers = range(starts[stage_idx], starts[stage_idx] + plan.layers_per_stage[stage_idx])
-        module = PipelineStageModule(prune_to_stage(model, layers, first, last), first, last, with_mtp)
+        with torch.device("meta"):
+            module = GLM52Stage(args, layers, stage_idx == 0, stage_idx == num_stages - 1, with_mtp)
         module = prepare(module)
         stages.append(PipelineStage(module, stage_idx, num_stages, device, group=pp_group))
         parts.append(module)

@@ -26,7 +26,7 @@ from torchtitan.tools.profiling import maybe_enable_memory_snapshot, maybe_enabl
 from titan_glm52 import distributed as tdist
 from titan_glm52.config import ConfigError, JobConfig, validate
 from titan_glm52.data import IGNORE_INDEX, build_dataloader, build_tokenizer
-from titan_glm52.hf_checkpoint import hf_weight_files, load_hf_state, save_hf_state
+from titan_glm52.hf_checkpoint import load_hf_state, save_hf_state
 from titan_glm52.metrics import (MetricsLogger, doc_lengths_of, format_line, memory_stats, peak_flops,
                                  reset_peak_memory, step_flops)
 from titan_glm52.model.args import GLM52ModelArgs, get_flavor
@@ -34,6 +34,8 @@ from titan_glm52.model.attention import Attention
 from titan_glm52.model.model import GLM52Model, cross_entropy_sum
 from titan_glm52.model.moe import MoE
 from titan_glm52.parallelize import apply_fsdp, clip_grad_norm_, parallelize_model
+from titan_glm52.pipeline import build_pipeline_stages, make_plan
+from torchtitan.distributed.pipeline_parallel import build_pipeline_schedule
 
 logger = logging.getLogger("titan_glm52")
 
@@ -61,12 +63,18 @@ def mtp_labels(labels: torch.Tensor) -> torch.Tensor:
     return torch.where(labels == IGNORE_INDEX, torch.full_like(nxt, IGNORE_INDEX), nxt)
 
 
-def moe_modules(model: torch.nn.Module) -> list[tuple[str, MoE]]:
-    return [(name, m) for name, m in model.named_modules() if isinstance(m, MoE)]
+def _modules_of(parts, cls) -> list:
+    parts = parts if isinstance(parts, (list, tuple)) else [parts]
+    return [(name, m) for part in parts for name, m in part.named_modules() if isinstance(m, cls)]
 
 
-def attention_modules(model: torch.nn.Module) -> list[tuple[str, Attention]]:
-    return [(name, m) for name, m in model.named_modules() if isinstance(m, Attention)]
+def moe_modules(parts) -> list[tuple[str, MoE]]:
+    """(name, MoE) of a model or of a list of pipeline model parts."""
+    return _modules_of(parts, MoE)
+
+
+def attention_modules(parts) -> list[tuple[str, Attention]]:
+    return _modules_of(parts, Attention)
 
 
 @dataclass
@@ -116,9 +124,6 @@ class Trainer:
         p = cfg.parallelism
         torch.manual_seed(cfg.debug.seed if cfg.debug.seed is not None else 0)
         self.args = build_model_args(cfg)
-        if p.pipeline_parallel_degree > 1:
-            raise ConfigError("parallelism.pipeline_parallel_degree: pipeline parallelism is not wired into the "
-                              "trainer yet; set it to 1")
         try:
             self.mesh = tdist.build_mesh(
                 self.env.world_size, dp_replicate=p.data_parallel_replicate_degree,
@@ -139,35 +144,39 @@ class Trainer:
         self.with_mtp = cfg.mtp.enable and self.args.num_nextn_predict_layers > 0
         if cfg.mtp.enable and not self.with_mtp:
             logger.warning("mtp.enable is set but the model args have num_nextn_predict_layers = 0: no MTP loss")
-        with torch.device("meta"):
-            model = GLM52Model(self.args, with_mtp=self.with_mtp)
         backend = cfg.dsa.backend
         if backend == "auto":
             backend = "triton" if self.device.type == "cuda" else "torch"
-        model.set_dsa_backend(backend)
-        model.set_sparse_attention(cfg.dsa.mode == "sparse")
-        grouped = {"auto": None, "on": True, "off": False}[cfg.moe.grouped_mm]
-        for _, moe in moe_modules(model):
-            moe.experts.use_grouped_mm = grouped
-        self._freeze(model)
-        on_gpu = self.device.type == "cuda"
-        self.model = parallelize_model(
-            model, self.mesh,
-            param_dtype=torch.bfloat16 if on_gpu and cfg.training.mixed_precision_param == "bfloat16" else torch.float32,
-            reduce_dtype=torch.float32,
-            reshard_after_forward=p.fsdp_reshard_after_forward,
-            ac_mode=cfg.activation_checkpoint.mode, selective_ac_option=cfg.activation_checkpoint.selective_ac_option,
-            compile=cfg.compile.enable, compile_backend=cfg.compile.backend,
-            ep_enabled=p.expert_parallel_degree > 1,
-        )
-        if on_gpu and not (self.mesh.dp_enabled or self.mesh.ep_enabled):
-            # One GPU: FSDP over a 1-rank mesh still gives bf16 compute with fp32 master weights.
-            apply_fsdp(self.model, self.mesh, param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
-                       reshard_after_forward=p.fsdp_reshard_after_forward)
-        self.model.to_empty(device=self.device)
-        with torch.no_grad():
-            self.model.init_weights()
-        self.model.train()
+        self.backend = backend
+        self.pp = p.pipeline_parallel_degree > 1
+        if self.pp:
+            layout = ([int(v) for v in p.pipeline_parallel_layout.split(",")]
+                      if p.pipeline_parallel_layout else None)
+            try:
+                self.plan = make_plan(self.args, p.pipeline_parallel_schedule, p.pipeline_parallel_degree,
+                                      p.pipeline_parallel_stages_per_rank, cfg.training.seq_len, layout)
+            except ValueError as e:
+                raise ConfigError(f"parallelism.pipeline_parallel_layout / _schedule: {e}") from e
+            pp_mesh = self.mesh["pp"]
+            stages, self.model_parts = build_pipeline_stages(
+                self.args, self.plan, pp_mesh.get_local_rank(), pp_mesh.get_group(), self.device, self.with_mtp,
+                self._prepare)
+            self.has_first = any(s.is_first for s in stages)
+            self.has_last = any(s.is_last for s in stages)
+            self.schedule = build_pipeline_schedule(cfg, stages, self._pp_loss)
+            self._pp_parts: list[torch.Tensor] = []
+        else:
+            with torch.device("meta"):
+                model = GLM52Model(self.args, with_mtp=self.with_mtp)
+            self.model_parts = [self._prepare(model)]
+        for part in self.model_parts:
+            part.to_empty(device=self.device)
+            with torch.no_grad():
+                part.init_weights()
+            part.train()
+        self.model = self.model_parts[0]
+        if self.pp:
+            self._pp_warmup()
 
         # Data.
         self.dataloader = build_dataloader(
@@ -182,14 +191,14 @@ class Trainer:
             raise ConfigError(f"optimizer.name: {o.name!r}; choose AdamW or Adam")
         opt_cls = torch.optim.AdamW if o.name == "AdamW" else torch.optim.Adam
         impl = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for-loop": {"foreach": False}}[o.implementation]
-        self.optimizers = OptimizersContainer([self.model], opt_cls, dict(
+        self.optimizers = OptimizersContainer(self.model_parts, opt_cls, dict(
             lr=o.lr, betas=(0.9, 0.95), eps=o.eps, weight_decay=o.weight_decay, **impl))
         self.lr_schedulers = build_lr_schedulers(self.optimizers, cfg.lr_scheduler, cfg.training.steps)
         self.state = TrainState()
         ckpt_cfg = _copy_dataclass(cfg.checkpoint, initial_load_path=None, initial_load_in_hf=False,
                                    last_save_in_hf=False)
         self.checkpointer = CheckpointManager(
-            dataloader=self.dataloader, model_parts=[self.model], optimizers=self.optimizers,
+            dataloader=self.dataloader, model_parts=self.model_parts, optimizers=self.optimizers,
             lr_schedulers=self.lr_schedulers, states={"train_state": self.state}, checkpoint_config=ckpt_cfg,
             sd_adapter=None, base_folder=cfg.job.dump_folder)
         resumed = self.checkpointer.load(step=cfg.checkpoint.load_step)
@@ -210,6 +219,28 @@ class Trainer:
                     cfg.dsa.mode, self.env.world_size, self.dp_world, self.accum)
 
     # ----------------------------------------------------------------------------------------- setup helpers
+    def _prepare(self, model: GLM52Model) -> GLM52Model:
+        """DSA/MoE settings, freezing, then EP -> AC -> compile -> FSDP on a meta-device model (or stage)."""
+        cfg, p = self.cfg, self.cfg.parallelism
+        model.set_dsa_backend(self.backend)
+        model.set_sparse_attention(cfg.dsa.mode == "sparse")
+        grouped = {"auto": None, "on": True, "off": False}[cfg.moe.grouped_mm]
+        for _, moe in moe_modules(model):
+            moe.experts.use_grouped_mm = grouped
+        self._freeze(model)
+        on_gpu = self.device.type == "cuda"
+        bf16 = on_gpu and cfg.training.mixed_precision_param == "bfloat16"
+        model = parallelize_model(
+            model, self.mesh, param_dtype=torch.bfloat16 if bf16 else torch.float32, reduce_dtype=torch.float32,
+            reshard_after_forward=p.fsdp_reshard_after_forward, ac_mode=cfg.activation_checkpoint.mode,
+            selective_ac_option=cfg.activation_checkpoint.selective_ac_option, compile=cfg.compile.enable,
+            compile_backend=cfg.compile.backend, ep_enabled=p.expert_parallel_degree > 1)
+        if bf16 and not (self.mesh.dp_enabled or self.mesh.ep_enabled):
+            # No data parallelism: FSDP over a 1-rank mesh still gives bf16 compute with fp32 master weights.
+            apply_fsdp(model, self.mesh, param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                       reshard_after_forward=p.fsdp_reshard_after_forward)
+        return model
+
     def _freeze(self, model: GLM52Model) -> None:
         """dsa.freeze_indexer freezes the indexers; the dense warm-up freezes everything else."""
         for name, param in model.named_parameters():
@@ -220,18 +251,22 @@ class Trainer:
                 param.requires_grad_(False)
 
     def _initial_load(self, path: str, in_hf: bool) -> None:
+        """Loads an HF checkpoint into the (sharded) model parts. Without pipelining rank 0 reads it and broadcasts;
+        with pipelining every rank reads its stages' tensors. Names and shapes are checked against this job's
+        model args."""
         if not in_hf:
             raise ConfigError("checkpoint.initial_load_path without checkpoint.initial_load_in_hf: put a DCP "
                               "checkpoint in checkpoint.folder to resume from it, or set initial_load_in_hf")
-        keys = hf_weight_files(path)
-        logger.info("initial load of %d HF tensors from %s", len(keys), path)
-        full = None
-        if self.env.rank == 0:  # names and shapes are checked against this job's model args
-            cpu_model = GLM52Model(self.args, with_mtp=self.with_mtp)
-            load_hf_state(cpu_model, path)
-            full = {k: v for k, v in cpu_model.state_dict().items() if "tokens_per_expert" not in k}
-        set_model_state_dict(self.model, full or {}, options=StateDictOptions(
-            full_state_dict=True, broadcast_from_rank0=True, strict=False))
+        logger.info("initial load of the HF checkpoint %s", path)
+        for part in self.model_parts:
+            keys = {k for k in part.state_dict() if "tokens_per_expert" not in k}
+            full = {}
+            if self.pp or self.env.rank == 0:
+                cpu = GLM52Model(self.args, with_mtp=self.with_mtp)
+                load_hf_state(cpu, path)
+                full = {k: v for k, v in cpu.state_dict().items() if k in keys}
+            set_model_state_dict(part, full, options=StateDictOptions(
+                full_state_dict=True, broadcast_from_rank0=not self.pp, strict=False))
 
     def _on_sigterm(self, signum, frame) -> None:
         logger.warning("SIGTERM: saving a checkpoint after this step, then stopping")
@@ -240,10 +275,10 @@ class Trainer:
     # ----------------------------------------------------------------------------------------- one step
     def _set_aux_scales(self, global_tokens: float, global_rows: float) -> None:
         coeff = self.cfg.dsa.indexer_loss_coeff
-        for _, attn in attention_modules(self.model):
+        for _, attn in attention_modules(self.model_parts):
             attn.indexer_loss_scale = coeff / global_tokens if coeff > 0 and attn.indexer is not None else None
         alpha = self.cfg.moe.seq_aux_loss_coeff
-        for _, moe in moe_modules(self.model):
+        for _, moe in moe_modules(self.model_parts):
             moe.seq_aux_scale = alpha / global_rows if alpha > 0 else None
 
     def train_step(self, batches: list[dict]) -> dict[str, float]:
@@ -257,7 +292,14 @@ class Trainer:
         n_tok, n_mtp, n_rows = (max(float(c), 1.0) for c in counts)
         self._set_aux_scales(n_tok, n_rows)
         parts = torch.zeros(6, dtype=torch.float64, device=dev)  # ce, mtp, indexer kl, moe aux, total, raw kl
+        if self.pp:
+            self._pp_norm = (n_tok, n_mtp)
+            self._pp_parts = []
         for i, b in enumerate(batches):
+            if self.pp:
+                self._pp_step(b, parts, inject_nan=self.state.step + 1 in cfg.faults.inject_nan_at_steps and i == 0)
+                self._collect_aux(parts, n_tok)
+                continue
             tokens, labels = b["input_ids"].to(dev), b["labels"].to(dev)
             out = self.model(tokens, b["cu_seqlens"].to(dev), with_mtp=self.with_mtp)
             logits, mtp_logits = out if self.with_mtp else (out, None)
@@ -272,25 +314,92 @@ class Trainer:
                 loss = loss * float("nan")
             loss.backward()
             parts[4] += loss.detach()
-            kl = sum((a.last_indexer_kl for _, a in attention_modules(self.model)
-                      if a.indexer_loss_scale is not None and a.last_indexer_kl is not None), torch.zeros((), device=dev))
-            parts[2] += kl * cfg.dsa.indexer_loss_coeff / n_tok
-            parts[5] += kl / n_tok
-            parts[3] += sum((m.last_seq_aux * m.seq_aux_scale for _, m in moe_modules(self.model)
-                             if m.seq_aux_scale is not None and m.last_seq_aux is not None),
-                            torch.zeros((), device=dev))
+            self._collect_aux(parts, n_tok)
+        if self.pp:  # the loss lives on the last stage: share it with every stage (each part counted once)
+            dist.all_reduce(parts[:2], group=self.mesh["pp"].get_group())
+            parts[4] = parts[0] + parts[1]
         dist.all_reduce(parts, group=self.dp_group)
+        if self.pp:  # aux terms live on the stage of their layer
+            dist.all_reduce(parts[2:4], group=self.mesh["pp"].get_group())
+            dist.all_reduce(parts[5:6], group=self.mesh["pp"].get_group())
         parts[4] += parts[2] + parts[3]
         return {"ce": float(parts[0]), "mtp": float(parts[1]), "indexer_kl": float(parts[2]),
                 "moe_aux": float(parts[3]), "total": float(parts[4]), "kl_per_token": float(parts[5]),
                 "tokens": n_tok, "rows": n_rows}
+
+    def _collect_aux(self, parts: torch.Tensor, n_tok: float) -> None:
+        """Adds this micro-batch's indexer KL and MoE balance terms (as logged) to ``parts``."""
+        cfg, dev = self.cfg, self.device
+        kl = sum((a.last_indexer_kl for _, a in attention_modules(self.model_parts)
+                  if a.indexer_loss_scale is not None and a.last_indexer_kl is not None), torch.zeros((), device=dev))
+        parts[2] += kl * cfg.dsa.indexer_loss_coeff / n_tok
+        parts[5] += kl / n_tok
+        parts[3] += sum((m.last_seq_aux * m.seq_aux_scale for _, m in moe_modules(self.model_parts)
+                         if m.seq_aux_scale is not None and m.last_seq_aux is not None), torch.zeros((), device=dev))
+        for _, a in attention_modules(self.model_parts):
+            a.last_indexer_kl = None
+        for _, m in moe_modules(self.model_parts):
+            m.last_seq_aux = None
+
+    # ----------------------------------------------------------------------------------------- pipeline
+    def _pp_loss(self, output, labels: torch.Tensor) -> torch.Tensor:
+        """Loss of one micro-batch on the last stage, normalised by the step's global token counts."""
+        n_tok, n_mtp = self._pp_norm
+        logits, mtp_logits = output if self.with_mtp else (output, None)
+        ce = cross_entropy_sum(logits, labels) / n_tok
+        loss = ce
+        mtp = torch.zeros((), device=ce.device)
+        if mtp_logits is not None:
+            mtp = cross_entropy_sum(mtp_logits, mtp_labels(labels)) / n_mtp * self.cfg.mtp.loss_weight
+            loss = loss + mtp
+        self._pp_parts.append(torch.stack((ce.detach(), mtp.detach())))
+        if self._pp_inject_nan:
+            loss = loss * float("nan")
+            self._pp_inject_nan = False
+        return loss
+
+    def _pp_warmup(self) -> None:
+        """One schedule step on a synthetic batch, then every side effect undone.
+
+        The first step of a ``torch.distributed.pipelining`` schedule infers the stages' shapes by running them on
+        placeholder tensors; that forward would count MoE loads and auxiliary losses of uninitialised values.
+        """
+        b, s = self.cfg.training.local_batch_size, self.cfg.training.seq_len
+        positions = torch.arange(s).repeat(b, 1)
+        batch = {"input_ids": torch.zeros(b, s, dtype=torch.long), "labels": torch.zeros(b, s, dtype=torch.long),
+                 "positions": positions}
+        self._set_aux_scales(float(b * s), float(b))
+        self._pp_norm = (float(b * s), float(b * s))
+        self._pp_step(batch, torch.zeros(6, dtype=torch.float64, device=self.device), inject_nan=False)
+        for part in self.model_parts:
+            part.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for _, moe in moe_modules(self.model_parts):
+                moe.tokens_per_expert.zero_()
+        self._collect_aux(torch.zeros(6, dtype=torch.float64, device=self.device), 1.0)
+
+    def _pp_step(self, batch: dict, parts: torch.Tensor, inject_nan: bool) -> None:
+        dev = self.device
+        tokens, labels = batch["input_ids"].to(dev), batch["labels"].to(dev)
+        positions = batch["positions"].to(dev)
+        self._pp_inject_nan = inject_nan
+        self._pp_parts = []
+        target = labels if self.has_last else None
+        if self.has_first:
+            self.schedule.step(tokens, positions, target=target)
+        else:
+            self.schedule.step(target=target)
+        if self._pp_parts:
+            summed = torch.stack(self._pp_parts).sum(0).to(parts.dtype)
+            parts[0] += summed[0]
+            parts[1] += summed[1]
 
     @torch.no_grad()
     def _moe_balance(self, apply_update: bool) -> dict[str, float]:
         """All-reduces the per-expert token counts, logs max/mean load, and (unless skipped) steps the bias."""
         out = {}
         rate = self.cfg.moe.bias_update_rate
-        for name, moe in moe_modules(self.model):
+        for name, moe in moe_modules(self.model_parts):
             load = moe.tokens_per_expert.clone()
             dist.all_reduce(load, group=self.dp_group)
             mean = load.mean()
@@ -318,8 +427,9 @@ class Trainer:
                 self._probe_recall(on=self.state.step + 1 == 1 or (self.state.step + 1) % cfg.metrics.log_freq == 0)
                 losses = self.train_step(batches)
                 t_fb = time.perf_counter()
-                grad_norm = clip_grad_norm_([p for p in self.model.parameters() if p.requires_grad],
-                                            cfg.training.max_norm)
+                grad_norm = clip_grad_norm_(
+                    [p for part in self.model_parts for p in part.parameters() if p.requires_grad],
+                    cfg.training.max_norm, pp_mesh=self.mesh["pp"] if self.pp else None)
                 finite = math.isfinite(losses["total"]) and math.isfinite(float(grad_norm))
                 self.state.step += 1
                 self.state.tokens_seen += int(losses["tokens"])
@@ -361,7 +471,7 @@ class Trainer:
     def _probe_recall(self, on: bool) -> None:
         n = self.cfg.dsa.recall_queries if on and self.cfg.dsa.mode == "sparse" else 0
         first = True
-        for _, attn in attention_modules(self.model):
+        for _, attn in attention_modules(self.model_parts):
             attn.recall_queries = n if (first and attn.indexer is not None) else 0
             attn.last_recall = None
             first = first and attn.indexer is None
@@ -385,7 +495,7 @@ class Trainer:
         if self.peak:
             s["throughput/mfu_pct"] = 100.0 * flops / step_s / self.peak
         s["throughput/tflops_per_device"] = flops / step_s / 1e12
-        recall = [a.last_recall for _, a in attention_modules(self.model) if a.last_recall is not None]
+        recall = [a.last_recall for _, a in attention_modules(self.model_parts) if a.last_recall is not None]
         if recall:
             s["dsa/topk_recall"] = float(recall[0])
         s.update(moe_stats)
@@ -394,10 +504,21 @@ class Trainer:
         self.metrics.log(self.state.step, s, format_line(self.state.step, self.cfg.training.steps, s, eta))
 
     def export_hf(self, out_dir: str, dtype: torch.dtype) -> None:
-        """Writes the model as an HF safetensors directory (published names) that transformers can load."""
-        sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        """Writes the model as an HF safetensors directory (published names) that transformers can load.
+
+        The full weights are gathered on rank 0 (over the pipeline stages too), so this needs the whole model
+        in rank 0's CPU memory."""
+        sd = {}
+        for part in self.model_parts:
+            sd.update(get_model_state_dict(part, options=StateDictOptions(full_state_dict=True, cpu_offload=True)))
+        sd = {k: v for k, v in sd.items() if "tokens_per_expert" not in k}
+        if self.pp:
+            pieces = [None] * self.mesh["pp"].size() if self.env.rank == 0 else None
+            if self.dp_rank == 0:
+                dist.gather_object(sd, pieces, dst=0, group=self.mesh["pp"].get_group())
+            if self.env.rank == 0:
+                sd = {k: v for piece in pieces for k, v in piece.items()}
         if self.env.rank == 0:
-            sd = {k: v for k, v in sd.items() if "tokens_per_expert" not in k}
             args = self.args if self.with_mtp else self.args.replace(num_nextn_predict_layers=0)
             save_hf_state(sd, args, out_dir, dtype)
             logger.info("exported HF checkpoint to %s", out_dir)

@@ -16,7 +16,7 @@ DEBUG_TOML = os.path.join(ROOT, "train_configs", "glm52_debug.toml")
 
 def run_train(tmp_path, *overrides: str, nproc: int = 2, check: bool = True) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", "0",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--standalone",
            os.path.join(ROOT, "train.py"), "--job.config_file", DEBUG_TOML,
            "--job.dump_folder", str(tmp_path), *overrides]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)

@@ -5,6 +5,7 @@ import torch
 
 from titan_glm52 import GLM52Model, get_flavor
 from titan_glm52.model.attention import Attention
+from titan_glm52.model.init import init_weights_
 from titan_glm52.model.moe import GroupedExperts, MoE, Router
 from titan_glm52.model.rope import apply_rope, rope_cos_sin
 
@@ -32,7 +33,7 @@ def test_interleaved_rope_rotates_adjacent_pairs():
 def test_indexer_ropes_its_first_dims_only():
     args = get_flavor("debug")
     attn = Attention(args, has_indexer=True)
-    attn.reset_parameters(0.1)
+    init_weights_(attn, 0.1)
     x, cq = torch.randn(6, args.hidden_size), torch.randn(6, args.q_lora_rank)
     model = GLM52Model(args)
     ctx = model.packed_context(1, 6, None, x.device)
@@ -47,7 +48,7 @@ def test_indexer_ropes_its_first_dims_only():
 def test_router_bias_steers_choice_but_not_weights():
     args = get_flavor("debug")
     router = Router(args)
-    router.reset_parameters(0.5)
+    init_weights_(router, 0.5)
     x = torch.randn(10, args.hidden_size)
     scores, idx, w = router(x)
     assert torch.allclose(w.sum(-1), torch.full((10,), args.routed_scaling_factor))  # norm_topk_prob then x2.5
@@ -63,7 +64,7 @@ def test_router_bias_steers_choice_but_not_weights():
 def test_group_limited_routing_keeps_chosen_groups():
     args = get_flavor("debug").replace(n_group=4, topk_group=2)
     router = Router(args)
-    router.reset_parameters(0.5)
+    init_weights_(router, 0.5)
     _, idx, _ = router(torch.randn(32, args.hidden_size))
     groups = idx // 2
     assert all(len(set(row.tolist())) <= 2 for row in groups)
@@ -71,7 +72,7 @@ def test_group_limited_routing_keeps_chosen_groups():
 
 def test_grouped_experts_loop_equals_dense_math_and_grouped_mm():
     ex = GroupedExperts(4, 16, 32)
-    ex.reset_parameters(0.2)
+    init_weights_(ex, 0.2)
     counts = torch.tensor([3, 0, 5, 8])
     x = torch.randn(16, 16)
     ex.use_grouped_mm = False
@@ -95,7 +96,7 @@ def test_grouped_experts_loop_equals_dense_math_and_grouped_mm():
 def test_moe_counts_tokens_but_not_checkpoint_recomputes():
     args = get_flavor("debug")
     moe = MoE(args)
-    moe.reset_parameters(0.1)
+    init_weights_(moe, 0.1)
     x = torch.randn(12, args.hidden_size, requires_grad=True)
     out = torch.utils.checkpoint.checkpoint(moe, x, use_reentrant=False)
     out.sum().backward()

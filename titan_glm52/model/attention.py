@@ -13,40 +13,34 @@ under activation checkpointing selects the same keys); a shared layer passes its
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from titan_glm52.kernels import reference
+from titan_glm52.kernels import reference, triton_kernels
 from titan_glm52.model.args import GLM52ModelArgs
-from titan_glm52.model.aux_loss import AuxLoss
+from titan_glm52.model.aux_loss import AuxLoss, in_backward
 from titan_glm52.model.norms import RMSNorm
 from titan_glm52.model.rope import apply_rope
 
 BACKENDS = ("torch", "triton")
 
 
-@functools.cache
-def _triton_kernels():
-    try:
-        from titan_glm52.kernels import indexer_topk, sparse_mla  # noqa: F401  (Triton modules)
-    except Exception as e:  # pragma: no cover - depends on the machine
-        raise RuntimeError(f"[dsa] backend = 'triton' was asked for but the Triton kernels cannot be loaded "
-                           f"({type(e).__name__}: {e}); use backend = 'torch' or install triton 3.6") from e
-    import titan_glm52.kernels as k
-    return k
-
-
 def dsa_ops(backend: str):
-    """(indexer_topk, sparse_mla) of a backend; both follow the signatures in ``kernels/reference.py``."""
+    """(indexer_topk, sparse_mla, indexer_kl_sparse) of a backend; signatures as in ``kernels/reference.py``
+    (``indexer_kl_sparse(q, kv, sm_scale, lse, q_idx, k_idx, w_idx, idx_scale, indices) -> [T]``)."""
     if backend == "torch":
-        return reference.indexer_topk, reference.sparse_mla
+        def kl_sparse(q, kv, sm_scale, lse, q_idx, k_idx, w_idx, idx_scale, indices, cu_seqlens):
+            return reference.indexer_kl(q, kv, sm_scale, q_idx, k_idx, w_idx, idx_scale, cu_seqlens, indices=indices)
+        return reference.indexer_topk, reference.sparse_mla, kl_sparse
     if backend == "triton":
-        k = _triton_kernels()
-        return k.indexer_topk, k.sparse_mla
+        k = triton_kernels()
+
+        def kl_sparse(q, kv, sm_scale, lse, q_idx, k_idx, w_idx, idx_scale, indices, cu_seqlens):
+            return k["indexer_kl_sparse"](q, kv, sm_scale, lse, q_idx, k_idx, w_idx, idx_scale, indices)
+        return k["indexer_topk"], k["sparse_mla"], kl_sparse
     raise ValueError(f"unknown DSA backend {backend!r}; choose one of {BACKENDS}")
 
 
@@ -102,11 +96,6 @@ class Indexer(nn.Module):
         w = F.linear(x.float(), self.weights_proj.weight.float()) * self.n_heads ** -0.5
         return q, k, w
 
-    def reset_parameters(self, std: float) -> None:
-        for lin in (self.wq_b, self.wk, self.weights_proj):
-            nn.init.normal_(lin.weight, std=std)
-        self.k_norm.reset_parameters()
-
 
 class Attention(nn.Module):
     """MLA + DSA for one layer. ``indexer`` is None on IndexShare-shared layers (as in the checkpoint).
@@ -135,7 +124,7 @@ class Attention(nn.Module):
         # Indexer KL loss (DeepSeek-V3.2): None = off; else coefficient / normaliser, set per step by the trainer.
         self.indexer_loss_scale: float | None = None
         self.recall_queries = 0  # > 0: measure the top-k recall of the last that many queries of row 0
-        self.last_indexer_kl: torch.Tensor | None = None  # detached sum over rows, for logging
+        self.last_indexer_kl: torch.Tensor | None = None  # detached KL summed over rows (and micro-batches)
         self.last_recall: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor, ctx: PackedContext, topk_in: torch.Tensor | None):
@@ -156,7 +145,7 @@ class Attention(nn.Module):
         q_abs = torch.cat((q_lat, q_rope), dim=-1)  # [T, H, kv_rank + rope]
         kv = torch.cat((c_kv, k_rope), dim=-1)  # [T, kv_rank + rope]
 
-        indexer_topk, sparse_mla = dsa_ops(self.backend)
+        indexer_topk, sparse_mla, indexer_kl_sparse = dsa_ops(self.backend)
         train_indexer = self.indexer is not None and self.indexer_loss_scale is not None and torch.is_grad_enabled()
         if self.indexer is not None:
             # The indexer sees detached inputs: it learns only from its KL loss, the model only from the LM loss.
@@ -171,16 +160,21 @@ class Attention(nn.Module):
         else:
             topk = topk_in
 
+        lse = None
         if self.sparse:
-            o_lat, _ = sparse_mla(q_abs, kv, topk, self.softmax_scale, self.kv_rank)
+            o_lat, lse = sparse_mla(q_abs, kv, topk, self.softmax_scale, self.kv_rank)
         else:
             o_lat = reference.dense_causal_attention(q_abs, kv, ctx.cu_seqlens, self.softmax_scale, self.kv_rank)
         out = self.wo(torch.einsum("thr,hvr->thv", o_lat, w_uv).reshape(t, self.n_heads * self.v_dim))
-        if train_indexer:
+        if train_indexer and self.sparse:  # KL over the selected keys, from the attention's own LSE
+            kl = indexer_kl_sparse(q_abs.detach(), kv.detach(), self.softmax_scale, lse.detach(), q_i, k_i, w_i,
+                                   self.indexer.softmax_scale, topk, ctx.cu_seqlens).sum()
+        elif train_indexer:  # dense warm-up: KL over every visible key (chunked torch path on any backend)
             kl = reference.indexer_kl(q_abs.detach(), kv.detach(), self.softmax_scale, q_i, k_i, w_i,
-                                      self.indexer.softmax_scale, ctx.cu_seqlens,
-                                      indices=topk if self.sparse else None).sum()
-            self.last_indexer_kl = kl.detach()
+                                      self.indexer.softmax_scale, ctx.cu_seqlens).sum()
+        if train_indexer:
+            if not in_backward():  # accumulate over micro-batches, not over checkpoint recomputes
+                self.last_indexer_kl = kl.detach() + (0 if self.last_indexer_kl is None else self.last_indexer_kl)
             out = AuxLoss.apply(out, kl * self.indexer_loss_scale)
         if self.recall_queries and self.indexer is not None:
             n = min(self.recall_queries, t // ctx.rows)
@@ -189,11 +183,3 @@ class Attention(nn.Module):
             self.last_recall = topk_recall(q_abs[rows].detach(), kv.detach(), topk[rows], rows, starts,
                                            self.softmax_scale)
         return out, topk
-
-    def reset_parameters(self, std: float) -> None:
-        for lin in (self.wq_a, self.wq_b, self.wkv_a, self.wkv_b, self.wo):
-            nn.init.normal_(lin.weight, std=std)
-        self.q_norm.reset_parameters()
-        self.kv_norm.reset_parameters()
-        if self.indexer is not None:
-            self.indexer.reset_parameters(std)

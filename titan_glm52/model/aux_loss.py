@@ -19,3 +19,8 @@ class AuxLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         return grad, torch.ones(ctx.loss_shape, dtype=ctx.loss_dtype, device=grad.device)
+
+
+def in_backward() -> bool:
+    """True while autograd runs a backward pass (e.g. an activation-checkpoint recompute)."""
+    return torch._C._current_graph_task_id() != -1

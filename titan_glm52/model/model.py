@@ -16,6 +16,7 @@ from torch import nn
 
 from titan_glm52.kernels.reference import check_cu_seqlens, doc_positions
 from titan_glm52.model.args import GLM52ModelArgs
+from titan_glm52.model.init import init_weights_
 from titan_glm52.model.attention import Attention, PackedContext
 from titan_glm52.model.moe import MoE, FeedForward
 from titan_glm52.model.norms import RMSNorm
@@ -44,12 +45,6 @@ class Block(nn.Module):
         h = h + (self.moe(m, ctx.rows) if self.moe_enabled else self.feed_forward(m))
         return h, topk
 
-    def reset_parameters(self, std: float) -> None:
-        self.attention_norm.reset_parameters()
-        self.ffn_norm.reset_parameters()
-        self.attention.reset_parameters(std)
-        (self.moe if self.moe_enabled else self.feed_forward).reset_parameters(std)
-
 
 class MTPLayer(nn.Module):
     """Depth-1 multi-token prediction (checkpoint layer ``num_hidden_layers``).
@@ -72,12 +67,6 @@ class MTPLayer(nn.Module):
         x = self.eh_proj(torch.cat((self.enorm(emb_next), self.hnorm(h)), dim=-1))
         x, _ = self.block(x, ctx, None)
         return self.norm(x)
-
-    def reset_parameters(self, std: float) -> None:
-        for n in (self.enorm, self.hnorm, self.norm):
-            n.reset_parameters()
-        nn.init.normal_(self.eh_proj.weight, std=std)
-        self.block.reset_parameters(std)
 
 
 def next_token_embeddings(emb: torch.Tensor, batch: int) -> torch.Tensor:
@@ -102,19 +91,10 @@ class GLM52Model(nn.Module):
         self.mtp = MTPLayer(args) if with_mtp else None
 
     # ------------------------------------------------------------------------------------- setup
-    def init_weights(self, buffer_device: torch.device | None = None) -> None:
-        """Random init (normal with ``initializer_range``, norms 1, biases 0); also valid after ``to_empty``."""
-        std = self.args.initializer_range
-        if self.tok_embeddings is not None:
-            nn.init.normal_(self.tok_embeddings.weight, std=std)
-        for block in self.layers.values():
-            block.reset_parameters(std)
-        if self.norm is not None:
-            self.norm.reset_parameters()
-        if self.output is not None:
-            nn.init.normal_(self.output.weight, std=std)
-        if self.mtp is not None:
-            self.mtp.reset_parameters(std)
+    def init_weights(self, seed: int = 0) -> None:
+        """Random init (normal with ``initializer_range``, norms 1, biases and buffers 0), the same values whatever
+        the parallel layout (``model/init.py``); valid after ``to_empty``."""
+        init_weights_(self, self.args.initializer_range, seed)
 
     def set_dsa_backend(self, backend: str) -> None:
         for m in self.modules():

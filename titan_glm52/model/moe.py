@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from titan_glm52.model.args import GLM52ModelArgs
-from titan_glm52.model.aux_loss import AuxLoss
+from titan_glm52.model.aux_loss import AuxLoss, in_backward
 
 logger = logging.getLogger(__name__)
 
@@ -32,10 +32,6 @@ class FeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
-
-    def reset_parameters(self, std: float) -> None:
-        for lin in (self.w1, self.w2, self.w3):
-            nn.init.normal_(lin.weight, std=std)
 
 
 def _grouped_mm_usable(x: torch.Tensor) -> bool:
@@ -83,15 +79,6 @@ class GroupedExperts(nn.Module):
             outs.append(h @ w2[e].T)
         return torch.cat(outs) if outs else x.new_zeros(0, w2.shape[1])
 
-    def reset_parameters(self, std: float) -> None:
-        for w in (self.w1, self.w2, self.w3):
-            nn.init.normal_(w, std=std)
-
-
-def _in_backward() -> bool:
-    """True while autograd runs a backward pass (e.g. an activation-checkpoint recompute)."""
-    return torch._C._current_graph_task_id() != -1
-
 
 class Router(nn.Module):
     """fp32 sigmoid router; ``e_score_correction_bias`` steers the choice only."""
@@ -121,10 +108,6 @@ class Router(nn.Module):
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         return scores, idx, weights * self.scale
 
-    def reset_parameters(self, std: float) -> None:
-        nn.init.normal_(self.weight, std=std)
-        nn.init.zeros_(self.e_score_correction_bias)
-
 
 class MoE(nn.Module):
     def __init__(self, args: GLM52ModelArgs) -> None:
@@ -151,11 +134,11 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor, rows: int = 1) -> torch.Tensor:
         """``x [N, D]`` (``rows`` sequences of N / rows tokens) -> ``[N, D]``."""
-        n, k = x.shape[0], self.router.top_k
+        k = self.router.top_k
         scores, idx, weights = self.router(x)
         flat = idx.reshape(-1)
         counts = torch.bincount(flat, minlength=self.num_experts)
-        if not _in_backward():
+        if not in_backward():
             with torch.no_grad():
                 self.tokens_per_expert += counts.to(self.tokens_per_expert.dtype)
         order = torch.argsort(flat, stable=True)
@@ -165,12 +148,7 @@ class MoE(nn.Module):
         out = torch.zeros_like(x).index_add_(0, token_of, routed) + self.shared_experts(x)
         if self.seq_aux_scale is not None and torch.is_grad_enabled():
             aux = self.seq_aux_loss(scores, idx, rows)
-            self.last_seq_aux = aux.detach()
+            if not in_backward():
+                self.last_seq_aux = aux.detach() + (0 if self.last_seq_aux is None else self.last_seq_aux)
             out = AuxLoss.apply(out, aux * self.seq_aux_scale)
         return out
-
-    def reset_parameters(self, std: float) -> None:
-        self.router.reset_parameters(std)
-        self.experts.reset_parameters(std)
-        self.shared_experts.reset_parameters(std)
-        self.tokens_per_expert.zero_()

@@ -17,8 +17,6 @@ class RMSNorm(nn.Module):
         y = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + self.eps)
         return self.weight * y.to(x.dtype)
 
-    def reset_parameters(self) -> None:
-        nn.init.ones_(self.weight)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"

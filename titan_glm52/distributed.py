@@ -1,0 +1,194 @@
+"""Process groups and device meshes: cuda + nccl on GPU hosts, cpu + gloo elsewhere.
+
+Layout of the ranks (outermost first)::
+
+    pp x dp_replicate x dp_shard                 dense parameters (FSDP over dp_shard, HSDP with dp_replicate)
+    pp x dp_replicate x efsdp x ep               routed experts   (EP over ep, FSDP over efsdp)
+    with dp_shard = efsdp * ep
+
+Expert-parallel ranks are carved out of the FSDP ranks (``dp_shard``), torchtitan-style: the ``ep`` ranks
+of one group are consecutive, so on a GPU host the token all-to-all stays inside the node when possible.
+Every rank of ``dp_replicate x dp_shard`` reads different data (``ParallelMesh.dp``), including the ranks of
+one EP group, which exchange tokens, not data.
+
+The meshes are kept by name in a ``ParallelMesh`` rather than sliced out of one root mesh by flattened
+names, because slicing a flattened dim from the root mesh is deprecated from PyTorch 2.11 on.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+OPTION = {
+    "dp_replicate": "parallelism.data_parallel_replicate_degree",
+    "dp_shard": "parallelism.data_parallel_shard_degree",
+    "ep": "parallelism.expert_parallel_degree",
+    "pp": "parallelism.pipeline_parallel_degree",
+}
+
+
+# ----------------------------------------------------------------------------------- process group
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+    backend: str | None  # None: single process without a process group
+
+
+def init_distributed(timeout_s: float = 600.0, device_type: str | None = None) -> DistInfo:
+    """Initialises the default process group from the torchrun environment.
+
+    Promises: cuda + nccl (device ``cuda:LOCAL_RANK``, made current) when CUDA is available, cpu + gloo
+    otherwise; ``device_type`` ("cuda" | "cpu") forces one. Without ``RANK``/``WORLD_SIZE`` in the
+    environment it is a single process: no process group, rank 0 of 1. Calling it again returns the same
+    answer (an existing default group is kept).
+    """
+    use_cuda = torch.cuda.is_available() if device_type is None else device_type == "cuda"
+    if use_cuda and not torch.cuda.is_available():
+        raise ValueError("init_distributed(device_type='cuda') but CUDA is not available on this host")
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    if dist.is_initialized():
+        return DistInfo(dist.get_rank(), local_rank, dist.get_world_size(), device, dist.get_backend())
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return DistInfo(0, 0, 1, device, None)
+    backend = "nccl" if use_cuda else "gloo"
+    kwargs = {"device_id": device} if use_cuda else {}
+    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+    return DistInfo(dist.get_rank(), local_rank, dist.get_world_size(), device, backend)
+
+
+def destroy_distributed() -> None:
+    """Destroys the default process group if there is one."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------------- degrees
+@dataclass(frozen=True)
+class ParallelDegrees:
+    dp_replicate: int
+    dp_shard: int
+    ep: int
+    pp: int
+    world_size: int
+
+    @property
+    def efsdp(self) -> int:
+        """FSDP degree of the routed experts (``dp_shard / ep``)."""
+        return self.dp_shard // self.ep
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree: ranks that read different data."""
+        return self.dp_replicate * self.dp_shard
+
+
+def validate_degrees(world_size: int, dp_replicate: int = 1, dp_shard: int = -1, ep: int = 1, pp: int = 1,
+                     n_routed_experts: int | None = None) -> ParallelDegrees:
+    """Checks the degrees and fills ``dp_shard = -1`` (the ranks left over).
+
+    Promises: ``pp * dp_replicate * dp_shard == world_size``, ``ep`` divides ``dp_shard`` (EP ranks are
+    carved out of the FSDP ranks) and, when given, ``n_routed_experts``. Anything else raises ValueError
+    naming the option and a fix.
+    """
+    for name, value in (("dp_replicate", dp_replicate), ("ep", ep), ("pp", pp)):
+        if value < 1:
+            raise ValueError(f"{OPTION[name]} = {value}: must be >= 1")
+    if dp_shard == -1:
+        if world_size % (dp_replicate * pp):
+            raise ValueError(
+                f"{OPTION['dp_shard']} = -1 (use the ranks left over) but world size {world_size} is not divisible "
+                f"by {OPTION['dp_replicate']} * {OPTION['pp']} = {dp_replicate * pp}; change those degrees")
+        dp_shard = world_size // (dp_replicate * pp)
+    if dp_shard < 1:
+        raise ValueError(f"{OPTION['dp_shard']} = {dp_shard}: must be >= 1, or -1 for the ranks left over")
+    if pp * dp_replicate * dp_shard != world_size:
+        raise ValueError(
+            f"parallel degrees do not multiply to the world size: {OPTION['pp']} ({pp}) * {OPTION['dp_replicate']} "
+            f"({dp_replicate}) * {OPTION['dp_shard']} ({dp_shard}) = {pp * dp_replicate * dp_shard} != "
+            f"{world_size} ranks; set {OPTION['dp_shard']} = -1 to use the ranks left over, or launch "
+            f"{pp * dp_replicate * dp_shard} processes")
+    if dp_shard % ep:
+        raise ValueError(
+            f"{OPTION['ep']} = {ep} must divide {OPTION['dp_shard']} = {dp_shard} (expert-parallel ranks are "
+            f"carved out of the FSDP ranks); choose an EP degree among {_divisors(dp_shard)}")
+    if n_routed_experts is not None and n_routed_experts % ep:
+        raise ValueError(
+            f"{OPTION['ep']} = {ep} must divide the number of routed experts ({n_routed_experts}); choose one of "
+            f"{[d for d in _divisors(n_routed_experts) if dp_shard % d == 0]}")
+    return ParallelDegrees(dp_replicate, dp_shard, ep, pp, world_size)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+# ----------------------------------------------------------------------------------- meshes
+@dataclass
+class ParallelMesh:
+    """The meshes of one job, by name.
+
+    ``mesh[name]`` is a 1-D mesh: ``"pp"``, ``"dp_replicate"``, ``"dp_shard"``, ``"efsdp"``, ``"ep"``, or
+    ``"dp"`` (all data-parallel ranks of this pipeline stage: loss and load-count all-reduces, data sharding).
+    ``fsdp_mesh`` / ``expert_fsdp_mesh`` are what FSDP shards dense parameters / routed experts on.
+    """
+
+    degrees: ParallelDegrees
+    device_type: str
+    meshes: dict[str, DeviceMesh]
+    fsdp_mesh: DeviceMesh  # dp_shard, or (dp_replicate, dp_shard) = HSDP
+    expert_fsdp_mesh: DeviceMesh  # efsdp, or (dp_replicate, efsdp); used under EP
+
+    def __getitem__(self, name: str) -> DeviceMesh:
+        if name not in self.meshes:
+            raise KeyError(f"no mesh dim {name!r}; have {sorted(self.meshes)}")
+        return self.meshes[name]
+
+    @property
+    def ep_enabled(self) -> bool:
+        return self.degrees.ep > 1
+
+    @property
+    def pp_enabled(self) -> bool:
+        return self.degrees.pp > 1
+
+    @property
+    def dp_enabled(self) -> bool:
+        return self.degrees.dp > 1
+
+
+def build_mesh(world_size: int, dp_replicate: int = 1, dp_shard: int = -1, ep: int = 1, pp: int = 1,
+               device_type: str | None = None, n_routed_experts: int | None = None) -> ParallelMesh:
+    """Validates the degrees (``validate_degrees``) and builds the meshes on the default process group.
+
+    Collective: every rank must call it with the same arguments. ``device_type`` defaults to "cuda" when
+    CUDA is available, else "cpu". All meshes share one root (the world), as FSDP needs to compose with the
+    EP-sharded expert weights.
+    """
+    deg = validate_degrees(world_size, dp_replicate, dp_shard, ep, pp, n_routed_experts)
+    if not dist.is_initialized() or dist.get_world_size() != world_size:
+        have = dist.get_world_size() if dist.is_initialized() else "no"
+        raise ValueError(f"build_mesh(world_size={world_size}) needs a default process group of that size "
+                         f"({have} ranks); call init_distributed() under torchrun first")
+    device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
+    world = init_device_mesh(device_type, (world_size,), mesh_dim_names=("world",))
+    dense = world._unflatten(0, (deg.pp, deg.dp_replicate, deg.dp_shard), ("pp", "dp_replicate", "dp_shard"))
+    sparse = world._unflatten(0, (deg.pp, deg.dp_replicate, deg.efsdp, deg.ep), ("pp", "dp_replicate", "efsdp", "ep"))
+    data = world._unflatten(0, (deg.pp, deg.dp), ("pp", "dp"))
+    meshes = {"pp": data["pp"], "dp": data["dp"], "dp_replicate": dense["dp_replicate"],
+              "dp_shard": dense["dp_shard"], "efsdp": sparse["efsdp"], "ep": sparse["ep"]}
+    hsdp = deg.dp_replicate > 1
+    return ParallelMesh(deg, device_type, meshes,
+                        fsdp_mesh=dense["dp_replicate", "dp_shard"] if hsdp else dense["dp_shard"],
+                        expert_fsdp_mesh=sparse["dp_replicate", "efsdp"] if hsdp else sparse["efsdp"])

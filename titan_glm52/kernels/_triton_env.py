@@ -1,0 +1,77 @@
+"""Shared set-up for the Triton DSA kernels: interpreter fallback on CPU and small launch helpers.
+
+Importing this module makes a machine without CUDA run every ``@triton.jit`` kernel defined afterwards in the
+Triton interpreter (slow, numpy-backed; meant for tests), unless ``TRITON_INTERPRET`` was set explicitly.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import types
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import triton  # noqa: E402  (after the interpreter switch on purpose)
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _fix_interpreter_scalar_index() -> None:
+    """Triton 3.6's interpreter keeps scalars as 1-element arrays and turns them into loop bounds with
+    ``int(array)``, which numpy >= 2.3 refuses for arrays with ndim > 0. Make ``__index__`` take the element
+    instead, so ``range(0, n, BLOCK)`` with a computed ``n`` works in the interpreter as it does when compiled."""
+    try:
+        from triton.runtime import interpreter as interp
+    except ImportError:  # pragma: no cover - layout of a future triton
+        return
+    original = getattr(interp, "_patch_lang_tensor", None)
+    if original is None or getattr(original, "_titan_fixed", False):
+        return
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patched._titan_fixed = True
+    interp._patch_lang_tensor = patched
+
+
+if interpreting():
+    _fix_interpreter_scalar_index()
+
+
+def check_device(*tensors: torch.Tensor) -> None:
+    """Refuse CPU tensors unless the interpreter is on (a compiled kernel would read host memory)."""
+    for t in tensors:
+        if t.device.type != "cuda" and not interpreting():
+            raise RuntimeError(
+                "the triton DSA kernels need CUDA tensors (or TRITON_INTERPRET=1 for the CPU interpreter); "
+                f"got a tensor on {t.device}")
+
+
+def pow2(n: int, minimum: int = 16) -> int:
+    """Smallest power of two >= max(n, minimum) (tl.dot wants every dimension >= 16)."""
+    return max(minimum, triton.next_power_of_2(max(int(n), 1)))
+
+
+def make_module_callable(module_name: str, fn_name: str) -> None:
+    """Let ``titan_glm52.kernels.<module>(...)`` call the module's function of the same contract.
+
+    ``from titan_glm52.kernels import sparse_mla`` yields the submodule once it is imported (a package attribute);
+    making the module callable means code written as ``kernels.sparse_mla(q, kv, ...)`` works either way."""
+    mod = sys.modules[module_name]
+
+    class _CallableModule(types.ModuleType):
+        def __call__(self, *args, **kwargs):
+            return getattr(self, fn_name)(*args, **kwargs)
+
+    mod.__class__ = _CallableModule
+
+
+__all__ = ["interpreting", "check_device", "pow2", "make_module_callable"]

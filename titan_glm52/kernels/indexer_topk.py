@@ -1,0 +1,299 @@
+"""Triton lightning indexer with exact, deterministic top-k over packed documents.
+
+Contract: ``reference.indexer_topk``. Score of key s for query t is ``sum_h w[t,h] * relu(q[t,h] . k[s]) * scale``
+over the keys ``start(t) <= s <= t`` of t's document; the result holds the global rows of the ``topk`` best keys
+(ties: lower row wins, exactly like the reference's stable sort) followed by ``-1`` padding. Within a row the
+selected rows come in ascending row order, not in score order.
+
+How (per chunk of R query rows, so memory is O(R * longest document), never [T, T]):
+
+1. ``_score_kernel``: BQ queries x all heads per program; streams the key tiles of the documents once, computes
+   ``K_tile @ Q^T`` on tensor cores, ReLU, weight and head sum in registers, and writes one fp32 score per
+   visible (query, key) pair into the chunk's scratch, plus the row's max and min. Rows with at most ``topk``
+   visible keys are skipped (they keep all their keys).
+2. ``_select_kernel``: one program per row. Pass 1: 256-bin histogram of the scores bucketed linearly between
+   the row's min and max; the threshold bucket follows from the suffix counts. Pass 2: emit every key of a
+   higher bucket, stash the keys of the threshold bucket (score + row, in row order). Then an exact 4 x 8-bit
+   radix select on the stash (order-preserving int32 image of the fp32 score) and an emission that takes the
+   lowest rows among exact ties. If the threshold bucket is larger than the stash (massive ties), the radix
+   select runs on the whole row instead: slower, same result.
+
+-0.0 is canonicalised to +0.0 so that bit-level ties agree with the float comparison of the reference.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _triton_env
+from ._triton_env import check_device, pow2
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+SCRATCH_BYTES = 1 << 30  # budget for one chunk's scores (fp32) + stash
+STASH_CAP = 16384  # threshold-bucket candidates kept per row before falling back to a full-row radix select
+NBINS = 256
+
+# launch-parameter overrides for tuning (bench/kernels.py)
+TUNE: dict[str, dict] = {"score": {}, "select": {}}
+
+
+@triton.jit
+def _score_kernel(q_ptr, k_ptr, w_ptr, starts_ptr, scores_ptr, rmax_ptr, rmin_ptr,
+                  row0, row_end, scale, topk,
+                  stride_qt, stride_qh, stride_kt, stride_wt, stride_sr,
+                  H: tl.constexpr, D: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr,
+                  BQ: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr):
+    pid = tl.program_id(0)
+    r0 = row0 + pid * BQ
+    rows = r0 + tl.arange(0, BQ)
+    row_ok = rows < row_end
+    rstart = tl.load(starts_ptr + rows, mask=row_ok, other=0)
+    big = row_ok & (rows - rstart + 1 > topk)  # rows that need a selection
+    lo = tl.min(tl.where(big, rstart, 2147483647), axis=0)
+    hi = tl.max(tl.where(big, rows + 1, 0), axis=0)  # exclusive; 0 when no row of the block needs scores
+    lo = tl.minimum(lo, hi)
+
+    cols = tl.arange(0, BQ * HP)
+    qrow = r0 + cols // HP
+    qh = cols % HP
+    qmask = (qrow < row_end) & (qh < H)
+    offs_d = tl.arange(0, DP)
+    dmask = offs_d < D
+    q = tl.load(q_ptr + qrow.to(tl.int64)[:, None] * stride_qt + qh[:, None] * stride_qh + offs_d[None, :],
+                mask=qmask[:, None] & dmask[None, :], other=0.0)
+    w = tl.load(w_ptr + qrow.to(tl.int64) * stride_wt + qh, mask=qmask, other=0.0)
+    q_t = tl.trans(q)  # [DP, BQ*HP]
+
+    srow = scores_ptr + (rows - row0).to(tl.int64) * stride_sr - rstart  # scores of key s at srow + s
+    run_max = tl.full([BN, BQ], float("-inf"), tl.float32)  # elementwise; reduced once after the loop
+    run_min = tl.full([BN, BQ], float("inf"), tl.float32)
+    for n0 in range((lo // BN) * BN, hi, BN):
+        offs_n = n0 + tl.arange(0, BN)
+        kt = tl.load(k_ptr + offs_n.to(tl.int64)[:, None] * stride_kt + offs_d[None, :],
+                     mask=((offs_n >= lo) & (offs_n < hi))[:, None] & dmask[None, :], other=0.0)
+        if IEEE:
+            acc = tl.dot(kt, q_t, input_precision="ieee")
+        else:
+            acc = tl.dot(kt, q_t)
+        acc = tl.maximum(acc, 0.0) * w[None, :]
+        sc = tl.sum(tl.reshape(acc, (BN, BQ, HP)), axis=2) * scale  # [BN, BQ]
+        sc = tl.where(sc == 0.0, 0.0, sc)  # -0.0 -> +0.0
+        vis = (offs_n[:, None] >= rstart[None, :]) & (offs_n[:, None] <= rows[None, :]) & big[None, :]
+        tl.store(srow[None, :] + offs_n[:, None], sc, mask=vis)
+        run_max = tl.maximum(run_max, tl.where(vis, sc, float("-inf")))
+        run_min = tl.minimum(run_min, tl.where(vis, sc, float("inf")))
+    tl.store(rmax_ptr + rows - row0, tl.max(run_max, axis=0), mask=big)
+    tl.store(rmin_ptr + rows - row0, tl.min(run_min, axis=0), mask=big)
+
+
+@triton.jit
+def _fkey(x):
+    """Order-preserving int32 image of fp32 (signed comparison of keys == float comparison, -0.0 excluded)."""
+    b = x.to(tl.int32, bitcast=True)
+    return b ^ ((b >> 31) & 0x7FFFFFFF)
+
+
+@triton.jit
+def _bucket(x, mn, inv, NB: tl.constexpr):
+    # monotone non-decreasing in x, so a higher bucket always means a strictly larger score
+    return tl.minimum(tl.maximum(((x - mn) * inv).to(tl.int32), 0), NB - 1)
+
+
+@triton.jit
+def _select_kernel(scores_ptr, stash_idx_ptr, rmax_ptr, rmin_ptr, starts_ptr, out_ptr,
+                   row0, topk, stride_sr, stride_ir, stride_ot, stash_off, stash_cap,
+                   BLOCK: tl.constexpr, NB: tl.constexpr):
+    pid = tl.program_id(0)
+    t = row0 + pid
+    start = tl.load(starts_ptr + t)
+    n = t - start + 1
+    offs = tl.arange(0, BLOCK)
+    out_row = out_ptr + t.to(tl.int64) * stride_ot
+    if n <= topk:
+        for c0 in range(0, n, BLOCK):
+            tl.store(out_row + c0 + offs, start + c0 + offs, mask=c0 + offs < n)
+    else:
+        row = scores_ptr + pid.to(tl.int64) * stride_sr
+        idx_row = stash_idx_ptr + pid.to(tl.int64) * stride_ir
+        mx = tl.load(rmax_ptr + pid)
+        mn = tl.load(rmin_ptr + pid)
+        inv = tl.where(mx > mn, NB / tl.where(mx > mn, mx - mn, 1.0), 0.0)
+        bins = tl.arange(0, NB)
+
+        # ---- pass 1: bucket histogram -> threshold bucket
+        hist = tl.zeros([NB], tl.int32)
+        for c0 in range(0, n, BLOCK):
+            m = c0 + offs < n
+            x = tl.load(row + c0 + offs, mask=m, other=0.0)
+            hist += tl.histogram(_bucket(x, mn, inv, NB), NB, mask=m)
+        ge = n - tl.cumsum(hist, 0) + hist  # keys in buckets >= i
+        bstar = tl.sum((ge >= topk).to(tl.int32), 0) - 1
+        cnt_gt = tl.sum(tl.where(bins > bstar, hist, 0), 0)
+        cnt_eq = tl.sum(tl.where(bins == bstar, hist, 0), 0)
+        need = topk - cnt_gt
+        take_all = cnt_eq == need
+        overflow = (cnt_eq > stash_cap) & (cnt_eq != need)
+
+        # ---- pass 2: emit the higher buckets, stash the threshold bucket (row order is kept)
+        n_e = tl.where(overflow, 0, n)
+        n_sel = cnt_gt * 0
+        n_st = cnt_gt * 0
+        for c0 in range(0, n_e, BLOCK):
+            m = c0 + offs < n_e
+            x = tl.load(row + c0 + offs, mask=m, other=0.0)
+            b = _bucket(x, mn, inv, NB)
+            gt = m & ((b > bstar) | ((b == bstar) & take_all))
+            st = m & (b == bstar) & (cnt_eq != need)
+            gi = gt.to(tl.int32)
+            si = st.to(tl.int32)
+            pos = n_sel + tl.cumsum(gi, 0) - gi
+            tl.store(out_row + pos, start + c0 + offs, mask=gt)
+            spos = n_st + tl.cumsum(si, 0) - si
+            tl.store(row + stash_off + spos, x, mask=st)
+            tl.store(idx_row + spos, start + c0 + offs, mask=st)
+            n_sel += tl.sum(gi, 0)
+            n_st += tl.sum(si, 0)
+        tl.debug_barrier()  # stash written by other threads of this program
+
+        # ---- exact radix select on the stash (or on the whole row after an overflow)
+        m_len = tl.where(take_all, 0, tl.where(overflow, n, cnt_eq))
+        src = row + tl.where(overflow, 0, stash_off)
+        rneed = tl.where(overflow, topk, need)
+        dst = out_row + tl.where(overflow, 0, cnt_gt)
+        prefix = rneed * 0
+        shift = rneed * 0
+        done = m_len == 0
+        for lvl in tl.static_range(4):
+            n_it = tl.where(done, 0, m_len)
+            h = tl.zeros([NB], tl.int32)
+            for c0 in range(0, n_it, BLOCK):
+                m = c0 + offs < n_it
+                key = _fkey(tl.load(src + c0 + offs, mask=m, other=0.0))
+                if lvl == 0:
+                    h += tl.histogram((key >> 24) + 128, NB, mask=m)
+                else:
+                    h += tl.histogram((key >> (24 - 8 * lvl)) & 255, NB, mask=m & ((key >> (32 - 8 * lvl)) == prefix))
+            tot = tl.sum(h, 0)
+            ge = tot - tl.cumsum(h, 0) + h
+            bs = tl.sum((ge >= rneed).to(tl.int32), 0) - 1
+            c_gt = tl.sum(tl.where(bins > bs, h, 0), 0)
+            c_eq = tl.sum(tl.where(bins == bs, h, 0), 0)
+            if lvl == 0:
+                new_prefix = bs - 128
+            else:
+                new_prefix = (prefix << 8) | bs
+            prefix = tl.where(done, prefix, new_prefix)
+            shift = tl.where(done, shift, 24 - 8 * lvl)
+            new_need = rneed - c_gt
+            rneed = tl.where(done, rneed, new_need)
+            done = done | (c_eq == new_need)
+
+        n_sel = rneed * 0
+        n_eq = rneed * 0
+        for c0 in range(0, m_len, BLOCK):
+            m = c0 + offs < m_len
+            key = _fkey(tl.load(src + c0 + offs, mask=m, other=0.0))
+            idx = tl.load(idx_row + c0 + offs, mask=m & (~overflow), other=0)
+            idx = tl.where(overflow, start + c0 + offs, idx)
+            kp = key >> shift
+            gt = m & (kp > prefix)
+            eq = m & (kp == prefix)
+            ei = eq.to(tl.int32)
+            rank = n_eq + tl.cumsum(ei, 0) - ei
+            sel = gt | (eq & (rank < rneed))
+            si = sel.to(tl.int32)
+            pos = n_sel + tl.cumsum(si, 0) - si
+            tl.store(dst + pos, idx, mask=sel)
+            n_sel += tl.sum(si, 0)
+            n_eq += tl.sum(ei, 0)
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 1
+
+
+def _config(h_i: int, d_i: int, dtype: torch.dtype):
+    hp = pow2(h_i, 1)
+    bq = max(1, 128 // hp)
+    if bq * hp < 16:
+        bq = 16 // hp
+    return hp, pow2(d_i), bq
+
+
+@torch.no_grad()
+def indexer_topk(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, cu_seqlens: torch.Tensor, topk: int,
+                 scale: float, *, block_n: int = 128, scratch_bytes: int = SCRATCH_BYTES,
+                 stash_cap: int = STASH_CAP) -> torch.Tensor:
+    """Same contract as ``reference.indexer_topk`` (selected set identical; rows listed in ascending order)."""
+    total, h_i, d_i = q.shape
+    if k.shape != (total, d_i) or weights.shape != (total, h_i):
+        raise ValueError(f"shape mismatch: q {tuple(q.shape)}, k {tuple(k.shape)}, weights {tuple(weights.shape)}")
+    check_device(q, k, weights)
+    out = torch.full((total, topk), -1, dtype=torch.int32, device=q.device)
+    if total == 0 or topk == 0:
+        return out
+    cu = cu_seqlens.to(device=q.device, dtype=torch.int64)
+    if cu.dim() != 1 or int(cu[0]) != 0 or int(cu[-1]) != total:
+        raise ValueError("cu_seqlens must be 1-D, start at 0 and end at T")
+    lengths = cu[1:] - cu[:-1]
+    starts = torch.repeat_interleave(cu[:-1], lengths, output_size=total).to(torch.int32)
+    maxlen = int(lengths.max())
+    q = q.contiguous() if q.stride(-1) != 1 else q
+    k = k.contiguous() if k.stride(-1) != 1 else k
+    weights = weights.float().contiguous()
+    k = k.to(q.dtype)
+    hp, dp, bq = _config(h_i, d_i, q.dtype)
+    ieee = q.dtype == torch.float32
+
+    # scratch: per row the scores of its visible keys (column = key - doc start), then the stash
+    cap = min(stash_cap, maxlen)
+    width = maxlen + cap
+    rows = max(bq, min(total, scratch_bytes // (8 * width)))
+    wave = bq * _num_sms(q.device)
+    rows = rows // wave * wave if rows >= wave else max(bq, rows // bq * bq)  # whole waves of score programs
+    scores = torch.empty((rows, width), dtype=torch.float32, device=q.device)
+    stash_idx = torch.empty((rows, cap), dtype=torch.int32, device=q.device)
+    rmax = torch.empty(rows, dtype=torch.float32, device=q.device)
+    rmin = torch.empty(rows, dtype=torch.float32, device=q.device)
+    sc_cfg = {"BN": block_n, "num_warps": 8, "num_stages": 3, **TUNE["score"]}
+    se_cfg = {"BLOCK": 1024, "num_warps": 4, **TUNE["select"]}
+    skip_select = se_cfg.pop("skip", False)  # benchmark hook: time the scoring alone
+    for a in range(0, total, rows):
+        b = min(total, a + rows)
+        _score_kernel[(triton.cdiv(b - a, bq),)](
+            q, k, weights, starts, scores, rmax, rmin, a, b, float(scale), topk,
+            q.stride(0), q.stride(1), k.stride(0), weights.stride(0), scores.stride(0),
+            H=h_i, D=d_i, HP=hp, DP=dp, BQ=bq, IEEE=ieee, **sc_cfg)
+        if skip_select:
+            continue
+        _select_kernel[(b - a,)](
+            scores, stash_idx, rmax, rmin, starts, out, a, topk, scores.stride(0), stash_idx.stride(0),
+            out.stride(0), maxlen, cap, NB=NBINS, **se_cfg)
+    return out
+
+
+__all__ = ["indexer_topk"]
+
+_triton_env.make_module_callable(__name__, "indexer_topk")
+
+
+def compile_specs(small: bool = False):
+    """Launch configurations for ``bench/compile_check.py`` (offline sm_90 compile)."""
+    h_i, d_i = (4, 16) if small else (32, 128)
+    hp, dp, bq = _config(h_i, d_i, torch.bfloat16)
+    ptr = {n: "*fp32" for n in ("w_ptr", "scores_ptr", "rmax_ptr", "rmin_ptr")}
+    score_sig = {"q_ptr": "*bf16", "k_ptr": "*bf16", "starts_ptr": "*i32", **ptr, "row0": "i32", "row_end": "i32",
+                 "scale": "fp32", "topk": "i32", "stride_qt": "i32", "stride_qh": "i32", "stride_kt": "i32",
+                 "stride_wt": "i32", "stride_sr": "i32"}
+    score_c = {"H": h_i, "D": d_i, "HP": hp, "DP": dp, "BQ": bq, "BN": 128, "IEEE": False}
+    sel_sig = {"scores_ptr": "*fp32", "stash_idx_ptr": "*i32", "rmax_ptr": "*fp32", "rmin_ptr": "*fp32",
+               "starts_ptr": "*i32", "out_ptr": "*i32", "row0": "i32", "topk": "i32", "stride_sr": "i32",
+               "stride_ir": "i32", "stride_ot": "i32", "stash_off": "i32", "stash_cap": "i32"}
+    div = ("q_ptr", "k_ptr", "stride_qt", "stride_qh", "stride_kt", "stride_sr")
+    return [("indexer_score", (_score_kernel, score_sig, score_c, 8, 3, div)),
+            ("indexer_select", (_select_kernel, sel_sig, {"BLOCK": 1024, "NB": NBINS}, 4, 1,
+                                ("scores_ptr", "stride_sr")))]

@@ -1,0 +1,415 @@
+"""Triton sparse MLA (absorbed / MQA form) forward and backward over top-k gathered latent rows.
+
+Contract: ``reference.sparse_mla``. q ``[T, H, D_qk]``, kv ``[T, D_qk]`` (one latent row per token shared by all
+heads; values are ``kv[:, :d_v]``), indices int32 ``[T, K]`` of global rows, ``-1`` = none. Returns
+``out [T, H, d_v]`` (q's dtype) and ``lse [T, H]`` (fp32, natural log, ``-inf`` for a row without a valid key,
+whose output and gradients are 0). Differentiable in q and kv; lse is returned without gradient.
+
+Layout: D_qk is split into the value part A = ``[:d_v]`` and the tail B = ``[d_v:]`` (512 + 64 for GLM-5.2);
+each part is padded to a power of two (masked), so any D_qk/d_v works. One program handles one query and a
+block of BH heads and walks the K selected rows in blocks of BK: gather the rows once (masked for -1, clamped
+before addressing), S = Q_A K_A^T + Q_B K_B^T, online softmax in base 2, O += P V with V = K_A.
+
+Backward (default "split", per chunk of queries): kernel 1 (same grid as forward) recomputes S and
+P = exp(S - lse) from the saved lse, dP = dO V^T, dS = P (dP - Delta) with Delta = rowsum(O dO), accumulates dQ in
+registers and writes P and dS ([chunk, H, K], q's dtype) to a scratch; kernel 2 forms the dKV tile
+dS^T Q * scale + P^T dO (heads are the GEMM reduction, all 64 in one program) and adds it to an fp32 buffer with
+atomics, cast to kv's dtype at the end (non-deterministic summation order, fp32 accuracy). Splitting keeps Q and
+dO in one operand layout per kernel (a fused kernel needs both layouts and only fits 32 heads per program, which
+doubles the atomic traffic that bounds the backward). The fused kernel stays available (TUNE["bwd"]["mode"]).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import _triton_env  # noqa: F401  (interpreter switch before triton)
+from ._triton_env import check_device, pow2
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+# launch-parameter overrides for tuning (bench/kernels.py): keys BH, BK, num_warps, num_stages
+# (bwd: {"mode": "split" | "fused"}; bwd_dq / bwd_dkv: the two kernels of the split backward)
+TUNE: dict[str, dict] = {"fwd": {}, "bwd": {}, "bwd_dq": {}, "bwd_dkv": {}}
+
+
+@triton.jit
+def _gather(kv_ptr, idx_ptr, k0, K, T, stride_kvt, DA: tl.constexpr, DB: tl.constexpr, DAP: tl.constexpr,
+            DBP: tl.constexpr, BK: tl.constexpr, HAS_B: tl.constexpr):
+    """Rows kv[idx[k0:k0+BK]] split into parts A [BK, DAP] and B [BK, DBP]; invalid slots read as 0.
+    Returns (valid [BK], clamped row ids [BK] int64, A, B)."""
+    offs_k = k0 + tl.arange(0, BK)
+    idx = tl.load(idx_ptr + offs_k, mask=offs_k < K, other=-1)
+    valid = (idx >= 0) & (idx < T)
+    safe = tl.where(valid, idx, 0).to(tl.int64)  # clamp before addressing
+    rows = safe * stride_kvt
+    offs_a = tl.arange(0, DAP)
+    ka = tl.load(kv_ptr + rows[:, None] + offs_a[None, :], mask=valid[:, None] & (offs_a < DA)[None, :], other=0.0)
+    if HAS_B:
+        offs_b = tl.arange(0, DBP)
+        kb = tl.load(kv_ptr + rows[:, None] + DA + offs_b[None, :], mask=valid[:, None] & (offs_b < DB)[None, :],
+                     other=0.0)
+    else:
+        kb = ka
+    return valid, safe, ka, kb
+
+
+@triton.jit
+def _dot(a, b, IEEE: tl.constexpr):
+    if IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit
+def _fwd_kernel(q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr,
+                T, H, K, qk_scale,
+                stride_qt, stride_qh, stride_kvt, stride_it, stride_ot, stride_oh, stride_lt,
+                DA: tl.constexpr, DB: tl.constexpr, DAP: tl.constexpr, DBP: tl.constexpr,
+                BH: tl.constexpr, BK: tl.constexpr, HAS_B: tl.constexpr, IEEE: tl.constexpr):
+    t = tl.program_id(0)
+    offs_h = tl.program_id(1) * BH + tl.arange(0, BH)
+    hmask = offs_h < H
+    offs_a = tl.arange(0, DAP)
+    qrow = q_ptr + t.to(tl.int64) * stride_qt + offs_h[:, None] * stride_qh
+    qa = tl.load(qrow + offs_a[None, :], mask=hmask[:, None] & (offs_a < DA)[None, :], other=0.0)
+    if HAS_B:
+        offs_b = tl.arange(0, DBP)
+        qb = tl.load(qrow + DA + offs_b[None, :], mask=hmask[:, None] & (offs_b < DB)[None, :], other=0.0)
+    idx_row = idx_ptr + t.to(tl.int64) * stride_it
+
+    m_i = tl.full([BH], float("-inf"), tl.float32)
+    l_i = tl.zeros([BH], tl.float32)
+    acc = tl.zeros([BH, DAP], tl.float32)
+    for k0 in range(0, K, BK):
+        valid, safe, ka, kb = _gather(kv_ptr, idx_row, k0, K, T, stride_kvt, DA, DB, DAP, DBP, BK, HAS_B)
+        s = _dot(qa, tl.trans(ka), IEEE)
+        if HAS_B:
+            s += _dot(qb, tl.trans(kb), IEEE)
+        s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # no valid key yet: keep exp2 finite (= 0)
+        alpha = tl.math.exp2(m_i - m_use)
+        p = tl.math.exp2(s - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + _dot(p.to(ka.dtype), ka, IEEE)
+        m_i = m_new
+    has = l_i > 0.0
+    out = acc / tl.where(has, l_i, 1.0)[:, None]
+    lse = tl.where(has, (m_i + tl.math.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    orow = out_ptr + t.to(tl.int64) * stride_ot + offs_h[:, None] * stride_oh
+    tl.store(orow + offs_a[None, :], out.to(out_ptr.dtype.element_ty), mask=hmask[:, None] & (offs_a < DA)[None, :])
+    tl.store(lse_ptr + t.to(tl.int64) * stride_lt + offs_h, lse, mask=hmask)
+
+
+@triton.jit
+def _bwd_kernel(q_ptr, kv_ptr, idx_ptr, out_ptr, do_ptr, lse_ptr, dq_ptr, dkv_ptr,
+                T, H, K, sm_scale,
+                stride_qt, stride_qh, stride_kvt, stride_it, stride_ot, stride_oh, stride_dot, stride_doh,
+                stride_lt, stride_dqt, stride_dqh, stride_dkvt,
+                DA: tl.constexpr, DB: tl.constexpr, DAP: tl.constexpr, DBP: tl.constexpr,
+                BH: tl.constexpr, BK: tl.constexpr, HAS_B: tl.constexpr, IEEE: tl.constexpr):
+    t = tl.program_id(0)
+    offs_h = tl.program_id(1) * BH + tl.arange(0, BH)
+    hmask = offs_h < H
+    offs_a = tl.arange(0, DAP)
+    amask = hmask[:, None] & (offs_a < DA)[None, :]
+    t64 = t.to(tl.int64)
+    qrow = q_ptr + t64 * stride_qt + offs_h[:, None] * stride_qh
+    qa = tl.load(qrow + offs_a[None, :], mask=amask, other=0.0)
+    if HAS_B:
+        offs_b = tl.arange(0, DBP)
+        bmask = hmask[:, None] & (offs_b < DB)[None, :]
+        qb = tl.load(qrow + DA + offs_b[None, :], mask=bmask, other=0.0)
+    do = tl.load(do_ptr + t64 * stride_dot + offs_h[:, None] * stride_doh + offs_a[None, :], mask=amask, other=0.0)
+    o = tl.load(out_ptr + t64 * stride_ot + offs_h[:, None] * stride_oh + offs_a[None, :], mask=amask, other=0.0)
+    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), axis=1)  # [BH]
+    lse = tl.load(lse_ptr + t64 * stride_lt + offs_h, mask=hmask, other=float("-inf"))
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)  # empty row -> P = 0
+    qk_scale = sm_scale * 1.4426950408889634
+    idx_row = idx_ptr + t64 * stride_it
+
+    dqa = tl.zeros([BH, DAP], tl.float32)
+    if HAS_B:
+        dqb = tl.zeros([BH, DBP], tl.float32)
+    for k0 in range(0, K, BK):
+        valid, safe, ka, kb = _gather(kv_ptr, idx_row, k0, K, T, stride_kvt, DA, DB, DAP, DBP, BK, HAS_B)
+        s = _dot(qa, tl.trans(ka), IEEE)
+        if HAS_B:
+            s += _dot(qb, tl.trans(kb), IEEE)
+        p = tl.math.exp2(s * qk_scale - lse2[:, None])
+        p = tl.where(valid[None, :], p, 0.0)  # [BH, BK]
+        dp = _dot(do, tl.trans(ka), IEEE)
+        ds = p * (dp - delta[:, None])  # gradient w.r.t. the scaled logits
+        ds_c = ds.to(ka.dtype)
+        dqa += _dot(ds_c, ka, IEEE)
+        # dKV tile: the heads are the reduction dimension, so each (query, key) pair is added once per head block
+        dka = _dot(tl.trans(ds_c), qa, IEEE) * sm_scale + _dot(tl.trans(p.to(do.dtype)), do, IEEE)
+        dkv_rows = dkv_ptr + safe * stride_dkvt
+        tl.atomic_add(dkv_rows[:, None] + offs_a[None, :], dka, mask=valid[:, None] & (offs_a < DA)[None, :],
+                      sem="relaxed")
+        if HAS_B:
+            dqb += _dot(ds_c, kb, IEEE)
+            dkb = _dot(tl.trans(ds_c), qb, IEEE) * sm_scale
+            tl.atomic_add(dkv_rows[:, None] + DA + offs_b[None, :], dkb,
+                          mask=valid[:, None] & (offs_b < DB)[None, :], sem="relaxed")
+    dqrow = dq_ptr + t64 * stride_dqt + offs_h[:, None] * stride_dqh
+    tl.store(dqrow + offs_a[None, :], (dqa * sm_scale).to(dq_ptr.dtype.element_ty), mask=amask)
+    if HAS_B:
+        tl.store(dqrow + DA + offs_b[None, :], (dqb * sm_scale).to(dq_ptr.dtype.element_ty), mask=bmask)
+
+
+@triton.jit
+def _bwd_dq_kernel(q_ptr, kv_ptr, idx_ptr, out_ptr, do_ptr, lse_ptr, dq_ptr, p_ptr, ds_ptr,
+                   T, H, K, sm_scale, row0,
+                   stride_qt, stride_qh, stride_kvt, stride_it, stride_ot, stride_oh, stride_dot, stride_doh,
+                   stride_lt, stride_dqt, stride_dqh, stride_pt, stride_ph,
+                   DA: tl.constexpr, DB: tl.constexpr, DAP: tl.constexpr, DBP: tl.constexpr,
+                   BH: tl.constexpr, BK: tl.constexpr, HAS_B: tl.constexpr, IEEE: tl.constexpr):
+    """Split backward, part 1 (no atomics): dQ, and P / dS of every (head, slot) into a scratch for part 2."""
+    t = row0 + tl.program_id(0)
+    offs_h = tl.program_id(1) * BH + tl.arange(0, BH)
+    hmask = offs_h < H
+    offs_a = tl.arange(0, DAP)
+    amask = hmask[:, None] & (offs_a < DA)[None, :]
+    t64 = t.to(tl.int64)
+    qrow = q_ptr + t64 * stride_qt + offs_h[:, None] * stride_qh
+    qa = tl.load(qrow + offs_a[None, :], mask=amask, other=0.0)
+    if HAS_B:
+        offs_b = tl.arange(0, DBP)
+        bmask = hmask[:, None] & (offs_b < DB)[None, :]
+        qb = tl.load(qrow + DA + offs_b[None, :], mask=bmask, other=0.0)
+    do = tl.load(do_ptr + t64 * stride_dot + offs_h[:, None] * stride_doh + offs_a[None, :], mask=amask, other=0.0)
+    o = tl.load(out_ptr + t64 * stride_ot + offs_h[:, None] * stride_oh + offs_a[None, :], mask=amask, other=0.0)
+    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), axis=1)  # [BH]
+    lse = tl.load(lse_ptr + t64 * stride_lt + offs_h, mask=hmask, other=float("-inf"))
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)  # empty row -> P = 0
+    qk_scale = sm_scale * 1.4426950408889634
+    idx_row = idx_ptr + t64 * stride_it
+    prow = (t - row0).to(tl.int64) * stride_pt + offs_h[:, None] * stride_ph  # [BH, 1] offsets into P / dS
+
+    dqa = tl.zeros([BH, DAP], tl.float32)
+    if HAS_B:
+        dqb = tl.zeros([BH, DBP], tl.float32)
+    for k0 in range(0, K, BK):
+        valid, safe, ka, kb = _gather(kv_ptr, idx_row, k0, K, T, stride_kvt, DA, DB, DAP, DBP, BK, HAS_B)
+        s = _dot(qa, tl.trans(ka), IEEE)
+        if HAS_B:
+            s += _dot(qb, tl.trans(kb), IEEE)
+        p = tl.math.exp2(s * qk_scale - lse2[:, None])
+        p = tl.where(valid[None, :], p, 0.0)  # [BH, BK]
+        dp = _dot(do, tl.trans(ka), IEEE)
+        ds_c = (p * (dp - delta[:, None])).to(ka.dtype)  # gradient w.r.t. the scaled logits
+        dqa += _dot(ds_c, ka, IEEE)
+        if HAS_B:
+            dqb += _dot(ds_c, kb, IEEE)
+        offs_k = k0 + tl.arange(0, BK)
+        smask = hmask[:, None] & (offs_k < K)[None, :]
+        tl.store(p_ptr + prow + offs_k[None, :], p.to(p_ptr.dtype.element_ty), mask=smask)
+        tl.store(ds_ptr + prow + offs_k[None, :], ds_c, mask=smask)
+    dqrow = dq_ptr + t64 * stride_dqt + offs_h[:, None] * stride_dqh
+    tl.store(dqrow + offs_a[None, :], (dqa * sm_scale).to(dq_ptr.dtype.element_ty), mask=amask)
+    if HAS_B:
+        tl.store(dqrow + DA + offs_b[None, :], (dqb * sm_scale).to(dq_ptr.dtype.element_ty), mask=bmask)
+
+
+@triton.jit
+def _bwd_dkv_kernel(q_ptr, idx_ptr, do_ptr, p_ptr, ds_ptr, dkv_ptr,
+                    T, H, K, sm_scale, row0,
+                    stride_qt, stride_qh, stride_it, stride_dot, stride_doh, stride_pt, stride_ph, stride_dkvt,
+                    DA: tl.constexpr, DB: tl.constexpr, DAP: tl.constexpr, DBP: tl.constexpr,
+                    BH: tl.constexpr, BK: tl.constexpr, HAS_B: tl.constexpr, IEEE: tl.constexpr):
+    """Split backward, part 2: dKV[idx] += dS^T Q * scale + P^T dO (fp32 atomics, once per (query, slot) and
+    head block). Q and dO are only right-hand operands here, so each has one shared-memory copy."""
+    t = row0 + tl.program_id(0)
+    offs_h = tl.program_id(1) * BH + tl.arange(0, BH)
+    hmask = offs_h < H
+    offs_a = tl.arange(0, DAP)
+    amask = hmask[:, None] & (offs_a < DA)[None, :]
+    t64 = t.to(tl.int64)
+    qrow = q_ptr + t64 * stride_qt + offs_h[:, None] * stride_qh
+    qa = tl.load(qrow + offs_a[None, :], mask=amask, other=0.0)
+    if HAS_B:
+        offs_b = tl.arange(0, DBP)
+        qb = tl.load(qrow + DA + offs_b[None, :], mask=hmask[:, None] & (offs_b < DB)[None, :], other=0.0)
+    do = tl.load(do_ptr + t64 * stride_dot + offs_h[:, None] * stride_doh + offs_a[None, :], mask=amask, other=0.0)
+    idx_row = idx_ptr + t64 * stride_it
+    prow = (t - row0).to(tl.int64) * stride_pt + offs_h[None, :] * stride_ph  # [1, BH]
+    for k0 in range(0, K, BK):
+        offs_k = k0 + tl.arange(0, BK)
+        idx = tl.load(idx_row + offs_k, mask=offs_k < K, other=-1)
+        valid = (idx >= 0) & (idx < T)
+        lmask = valid[:, None] & hmask[None, :]
+        pt = tl.load(p_ptr + prow + offs_k[:, None], mask=lmask, other=0.0)  # [BK, BH]
+        dst = tl.load(ds_ptr + prow + offs_k[:, None], mask=lmask, other=0.0)
+        dka = _dot(dst, qa, IEEE) * sm_scale + _dot(pt, do, IEEE)
+        rows = dkv_ptr + tl.where(valid, idx, 0).to(tl.int64) * stride_dkvt
+        tl.atomic_add(rows[:, None] + offs_a[None, :], dka, mask=valid[:, None] & (offs_a < DA)[None, :],
+                      sem="relaxed")
+        if HAS_B:
+            dkb = _dot(dst, qb, IEEE) * sm_scale
+            tl.atomic_add(rows[:, None] + DA + offs_b[None, :], dkb, mask=valid[:, None] & (offs_b < DB)[None, :],
+                          sem="relaxed")
+
+
+def _config(h: int, d_qk: int, d_v: int, backward: bool = False, part: str = ""):
+    """Launch parameters. part: "" (forward or fused backward), "dq" / "dkv" (split backward)."""
+    dap = pow2(d_v)
+    db = d_qk - d_v
+    dbp = pow2(db) if db > 0 else 16
+    big = dap >= 256
+    bh = min(pow2(h), 64)
+    num_warps = 8 if big else 4
+    if not backward:
+        bk, num_stages = (64, 2) if big else (16, 2)
+    elif part == "dq":
+        # 64 heads x (512 + 64) fp32 dQ accumulators spill at 8 warps; 32 heads do not (no atomics here, so two
+        # programs per query only re-gather the rows, mostly from L2)
+        bh = min(bh, 32) if big else bh
+        bk, num_stages = (32, 2) if big else (16, 2)
+    elif part == "dkv":
+        bk, num_stages = (32, 2) if big else (16, 2)
+    else:
+        # fused backward at d_v = 512: Q and dO are needed in shared memory in two operand layouts each, which
+        # only fits (227 KB) with 32 heads per program
+        bh = min(bh, 32) if big else bh
+        bk, num_stages = (32, 1) if big else (16, 2)
+    cfg = dict(DA=d_v, DB=db, DAP=dap, DBP=dbp, BH=bh, BK=bk, HAS_B=db > 0)
+    tune = dict(TUNE["bwd_" + part if part else ("bwd" if backward else "fwd")])
+    num_warps = tune.pop("num_warps", num_warps)
+    num_stages = tune.pop("num_stages", num_stages)
+    cfg.update(tune)
+    return cfg, num_warps, num_stages
+
+
+def _check(q, kv, indices, d_v):
+    if q.dim() != 3 or kv.dim() != 2 or indices.dim() != 2:
+        raise ValueError(f"expected q [T,H,D], kv [T,D], indices [T,K]; got {tuple(q.shape)}, {tuple(kv.shape)}, "
+                         f"{tuple(indices.shape)}")
+    if kv.shape[1] != q.shape[2] or indices.shape[0] != q.shape[0] or not 0 < d_v <= q.shape[2]:
+        raise ValueError(f"shape mismatch: q {tuple(q.shape)}, kv {tuple(kv.shape)}, indices "
+                         f"{tuple(indices.shape)}, d_v {d_v}")
+    check_device(q, kv, indices)
+
+
+def _fwd(q, kv, indices, sm_scale, d_v):
+    total, h, d_qk = q.shape
+    out = torch.empty((total, h, d_v), dtype=q.dtype, device=q.device)
+    lse = torch.empty((total, h), dtype=torch.float32, device=q.device)
+    if total == 0:
+        return out, lse
+    c, nw, ns = _config(h, d_qk, d_v)
+    grid = (total, triton.cdiv(h, c["BH"]))
+    _fwd_kernel[grid](q, kv, indices, out, lse, kv.shape[0], h, indices.shape[1], sm_scale * LOG2E,
+                      q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), out.stride(0), out.stride(1),
+                      lse.stride(0), IEEE=q.dtype == torch.float32, num_warps=nw, num_stages=ns, **c)
+    return out, lse
+
+
+SPLIT_SCRATCH_BYTES = 1 << 30  # P and dS of one chunk of queries (split backward)
+
+
+def _bwd(q, kv, indices, out, lse, grad_out, sm_scale, d_v):
+    total, h, d_qk = q.shape
+    dq = torch.empty_like(q)
+    dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+    if total == 0:
+        return dq, dkv.to(kv.dtype)
+    if TUNE["bwd"].get("mode", "split") == "split":
+        _bwd_split(q, kv, indices, out, lse, grad_out, sm_scale, d_v, dq, dkv)
+        return dq, dkv.to(kv.dtype)
+    c, nw, ns = _config(h, d_qk, d_v, backward=True)
+    c.pop("mode", None)
+    grid = (total, triton.cdiv(h, c["BH"]))
+    _bwd_kernel[grid](q, kv, indices, out, grad_out, lse, dq, dkv, kv.shape[0], h, indices.shape[1], sm_scale,
+                      q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), out.stride(0), out.stride(1),
+                      grad_out.stride(0), grad_out.stride(1), lse.stride(0), dq.stride(0), dq.stride(1),
+                      dkv.stride(0), IEEE=q.dtype == torch.float32, num_warps=nw, num_stages=ns, **c)
+    return dq, dkv.to(kv.dtype)
+
+
+def _bwd_split(q, kv, indices, out, lse, grad_out, sm_scale, d_v, dq, dkv):
+    """dQ kernel (also writes P and dS, bf16 for bf16 inputs) then dKV kernel, per chunk of queries."""
+    total, h, d_qk = q.shape
+    n_k = indices.shape[1]
+    c, nw, ns = _config(h, d_qk, d_v, backward=True, part="dq")
+    c2, nw2, ns2 = _config(h, d_qk, d_v, backward=True, part="dkv")
+    rows = max(1, min(total, SPLIT_SCRATCH_BYTES // max(1, 2 * h * n_k * q.element_size())))
+    p = torch.empty((rows, h, n_k), dtype=q.dtype, device=q.device)
+    ds = torch.empty_like(p)
+    ieee = q.dtype == torch.float32
+    for a in range(0, total, rows):
+        n = min(rows, total - a)
+        _bwd_dq_kernel[(n, triton.cdiv(h, c["BH"]))](
+            q, kv, indices, out, grad_out, lse, dq, p, ds, kv.shape[0], h, n_k, sm_scale, a,
+            q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), out.stride(0), out.stride(1),
+            grad_out.stride(0), grad_out.stride(1), lse.stride(0), dq.stride(0), dq.stride(1), p.stride(0),
+            p.stride(1), IEEE=ieee, num_warps=nw, num_stages=ns, **c)
+        _bwd_dkv_kernel[(n, triton.cdiv(h, c2["BH"]))](
+            q, indices, grad_out, p, ds, dkv, kv.shape[0], h, n_k, sm_scale, a,
+            q.stride(0), q.stride(1), indices.stride(0), grad_out.stride(0), grad_out.stride(1), p.stride(0),
+            p.stride(1), dkv.stride(0), IEEE=ieee, num_warps=nw2, num_stages=ns2, **c2)
+
+
+def _contig(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+class _SparseMLA(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, kv, indices, sm_scale, d_v):
+        q, kv, indices = _contig(q), _contig(kv.to(q.dtype)), _contig(indices.to(torch.int32))
+        out, lse = _fwd(q, kv, indices, sm_scale, d_v)
+        ctx.save_for_backward(q, kv, indices, out, lse)
+        ctx.sm_scale, ctx.d_v = sm_scale, d_v
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        q, kv, indices, out, lse = ctx.saved_tensors
+        if grad_out is None:
+            grad_out = torch.zeros_like(out)
+        dq, dkv = _bwd(q, kv, indices, out, lse, _contig(grad_out.to(out.dtype)), ctx.sm_scale, ctx.d_v)
+        return dq, dkv, None, None, None
+
+
+def sparse_mla(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scale: float,
+               d_v: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as ``reference.sparse_mla``: ``(out [T, H, d_v], lse [T, H] fp32)``."""
+    _check(q, kv, indices, d_v)
+    return _SparseMLA.apply(q, kv, indices, float(sm_scale), int(d_v))
+
+
+def compile_specs(small: bool = False):
+    """Launch configurations for ``bench/compile_check.py`` (offline sm_90 compile)."""
+    h, d_qk, d_v = (4, 24, 16) if small else (64, 576, 512)
+    out = []
+    for name, fn, bwd, part in (("sparse_mla_fwd", _fwd_kernel, False, ""),
+                                ("sparse_mla_bwd_dq", _bwd_dq_kernel, True, "dq"),
+                                ("sparse_mla_bwd_dkv", _bwd_dkv_kernel, True, "dkv"),
+                                ("sparse_mla_bwd_fused", _bwd_kernel, True, "")):
+        c, nw, ns = _config(h, d_qk, d_v, backward=bwd, part=part)
+        c.pop("mode", None)
+        c["IEEE"] = False
+        sig = {n: "i32" for n in fn.arg_names if n.startswith("stride") or n in ("T", "H", "K", "row0")}
+        sig.update({n: "*bf16" for n in fn.arg_names if n.endswith("_ptr")})
+        sig.update({"idx_ptr": "*i32", "lse_ptr": "*fp32", "qk_scale": "fp32", "sm_scale": "fp32",
+                    "dkv_ptr": "*fp32"})
+        sig = {k: v for k, v in sig.items() if k in fn.arg_names}
+        div = tuple(n for n in fn.arg_names if n.endswith("_ptr") or (n.startswith("stride") and not n.endswith("h")
+                                                                       and n != "stride_lt"))
+        out.append((name, (fn, sig, {k: v for k, v in c.items() if k in fn.arg_names}, nw, ns, div)))
+    return out
+
+
+__all__ = ["sparse_mla"]
+
+_triton_env.make_module_callable(__name__, "sparse_mla")
