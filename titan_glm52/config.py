@@ -5,6 +5,7 @@ torchtitan's ConfigManager) and then ``validate`` refuses every combination this
 work, with a message that names the key and the fix. ``python train.py --help`` lists every option.
 """
 
+import re
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -228,7 +229,11 @@ def parse_job_config(argv: list[str]) -> JobConfig:
     """Parses TOML + CLI into a JobConfig (refusing unknown keys) and validates what needs no process group."""
     try:
         cfg = _ConfigManager(JobConfig).parse_args(list(argv))
-    except ValueError as e:  # torchtitan's message names the unknown key; make it our error type
+    except ValueError as e:  # torchtitan's message names the class and the unknown keys
+        m = re.search(r"Invalid field names in <class '[\w.]*?(\w+)'> data: (\{.*?\})", str(e))
+        if m:
+            raise ConfigError(f"unknown key(s) {m.group(2)} in the TOML section of {m.group(1)} "
+                              "(e.g. [model] for Model); `python train.py --help` lists every valid key") from e
         raise ConfigError(str(e)) from e
     validate(cfg)
     return cfg

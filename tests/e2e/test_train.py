@@ -118,7 +118,7 @@ def test_forced_nan_is_skipped_and_counted(tmp_path):
 
 
 def test_consecutive_faults_stop_and_keep_last_good_checkpoint(tmp_path):
-    proc = run_train(tmp_path, "--training.steps", "8", "--faults.inject_nan_at_steps", "3,4,5",
+    proc = run_train(tmp_path, "--training.steps", "8", "--faults.inject_nan_at_steps", "3", "4", "5",
                      "--faults.max_consecutive_nonfinite", "3", "--checkpoint.interval", "2", *small(), nproc=1,
                      check=False)
     assert proc.returncode != 0

@@ -1,0 +1,65 @@
+"""Job config: TOML + CLI precedence, our sections, refusals that name the key, --help."""
+
+import subprocess
+import sys
+
+import pytest
+
+from titan_glm52.config import ConfigError, parse_job_config
+
+
+def write(tmp_path, text):
+    path = tmp_path / "job.toml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_cli_overrides_toml_overrides_defaults(tmp_path):
+    toml = write(tmp_path, "[dsa]\nbackend = 'torch'\nindexer_loss_coeff = 0.5\n[training]\nsteps = 7\n")
+    cfg = parse_job_config(["--job.config_file", toml, "--training.steps", "9"])
+    assert (cfg.training.steps, cfg.dsa.backend, cfg.dsa.indexer_loss_coeff) == (9, "torch", 0.5)
+    assert cfg.mtp.enable and cfg.mtp.loss_weight == 0.3 and cfg.model.flavor == "debug"
+
+
+def test_unknown_toml_key_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match=r"unknown key\(s\) \{'bogus'\}.*Model"):
+        parse_job_config(["--job.config_file", write(tmp_path, "[model]\nbogus = 1\n")])
+    with pytest.raises(ConfigError, match="nosuchsection"):
+        parse_job_config(["--job.config_file", write(tmp_path, "[nosuchsection]\nx = 1\n")])
+
+
+def test_unknown_cli_key_exits():
+    with pytest.raises(SystemExit):
+        parse_job_config(["--dsa.no_such_option", "1"])
+
+
+@pytest.mark.parametrize("argv, key", [
+    (["--parallelism.tensor_parallel_degree", "2"], "parallelism.tensor_parallel_degree"),
+    (["--parallelism.context_parallel_degree", "2"], "parallelism.context_parallel_degree"),
+    (["--dsa.mode", "dense_warmup"], "dsa.indexer_loss_coeff"),
+    (["--dsa.mode", "dense_warmup", "--dsa.indexer_loss_coeff", "1", "--dsa.freeze_indexer"], "dsa.freeze_indexer"),
+    (["--dsa.freeze_indexer", "--dsa.indexer_loss_coeff", "0.1"], "dsa.freeze_indexer"),
+    (["--checkpoint.enable", "--checkpoint.keep_latest_k", "1"], "checkpoint.keep_latest_k"),
+    (["--checkpoint.async_mode", "async"], "checkpoint.async_mode"),
+    (["--training.dataset_path", "/x"], "training.dataset_path"),
+    (["--parallelism.pipeline_parallel_layers_per_stage", "4"], "parallelism.pipeline_parallel_layers_per_stage"),
+    (["--parallelism.pipeline_parallel_layout", "4,x"], "parallelism.pipeline_parallel_layout"),
+    (["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "3",
+      "--parallelism.pipeline_parallel_microbatch_size", "2"],
+     "parallelism.pipeline_parallel_microbatch_size"),
+    (["--model.tokenizer_path", "/x"], "model.tokenizer_path"),
+    (["--faults.max_consecutive_nonfinite", "0"], "faults.max_consecutive_nonfinite"),
+])
+def test_impossible_combinations_name_the_key(argv, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        parse_job_config(argv)
+
+
+def test_help_lists_our_options():
+    out = subprocess.run([sys.executable, "train.py", "--help"], capture_output=True, text=True, timeout=120,
+                         cwd=__file__.rsplit("/tests/", 1)[0]).stdout
+    for option in ("--dsa.backend", "--dsa.mode", "--dsa.indexer-loss-coeff", "--moe.bias-update-rate",
+                   "--moe.seq-aux-loss-coeff", "--mtp.loss-weight", "--faults.max-consecutive-nonfinite",
+                   "--parallelism.pipeline-parallel-layout", "--model.hf-config", "--training.dataset"):
+        assert option in out, option
+    assert "Weight of the indexer KL loss" in out
