@@ -72,6 +72,11 @@ class Data:
     seed: int = 0
     """Shuffling seed of the document order (deterministic; saved with the checkpoint position)."""
 
+    document_masking: bool = True
+    """Attention and the indexer stay inside each packed document (positions restart per document). False: each
+    sample of seq_len tokens is one sequence (attention crosses document ends; the label across an end stays
+    ignored), as in pre-training without document masking and in long-context benchmarks."""
+
 
 @dataclass
 class DSA:

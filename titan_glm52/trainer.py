@@ -422,7 +422,7 @@ class Trainer:
             while self.state.step < total and not self._stop:
                 t0 = time.perf_counter()
                 reset_peak_memory(self.device)
-                batches = [next(self.dataloader) for _ in range(self.accum)]
+                batches = [self._next_batch() for _ in range(self.accum)]
                 t_data = time.perf_counter()
                 self._probe_recall(on=self.state.step + 1 == 1 or (self.state.step + 1) % cfg.metrics.log_freq == 0)
                 losses = self.train_step(batches)
@@ -467,6 +467,14 @@ class Trainer:
                            getattr(torch, cfg.checkpoint.export_dtype))
         self.metrics.close()
         self.checkpointer.close()
+
+    def _next_batch(self) -> dict:
+        batch = next(self.dataloader)
+        if not self.cfg.data.document_masking:  # one sequence per row
+            b, s = batch["input_ids"].shape
+            batch["cu_seqlens"] = torch.arange(0, b * s + 1, s, dtype=torch.int32)
+            batch["positions"] = torch.arange(s).repeat(b, 1)
+        return batch
 
     def _probe_recall(self, on: bool) -> None:
         n = self.cfg.dsa.recall_queries if on and self.cfg.dsa.mode == "sparse" else 0
