@@ -3,10 +3,21 @@
     python -m titan_glm52.plan layout --flavor glm52_744b --pp 8 [--schedule 1F1B] [--stages-per-rank V]
                                       [--seq-len 4096] [--layers-per-stage 14,8,8,8,8,8,8,16]
 
+    python -m titan_glm52.plan memory --flavor glm52_744b --gpus 256 --pp 8 --ep 32 [--dp-replicate R]
+                                      [--schedule 1F1B] [--stages-per-rank V] [--layers-per-stage ...]
+                                      [--seq-len 4096] [--local-batch-size 1] [--microbatch-size 1]
+                                      [--ac full|selective|none] [--gpu-memory-gib 141] [--param-dtype bf16]
+
 ``layout`` prints the pipeline split (``pipeline_split.py`` decides it; this file only parses and prints): a line
 ``layers per stage: a,b,...``, then one line per stage (rank, layers, first layer, cost share, extra modules).
 With ``--layers-per-stage`` it checks that layout instead: exit status 1 and the reason on stderr when it is
 invalid, 0 and the same printout when it is valid. ``--hf-config`` reads a ``config.json`` instead of a flavor.
+
+``memory`` builds each pipeline rank's stages on the meta device over a fake process group of ``--gpus`` ranks
+with the real mesh, pipeline and parallelize code and prints a per-rank table (``memory_plan.py`` computes it
+and documents the activation formulas), the ``layers per stage:`` line and the budget. Exit status 0 when every
+rank fits in ``--gpu-memory-gib`` less ``--headroom``, 2 when one does not, 1 (message on stderr) when the
+request is invalid, e.g. a layout ``layout`` would refuse.
 """
 
 from __future__ import annotations
@@ -95,14 +106,77 @@ def _cmd_layout(ns: argparse.Namespace) -> int:
     return 0
 
 
+# ------------------------------------------------------------------------------------- memory
+def _add_memory_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("memory", help="per-rank GPU memory of a parallel layout (fake world, meta model)",
+                       description="Build every pipeline rank's stages on the meta device over a fake process "
+                                   "group with the real mesh/pipeline/parallelize code, read the FSDP2 shard "
+                                   "sizes, add an activation estimate and check the budget. Exit status 0: every "
+                                   "rank fits; 2: some rank does not; 1: the request is invalid (as `layout`).")
+    _add_model_options(p)
+    p.add_argument("--gpus", type=int, required=True, help="world size (ranks, one GPU each)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline parallel degree (default 1)")
+    p.add_argument("--ep", type=int, default=1, help="expert parallel degree, carved out of dp_shard (default 1)")
+    p.add_argument("--dp-replicate", type=int, default=1, help="HSDP replicas (default 1)")
+    p.add_argument("--dp-shard", type=int, default=-1, help="FSDP degree; -1 = the ranks left over (default)")
+    p.add_argument("--schedule", default="1F1B", help="pipeline schedule name, as for `layout` (default 1F1B)")
+    p.add_argument("--stages-per-rank", type=int, default=None, metavar="V", help="stages per pipeline rank")
+    p.add_argument("--layers-per-stage", type=_int_list, default=None, metavar="N,N,...",
+                   help="explicit layout (validated as by `layout`); default: the splitter's choice")
+    p.add_argument("--seq-len", type=int, default=ps.DEFAULT_SEQ_LEN, help="tokens per sample (default 4096)")
+    p.add_argument("--local-batch-size", type=int, default=1,
+                   help="samples per data-parallel rank per step (training.local_batch_size; default 1)")
+    p.add_argument("--microbatch-size", type=int, default=1,
+                   help="samples per pipeline micro-batch (parallelism.pipeline_parallel_microbatch_size)")
+    p.add_argument("--ac", choices=("full", "selective", "none"), default="full",
+                   help="activation checkpointing mode (default full)")
+    p.add_argument("--selective-ac-option", default="op", help="'op' or N (every N-th block); default op")
+    p.add_argument("--param-dtype", choices=("bf16", "fp32"), default="bf16",
+                   help="FSDP compute dtype (training.mixed_precision_param); master weights are fp32")
+    p.add_argument("--reshard-after-forward", choices=("default", "always", "never"), default="default",
+                   help="parallelism.fsdp_reshard_after_forward (default: default)")
+    p.add_argument("--mtp", action=argparse.BooleanOptionalAction, default=True,
+                   help="train the MTP layer (mtp.enable; default on)")
+    p.add_argument("--gpu-memory-gib", type=float, default=141.0,
+                   help="memory per GPU in GiB (default 141; an H200 reports 143771 MiB = 140.4 GiB)")
+    p.add_argument("--headroom", type=float, default=0.10,
+                   help="fraction of the GPU left unplanned for the CUDA context, NCCL, fragmentation "
+                        "(default 0.10)")
+    p.add_argument("--expert-load-factor", type=float, default=1.0,
+                   help="routed rows a rank's experts receive over the balanced mean (default 1.0)")
+    p.set_defaults(func=_cmd_memory)
+
+
+def memory_request(ns: argparse.Namespace, args: GLM52ModelArgs):
+    """The ``MemoryRequest`` of parsed ``memory`` options."""
+    from titan_glm52.memory_plan import MemoryRequest
+
+    return MemoryRequest(
+        args=args, gpus=ns.gpus, pp=ns.pp, ep=ns.ep, dp_replicate=ns.dp_replicate, dp_shard=ns.dp_shard,
+        schedule=ns.schedule, stages_per_rank=ns.stages_per_rank,
+        layers_per_stage=tuple(ns.layers_per_stage) if ns.layers_per_stage is not None else None,
+        seq_len=ns.seq_len, local_batch_size=ns.local_batch_size, microbatch_size=ns.microbatch_size,
+        ac_mode=ns.ac, selective_ac_option=ns.selective_ac_option, param_dtype=ns.param_dtype,
+        reshard_after_forward=ns.reshard_after_forward, with_mtp=ns.mtp and args.num_nextn_predict_layers > 0,
+        gpu_memory_gib=ns.gpu_memory_gib, headroom=ns.headroom, expert_load_factor=ns.expert_load_factor)
+
+
+def _cmd_memory(ns: argparse.Namespace) -> int:
+    from titan_glm52.memory_plan import format_report, plan_memory
+
+    model_name, args = _load_model(ns)
+    report = plan_memory(memory_request(ns, args))
+    print(format_report(report, model_name))
+    return 0 if report.fits else 2
+
+
 # ------------------------------------------------------------------------------------- entry point
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m titan_glm52.plan",
                                      description="Plan titan_glm52 parallel layouts (no GPU needed).")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_layout_parser(sub)
-    # `memory` (per-rank memory for a layout) is added here later: write `_add_memory_parser(sub)` next to
-    # `_add_layout_parser`, reuse `_add_model_options`/`_load_model`, and have its handler return the exit status.
+    _add_memory_parser(sub)
     return parser
 
 

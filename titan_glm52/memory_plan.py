@@ -1,0 +1,595 @@
+"""Per-rank GPU memory of a parallel layout, read from this project's own parallelization code on a fake world.
+
+``plan_memory(request)`` initialises a FAKE process group of ``gpus`` ranks (``torch.testing``'s ``FakeStore``;
+no communication happens), then, for one representative rank of every pipeline rank, runs the real path of
+the trainer: ``build_mesh`` -> ``make_plan`` (the skip-aware splitter; an invalid explicit layout is refused
+exactly as ``plan layout`` refuses it) -> ``GLM52Stage`` on the meta device for each stage that rank holds ->
+``parallelize_model`` (EP, AC, FSDP2). It then reads what FSDP2 really allocates (``FSDPParam`` padded shard
+sizes and all-gather sizes) and adds an activation estimate. ``python -m titan_glm52.plan memory`` prints it.
+
+Why one rank per pipeline rank is enough: FSDP2 pads every shard to ``ceil(dim / shard degree)`` rows, and EP
+splits the experts evenly (``ep`` divides ``n_routed_experts``), so all ranks of one pipeline rank allocate the
+same bytes; only the stages held differ. The representative is the rank at data-parallel coordinate 0.
+
+Static bytes (sizes read from FSDP2's ``FSDPParam``s; which buffers are live follows torch 2.13's FSDP2/pipelining):
+  params        fp32 master weights: padded local shard numel x 4 (the model is built in fp32)
+  grads         fp32 sharded gradients: the same numel x 4 (trainable parameters only)
+  AdamW         exp_avg + exp_avg_sq: 2 x 4 bytes per local trainable element
+  unsharded     FSDP all-gather outputs in ``param_dtype`` (``padded shard numel x shard degree``) of the units
+                in flight: ALL units of the rank under pipeline parallelism (torch 2.13's ``PipelineStage`` runs
+                every backward with ``set_reshard_after_backward(False)`` and reshards only in
+                ``perform_reduce_grad`` after the last micro-batch) or with ``reshard_after_forward = "never"``,
+                else the two largest units (current + prefetched) plus ``output`` (kept unsharded unless
+                ``reshard_after_forward = "always"``)
+  grad accum    under pipeline parallelism every backward also runs with ``set_requires_gradient_sync(False)``
+                (the reduce-scatter waits for ``perform_reduce_grad``), so FSDP2 keeps an unsharded gradient per
+                parameter, upcast to ``reduce_dtype`` (fp32): unsharded numel x 4 for every unit of the rank,
+                whatever the number of micro-batches
+
+Activation estimate (bytes per token of one micro-batch; ``a`` = bytes of ``param_dtype``, D hidden, H heads,
+r = q_lora_rank, c = kv_lora_rank, p = qk_rope_head_dim, n = qk_nope_head_dim, v = v_head_dim, K = index_topk,
+E experts, k = num_experts_per_tok, F = moe_intermediate_size, Fd = intermediate_size, Fs = shared width,
+L = ``expert_load_factor``: routed rows a rank's experts receive over the mean). Triton DSA backend assumed
+(``sparse_mla`` saves q, kv, indices, out, lse); the indexer runs under no_grad (no indexer loss):
+
+  none       every tensor autograd keeps, per block:
+             attention  a*(2D + 2r + H(n+p) + 2(c+p) + H(c+p) + Hc + Hv) + 4H (lse) + 12 (norm rstd)
+                        + 4K on full layers (the int32 top-k; shared layers reference the same tensor)
+             dense MLP  a*(2D + 4Fd) + 4;  MoE  a*2D + 4 + 4D + 4E (fp32 router input, scores)
+                        + L*a*(kD + 4kF) (routed token copies, expert intermediates) + 4kD (fp32 combine)
+                        + a*4Fs (shared expert)
+  full       the block input a*D, plus 4K on full layers (the top-k a checkpointed full block returns is kept
+             by the shared blocks' checkpoints); in backward one block is recomputed (transient, below)
+  selective  "op" (the policy of ``parallelize.py``): block input a*D, 4K on full layers, and the outputs of the
+             matmuls with a tracked input and of the EP all-to-alls: attention a*(r + H(n+p) + (c+p) + D);
+             dense MLP a*(2Fd + D); MoE 4E + a*(2Fs + D) + L*a*(2kF + kD) + EP only: L*a*kD (dispatch
+             all-to-all) + a*kD (combine all-to-all);
+             an integer N: every N-th block (1-based, forward order) as "full", the others as "none"
+  per stage  + a*D (stage output kept by the schedule) + a*D with MTP (next-token embeddings passed along)
+             + 8 (positions) [+ 8 tokens on the first stage]; last stage + a*2D + 4 (final norm) and, with MTP,
+             + a*6D + 8 (enorm, hnorm, concat, MTP norm) + the MTP block (a full MoE block)
+  logits     last stage: heads x vocab x (a + 4) per token (the logits the schedule keeps for backward, and the
+             fp32 log-softmax cross_entropy saves); heads = 2 with MTP
+
+In flight: every (stage, micro-batch) a rank has run forward but not yet finished backward holds its stage's
+activations. 1F1B: stage s holds min(n_mb, pp - s) micro-batches; GPipe: n_mb; multi-stage schedules
+(Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV): the real schedule object is
+built on the fake pipeline group and its action list for this rank is replayed (F adds a chunk, B or W frees
+it; I keeps it, since the weight gradient still needs the inputs); the peak over the replay is reported. No
+pipeline: one micro-batch of ``local_batch_size x seq_len`` tokens.
+
+Transient (the largest of the rank's stages, added once): a recomputed block under AC (its "none" bytes), a
+backward workspace of 4aD per token (+ 2kaDL for a MoE block: routed-row gradients around the all-to-all), on
+the last stage a loss backward of 8 x vocab bytes per token (fp32 gradient of one head), and FSDP's gradient
+buffers: with accumulation the largest unit's fresh ``param_dtype`` gradient, else the two largest units'
+unsharded gradients in ``param_dtype`` plus their fp32 reduce-scatter inputs.
+
+Not modelled: CUDA context and NCCL buffers (~1-3 GiB), allocator fragmentation, the indexer's chunked score
+workspace, the indexer KL loss (``dsa.indexer_loss_coeff > 0`` saves the indexer's q/k/weights), expert load
+imbalance beyond ``expert_load_factor``, torch.compile buffers. The stated headroom is meant to cover these.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from titan_glm52.model.args import GLM52ModelArgs
+
+GIB = 1024 ** 3
+PARAM_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+# ===================================================================================== request / report
+@dataclass(frozen=True)
+class MemoryRequest:
+    """What to plan: the model, the world and its degrees, the pipeline, the batch and the budget."""
+
+    args: GLM52ModelArgs
+    gpus: int
+    pp: int = 1
+    ep: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = -1  # -1: the ranks left over
+    schedule: str = "1F1B"
+    stages_per_rank: int | None = None
+    layers_per_stage: tuple[int, ...] | None = None
+    seq_len: int = 4096
+    local_batch_size: int = 1
+    microbatch_size: int = 1
+    ac_mode: str = "full"
+    selective_ac_option: str = "op"
+    param_dtype: str = "bf16"
+    reshard_after_forward: str = "default"
+    with_mtp: bool = True
+    gpu_memory_gib: float = 141.0
+    headroom: float = 0.10
+    expert_load_factor: float = 1.0
+
+    @property
+    def budget_bytes(self) -> float:
+        return self.gpu_memory_gib * GIB * (1.0 - self.headroom)
+
+
+@dataclass
+class RankMemory:
+    """Bytes of one representative rank (every rank of its pipeline rank holds the same)."""
+
+    pp_rank: int
+    rank: int
+    stages: tuple[int, ...]
+    layers: tuple[range, ...]
+    local_params: int  # padded local elements (fp32 master)
+    trainable_params: int
+    params: float
+    grads: float
+    optimizer: float
+    unsharded: float
+    grad_accum: float
+    activations: float
+    logits: float
+    transient: float
+    in_flight: int  # (stage, micro-batch) chunks held at the activation peak
+    units: int  # FSDP units on this rank
+
+    @property
+    def total(self) -> float:
+        return (self.params + self.grads + self.optimizer + self.unsharded + self.grad_accum + self.activations
+                + self.logits + self.transient)
+
+
+@dataclass
+class MemoryReport:
+    request: MemoryRequest
+    layers_per_stage: tuple[int, ...]
+    stage_to_rank: tuple[int, ...]
+    schedule: str
+    stages_per_rank: int
+    dp_shard: int
+    efsdp: int
+    n_microbatches: int
+    tokens_per_microbatch: int
+    ranks: list[RankMemory] = field(default_factory=list)
+
+    @property
+    def budget(self) -> float:
+        return self.request.budget_bytes
+
+    @property
+    def fits(self) -> bool:
+        return all(r.total <= self.budget for r in self.ranks)
+
+    @property
+    def worst(self) -> RankMemory:
+        return max(self.ranks, key=lambda r: r.total)
+
+
+# ===================================================================================== activations
+def _is_full(args: GLM52ModelArgs, layer_id: int) -> bool:
+    """The MTP block (id == num_hidden_layers) has its own indexer."""
+    return layer_id >= args.num_hidden_layers or args.index_share.is_full(layer_id)
+
+
+def block_bytes_per_token(args: GLM52ModelArgs, layer_id: int, mode: str, act_bytes: int,
+                          load: float = 1.0, ep: bool = True) -> float:
+    """Saved activation bytes per token of one block under an AC mode ("none" | "full" | "op"); see the module
+    docstring for the terms. ``layer_id == num_hidden_layers`` is the MTP block."""
+    a, d, h = act_bytes, args.hidden_size, args.num_attention_heads
+    r, c, p = args.q_lora_rank, args.kv_lora_rank, args.qk_rope_head_dim
+    n, v, kk = args.qk_nope_head_dim, args.v_head_dim, args.index_topk
+    e, k, f = args.n_routed_experts, args.num_experts_per_tok, args.moe_intermediate_size
+    fd, fs = args.intermediate_size, args.moe_intermediate_size * args.n_shared_experts
+    moe, full = args.is_moe_layer(layer_id), _is_full(args, layer_id)
+    topk = 4 * kk if full else 0
+    if mode == "full":
+        return a * d + topk
+    if mode == "none":
+        attn = a * (2 * d + 2 * r + h * (n + p) + 2 * (c + p) + h * (c + p) + h * c + h * v) + 4 * h + 12 + topk
+        if moe:
+            mlp = a * 2 * d + 4 + 4 * d + 4 * e + load * a * (k * d + 4 * k * f) + 4 * k * d + a * 4 * fs
+        else:
+            mlp = a * (2 * d + 4 * fd) + 4
+        return attn + mlp
+    if mode == "op":
+        attn = a * (r + h * (n + p) + (c + p) + d)
+        if moe:
+            dispatch = load * a * k * d if ep else 0.0
+            combine = a * k * d if ep else 0.0
+            mlp = 4 * e + a * (2 * fs + d) + dispatch + load * a * (2 * k * f + k * d) + combine
+        else:
+            mlp = a * (2 * fd + d)
+        return a * d + topk + attn + mlp
+    raise ValueError(f"unknown activation mode {mode!r}")
+
+
+def _block_modes(ac_mode: str, selective_option: str, n_blocks: int) -> list[str]:
+    """The AC treatment of each block of a stage, in forward order, as ``parallelize.apply_ac`` applies it."""
+    if ac_mode == "none":
+        return ["none"] * n_blocks
+    if ac_mode == "full":
+        return ["full"] * n_blocks
+    if ac_mode != "selective":
+        raise ValueError(f"activation checkpointing mode {ac_mode!r}: choose none, full or selective")
+    if selective_option == "op":
+        return ["op"] * n_blocks
+    if str(selective_option).isdigit() and int(selective_option) >= 1:
+        every = int(selective_option)
+        return ["full" if i % every == 0 else "none" for i in range(1, n_blocks + 1)]
+    raise ValueError(f"selective AC option {selective_option!r}: use 'op' or a positive integer N")
+
+
+@dataclass(frozen=True)
+class StageActivations:
+    saved_per_token: float  # kept per in-flight micro-batch (blocks + stage boundary + last-stage extras)
+    logits_per_token: float  # last stage: kept logits (+ MTP logits) per in-flight micro-batch
+    transient_per_token: float  # recompute / backward workspace / loss backward, once
+
+
+def stage_activations(args: GLM52ModelArgs, layer_ids: range, is_first: bool, is_last: bool, with_mtp: bool,
+                      ac_mode: str, selective_option: str, act_bytes: int, load: float, ep: bool
+                      ) -> StageActivations:
+    """Activation bytes per token of one pipeline stage (module docstring)."""
+    a, d = act_bytes, args.hidden_size
+    blocks = list(layer_ids) + ([args.num_hidden_layers] if is_last and with_mtp else [])
+    modes = _block_modes(ac_mode, selective_option, len(blocks))
+    saved = sum(block_bytes_per_token(args, b, m, a, load, ep) for b, m in zip(blocks, modes))
+    saved += 8 + (a * d if with_mtp else 0)  # positions; next-token embeddings
+    if is_first:
+        saved += 8  # token ids (the embedding backward)
+    if not is_last:
+        saved += a * d  # the stage output, kept for its backward
+    logits = 0.0
+    transient = 0.0
+    if is_last:
+        saved += 2 * a * d + 4
+        heads = 1
+        if with_mtp:
+            saved += 6 * a * d + 8
+            heads = 2
+        logits = heads * args.vocab_size * (a + 4)
+        transient = max(transient, 8.0 * args.vocab_size)
+    work = 0.0
+    for b, m in zip(blocks, modes):
+        recompute = block_bytes_per_token(args, b, "none", a, load, ep) if m != "none" else 0.0
+        workspace = 4 * a * d + (2 * args.num_experts_per_tok * a * d * load if args.is_moe_layer(b) else 0.0)
+        work = max(work, recompute + workspace)
+    return StageActivations(saved, logits, transient + work)
+
+
+# ===================================================================================== in-flight chunks
+def _replay_peak(actions, chunk_bytes: dict[int, float]) -> list[int]:
+    """The stages of the (stage, micro-batch) chunks alive at the byte peak while replaying one rank's actions."""
+    from torch.distributed.pipelining.schedules import _ComputationType as C
+
+    alive: set[tuple[int, int]] = set()
+    peak, at_peak = -1.0, []
+
+    def step(action) -> None:
+        nonlocal peak, at_peak
+        kind = action.computation_type
+        if kind == C.OVERLAP_F_B:
+            for sub in action.sub_actions:  # forward first: the conservative order
+                step(sub)
+            return
+        key = (action.stage_index, action.microbatch_index)
+        if kind == C.FORWARD:
+            alive.add(key)
+            total = sum(chunk_bytes[s] for s, _ in alive)
+            if total > peak:
+                peak, at_peak = total, sorted(s for s, _ in alive)
+        elif kind in (C.FULL_BACKWARD, C.BACKWARD_WEIGHT):
+            alive.discard(key)
+
+    for action in actions:
+        if action is not None:
+            step(action)
+    return at_peak
+
+
+def _multi_stage_peak(schedule: str, pp_group, pp_rank: int, stage_ids: tuple[int, ...], num_stages: int,
+                      n_microbatches: int, chunk_bytes: dict[int, float]) -> list[int]:
+    """Builds the real multi-stage schedule for this rank's stages on the (fake) pipeline group and replays it."""
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining.schedules import get_schedule_class
+
+    stages = [PipelineStage(nn.Linear(1, 1, device="meta"), s, num_stages, torch.device("cpu"), group=pp_group)
+              for s in stage_ids]
+    try:
+        sched = get_schedule_class(schedule)(stages, n_microbatches=n_microbatches, loss_fn=lambda out, tgt: out,
+                                             scale_grads=False)
+    except (ValueError, RuntimeError, AssertionError) as e:
+        raise ValueError(f"schedule {schedule} with {n_microbatches} micro-batches and {num_stages} stages: {e}"
+                         ) from e
+    return _replay_peak(sched.pipeline_order[pp_rank], chunk_bytes)
+
+
+# ===================================================================================== FSDP reading
+@dataclass
+class _Unit:
+    name: str
+    local: int  # padded sharded elements
+    trainable: int
+    unsharded: int  # all-gather output elements (padded)
+
+
+def _fsdp_units(model: nn.Module) -> tuple[list[_Unit], int, int]:
+    """FSDP units of a parallelized module, and the local/trainable elements of parameters FSDP does not manage."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+    from torch.distributed.tensor import DTensor
+
+    units, managed = [], set()
+    for name, module in model.named_modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        state = fully_shard.state(module)
+        groups = getattr(state, "_fsdp_param_groups", None)
+        if groups is None:
+            groups = [state._fsdp_param_group] if state._fsdp_param_group is not None else []
+        for group in groups:
+            unit = _Unit(name or "<root>", 0, 0, 0)
+            for fp in group.fsdp_params:
+                padded = math.prod(fp.padded_sharded_param_size)
+                unit.local += padded
+                unit.unsharded += padded * fp.mesh_info.shard_mesh_size
+                if fp.sharded_param.requires_grad:
+                    unit.trainable += padded
+                managed.add(id(fp.sharded_param))
+            units.append(unit)
+    local = trainable = 0
+    for p in model.parameters():
+        if id(p) in managed:
+            continue
+        numel = (p.to_local() if isinstance(p, DTensor) else p).numel()
+        local += numel
+        trainable += numel if p.requires_grad else 0
+    return units, local, trainable
+
+
+# ===================================================================================== the plan
+def _build_rank(req: MemoryRequest, plan, rank: int, pp_rank_expected: int):
+    """Fake world at ``rank``: mesh, this rank's stages (meta, parallelized). Returns (mesh, modules, stage ids)."""
+    from titan_glm52.distributed import build_mesh
+    from titan_glm52.model.model import GLM52Model
+    from titan_glm52.parallelize import apply_fsdp, parallelize_model
+    from titan_glm52.pipeline import GLM52Stage
+
+    args = req.args
+    mesh = build_mesh(req.gpus, dp_replicate=req.dp_replicate, dp_shard=req.dp_shard, ep=req.ep, pp=req.pp,
+                      device_type="cpu", n_routed_experts=args.n_routed_experts)
+    pp_rank = mesh["pp"].get_local_rank()
+    assert pp_rank == pp_rank_expected, (rank, pp_rank, pp_rank_expected)
+    dtype = PARAM_DTYPES[req.param_dtype]
+
+    sharded = mesh.dp_enabled or mesh.ep_enabled
+
+    def prepare(module: nn.Module) -> nn.Module:  # the trainer's _prepare, minus kernels/freezing
+        # Without data/expert parallelism parallelize_model applies no FSDP (and would only warn that the dtype
+        # goes unused); the trainer then applies FSDP over the one rank for bf16 compute, as done here.
+        module = parallelize_model(module, mesh, param_dtype=dtype if sharded else torch.float32,
+                                   reduce_dtype=torch.float32, reshard_after_forward=req.reshard_after_forward,
+                                   ac_mode=req.ac_mode, selective_ac_option=req.selective_ac_option,
+                                   ep_enabled=req.ep > 1)
+        if dtype != torch.float32 and not sharded:
+            apply_fsdp(module, mesh, param_dtype=dtype, reduce_dtype=torch.float32,
+                       reshard_after_forward=req.reshard_after_forward)
+        return module
+
+    starts = [sum(plan.layers_per_stage[:i]) for i in range(len(plan.layers_per_stage))]
+    num_stages = len(plan.layers_per_stage)
+    modules, stage_ids = [], []
+    for s, r in enumerate(plan.placement.stage_to_rank):
+        if r != pp_rank:
+            continue
+        with torch.device("meta"):
+            if req.pp == 1:
+                module = GLM52Model(args, with_mtp=req.with_mtp)
+            else:
+                module = GLM52Stage(args, range(starts[s], starts[s] + plan.layers_per_stage[s]), s == 0,
+                                    s == num_stages - 1, req.with_mtp)
+        modules.append(prepare(module))
+        stage_ids.append(s)
+    return mesh, modules, tuple(stage_ids)
+
+
+def _check_request(req: MemoryRequest) -> None:
+    from titan_glm52.parallelize import AC_MODES, RESHARD_POLICIES
+
+    if req.param_dtype not in PARAM_DTYPES:
+        raise ValueError(f"param dtype {req.param_dtype!r}: choose one of {sorted(PARAM_DTYPES)}")
+    if req.ac_mode not in AC_MODES:
+        raise ValueError(f"activation checkpointing mode {req.ac_mode!r}: choose one of {AC_MODES}")
+    if req.reshard_after_forward not in RESHARD_POLICIES:
+        raise ValueError(f"reshard_after_forward {req.reshard_after_forward!r}: choose one of {RESHARD_POLICIES}")
+    for name in ("gpus", "seq_len", "local_batch_size", "microbatch_size"):
+        if getattr(req, name) < 1:
+            raise ValueError(f"{name} must be >= 1, got {getattr(req, name)}")
+    if req.pp > 1 and req.local_batch_size % req.microbatch_size:
+        raise ValueError(f"microbatch size {req.microbatch_size} must divide local batch size "
+                         f"{req.local_batch_size} (parallelism.pipeline_parallel_microbatch_size)")
+    if not 0 <= req.headroom < 1:
+        raise ValueError(f"headroom must be in [0, 1), got {req.headroom}")
+    if req.gpu_memory_gib <= 0 or req.expert_load_factor <= 0:
+        raise ValueError("gpu memory and expert load factor must be > 0")
+
+
+def plan_memory(req: MemoryRequest) -> MemoryReport:
+    """Per-rank memory of ``req`` (module docstring). Raises ValueError (LayoutError for layouts) before any
+    work for a request that cannot run, and when this process already has a default process group."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from titan_glm52.distributed import validate_degrees
+    from titan_glm52.parallelize import _reshard_policy
+    from titan_glm52.pipeline import make_plan
+
+    _check_request(req)
+    args = req.args
+    deg = validate_degrees(req.gpus, req.dp_replicate, req.dp_shard, req.ep, req.pp, args.n_routed_experts)
+    plan = make_plan(args, req.schedule, req.pp, req.stages_per_rank, req.seq_len,
+                     list(req.layers_per_stage) if req.layers_per_stage is not None else None)
+    pl = plan.placement
+    if req.pp == 1 and pl.num_stages != 1:
+        raise ValueError(f"pp 1 runs no pipeline schedule; got {pl.num_stages} stages from schedule {pl.schedule}")
+    if dist.is_initialized():
+        raise ValueError("plan_memory builds a fake world of its own; this process already has a default "
+                         "process group")
+    pipelined = req.pp > 1
+    n_mb = req.local_batch_size // req.microbatch_size if pipelined else 1
+    tokens = (req.microbatch_size if pipelined else req.local_batch_size) * req.seq_len
+    act_bytes = torch.finfo(PARAM_DTYPES[req.param_dtype]).bits // 8
+    report = MemoryReport(req, plan.layers_per_stage, pl.stage_to_rank, pl.schedule, pl.stages_per_rank,
+                          deg.dp_shard, deg.efsdp, n_mb, tokens)
+    starts = [sum(plan.layers_per_stage[:i]) for i in range(pl.num_stages)]
+    stage_layers = [range(b, b + n) for b, n in zip(starts, plan.layers_per_stage)]
+    acts = [stage_activations(args, stage_layers[s], s == 0, s == pl.num_stages - 1, req.with_mtp, req.ac_mode,
+                              req.selective_ac_option, act_bytes, req.expert_load_factor, req.ep > 1)
+            for s in range(pl.num_stages)]
+    accumulate = pipelined  # PipelineStage defers every reduce-scatter to the end of the step
+    keep_all = accumulate or not _reshard_policy(req.reshard_after_forward, pipelined)
+    ranks_per_pp = deg.dp_replicate * deg.dp_shard
+
+    for pp_rank in range(req.pp):
+        rank = pp_rank * ranks_per_pp
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=req.gpus)
+        try:
+            mesh, modules, stage_ids = _build_rank(req, plan, rank, pp_rank)
+            units, loose, loose_trainable = [], 0, 0
+            for module in modules:
+                u, lo, lt = _fsdp_units(module)
+                units += u
+                loose += lo
+                loose_trainable += lt
+            chunk = {s: acts[s].saved_per_token + acts[s].logits_per_token for s in stage_ids}
+            if not pipelined:
+                alive = list(stage_ids)
+            elif pl.style == "single":
+                s = stage_ids[0]
+                alive = [s] * (n_mb if pl.schedule == "GPipe" else min(n_mb, req.pp - s))
+            else:
+                alive = _multi_stage_peak(req.schedule, mesh["pp"].get_group(), pp_rank, stage_ids,
+                                          pl.num_stages, n_mb, chunk)
+        finally:
+            dist.destroy_process_group()
+        saved = tokens * sum(acts[s].saved_per_token for s in alive)
+        logits = tokens * sum(acts[s].logits_per_token for s in alive)
+        local = sum(u.local for u in units) + loose
+        trainable = sum(u.trainable for u in units) + loose_trainable
+        by_size = sorted(units, key=lambda u: u.unsharded, reverse=True)
+        sizes = [u.unsharded for u in by_size]
+        if keep_all:
+            live = by_size
+        else:  # current + prefetched unit, and ``output`` (kept unsharded unless "always")
+            live = by_size[:2] + [u for u in by_size[2:] if u.name.split(".")[-1] == "output"
+                                  and req.reshard_after_forward != "always"]
+        unsharded_elems = sum(u.unsharded for u in live)
+        largest = sizes[0] if sizes else 0
+        if accumulate:
+            fsdp_transient = largest * act_bytes
+        else:
+            fsdp_transient = sum(sizes[:2]) * (act_bytes + 4)
+        report.ranks.append(RankMemory(
+            pp_rank=pp_rank, rank=rank, stages=stage_ids, layers=tuple(stage_layers[s] for s in stage_ids),
+            local_params=local, trainable_params=trainable, params=4.0 * local, grads=4.0 * trainable,
+            optimizer=8.0 * trainable, unsharded=float(unsharded_elems * act_bytes),
+            grad_accum=4.0 * sum(sizes) if accumulate else 0.0, activations=saved, logits=logits,
+            transient=tokens * max(acts[s].transient_per_token for s in stage_ids) + fsdp_transient,
+            in_flight=len(alive), units=len(units)))
+    return report
+
+
+def request_from_job_config(cfg, gpus: int | None = None, *, gpu_memory_gib: float = 141.0,
+                            headroom: float = 0.10, expert_load_factor: float = 1.0) -> MemoryRequest:
+    """The ``MemoryRequest`` of a parsed job config (``config.parse_job_config``): its model (as the trainer
+    builds it), degrees, schedule, layout, batch, AC mode, precision and MTP. ``gpus`` defaults to
+    pp x dp_replicate x dp_shard, which needs an explicit ``data_parallel_shard_degree``."""
+    from titan_glm52.trainer import build_model_args
+
+    p, t = cfg.parallelism, cfg.training
+    if gpus is None:
+        if p.data_parallel_shard_degree < 1:
+            raise ValueError("parallelism.data_parallel_shard_degree = -1: pass gpus (the world size)")
+        gpus = p.pipeline_parallel_degree * p.data_parallel_replicate_degree * p.data_parallel_shard_degree
+    args = build_model_args(cfg)
+    layout = (tuple(int(v) for v in p.pipeline_parallel_layout.split(","))
+              if p.pipeline_parallel_layout else None)
+    return MemoryRequest(
+        args=args, gpus=gpus, pp=p.pipeline_parallel_degree, ep=p.expert_parallel_degree,
+        dp_replicate=p.data_parallel_replicate_degree, dp_shard=p.data_parallel_shard_degree,
+        schedule=p.pipeline_parallel_schedule, stages_per_rank=p.pipeline_parallel_stages_per_rank,
+        layers_per_stage=layout, seq_len=t.seq_len, local_batch_size=t.local_batch_size,
+        microbatch_size=p.pipeline_parallel_microbatch_size, ac_mode=cfg.activation_checkpoint.mode,
+        selective_ac_option=cfg.activation_checkpoint.selective_ac_option,
+        param_dtype="bf16" if t.mixed_precision_param == "bfloat16" else "fp32",
+        reshard_after_forward=p.fsdp_reshard_after_forward,
+        with_mtp=cfg.mtp.enable and args.num_nextn_predict_layers > 0, gpu_memory_gib=gpu_memory_gib,
+        headroom=headroom, expert_load_factor=expert_load_factor)
+
+
+# ===================================================================================== printing
+def _count(n: float) -> str:
+    for scale, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.1f}{suffix}"
+    return str(int(n))
+
+
+def _layers(r: range) -> str:
+    return str(r.start) if len(r) == 1 else f"{r.start}-{r.stop - 1}"
+
+
+def format_report(report: MemoryReport, model_name: str) -> str:
+    """The printout of ``plan memory``: setup lines, ``layers per stage:``, a table per pipeline rank, the
+    budget and the verdict. Sizes in GiB (MiB when the largest rank is under 1 GiB)."""
+    req, args = report.request, report.request.args
+    unit, scale = ("GiB", GIB) if report.worst.total >= GIB else ("MiB", 1024 ** 2)
+    lines = [
+        f"model: {model_name}: {_count(args.num_params(req.with_mtp))} parameters, {args.num_hidden_layers} "
+        f"decoder layers, MTP layer: {'yes' if req.with_mtp and args.num_nextn_predict_layers else 'no'}",
+        f"world: {req.gpus} ranks = pp {req.pp} x dp_replicate {req.dp_replicate} x dp_shard {report.dp_shard} "
+        f"(ep {req.ep} x efsdp {report.efsdp} for the routed experts); fake process group, meta device",
+        f"schedule: {report.schedule}, {report.stages_per_rank} stage(s) per rank, "
+        f"{len(report.layers_per_stage)} stages",
+        f"layers per stage: {','.join(str(n) for n in report.layers_per_stage)}",
+        f"batch: seq_len {req.seq_len}, local_batch_size {req.local_batch_size}, microbatch_size "
+        f"{req.microbatch_size} -> {report.n_microbatches} micro-batch(es) of {report.tokens_per_microbatch} tokens",
+        f"precision: fp32 master weights, fp32 grads, AdamW 2 x fp32 states, {req.param_dtype} compute "
+        f"(FSDP param_dtype), fp32 reduce; AC {req.ac_mode}"
+        + (f" ({req.selective_ac_option})" if req.ac_mode == "selective" else "")
+        + f"; reshard_after_forward {req.reshard_after_forward}; expert load factor {req.expert_load_factor:g}",
+        "ranks: one representative per pipeline rank (data-parallel coordinate 0): FSDP pads every shard to the "
+        "same size and EP splits the experts evenly, so all ranks of a pipeline rank hold the same bytes",
+        "activations: estimated from the widths (formulas: titan_glm52/memory_plan.py docstring); the rest is "
+        "read from FSDP2's shards",
+        "",
+        f"{unit} per GPU (one representative rank per pipeline rank):",
+        f"{'pp':>3} {'rank':>5} {'stages':>7} {'layers':>11} {'params':>7} {'grads':>7} {'AdamW':>7} "
+        f"{'unshard':>7} {'gradacc':>7} {'activ':>7} {'logits':>7} {'transnt':>7} {'total':>7} {'mb':>3}  fits",
+    ]
+    for r in report.ranks:
+        layers = ",".join(_layers(lr) for lr in r.layers)
+        values = (r.params, r.grads, r.optimizer, r.unsharded, r.grad_accum, r.activations, r.logits, r.transient,
+                  r.total)
+        lines.append(f"{r.pp_rank:>3} {r.rank:>5} {','.join(map(str, r.stages)):>7} {layers:>11} "
+                     + " ".join(f"{v / scale:7.2f}" for v in values)
+                     + f" {r.in_flight:>3}  {'yes' if r.total <= report.budget else 'NO'}")
+    lines += [
+        "columns: fp32 master params, fp32 grads, AdamW states (2 x fp32), FSDP unsharded params in flight "
+        f"({req.param_dtype}), unsharded fp32 gradient accumulation (pipeline), saved activations of the "
+        "in-flight micro-batches (mb), kept logits (last stage), transient (recompute, backward workspace, "
+        "loss backward, FSDP gradient buffers)",
+    ]
+    worst = report.worst
+    lines += [
+        "",
+        f"budget: {req.gpu_memory_gib:g} GiB x (1 - {req.headroom:g} headroom) = {report.budget / scale:.2f} {unit} "
+        "per GPU",
+        f"largest: {worst.total / scale:.2f} {unit} on pp rank {worst.pp_rank} "
+        f"({100 * worst.total / (req.gpu_memory_gib * GIB):.0f}% of the GPU)",
+        "result: every rank fits" if report.fits else
+        "result: DOES NOT FIT on pp rank(s) " + ",".join(str(r.pp_rank) for r in report.ranks
+                                                        if r.total > report.budget),
+    ]
+    return "\n".join(lines)
