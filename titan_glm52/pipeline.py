@@ -5,8 +5,11 @@ A stage is the model with the other stages' pieces removed; its layers keep thei
 (``layers.17``), so DCP checkpoints move between pipeline layouts. Stages exchange plain tensors:
 
     first stage in : tokens [mb, S], positions [mb, S]
-    between stages : hidden [mb, S, D], positions [mb, S] (+ next-token embeddings [mb, S, D] with MTP)
+    between stages : hidden [mb * S, D], positions [mb, S] (+ next-token embeddings [mb * S, D] with MTP)
     last stage out : logits [mb, S, V] (or (logits, mtp_logits))
+
+Tensors sent between stages are never views (the schedules detach stage outputs in place), so pass-through
+tensors are copied: positions (a few bytes a token) and, with MTP, the next-token embeddings.
 
 ``positions`` (restarting at 0 on every document) carries the packing: every stage rebuilds ``cu_seqlens``
 from it. With MTP, the first stage also sends the embeddings of the next tokens down the pipeline, so the MTP
@@ -62,13 +65,12 @@ class GLM52Stage(GLM52Model):
             if self.with_mtp:
                 emb_next = next_token_embeddings(h, mb)
         else:
-            h = x.reshape(mb * s, -1)
-            if self.with_mtp:
-                emb_next = emb_next.reshape(mb * s, -1)
+            h = x
         h = self.run_layers(h, ctx)
         if not self.is_last:
-            h = h.view(mb, s, -1)
-            return (h, positions, emb_next.view(mb, s, -1)) if self.with_mtp else (h, positions)
+            if not self.with_mtp:
+                return h, positions.clone()
+            return h, positions.clone(), emb_next if self.is_first else emb_next.clone()
         h = self.norm(h)
         logits = self.output(h).view(mb, s, -1)
         if not self.with_mtp:

@@ -70,9 +70,11 @@ class MTPLayer(nn.Module):
 
 
 def next_token_embeddings(emb: torch.Tensor, batch: int) -> torch.Tensor:
-    """``emb [B*S, D]`` shifted left by one token within each row (the last position gets zeros)."""
-    e = emb.view(batch, -1, emb.shape[-1])
-    return torch.cat((e[:, 1:], torch.zeros_like(e[:, :1])), dim=1).reshape(emb.shape)
+    """``emb [B*S, D]`` shifted left by one token within each row (the last position gets zeros); a new tensor,
+    not a view."""
+    shifted = torch.cat((emb[1:], emb.new_zeros(1, emb.shape[-1])))
+    row_end = (torch.arange(emb.shape[0], device=emb.device) + 1) % (emb.shape[0] // batch) == 0
+    return shifted.masked_fill(row_end[:, None], 0.0)
 
 
 class GLM52Model(nn.Module):

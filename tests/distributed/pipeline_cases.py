@@ -1,0 +1,111 @@
+"""Per-rank body of the pipeline-parallel tests: stages cut by the skip-aware splitter, run by a
+torch.distributed.pipelining schedule (optionally with FSDP / EP on the other mesh dims), against a
+single-process reference on the whole global batch.
+
+The layout-independent init (``model/init.py``) gives the stages exactly the reference's weights.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torchtitan.distributed.pipeline_parallel import build_pipeline_schedule
+
+from tests.distributed.cases import GLOBAL_BATCH, IGNORE, SEQ, debug_args, full, labels_of, make_batch
+from titan_glm52.config import parse_job_config
+from titan_glm52.distributed import build_mesh, init_distributed
+from titan_glm52.model.model import GLM52Model, cross_entropy_sum
+from titan_glm52.model.moe import MoE
+from titan_glm52.parallelize import clip_grad_norm_, parallelize_model
+from titan_glm52.pipeline import build_pipeline_stages, make_plan
+
+RTOL, ATOL = 1e-4, 1e-5
+
+
+def _reference(args, tokens: torch.Tensor):
+    ref = GLM52Model(args)
+    ref.init_weights(seed=0)
+    n_main = (labels_of(tokens, 1) != IGNORE).sum().item()
+    n_mtp = (labels_of(tokens, 2) != IGNORE).sum().item()
+    logits, mtp = ref(tokens, with_mtp=True)
+    loss = cross_entropy_sum(logits, labels_of(tokens, 1)) / n_main + cross_entropy_sum(mtp, labels_of(tokens, 2)) / n_mtp
+    loss.backward()
+    counts = {n: m.tokens_per_expert.clone() for n, m in ref.named_modules() if isinstance(m, MoE)}
+    return ref, loss.detach(), n_main, n_mtp, counts
+
+
+def check_pipeline(schedule: str, pp: int, dp_shard: int = 1, ep: int = 1, stages_per_rank: int | None = None,
+                   layout: list[int] | None = None, ac_mode: str = "none") -> None:
+    """Loss, every gradient, the clipped grad norm and the MoE loads equal the single-process run."""
+    env = init_distributed()
+    args = debug_args()
+    mesh = build_mesh(env.world_size, dp_shard=dp_shard, ep=ep, pp=pp, device_type="cpu",
+                      n_routed_experts=args.n_routed_experts)
+    tokens = make_batch(args.vocab_size)
+    ref, ref_loss, n_main, n_mtp, ref_counts = _reference(args, tokens)
+
+    plan = make_plan(args, schedule, pp, stages_per_rank, SEQ, layout)
+    pp_mesh = mesh["pp"]
+    stages, parts = build_pipeline_stages(
+        args, plan, pp_mesh.get_local_rank(), pp_mesh.get_group(), env.device, True,
+        lambda m: parallelize_model(m, mesh, ac_mode=ac_mode, ep_enabled=ep > 1))
+    for part in parts:
+        part.to_empty(device=env.device)
+        part.init_weights(seed=0)
+
+    dp_rank, dp_size = mesh["dp"].get_local_rank(), mesh["dp"].size()
+    local = tokens.chunk(dp_size)[dp_rank]
+    cfg = parse_job_config(["--parallelism.pipeline_parallel_degree", str(pp), "--parallelism.pipeline_parallel_schedule",
+                            schedule, "--training.local_batch_size", str(local.shape[0]),
+                            "--parallelism.pipeline_parallel_microbatch_size", "1"])
+    losses = []
+
+    def loss_fn(output, labels):
+        logits, mtp = output
+        full_labels = torch.cat((labels, torch.full_like(labels[:, :1], IGNORE)), dim=1)  # labels carry t[i+1]
+        mtp_labels = full_labels[:, 1:].clone()
+        mtp_labels[labels == IGNORE] = IGNORE
+        loss = cross_entropy_sum(logits, labels) / n_main + cross_entropy_sum(mtp, mtp_labels) / n_mtp
+        losses.append(loss.detach())
+        return loss
+
+    sched = build_pipeline_schedule(cfg, stages, loss_fn)
+    positions = torch.arange(SEQ).repeat(local.shape[0], 1)
+    labels = labels_of(local, 1)
+    has_first = any(s.is_first for s in stages)
+    has_last = any(s.is_last for s in stages)
+    for attempt in range(2):  # the first step also infers the stages' shapes on placeholder values
+        losses.clear()
+        for part in parts:
+            part.zero_grad(set_to_none=True)
+            for m in part.modules():
+                if isinstance(m, MoE):
+                    m.tokens_per_expert.zero_()
+        if has_first:
+            sched.step(local, positions, target=labels if has_last else None)
+        else:
+            sched.step(target=labels if has_last else None)
+
+    total = torch.stack(losses).sum() if losses else torch.zeros(())
+    dist.all_reduce(total)  # last-stage ranks hold the loss of their data-parallel slice
+    torch.testing.assert_close(total, ref_loss, rtol=RTOL, atol=ATOL)
+
+    ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+    checked = 0
+    for part in parts:
+        for name, p in part.named_parameters():
+            if ref_grads[name] is None:  # the indexers learn only from their KL loss (off here)
+                assert p.grad is None, name
+                continue
+            torch.testing.assert_close(full(p.grad), ref_grads[name], rtol=RTOL, atol=ATOL, msg=name)
+            checked += 1
+        for name, m in part.named_modules():
+            if isinstance(m, MoE):
+                load = m.tokens_per_expert.clone()
+                dist.all_reduce(load, group=mesh["dp"].get_group())
+                torch.testing.assert_close(load, ref_counts[name])
+    assert checked > 0
+    norm = clip_grad_norm_([p for part in parts for p in part.parameters()], 1e9, pp_mesh=pp_mesh)
+    ref_norm = torch.nn.utils.get_total_norm([p.grad for p in ref.parameters() if p.grad is not None])
+    torch.testing.assert_close(norm, ref_norm, rtol=RTOL, atol=ATOL)
+    assert GLOBAL_BATCH % dp_size == 0

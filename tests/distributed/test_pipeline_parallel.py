@@ -1,0 +1,23 @@
+"""Pipeline parallel (skip-aware stages, MTP on the last stage, IndexShare inside stages) on 2 and 4 gloo
+processes: loss, gradients, grad norm and MoE loads equal the single-process run."""
+
+import pytest
+
+from tests.distributed.launcher import run_on_ranks
+from tests.distributed.pipeline_cases import check_pipeline
+
+CASES = {
+    "1f1b_pp2": (2, dict(schedule="1F1B", pp=2)),
+    "gpipe_pp2_explicit_layout": (2, dict(schedule="GPipe", pp=2, layout=[2, 6])),
+    "interleaved1f1b_pp2_v2": (2, dict(schedule="Interleaved1F1B", pp=2, stages_per_rank=2)),
+    "zbv_pp2": (2, dict(schedule="ZBVZeroBubble", pp=2, stages_per_rank=2)),
+    "1f1b_pp2_ac_full": (2, dict(schedule="1F1B", pp=2, ac_mode="full")),
+    "1f1b_pp2_x_fsdp2": (4, dict(schedule="1F1B", pp=2, dp_shard=2)),
+    "interleaved_pp2_x_ep2_fsdp2": (4, dict(schedule="Interleaved1F1B", pp=2, dp_shard=2, ep=2, stages_per_rank=2)),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_pipeline_matches_single_process(name):
+    world, kwargs = CASES[name]
+    run_on_ranks(check_pipeline, world, timeout_s=120, **kwargs)
