@@ -6,6 +6,7 @@ Triton interpreter (slow, numpy-backed; meant for tests), unless ``TRITON_INTERP
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import types
@@ -60,6 +61,19 @@ def pow2(n: int, minimum: int = 16) -> int:
     return max(minimum, triton.next_power_of_2(max(int(n), 1)))
 
 
+def load_tune(module: str, tune: dict) -> None:
+    """Launch-parameter overrides from the JSON file named by $TITAN_DSA_TUNE_FILE (written by
+    ``bench/kernels.py --sweep-only``): ``{"sparse_mla": {"bwd_dq": {"BH": 64, ...}}, ...}``."""
+    path = os.environ.get("TITAN_DSA_TUNE_FILE")
+    if not path:
+        return
+    with open(path) as f:
+        data = json.load(f)
+    for part, cfg in data.get(module, {}).items():
+        if part in tune:
+            tune[part] = dict(cfg)
+
+
 def make_module_callable(module_name: str, fn_name: str) -> None:
     """Let ``titan_glm52.kernels.<module>(...)`` call the module's function of the same contract.
 
@@ -74,4 +88,4 @@ def make_module_callable(module_name: str, fn_name: str) -> None:
     mod.__class__ = _CallableModule
 
 
-__all__ = ["interpreting", "check_device", "pow2", "make_module_callable"]
+__all__ = ["interpreting", "check_device", "pow2", "load_tune", "make_module_callable"]

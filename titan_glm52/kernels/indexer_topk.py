@@ -35,8 +35,11 @@ SCRATCH_BYTES = 1 << 30  # budget for one chunk's scores (fp32) + stash
 STASH_CAP = 16384  # threshold-bucket candidates kept per row before falling back to a full-row radix select
 NBINS = 256
 
-# launch-parameter overrides for tuning (bench/kernels.py)
+# launch parameters (chosen on one H200 at T = 32K, bench/results/kernels_h200.md) and overrides for tuning
+SCORE_LAUNCH = {"BN": 64, "num_warps": 8, "num_stages": 3}
+SELECT_LAUNCH = {"BLOCK": 1024, "num_warps": 4}
 TUNE: dict[str, dict] = {"score": {}, "select": {}}
+_triton_env.load_tune("indexer_topk", TUNE)
 
 
 @triton.jit
@@ -226,7 +229,7 @@ def _config(h_i: int, d_i: int, dtype: torch.dtype):
 
 @torch.no_grad()
 def indexer_topk(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, cu_seqlens: torch.Tensor, topk: int,
-                 scale: float, *, block_n: int = 128, scratch_bytes: int = SCRATCH_BYTES,
+                 scale: float, *, scratch_bytes: int = SCRATCH_BYTES,
                  stash_cap: int = STASH_CAP) -> torch.Tensor:
     """Same contract as ``reference.indexer_topk`` (selected set identical; rows listed in ascending order)."""
     total, h_i, d_i = q.shape
@@ -259,8 +262,8 @@ def indexer_topk(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, cu_seq
     stash_idx = torch.empty((rows, cap), dtype=torch.int32, device=q.device)
     rmax = torch.empty(rows, dtype=torch.float32, device=q.device)
     rmin = torch.empty(rows, dtype=torch.float32, device=q.device)
-    sc_cfg = {"BN": block_n, "num_warps": 8, "num_stages": 3, **TUNE["score"]}
-    se_cfg = {"BLOCK": 1024, "num_warps": 4, **TUNE["select"]}
+    sc_cfg = {**SCORE_LAUNCH, **TUNE["score"]}
+    se_cfg = {**SELECT_LAUNCH, **TUNE["select"]}
     skip_select = se_cfg.pop("skip", False)  # benchmark hook: time the scoring alone
     for a in range(0, total, rows):
         b = min(total, a + rows)
@@ -289,11 +292,13 @@ def compile_specs(small: bool = False):
     score_sig = {"q_ptr": "*bf16", "k_ptr": "*bf16", "starts_ptr": "*i32", **ptr, "row0": "i32", "row_end": "i32",
                  "scale": "fp32", "topk": "i32", "stride_qt": "i32", "stride_qh": "i32", "stride_kt": "i32",
                  "stride_wt": "i32", "stride_sr": "i32"}
-    score_c = {"H": h_i, "D": d_i, "HP": hp, "DP": dp, "BQ": bq, "BN": 128, "IEEE": False}
+    score_c = {"H": h_i, "D": d_i, "HP": hp, "DP": dp, "BQ": bq, "BN": SCORE_LAUNCH["BN"], "IEEE": False}
     sel_sig = {"scores_ptr": "*fp32", "stash_idx_ptr": "*i32", "rmax_ptr": "*fp32", "rmin_ptr": "*fp32",
                "starts_ptr": "*i32", "out_ptr": "*i32", "row0": "i32", "topk": "i32", "stride_sr": "i32",
                "stride_ir": "i32", "stride_ot": "i32", "stash_off": "i32", "stash_cap": "i32"}
     div = ("q_ptr", "k_ptr", "stride_qt", "stride_qh", "stride_kt", "stride_sr")
-    return [("indexer_score", (_score_kernel, score_sig, score_c, 8, 3, div)),
-            ("indexer_select", (_select_kernel, sel_sig, {"BLOCK": 1024, "NB": NBINS}, 4, 1,
+    return [("indexer_score", (_score_kernel, score_sig, score_c, SCORE_LAUNCH["num_warps"],
+                               SCORE_LAUNCH["num_stages"], div)),
+            ("indexer_select", (_select_kernel, sel_sig, {"BLOCK": SELECT_LAUNCH["BLOCK"], "NB": NBINS},
+                                SELECT_LAUNCH["num_warps"], 1,
                                 ("scores_ptr", "stride_sr")))]

@@ -21,8 +21,6 @@ doubles the atomic traffic that bounds the backward). The fused kernel stays ava
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from . import _triton_env  # noqa: F401  (interpreter switch before triton)
@@ -37,6 +35,7 @@ LN2 = 0.6931471805599453
 # launch-parameter overrides for tuning (bench/kernels.py): keys BH, BK, num_warps, num_stages
 # (bwd: {"mode": "split" | "fused"}; bwd_dq / bwd_dkv: the two kernels of the split backward)
 TUNE: dict[str, dict] = {"fwd": {}, "bwd": {}, "bwd_dq": {}, "bwd_dkv": {}}
+_triton_env.load_tune("sparse_mla", TUNE)
 
 
 @triton.jit
@@ -173,7 +172,8 @@ def _bwd_dq_kernel(q_ptr, kv_ptr, idx_ptr, out_ptr, do_ptr, lse_ptr, dq_ptr, p_p
                    stride_lt, stride_dqt, stride_dqh, stride_pt, stride_ph,
                    DA: tl.constexpr, DB: tl.constexpr, DAP: tl.constexpr, DBP: tl.constexpr,
                    BH: tl.constexpr, BK: tl.constexpr, HAS_B: tl.constexpr, IEEE: tl.constexpr):
-    """Split backward, part 1 (no atomics): dQ, and P / dS of every (head, slot) into a scratch for part 2."""
+    """Split backward, part 1 (no atomics): dQ, and P / dS (dS already times sm_scale) of every (head, slot)
+    into a scratch for part 2."""
     t = row0 + tl.program_id(0)
     offs_h = tl.program_id(1) * BH + tl.arange(0, BH)
     hmask = offs_h < H
@@ -206,7 +206,7 @@ def _bwd_dq_kernel(q_ptr, kv_ptr, idx_ptr, out_ptr, do_ptr, lse_ptr, dq_ptr, p_p
         p = tl.math.exp2(s * qk_scale - lse2[:, None])
         p = tl.where(valid[None, :], p, 0.0)  # [BH, BK]
         dp = _dot(do, tl.trans(ka), IEEE)
-        ds_c = (p * (dp - delta[:, None])).to(ka.dtype)  # gradient w.r.t. the scaled logits
+        ds_c = (p * (dp - delta[:, None]) * sm_scale).to(ka.dtype)  # gradient w.r.t. q.k
         dqa += _dot(ds_c, ka, IEEE)
         if HAS_B:
             dqb += _dot(ds_c, kb, IEEE)
@@ -215,31 +215,51 @@ def _bwd_dq_kernel(q_ptr, kv_ptr, idx_ptr, out_ptr, do_ptr, lse_ptr, dq_ptr, p_p
         tl.store(p_ptr + prow + offs_k[None, :], p.to(p_ptr.dtype.element_ty), mask=smask)
         tl.store(ds_ptr + prow + offs_k[None, :], ds_c, mask=smask)
     dqrow = dq_ptr + t64 * stride_dqt + offs_h[:, None] * stride_dqh
-    tl.store(dqrow + offs_a[None, :], (dqa * sm_scale).to(dq_ptr.dtype.element_ty), mask=amask)
+    tl.store(dqrow + offs_a[None, :], dqa.to(dq_ptr.dtype.element_ty), mask=amask)
     if HAS_B:
-        tl.store(dqrow + DA + offs_b[None, :], (dqb * sm_scale).to(dq_ptr.dtype.element_ty), mask=bmask)
+        tl.store(dqrow + DA + offs_b[None, :], dqb.to(dq_ptr.dtype.element_ty), mask=bmask)
+
+
+@triton.jit
+def _dkv_cols(pt, dst, q_c, do_c, rows, c0: tl.constexpr, DAC: tl.constexpr, DA: tl.constexpr, valid, IEEE: tl.constexpr):
+    """dKV[rows, c0:c0+DAC] += P^T dO_c + dS^T Q_c (one accumulator chain, one layout)."""
+    acc = _dot(pt, do_c, IEEE)
+    if IEEE:
+        acc = tl.dot(dst, q_c, acc, input_precision="ieee")
+    else:
+        acc = tl.dot(dst, q_c, acc)
+    offs = c0 + tl.arange(0, DAC)
+    tl.atomic_add(rows[:, None] + offs[None, :], acc, mask=valid[:, None] & (offs < DA)[None, :], sem="relaxed")
 
 
 @triton.jit
 def _bwd_dkv_kernel(q_ptr, idx_ptr, do_ptr, p_ptr, ds_ptr, dkv_ptr,
-                    T, H, K, sm_scale, row0,
+                    T, H, K, row0,
                     stride_qt, stride_qh, stride_it, stride_dot, stride_doh, stride_pt, stride_ph, stride_dkvt,
                     DA: tl.constexpr, DB: tl.constexpr, DAP: tl.constexpr, DBP: tl.constexpr,
-                    BH: tl.constexpr, BK: tl.constexpr, HAS_B: tl.constexpr, IEEE: tl.constexpr):
-    """Split backward, part 2: dKV[idx] += dS^T Q * scale + P^T dO (fp32 atomics, once per (query, slot) and
-    head block). Q and dO are only right-hand operands here, so each has one shared-memory copy."""
+                    BH: tl.constexpr, BK: tl.constexpr, HAS_B: tl.constexpr, IEEE: tl.constexpr,
+                    SPLIT: tl.constexpr):
+    """Split backward, part 2: dKV[idx] += dS^T Q + P^T dO (fp32 atomics, once per (query, slot) and head block;
+    dS carries sm_scale). Q and dO are only right-hand operands here, so each has one shared-memory copy; with
+    SPLIT the value columns go in two halves, which halves the register tile converted for the atomics."""
     t = row0 + tl.program_id(0)
     offs_h = tl.program_id(1) * BH + tl.arange(0, BH)
     hmask = offs_h < H
-    offs_a = tl.arange(0, DAP)
-    amask = hmask[:, None] & (offs_a < DA)[None, :]
     t64 = t.to(tl.int64)
     qrow = q_ptr + t64 * stride_qt + offs_h[:, None] * stride_qh
-    qa = tl.load(qrow + offs_a[None, :], mask=amask, other=0.0)
+    dorow = do_ptr + t64 * stride_dot + offs_h[:, None] * stride_doh
+    DAC: tl.constexpr = DAP // 2 if SPLIT else DAP
+    offs_c = tl.arange(0, DAC)
+    m0 = hmask[:, None] & (offs_c < DA)[None, :]
+    q0 = tl.load(qrow + offs_c[None, :], mask=m0, other=0.0)
+    do0 = tl.load(dorow + offs_c[None, :], mask=m0, other=0.0)
+    if SPLIT:
+        m1 = hmask[:, None] & (DAC + offs_c < DA)[None, :]
+        q1 = tl.load(qrow + DAC + offs_c[None, :], mask=m1, other=0.0)
+        do1 = tl.load(dorow + DAC + offs_c[None, :], mask=m1, other=0.0)
     if HAS_B:
         offs_b = tl.arange(0, DBP)
         qb = tl.load(qrow + DA + offs_b[None, :], mask=hmask[:, None] & (offs_b < DB)[None, :], other=0.0)
-    do = tl.load(do_ptr + t64 * stride_dot + offs_h[:, None] * stride_doh + offs_a[None, :], mask=amask, other=0.0)
     idx_row = idx_ptr + t64 * stride_it
     prow = (t - row0).to(tl.int64) * stride_pt + offs_h[None, :] * stride_ph  # [1, BH]
     for k0 in range(0, K, BK):
@@ -249,13 +269,14 @@ def _bwd_dkv_kernel(q_ptr, idx_ptr, do_ptr, p_ptr, ds_ptr, dkv_ptr,
         lmask = valid[:, None] & hmask[None, :]
         pt = tl.load(p_ptr + prow + offs_k[:, None], mask=lmask, other=0.0)  # [BK, BH]
         dst = tl.load(ds_ptr + prow + offs_k[:, None], mask=lmask, other=0.0)
-        dka = _dot(dst, qa, IEEE) * sm_scale + _dot(pt, do, IEEE)
         rows = dkv_ptr + tl.where(valid, idx, 0).to(tl.int64) * stride_dkvt
-        tl.atomic_add(rows[:, None] + offs_a[None, :], dka, mask=valid[:, None] & (offs_a < DA)[None, :],
-                      sem="relaxed")
+        _dkv_cols(pt, dst, q0, do0, rows, 0, DAC, DA, valid, IEEE)
+        if SPLIT:
+            _dkv_cols(pt, dst, q1, do1, rows, DAC, DAC, DA, valid, IEEE)
         if HAS_B:
-            dkb = _dot(dst, qb, IEEE) * sm_scale
-            tl.atomic_add(rows[:, None] + DA + offs_b[None, :], dkb, mask=valid[:, None] & (offs_b < DB)[None, :],
+            dkb = _dot(dst, qb, IEEE)
+            offs_b2 = DA + tl.arange(0, DBP)
+            tl.atomic_add(rows[:, None] + offs_b2[None, :], dkb, mask=valid[:, None] & (offs_b2 < DA + DB)[None, :],
                           sem="relaxed")
 
 
@@ -270,18 +291,21 @@ def _config(h: int, d_qk: int, d_v: int, backward: bool = False, part: str = "")
     if not backward:
         bk, num_stages = (64, 2) if big else (16, 2)
     elif part == "dq":
-        # 64 heads x (512 + 64) fp32 dQ accumulators spill at 8 warps; 32 heads do not (no atomics here, so two
-        # programs per query only re-gather the rows, mostly from L2)
+        # 32 heads x 64 slots measured best on one H200 (64 heads x 32 slots, on wgmma but with a few spills,
+        # was on par; 32 x 32 on mma.sync 25% slower)
         bh = min(bh, 32) if big else bh
-        bk, num_stages = (32, 2) if big else (16, 2)
+        bk, num_stages = (64, 2) if big else (16, 2)
     elif part == "dkv":
-        bk, num_stages = (32, 2) if big else (16, 2)
+        # 64 slots per step: the dKV tile is the M side of the products (wgmma needs M >= 64)
+        bk, num_stages = (64, 1) if big else (16, 2)
     else:
         # fused backward at d_v = 512: Q and dO are needed in shared memory in two operand layouts each, which
         # only fits (227 KB) with 32 heads per program
         bh = min(bh, 32) if big else bh
         bk, num_stages = (32, 1) if big else (16, 2)
     cfg = dict(DA=d_v, DB=db, DAP=dap, DBP=dbp, BH=bh, BK=bk, HAS_B=db > 0)
+    if part == "dkv":
+        cfg["SPLIT"] = big
     tune = dict(TUNE["bwd_" + part if part else ("bwd" if backward else "fwd")])
     num_warps = tune.pop("num_warps", num_warps)
     num_stages = tune.pop("num_stages", num_stages)
@@ -353,7 +377,7 @@ def _bwd_split(q, kv, indices, out, lse, grad_out, sm_scale, d_v, dq, dkv):
             grad_out.stride(0), grad_out.stride(1), lse.stride(0), dq.stride(0), dq.stride(1), p.stride(0),
             p.stride(1), IEEE=ieee, num_warps=nw, num_stages=ns, **c)
         _bwd_dkv_kernel[(n, triton.cdiv(h, c2["BH"]))](
-            q, indices, grad_out, p, ds, dkv, kv.shape[0], h, n_k, sm_scale, a,
+            q, indices, grad_out, p, ds, dkv, kv.shape[0], h, n_k, a,
             q.stride(0), q.stride(1), indices.stride(0), grad_out.stride(0), grad_out.stride(1), p.stride(0),
             p.stride(1), dkv.stride(0), IEEE=ieee, num_warps=nw2, num_stages=ns2, **c2)
 
