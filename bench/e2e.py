@@ -1,0 +1,400 @@
+"""End-to-end training throughput on one GPU: our GLM-5.2 proxy vs torchtitan 0.2.2's DeepSeek-V3 at the same widths.
+
+On the GPU machine (wheels carried in .whl/, see bench/gpu_env.sh):
+
+    source bench/gpu_env.sh && python3 bench/e2e.py                       # lean default matrix, < 9 min
+    python3 bench/e2e.py --quick                                          # 4K and 32K, compile off, AC selective
+    python3 bench/e2e.py --seq-lens 4096,16384,32768 --compile off,on --ac none,selective --steps 6 --warmup 3
+
+Every cell of the matrix (seq_len x compile x AC) runs twice, each side in its own subprocess (memory is released,
+an OOM or a crash loses only that cell, recorded as "OOM" / "error" with the last lines of its log):
+
+* ours: ``train.py --job.config_file train_configs/glm52_proxy.toml`` for warmup + steps steps with
+  ``--metrics.log_freq 1 --data.no-document-masking --dsa.recall_queries 0 --checkpoint.no-enable`` (one sequence
+  per sample, so DSA is really sparse at 4K+), the cell's seq_len / AC mode / compile flag; its ``metrics.jsonl``
+  is averaged over the steps after the warm-up. MFU is the trainer's DSA-aware count (``titan_glm52.metrics``).
+* peer: ``bench/e2e_tt_dsv3.py`` (torchtitan's DeepSeekV3Model, its AC / compile / MoE / SDPA attention, FSDP2
+  mixed precision on a 1-rank mesh, AdamW); MFU counts dense causal attention (see that file).
+
+tokens/s is per GPU = tokens per step / mean step time over the timed steps; ratio = ours / peer tokens/s (the
+primary metric). Peak memory is the largest per-step ``torch.cuda.max_memory_allocated`` of the timed steps.
+Results: ``--out`` (JSON) and the markdown table beside it (``--md``), both copied into ``$OUT`` when it is set;
+the table is printed last. ``--budget-s`` bounds the whole run: cells that cannot start in time are "SKIPPED".
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PEAK_BF16_TFLOPS = 989.0  # H100/H200 dense bf16, as titan_glm52.metrics uses for MFU
+
+
+def _csv(kind):
+    def parse(text: str) -> list:
+        values = [kind(v.strip()) for v in text.split(",") if v.strip()]
+        if not values:
+            raise argparse.ArgumentTypeError("empty list")
+        return values
+    return parse
+
+
+def _choices(*allowed):
+    def parse(text: str) -> list[str]:
+        values = _csv(str)(text)
+        bad = [v for v in values if v not in allowed]
+        if bad:
+            raise argparse.ArgumentTypeError(f"{bad}: choose from {allowed}")
+        return values
+    return parse
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--seq-lens", type=_csv(int), default=[4096, 16384, 32768], help="comma-separated")
+    p.add_argument("--compile", type=_choices("off", "on"), default=["off"], help="off,on")
+    p.add_argument("--ac", type=_choices("none", "selective", "full"), default=["selective"], help="none,selective")
+    p.add_argument("--sac-option", default="2",
+                   help="activation_checkpoint.selective_ac_option for both sides: N = every N-th block "
+                        "(torchtitan's default, and the proxy config's), 'op' = per-op SAC (each side's own policy)")
+    p.add_argument("--steps", type=int, default=4, help="timed steps per cell, after the warm-up")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per cell (compile, allocator)")
+    p.add_argument("--batch", type=int, default=1, help="local batch size (sequences per step), both sides")
+    p.add_argument("--quick", action="store_true", help="only 4K and 32K, compile off, AC selective")
+    p.add_argument("--peer", action=argparse.BooleanOptionalAction, default=True,
+                   help="also run torchtitan's DeepSeek-V3 at the same widths")
+    p.add_argument("--peer-sdpa", choices=("tt", "flash", "cudnn"), default="tt",
+                   help="the peer's SDPA backends: torchtitan's priority (cuDNN > flash > math) or pin one")
+    p.add_argument("--our-mtp", choices=("on", "off"), default="on",
+                   help="ours trains the proxy's MTP layer (as its config does); 'off' = no MTP, like the peer")
+    p.add_argument("--config", default="train_configs/glm52_proxy.toml", help="our job config")
+    p.add_argument("--our-args", default="", help="extra train.py arguments (e.g. '--model.flavor debug')")
+    p.add_argument("--peer-args", default="", help="extra bench/e2e_tt_dsv3.py arguments (e.g. '--tiny')")
+    p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "e2e_h200.json"), help="JSON results")
+    p.add_argument("--md", default=None, help="markdown table (default: --out with .md)")
+    p.add_argument("--logs", default=None, help="folder for every subprocess log (default: a temporary one, "
+                   "copied to $OUT/e2e_logs when $OUT is set)")
+    p.add_argument("--cell-timeout", type=float, default=300.0, help="seconds per subprocess")
+    p.add_argument("--budget-s", type=float, default=510.0, help="seconds for the whole run (0 = unbounded)")
+    a = p.parse_args(argv)
+    if a.quick:
+        a.seq_lens, a.compile, a.ac = [4096, 32768], ["off"], ["selective"]
+    if a.steps < 1 or a.warmup < 0 or a.batch < 1:
+        p.error("--steps >= 1, --warmup >= 0, --batch >= 1")
+    a.md = a.md or os.path.splitext(a.out)[0] + ".md"
+    return a
+
+
+# --------------------------------------------------------------------------------------------- subprocesses
+class Runner:
+    """Runs one command per side and cell, in its own session (so a timeout kills its compile workers too),
+    under the run's overall deadline."""
+
+    def __init__(self, logs: str, cell_timeout: float, budget_s: float) -> None:
+        self.logs, self.cell_timeout = logs, cell_timeout
+        self.deadline = time.monotonic() + budget_s if budget_s > 0 else None
+        self.env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True", PYTHONUNBUFFERED="1")
+        self.env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
+
+    def run(self, cmd: list[str], name: str) -> dict:
+        """{"rc", "wall_s", "log", "timed_out"} or {"skipped": True} when the budget is spent."""
+        timeout = self.cell_timeout
+        if self.deadline is not None:
+            left = self.deadline - time.monotonic()
+            if left < 15:  # not even the imports would finish
+                return {"skipped": True}
+            timeout = min(timeout, left)
+        log = os.path.join(self.logs, name + ".log")
+        t0 = time.monotonic()
+        with open(log, "w") as f:
+            f.write("$ " + shlex.join(cmd) + "\n")
+            f.flush()
+            proc = subprocess.Popen(cmd, cwd=ROOT, env=self.env, stdout=f, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+            timed_out = False
+            try:
+                rc = proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                timed_out = True
+                _kill_group(proc)
+                rc = proc.wait()
+        return {"rc": rc, "wall_s": time.monotonic() - t0, "log": log, "timed_out": timed_out,
+                "cmd": shlex.join(cmd)}
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=10)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def _tail(path: str, n: int = 25) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            lines = [ln.rstrip() for ln in f if ln.strip()]
+    except OSError:
+        return ""
+    return "\n".join(lines[-n:])
+
+
+_OOM_MARKERS = ("OutOfMemoryError", "CUDA out of memory", "out of memory")
+
+
+def _failure(run: dict, status: str | None = None) -> dict:
+    if run.get("skipped"):
+        return {"status": "SKIPPED", "error": "time budget spent (--budget-s)"}
+    tail = _tail(run["log"])
+    if status is None:
+        status = "TIMEOUT" if run["timed_out"] else ("OOM" if any(m in tail for m in _OOM_MARKERS) else "error")
+    return {"status": status, "rc": run["rc"], "wall_s": run["wall_s"], "log": run["log"], "cmd": run["cmd"],
+            "stderr_tail": tail}
+
+
+# --------------------------------------------------------------------------------------------- our side
+def our_command(a: argparse.Namespace, seq_len: int, compile_on: bool, ac: str, dump: str) -> list[str]:
+    cmd = [sys.executable, "train.py", "--job.config_file", a.config,
+           "--training.steps", str(a.warmup + a.steps), "--metrics.log_freq", "1", "--job.dump_folder", dump,
+           "--training.seq_len", str(seq_len), "--training.local_batch_size", str(a.batch),
+           "--activation_checkpoint.mode", ac, "--activation_checkpoint.selective_ac_option", a.sac_option,
+           "--data.no-document-masking", "--dsa.recall_queries", "0", "--checkpoint.no-enable",
+           "--metrics.no-enable-tensorboard"]
+    if compile_on:
+        cmd.append("--compile.enable")
+    if a.our_mtp == "off":
+        cmd.append("--mtp.no-enable")
+    return cmd + shlex.split(a.our_args)
+
+
+def summarize_ours(rows: list[dict], warmup: int, steps: int) -> dict:
+    """Averages the trainer's per-step metrics over the steps after the warm-up."""
+    timed = [r for r in rows if r["step"] > warmup]
+    if len(timed) < steps:
+        raise ValueError(f"metrics.jsonl has {len(timed)} steps after the warm-up, expected {steps}")
+    total_s = sum(r["time/step_s"] for r in timed)
+    tokens = sum(r["throughput/tokens_per_s_per_device"] * r["time/step_s"] for r in timed)
+    out = {"status": "ok", "step_s": total_s / len(timed), "tokens_per_s": tokens / total_s,
+           "tokens_per_step": tokens / len(timed),
+           "data_s": sum(r["time/data_s"] for r in timed) / len(timed),
+           "forward_backward_s": sum(r["time/forward_backward_s"] for r in timed) / len(timed),
+           "optimizer_s": sum(r["time/optimizer_s"] for r in timed) / len(timed),
+           "tflops_per_device": sum(r["throughput/tflops_per_device"] * r["time/step_s"] for r in timed) / total_s,
+           "loss_last": timed[-1].get("loss/total"), "records": rows}
+    if all("throughput/mfu_pct" in r for r in timed):
+        out["mfu_pct"] = sum(r["throughput/mfu_pct"] * r["time/step_s"] for r in timed) / total_s
+    for key, name in (("memory/peak_allocated_gib", "peak_allocated_gib"),
+                      ("memory/peak_reserved_gib", "peak_reserved_gib"), ("memory/peak_rss_gib", "peak_rss_gib")):
+        if all(key in r for r in timed):
+            out[name] = max(r[key] for r in timed)
+    return out
+
+
+def run_ours(a, runner: Runner, seq_len: int, compile_on: bool, ac: str, name: str) -> dict:
+    dump = tempfile.mkdtemp(prefix=f"e2e_{name}_")
+    try:
+        run = runner.run(our_command(a, seq_len, compile_on, ac, dump), name)
+        if run.get("skipped") or run["rc"] != 0:
+            return _failure(run)
+        path = os.path.join(dump, "metrics.jsonl")
+        try:
+            with open(path) as f:
+                rows = [json.loads(line) for line in f if line.strip()]
+            out = summarize_ours(rows, a.warmup, a.steps)
+        except (OSError, ValueError, KeyError) as e:
+            return {**_failure(run, "error"), "error": f"{type(e).__name__}: {e}"}
+        out.update(wall_s=run["wall_s"], log=run["log"], cmd=run["cmd"])
+        return out
+    finally:
+        shutil.rmtree(dump, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------------------------- the peer
+def run_peer(a, runner: Runner, seq_len: int, compile_on: bool, ac: str, name: str) -> dict:
+    out_json = os.path.join(runner.logs, name + ".json")
+    cmd = [sys.executable, os.path.join("bench", "e2e_tt_dsv3.py"), "--seq-len", str(seq_len),
+           "--batch", str(a.batch), "--steps", str(a.steps), "--warmup", str(a.warmup), "--ac", ac,
+           "--sac-option", a.sac_option, "--compile", "on" if compile_on else "off", "--sdpa", a.peer_sdpa,
+           "--out", out_json]
+    run = runner.run(cmd + shlex.split(a.peer_args), name)
+    if run.get("skipped"):
+        return _failure(run)
+    result = None
+    if os.path.exists(out_json):
+        try:
+            with open(out_json) as f:
+                result = json.load(f)
+        except ValueError:
+            result = None
+    if run["rc"] == 0 and result and result.get("status") == "ok":
+        result.update(wall_s=run["wall_s"], log=run["log"], cmd=run["cmd"])
+        return result
+    fail = _failure(run, "OOM" if result and result.get("status") == "OOM" else None)
+    if result and result.get("error"):
+        fail["error"] = result["error"]
+    return fail
+
+
+# --------------------------------------------------------------------------------------------- report
+def environment() -> dict:
+    """GPU name and versions, from a child process (the parent never touches CUDA)."""
+    code = ("import json, torch\n"
+            "try:\n import triton; tv = triton.__version__\nexcept Exception: tv = None\n"
+            "try:\n from importlib.metadata import version; tt = version('torchtitan')\nexcept Exception: tt = None\n"
+            "gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'cpu'\n"
+            "print(json.dumps({'gpu': gpu, 'gpu_count': torch.cuda.device_count(), 'torch': torch.__version__,"
+            " 'cuda': torch.version.cuda, 'triton': tv, 'torchtitan': tt}))\n")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
+    try:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+        return json.loads(out.stdout.strip().splitlines()[-1])
+    except (subprocess.SubprocessError, ValueError, IndexError):
+        return {"gpu": "unknown"}
+
+
+def _fmt(side: dict | None, key: str, spec: str) -> str:
+    if side is None:
+        return "-"
+    if side.get("status") != "ok":
+        return side.get("status", "?")
+    value = side.get(key)
+    return format(value, spec) if isinstance(value, (int, float)) else "-"
+
+
+def table_rows(cells: list[dict]) -> tuple[list[str], list[list[str]]]:
+    head = ["config", "ours tok/s", "ours MFU %", "ours peak GiB", "ours data/fwd+bwd/opt s", "peer tok/s",
+            "peer MFU %", "peer peak GiB", "ratio ours/peer"]
+    rows = []
+    for c in cells:
+        o, p = c["ours"], c.get("peer")
+        if o.get("status") == "ok":
+            breakdown = f"{o['data_s']:.3f}/{o['forward_backward_s']:.3f}/{o['optimizer_s']:.3f}"
+        else:
+            breakdown = o.get("status", "?")
+        ratio = f"{c['ratio']:.2f}" if c.get("ratio") is not None else "-"
+        mem_key = "peak_allocated_gib" if "peak_allocated_gib" in o or "peak_rss_gib" not in o else "peak_rss_gib"
+        rows.append([c["config"], _fmt(o, "tokens_per_s", ".0f"), _fmt(o, "mfu_pct", ".1f"),
+                     _fmt(o, mem_key, ".1f"), breakdown, _fmt(p, "tokens_per_s", ".0f"), _fmt(p, "mfu_pct", ".1f"),
+                     _fmt(p, "peak_allocated_gib", ".1f"), ratio])
+    return head, rows
+
+
+def text_table(head: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in [head] + rows) for i in range(len(head))]
+    line = lambda r: "  ".join(v.rjust(w) if i else v.ljust(w) for i, (v, w) in enumerate(zip(r, widths)))  # noqa
+    return "\n".join([line(head), "  ".join("-" * w for w in widths)] + [line(r) for r in rows])
+
+
+def markdown(report: dict) -> str:
+    m, head, rows = report["meta"], *table_rows(report["cells"])
+    env = m["environment"]
+    out = ["# End-to-end training throughput: GLM-5.2 proxy (ours) vs torchtitan 0.2.2 DeepSeek-V3 (peer)", "",
+           f"- date: {m['date']}",
+           f"- GPU: {env.get('gpu')} (x{env.get('gpu_count')}; one used)",
+           f"- torch {env.get('torch')} (CUDA {env.get('cuda')}), triton {env.get('triton')}, "
+           f"torchtitan {env.get('torchtitan')}",
+           f"- command: `{m['command']}`",
+           f"- per cell: {m['warmup']} warm-up + {m['steps']} timed steps, local batch {m['batch']}, "
+           f"selective_ac_option {m['sac_option']!r}, our MTP {m['our_mtp']}; wall {m['wall_s']:.0f} s", "",
+           "| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    out += ["| " + " | ".join(r) + " |" for r in rows]
+    out += ["", "Notes:", "",
+            "- tok/s is per GPU: tokens per step / mean step time of the timed steps; ratio = ours / peer tok/s.",
+            "- ours: `train.py` with the proxy config (4 layers: 1 dense + 3 MoE, 16 experts top-8 + 1 shared, "
+            "IndexShare FFFS, DSA top-2048, MTP as configured), bf16 compute with fp32 master weights (FSDP2 "
+            "MixedPrecisionPolicy on a 1-rank mesh), fused AdamW, one sequence per sample (no document masking). "
+            "MFU = the trainer's DSA-aware FLOPs (sparse MLA core over top-k keys, indexer over causal pairs, "
+            "MTP layer and second head pass when MTP is on) / 989 TFLOP/s.",
+            "- peer: torchtitan 0.2.2 `DeepSeekV3Model` at the same widths (no indexer, no MTP), SDPA causal "
+            "attention, GroupedExperts with torch._grouped_mm, its parallelize_deepseekv3 (AC, per-block compile) "
+            "and apply_fsdp (bf16 / fp32 MixedPrecisionPolicy, 1-rank mesh), build_optimizers_with_moe_load_balancing "
+            "(fused AdamW). MFU = (6 N_active T + 3 L 2 H (d_qk + d_v) B S(S+1)/2) / step time / 989 TFLOP/s "
+            "(dense causal attention; `mfu_pct_tt` in the JSON uses torchtitan's own full S x S count).",
+            f"- AC 'selective' = activation_checkpoint.selective_ac_option {m['sac_option']!r} on both sides "
+            "(an integer N: every N-th block fully recomputed; 'op': each side's own per-op policy). Compile = "
+            "per-block torch.compile on both sides (routed experts' dispatch eager; the loss eager).",
+            f"- peer SDPA backends: {m['peer_sdpa']} ('tt' = torchtitan's priority cuDNN > flash > math).",
+            ("- ours trains MTP (one more MoE layer and a second pass through the 154,880-row head: about +50% "
+             "FLOPs per token at 4K) and the peer has none, so the tok/s ratio understates ours; "
+             "`--our-mtp off` compares like for like." if m["our_mtp"] == "on" else
+             "- ours runs without MTP (`--our-mtp off`), like the peer; ours still runs the DSA indexer."),
+            "- peak GiB: the largest per-step torch.cuda.max_memory_allocated of the timed steps.",
+            "- OOM / error / TIMEOUT / SKIPPED: that cell failed or did not run; the JSON holds the last log lines."]
+    return "\n".join(out) + "\n"
+
+
+def main(argv: list[str]) -> int:
+    a = parse_args(argv)
+    t_start = time.monotonic()
+    logs = a.logs or tempfile.mkdtemp(prefix="e2e_logs_")
+    os.makedirs(logs, exist_ok=True)
+    runner = Runner(logs, a.cell_timeout, a.budget_s)
+    env = environment()
+    print(f"[e2e] {env}; logs in {logs}", flush=True)
+    cells = []
+    for compile_flag in a.compile:
+        for ac in a.ac:
+            for seq_len in a.seq_lens:
+                compile_on = compile_flag == "on"
+                config = f"S={seq_len} compile={compile_flag} ac={ac}"
+                tag = f"s{seq_len}_c{compile_flag}_{ac}"
+                print(f"[e2e] {config}: ours ...", flush=True)
+                ours = run_ours(a, runner, seq_len, compile_on, ac, "ours_" + tag)
+                print(f"[e2e]   ours {ours['status']}" + (f" {ours['tokens_per_s']:.0f} tok/s"
+                                                           if ours["status"] == "ok" else ""), flush=True)
+                cell = {"config": config, "seq_len": seq_len, "compile": compile_flag, "ac": ac, "ours": ours}
+                if a.peer:
+                    print(f"[e2e] {config}: peer ...", flush=True)
+                    peer = run_peer(a, runner, seq_len, compile_on, ac, "peer_" + tag)
+                    print(f"[e2e]   peer {peer['status']}" + (f" {peer['tokens_per_s']:.0f} tok/s"
+                                                               if peer["status"] == "ok" else ""), flush=True)
+                    cell["peer"] = peer
+                    if ours["status"] == "ok" and peer["status"] == "ok":
+                        cell["ratio"] = ours["tokens_per_s"] / peer["tokens_per_s"]
+                cells.append(cell)
+    report = {"meta": {"command": shlex.join(["python3", "bench/e2e.py", *argv]),
+                       "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                       "environment": env, "steps": a.steps, "warmup": a.warmup, "batch": a.batch,
+                       "sac_option": a.sac_option, "our_mtp": a.our_mtp, "peer_sdpa": a.peer_sdpa, "config": a.config,
+                       "peak_bf16_tflops": PEAK_BF16_TFLOPS, "wall_s": time.monotonic() - t_start},
+              "cells": cells}
+    for path, text in ((a.out, json.dumps(report, indent=1) + "\n"), (a.md, markdown(report))):
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as f:
+            f.write(text)
+    if os.environ.get("OUT"):
+        os.makedirs(os.environ["OUT"], exist_ok=True)
+        for path in (a.out, a.md):
+            shutil.copy(path, os.environ["OUT"])
+        if not a.logs:
+            shutil.copytree(logs, os.path.join(os.environ["OUT"], "e2e_logs"), dirs_exist_ok=True)
+    for c in cells:
+        for side in ("ours", "peer"):
+            s = c.get(side)
+            if s and s.get("status") not in ("ok", None):
+                print(f"[e2e] {c['config']} {side}: {s['status']} {s.get('error', '')}\n{s.get('stderr_tail', '')}\n",
+                      flush=True)
+    print(f"[e2e] wrote {a.out} and {a.md}\n", flush=True)
+    print(text_table(*table_rows(cells)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,326 @@
+"""The peer of bench/e2e.py: torchtitan 0.2.2's own DeepSeek-V3 model, at our proxy's widths, trained on one device.
+
+    python3 bench/e2e_tt_dsv3.py --seq-len 4096 --ac selective --compile off --steps 4 --warmup 2 --out cell.json
+
+What runs (every piece is torchtitan 0.2.2's, used as a library; only this loop is ours):
+
+* model: ``torchtitan.models.deepseek_v3.DeepSeekV3Model`` with ``DeepSeekV3ModelArgs`` = the ``glm52_proxy``
+  widths: hidden 6144, 64 heads, MLA q_lora 2048 / kv_lora 512, qk_nope 192 + qk_rope 64, v 256, vocab 154,880,
+  4 layers (1 dense, inter 12,288; 3 MoE), ``MoEArgs`` 16 experts top-8 + 1 shared, moe_inter 2048, sigmoid
+  scores, route_norm, route_scale 2.5, score after the experts (DeepSeek-V3 671B's settings), aux-loss-free bias
+  (load_balance_coeff 1e-3), ``GroupedExperts`` with use_grouped_mm (``torch._grouped_mm`` + torchtitan's Triton
+  permute/pad kernel); attention ``attn_type="sdpa"`` with ``attn_mask_type="causal"`` (torchtitan's
+  ``ScaledDotProductAttentionWrapper``: cuDNN > flash > math, is_causal); no MTP (0.2.2 has none). The RoPE
+  table is plain (original_seq_len = seq_len: no YaRN rescaling).
+* parallelisms: ``parallelize_deepseekv3`` (its AC -> per-block compile; with one rank it applies no FSDP), then
+  ``torchtitan.models.llama4.infra.parallelize.apply_fsdp`` on a 1-rank mesh with ``MixedPrecisionPolicy(bf16,
+  fp32)``: bf16 compute, fp32 master weights and gradients -- what our trainer does on one GPU.
+  AC: ``activation_checkpoint.mode`` none / selective (``selective_ac_option`` "2" = checkpoint every 2nd block,
+  torchtitan's default and ours; "op" = its per-op SAC with DeepSeek-V3's save list) / full.
+  Compile: ``compile.components = ["model"]`` (per-block ``torch.compile``, MoE blocks per child as torchtitan does;
+  the loss stays eager, as ours).
+* optimizer: ``build_optimizers_with_moe_load_balancing`` (AdamW fused, lr 3e-4, betas 0.9/0.95, wd 0.1, eps 1e-8,
+  plus the expert-bias pre-step hook), grad clipping ``torchtitan.distributed.utils.clip_grad_norm_`` at 1.0,
+  loss ``torchtitan.components.loss.cross_entropy_loss`` / tokens. Data: uniform random tokens of the vocabulary.
+
+FLOPs (forward + backward = 3 x forward), per step of B x S tokens:
+
+    flops       = 6 * N_active * B * S + n_layers * 3 * 2 * H * (d_qk + d_v) * B * S (S + 1) / 2    (causal)
+    flops_tt    = (6 * N_active + 6 * n_layers * H * (d_qk + d_v) * S) * B * S    (torchtitan's own: full S x S)
+
+``N_active`` is torchtitan's count (``get_moe_model_nparams_and_flops``): every parameter but the embedding, with
+the routed experts scaled by top_k / num_experts (the output head included); d_qk = 192 + 64, d_v = 256.
+
+Shims for CPU only (the CPU smoke test): torchtitan's ``parallel_dims.device_type`` is "cuda" when no GPU is
+present (set to "cpu"), CPU ``torch.histc`` has no int64 kernel (cast through float), gloo has no PREMUL_SUM
+(``set_force_sum_reduction_for_comms``), and the experts use the for-loop path (the Triton permute kernel needs a
+GPU). On CUDA nothing is patched.
+
+Writes one JSON object to ``--out`` (status "ok" | "OOM" | "error"); exit code 0 on "ok", 3 on OOM, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import tempfile
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+
+PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "H800": 989e12, "A100": 312e12, "B200": 2250e12}
+
+# The proxy's widths (titan_glm52/model/args.py: glm52_proxy), in DeepSeekV3ModelArgs' names.
+PROXY = dict(vocab_size=154880, dim=6144, inter_dim=12288, moe_inter_dim=2048, n_layers=4, n_dense_layers=1,
+             n_heads=64, q_lora_rank=2048, kv_lora_rank=512, qk_nope_head_dim=192, qk_rope_head_dim=64,
+             v_head_dim=256, norm_eps=1e-5, rope_theta=8e6)
+PROXY_MOE = dict(num_experts=16, num_shared_experts=1, top_k=8)
+# A tiny model with the same structure, for the CPU smoke test.
+TINY = dict(vocab_size=2048, dim=64, inter_dim=128, moe_inter_dim=32, n_layers=3, n_dense_layers=1, n_heads=4,
+            q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=24, norm_eps=1e-5,
+            rope_theta=1e4)
+TINY_MOE = dict(num_experts=8, num_shared_experts=1, top_k=3)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--seq-len", type=int, default=4096)
+    p.add_argument("--batch", type=int, default=1, help="local batch size (sequences per step)")
+    p.add_argument("--steps", type=int, default=4, help="timed steps (after the warm-up)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps first (compile, allocator warm-up)")
+    p.add_argument("--ac", choices=("none", "selective", "full"), default="selective")
+    p.add_argument("--sac-option", default="2", help="selective_ac_option: 'op' or N (every N-th block)")
+    p.add_argument("--compile", choices=("off", "on"), default="off")
+    p.add_argument("--sdpa", choices=("tt", "flash", "cudnn"), default="tt",
+                   help="SDPA backends: torchtitan's priority (cuDNN > flash > math), or pin flash / cuDNN (+ math)")
+    p.add_argument("--tiny", action="store_true", help="tiny widths (CPU smoke test)")
+    p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
+    p.add_argument("--out", default=None, help="JSON result path (default: stdout only)")
+    return p.parse_args(argv)
+
+
+# --------------------------------------------------------------------------------------------- CPU shims
+def _cpu_shims() -> None:
+    import torchtitan.distributed.parallel_dims as pd
+
+    pd.device_type = "cpu"
+    if getattr(torch.histc, "_e2e_int_shim", False):
+        return
+    histc = torch.histc
+
+    def histc_any(input, bins=100, min=0, max=0, *, out=None):  # noqa: A002 - torch's signature
+        if input.is_floating_point():
+            return histc(input, bins=bins, min=min, max=max, out=out)
+        return histc(input.float(), bins=bins, min=min, max=max).to(input.dtype)
+
+    histc_any._e2e_int_shim = True
+    torch.histc = histc_any
+
+
+# --------------------------------------------------------------------------------------------- pieces
+def model_args(seq_len: int, tiny: bool, grouped_mm: bool):
+    from torchtitan.models.deepseek_v3 import DeepSeekV3ModelArgs
+    from torchtitan.models.moe import MoEArgs
+
+    dims, moe = (TINY, TINY_MOE) if tiny else (PROXY, PROXY_MOE)
+    args = DeepSeekV3ModelArgs(
+        **dims, max_seq_len=seq_len, original_seq_len=seq_len, attn_type="sdpa", attn_mask_type="causal",
+        moe_args=MoEArgs(**moe, score_func="sigmoid", route_norm=True, route_scale=2.5, score_before_experts=False,
+                         use_grouped_mm=grouped_mm, load_balance_coeff=1e-3))
+    # update_from_config (which we do not call: it wants a whole JobConfig) would set this; TransformerBlock reads it.
+    args.moe_impl = "standard"
+    return args
+
+
+def active_params(model: torch.nn.Module, args) -> tuple[int, int]:
+    """(total, active) the way torchtitan's get_moe_model_nparams_and_flops counts them (embedding excluded from
+    active; routed experts scaled by top_k / num_experts with its integer division)."""
+    emb = experts = other = 0
+    for name, p in model.named_parameters():
+        if "embedding" in name:
+            emb += p.numel()
+        elif "moe.experts" in name:
+            experts += p.numel()
+        else:
+            other += p.numel()
+    active = other + experts * args.moe_args.top_k // args.moe_args.num_experts
+    return emb + experts + other, active
+
+
+def step_flops(args, n_active: int, batch: int, seq_len: int) -> tuple[float, float]:
+    """(causal, torchtitan's full-attention) training FLOPs of one step."""
+    tokens = batch * seq_len
+    d_qk, d_v = args.qk_nope_head_dim + args.qk_rope_head_dim, args.v_head_dim
+    pairs = batch * seq_len * (seq_len + 1) // 2
+    causal = 6 * n_active * tokens + args.n_layers * 3 * 2 * args.n_heads * (d_qk + d_v) * pairs
+    tt = (6 * n_active + 6 * args.n_layers * args.n_heads * (d_qk + d_v) * seq_len) * tokens
+    return float(causal), float(tt)
+
+
+def job_config(a: argparse.Namespace, dump_folder: str):
+    from torchtitan.config import JobConfig
+
+    jc = JobConfig()
+    jc.job.dump_folder = dump_folder
+    jc.training.seq_len = a.seq_len
+    jc.training.local_batch_size = a.batch
+    jc.activation_checkpoint.mode = a.ac
+    jc.activation_checkpoint.selective_ac_option = a.sac_option
+    jc.compile.enable = a.compile == "on"
+    jc.compile.components = ["model"]
+    jc.optimizer.name, jc.optimizer.lr, jc.optimizer.weight_decay = "AdamW", 3e-4, 0.1
+    jc.optimizer.beta1, jc.optimizer.beta2, jc.optimizer.eps = 0.9, 0.95, 1e-8
+    jc.optimizer.implementation = "fused"
+    return jc
+
+
+def build(a: argparse.Namespace, device: torch.device, dump_folder: str):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule
+    from torchtitan.components.optimizer import build_optimizers_with_moe_load_balancing
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.models.deepseek_v3 import DeepSeekV3Model, parallelize_deepseekv3
+    from torchtitan.models.llama4.infra.parallelize import apply_fsdp
+
+    on_gpu = device.type == "cuda"
+    if a.sdpa != "tt":
+        from torch.nn.attention import SDPBackend
+        from torchtitan.models.attention import ScaledDotProductAttentionWrapper
+
+        first = SDPBackend.FLASH_ATTENTION if a.sdpa == "flash" else SDPBackend.CUDNN_ATTENTION
+        ScaledDotProductAttentionWrapper.sdpa_backends = [first, SDPBackend.MATH]  # instances take the class list
+    args = model_args(a.seq_len, a.tiny, grouped_mm=on_gpu)
+    with torch.device("meta"):
+        model = DeepSeekV3Model(args)
+    n_total, n_active = active_params(model, args)
+    jc = job_config(a, dump_folder)
+    dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=1)
+    mesh_note = None
+    try:  # the expert-bias hook asks for the "loss" mesh; build them now so a failure shows here
+        dims.build_mesh()
+    except Exception as e:  # noqa: BLE001 - private DeviceMesh APIs differ across torch versions
+        # With one rank every optional mesh is None (size 1), which is all torchtitan's code asks here.
+        mesh_note = f"ParallelDims.build_mesh failed ({type(e).__name__}: {e}); optional meshes = None"
+        print(f"[peer] {mesh_note}", flush=True)
+        dims.get_optional_mesh = lambda names: None
+    model = parallelize_deepseekv3(model, dims, jc)  # AC, then compile; no FSDP at one rank
+    mesh = init_device_mesh(device.type, (1,), mesh_dim_names=("fsdp",))
+    apply_fsdp(model, mesh, param_dtype=torch.bfloat16 if on_gpu else torch.float32, reduce_dtype=torch.float32,
+               pp_enabled=False, reshard_after_forward_policy="default", ep_degree=1)
+    if not on_gpu:  # gloo has no PREMUL_SUM (torchtitan sets the divide factor to 1); a plain sum is the same
+        for m in model.modules():
+            if isinstance(m, FSDPModule):
+                m.set_force_sum_reduction_for_comms(True)
+    model.to_empty(device=device)
+    with torch.no_grad():
+        model.init_weights(buffer_device=device)
+    model.train()
+    optimizers = build_optimizers_with_moe_load_balancing([model], jc.optimizer, dims)
+    return args, model, optimizers, n_total, n_active, mesh_note
+
+
+def run(a: argparse.Namespace) -> dict:
+    from torchtitan.components.loss import cross_entropy_loss
+    from torchtitan.distributed.utils import clip_grad_norm_
+
+    if a.device == "auto":
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        device = torch.device(a.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device.index or 0)
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        _cpu_shims()
+    # A one-rank process group over env:// on a free port, as our trainer's `python train.py` does.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if device.type == "cuda":
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        dist.init_process_group("gloo")
+    torch.manual_seed(0)
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    result: dict = {"side": "peer", "seq_len": a.seq_len, "batch": a.batch, "ac": a.ac, "sac_option": a.sac_option,
+                    "compile": a.compile, "steps": a.steps, "warmup": a.warmup, "device": str(device)}
+    if device.type == "cuda":
+        result["device_name"] = torch.cuda.get_device_name(device)
+    with tempfile.TemporaryDirectory() as dump:
+        t_build = time.perf_counter()
+        args, model, optimizers, n_total, n_active, mesh_note = build(a, device, dump)
+        sync()
+        result.update(build_s=time.perf_counter() - t_build, params_total=n_total, params_active=n_active,
+                      sdpa=a.sdpa, grouped_mm=args.moe_args.use_grouped_mm)
+        if mesh_note:
+            result["note"] = mesh_note
+        flops, flops_tt = step_flops(args, n_active, a.batch, a.seq_len)
+        tokens = a.batch * a.seq_len
+        params = [p for p in model.parameters() if p.requires_grad]
+        records = []
+        for step in range(1, a.warmup + a.steps + 1):
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            sync()
+            t0 = time.perf_counter()
+            seq = torch.randint(0, args.vocab_size, (a.batch, a.seq_len + 1), device=device)
+            inputs, labels = seq[:, :-1], seq[:, 1:]
+            sync()
+            t_data = time.perf_counter()
+            loss = cross_entropy_loss(model(inputs), labels) / tokens
+            loss.backward()
+            sync()
+            t_fb = time.perf_counter()
+            grad_norm = clip_grad_norm_(params, 1.0, foreach=True)
+            optimizers.step()
+            optimizers.zero_grad()
+            sync()
+            t_opt = time.perf_counter()
+            rec = {"step": step, "loss": float(loss.detach()), "grad_norm": float(grad_norm), "step_s": t_opt - t0,
+                   "data_s": t_data - t0, "forward_backward_s": t_fb - t_data, "optimizer_s": t_opt - t_fb}
+            if device.type == "cuda":
+                rec["peak_allocated_gib"] = torch.cuda.max_memory_allocated(device) / 2 ** 30
+                rec["peak_reserved_gib"] = torch.cuda.max_memory_reserved(device) / 2 ** 30
+            records.append(rec)
+            print(f"[peer] step {step}/{a.warmup + a.steps} loss {rec['loss']:.4f} step {rec['step_s']:.3f}s "
+                  f"mem {rec.get('peak_allocated_gib', 0):.1f}GiB", flush=True)
+    timed = records[a.warmup:]
+    step_s = sum(r["step_s"] for r in timed) / len(timed)
+    result.update(status="ok", records=records, tokens_per_step=tokens, flops_per_step=flops,
+                  flops_per_step_tt=flops_tt, step_s=step_s,
+                  data_s=sum(r["data_s"] for r in timed) / len(timed),
+                  forward_backward_s=sum(r["forward_backward_s"] for r in timed) / len(timed),
+                  optimizer_s=sum(r["optimizer_s"] for r in timed) / len(timed),
+                  tokens_per_s=tokens / step_s)
+    peak = next((v for k, v in PEAK_BF16.items() if k in result.get("device_name", "")), None)
+    if peak:
+        result["mfu_pct"] = 100.0 * flops / step_s / peak
+        result["mfu_pct_tt"] = 100.0 * flops_tt / step_s / peak
+    if device.type == "cuda":
+        result["peak_allocated_gib"] = max(r["peak_allocated_gib"] for r in timed)
+        result["peak_reserved_gib"] = max(r["peak_reserved_gib"] for r in timed)
+    return result
+
+
+def _write(path: str | None, obj: dict) -> None:
+    text = json.dumps(obj, indent=1)
+    if path:
+        with open(path, "w") as f:
+            f.write(text + "\n")
+    else:
+        print(text)
+
+
+def main(argv: list[str]) -> int:
+    a = parse_args(argv)
+    if a.steps < 1 or a.warmup < 0:
+        raise SystemExit("--steps must be >= 1 and --warmup >= 0")
+    base = {"side": "peer", "seq_len": a.seq_len, "ac": a.ac, "compile": a.compile}
+    try:
+        _write(a.out, run(a))
+        return 0
+    except torch.OutOfMemoryError as e:
+        _write(a.out, {**base, "status": "OOM", "error": str(e).splitlines()[0][:400]})
+        traceback.print_exc()
+        return 3
+    except Exception as e:  # noqa: BLE001 - every failure becomes a row of the table
+        _write(a.out, {**base, "status": "error", "error": f"{type(e).__name__}: {e}"[:400]})
+        traceback.print_exc()
+        return 1
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,83 @@
+"""bench/e2e.py plumbing on CPU: both sides train a tiny model for a few steps in their own subprocesses, the
+JSON / markdown / table come out, and a failing cell is recorded without stopping the run."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "bench", name + ".py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_e2e_both_sides_tiny_on_cpu(tmp_path):
+    pytest.importorskip("torchtitan.models.deepseek_v3")
+    out = tmp_path / "e2e.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("OUT", None)
+    proc = subprocess.run(
+        [sys.executable, "bench/e2e.py", "--seq-lens", "64", "--compile", "off", "--ac", "selective",
+         "--steps", "2", "--warmup", "1", "--our-args=--model.flavor debug", "--peer-args=--tiny",
+         "--out", str(out), "--logs", str(tmp_path / "logs"), "--budget-s", "0"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=170)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    (cell,) = report["cells"]
+    ours, peer = cell["ours"], cell["peer"]
+    if peer["status"] != "ok" and "torchtitan" in peer.get("stderr_tail", "") and "Import" in peer.get("error", ""):
+        pytest.skip(f"torchtitan DeepSeek-V3 does not run on this CPU: {peer.get('error')}")
+    assert ours["status"] == "ok", ours
+    assert peer["status"] == "ok", peer
+    assert ours["tokens_per_step"] == 64 and peer["tokens_per_step"] == 64
+    assert len([r for r in ours["records"] if r["step"] > 1]) == 2 and len(peer["records"]) == 3
+    for side in (ours, peer):
+        assert side["tokens_per_s"] > 0 and side["step_s"] > 0
+        assert side["forward_backward_s"] > 0 and side["optimizer_s"] >= 0 and side["data_s"] >= 0
+    assert peer["params_active"] < peer["params_total"] and peer["flops_per_step"] < peer["flops_per_step_tt"]
+    assert cell["ratio"] == pytest.approx(ours["tokens_per_s"] / peer["tokens_per_s"])
+    md = (tmp_path / "e2e.md").read_text()
+    assert "| S=64 compile=off ac=selective |" in md and "bench/e2e.py" in md
+    table = proc.stdout.strip().splitlines()
+    assert table[-1].startswith("S=64 compile=off ac=selective") and "ratio ours/peer" in table[-3]
+
+
+def test_failing_cell_is_recorded(tmp_path):
+    e2e = _load("e2e")
+    runner = e2e.Runner(str(tmp_path), cell_timeout=60, budget_s=0)
+    run = runner.run([sys.executable, "-c", "import sys; print('x'); "
+                      "sys.exit('torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 9 GiB')"], "oom")
+    fail = e2e._failure(run)
+    assert fail["status"] == "OOM" and "Tried to allocate" in fail["stderr_tail"]
+    run = runner.run([sys.executable, "-c", "raise ValueError('boom')"], "err")
+    fail = e2e._failure(run)
+    assert fail["status"] == "error" and "ValueError: boom" in fail["stderr_tail"]
+    run = e2e.Runner(str(tmp_path), cell_timeout=1, budget_s=0).run(
+        [sys.executable, "-c", "import time; time.sleep(30)"], "slow")
+    assert e2e._failure(run)["status"] == "TIMEOUT"
+    spent = e2e.Runner(str(tmp_path), cell_timeout=60, budget_s=5)
+    assert e2e._failure(spent.run([sys.executable, "-c", "pass"], "late"))["status"] == "SKIPPED"
+    head, rows = e2e.table_rows([{"config": "S=1", "ours": {"status": "OOM"}, "peer": {"status": "error"}}])
+    assert rows == [["S=1", "OOM", "OOM", "OOM", "OOM", "error", "error", "error", "-"]]
+    assert e2e.text_table(head, rows).splitlines()[-1].startswith("S=1")
+
+
+def test_summarize_ours_averages_after_warmup():
+    e2e = _load("e2e")
+    rows = [{"step": s, "time/step_s": t, "throughput/tokens_per_s_per_device": 100 / t, "time/data_s": 0.0,
+             "time/forward_backward_s": t - 0.1, "time/optimizer_s": 0.1, "throughput/tflops_per_device": 1.0,
+             "throughput/mfu_pct": m, "memory/peak_allocated_gib": g}
+            for s, t, m, g in ((1, 9.0, 1.0, 50.0), (2, 1.0, 10.0, 20.0), (3, 3.0, 20.0, 21.0))]
+    out = e2e.summarize_ours(rows, warmup=1, steps=2)
+    assert out["tokens_per_s"] == pytest.approx(200 / 4.0) and out["step_s"] == pytest.approx(2.0)
+    assert out["mfu_pct"] == pytest.approx((10.0 * 1 + 20.0 * 3) / 4) and out["peak_allocated_gib"] == 21.0
+    with pytest.raises(ValueError):
+        e2e.summarize_ours(rows, warmup=1, steps=3)
