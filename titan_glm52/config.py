@@ -185,6 +185,10 @@ def validate(cfg: JobConfig, world_size: int | None = None) -> None:
     if cfg.dsa.freeze_indexer and cfg.dsa.indexer_loss_coeff > 0:
         _refuse("dsa.freeze_indexer", "a frozen indexer cannot learn from dsa.indexer_loss_coeff > 0; set one of "
                 "them off")
+    prof = cfg.profiling
+    if prof.enable_profiling and prof.profile_freq < prof.profiler_warmup + prof.profiler_active:
+        _refuse("profiling.profile_freq", f"{prof.profile_freq} < profiler_warmup + profiler_active "
+                f"({prof.profiler_warmup} + {prof.profiler_active}); raise it or shorten the window")
     if cfg.faults.max_consecutive_nonfinite < 1:
         _refuse("faults.max_consecutive_nonfinite", "must be >= 1")
     if cfg.checkpoint.enable and cfg.checkpoint.keep_latest_k == 1:

@@ -21,7 +21,6 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torchtitan.components import checkpoint as tt_checkpoint
 from torchtitan.components.lr_scheduler import build_lr_schedulers
 from torchtitan.components.optimizer import OptimizersContainer
-from torchtitan.tools.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling
 
 from titan_glm52 import distributed as tdist
 from titan_glm52.config import ConfigError, JobConfig, validate
@@ -35,6 +34,7 @@ from titan_glm52.model.model import GLM52Model, cross_entropy_sum
 from titan_glm52.model.moe import MoE
 from titan_glm52.parallelize import apply_fsdp, clip_grad_norm_, parallelize_model
 from titan_glm52.pipeline import build_pipeline_stages, make_plan
+from titan_glm52.profiling import profiling
 from torchtitan.distributed.pipeline_parallel import build_pipeline_schedule
 
 logger = logging.getLogger("titan_glm52")
@@ -415,10 +415,8 @@ class Trainer:
         total = cfg.training.steps
         t_start = time.perf_counter()
         start_step = self.state.step
-        prof = maybe_enable_profiling(cfg.profiling, global_step=self.state.step, base_folder=cfg.job.dump_folder)
-        snap = maybe_enable_memory_snapshot(cfg.profiling, global_step=self.state.step,
-                                            base_folder=cfg.job.dump_folder)
-        with prof as torch_profiler, snap as memory_profiler:
+        with profiling(cfg.profiling, cfg.job.dump_folder, self.env.rank, self.device,
+                       self.state.step) as (torch_profiler, memory_profiler):
             while self.state.step < total and not self._stop:
                 t0 = time.perf_counter()
                 reset_peak_memory(self.device)

@@ -138,3 +138,10 @@ def test_config_errors_name_the_key(tmp_path, override, message):
     proc = run_train(tmp_path, *override, nproc=1, check=False)
     assert proc.returncode != 0
     assert message in proc.stdout + proc.stderr
+
+
+def test_profiler_trace_on_request(tmp_path):
+    run_train(tmp_path, "--training.steps", "6", "--profiling.enable_profiling", "--profiling.profile_freq", "5",
+              "--profiling.profiler_warmup", "2", *small(), nproc=1)
+    trace = tmp_path / "profile_traces" / "iteration_5" / "rank0_trace.json"
+    assert trace.exists() and json.loads(trace.read_text())["traceEvents"]
