@@ -72,6 +72,11 @@ class Data:
     seed: int = 0
     """Shuffling seed of the document order (deterministic; saved with the checkpoint position)."""
 
+    same_global_batch: bool = False
+    """Every data-parallel rank reads the one global stream and keeps its rows of each global batch, so the global
+    batches do not depend on the number of ranks (runs on different layouts can be compared step for step). Off:
+    each rank reads its own share of the documents (no redundant reading)."""
+
     document_masking: bool = True
     """Attention and the indexer stay inside each packed document (positions restart per document). False: each
     sample of seq_len tokens is one sequence (attention crosses document ends; the label across an end stays

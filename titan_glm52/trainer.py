@@ -33,7 +33,7 @@ from titan_glm52.model.attention import Attention
 from titan_glm52.model.model import GLM52Model, cross_entropy_sum
 from titan_glm52.model.moe import MoE
 from titan_glm52.parallelize import apply_fsdp, clip_grad_norm_, parallelize_model
-from titan_glm52.pipeline import build_pipeline_stages, make_plan
+from titan_glm52.pipeline import build_pipeline_stages, cu_seqlens_from_positions, make_plan
 from titan_glm52.profiling import profiling
 from torchtitan.distributed.pipeline_parallel import build_pipeline_schedule
 
@@ -179,9 +179,12 @@ class Trainer:
             self._pp_warmup()
 
         # Data.
+        same = cfg.data.same_global_batch
         self.dataloader = build_dataloader(
-            self.tokenizer, cfg.training.dataset, cfg.training.seq_len, cfg.training.local_batch_size,
-            dp_rank=self.dp_rank, dp_world=self.dp_world, seed=cfg.data.seed, text_field=cfg.data.text_field)
+            self.tokenizer, cfg.training.dataset, cfg.training.seq_len,
+            cfg.training.local_batch_size * (self.dp_world if same else 1),
+            dp_rank=0 if same else self.dp_rank, dp_world=1 if same else self.dp_world, seed=cfg.data.seed,
+            text_field=cfg.data.text_field)
         per_step = cfg.training.local_batch_size * self.dp_world
         self.accum = max(cfg.training.global_batch_size // per_step, 1) if cfg.training.global_batch_size > 0 else 1
 
@@ -468,6 +471,10 @@ class Trainer:
 
     def _next_batch(self) -> dict:
         batch = next(self.dataloader)
+        if self.cfg.data.same_global_batch:  # keep this rank's rows of the global batch
+            n = self.cfg.training.local_batch_size
+            batch = {k: v[self.dp_rank * n:(self.dp_rank + 1) * n] for k, v in batch.items() if k != "cu_seqlens"}
+            batch["cu_seqlens"] = cu_seqlens_from_positions(batch["positions"])
         if not self.cfg.data.document_masking:  # one sequence per row
             b, s = batch["input_ids"].shape
             batch["cu_seqlens"] = torch.arange(0, b * s + 1, s, dtype=torch.int32)

@@ -145,3 +145,22 @@ def test_profiler_trace_on_request(tmp_path):
               "--profiling.profiler_warmup", "2", *small(), nproc=1)
     trace = tmp_path / "profile_traces" / "iteration_5" / "rank0_trace.json"
     assert trace.exists() and json.loads(trace.read_text())["traceEvents"]
+
+
+@pytest.mark.parametrize("layout", [
+    ("--parallelism.data_parallel_shard_degree", "2"),
+    ("--parallelism.expert_parallel_degree", "2"),
+    ("--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "1F1B"),
+])
+def test_two_processes_train_like_one(tmp_path, layout):
+    """Same global batches (data.same_global_batch) and layout-independent init: the trainer's losses and grad norms
+    on 2 processes (FSDP, EP x FSDP, or PP) equal the 1-process run step for step."""
+    common = ("--training.steps", "3", "--training.seq_len", "64", "--data.same_global_batch",
+              "--checkpoint.no-enable", "--metrics.log_freq", "1")
+    run_train(tmp_path / "one", *common, "--training.local_batch_size", "4", nproc=1)
+    pp = "--parallelism.pipeline_parallel_degree" in layout
+    run_train(tmp_path / "two", *common, "--training.local_batch_size", "4" if pp else "2", *layout, nproc=2)
+    one, two = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two")
+    for a, b in zip(one, two, strict=True):
+        for key in ("loss/total", "loss/ce", "loss/mtp", "grad_norm"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5), (a["step"], key)
