@@ -164,3 +164,47 @@ def test_two_processes_train_like_one(tmp_path, layout):
     for a, b in zip(one, two, strict=True):
         for key in ("loss/total", "loss/ce", "loss/mtp", "grad_norm"):
             assert b[key] == pytest.approx(a[key], rel=1e-5), (a["step"], key)
+
+
+def test_gradient_accumulation_equals_one_big_batch(tmp_path):
+    common = ("--training.steps", "3", "--training.seq_len", "64", "--checkpoint.no-enable", "--metrics.log_freq", "1")
+    run_train(tmp_path / "big", *common, "--training.local_batch_size", "4", nproc=1)
+    run_train(tmp_path / "acc", *common, "--training.local_batch_size", "2", "--training.global_batch_size", "4",
+              nproc=1)
+    for a, b in zip(read_metrics(tmp_path / "big"), read_metrics(tmp_path / "acc"), strict=True):
+        for key in ("loss/total", "grad_norm"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5), (a["step"], key)
+
+
+def _final_state(folder):
+    """Model weights of the run's last (model-only) DCP checkpoint."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    step = max(int(d.split("-")[1]) for d in os.listdir(folder / "checkpoint") if d.startswith("step-"))
+    dcp_to_torch_save(str(folder / "checkpoint" / f"step-{step}"), str(folder / "final.pt"))
+    state = torch.load(folder / "final.pt", weights_only=False)
+    return state.get("model", state)
+
+
+@pytest.mark.parametrize("mode, trained", [
+    (("--dsa.mode", "dense_warmup", "--dsa.indexer_loss_coeff", "1.0"), "indexers only"),
+    (("--dsa.freeze_indexer", "--dsa.indexer_loss_coeff", "0"), "all but the indexers"),
+    (("--dsa.indexer_loss_coeff", "0.1"), "everything"),
+])
+def test_indexer_training_stages(tmp_path, mode, trained):
+    """dense warm-up trains only the indexers; a frozen indexer never changes; the sparse KL trains them too."""
+    common = ("--training.steps", "2", "--training.seq_len", "64", "--training.local_batch_size", "2",
+              "--checkpoint.interval", "1000", "--checkpoint.last_save_model_only", "--metrics.log_freq", "1")
+    run_train(tmp_path / "a", *common, *mode, "--training.steps", "1", nproc=1)
+    run_train(tmp_path / "b", *common, *mode, nproc=1)
+    first, last = _final_state(tmp_path / "a"), _final_state(tmp_path / "b")
+    changed = {k for k in first if first[k].is_floating_point() and "e_score_correction_bias" not in k
+               and not torch.equal(first[k], last[k])}
+    indexer = {k for k in first if ".indexer." in k}
+    if trained == "indexers only":
+        assert changed and changed <= indexer
+        assert "dsa/indexer_kl_per_token" in read_metrics(tmp_path / "b")[0]
+    elif trained == "all but the indexers":
+        assert changed and not (changed & indexer)
+    else:
+        assert changed & indexer and changed - indexer
