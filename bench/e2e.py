@@ -382,7 +382,9 @@ def main(argv: list[str]) -> int:
     if os.environ.get("OUT"):
         os.makedirs(os.environ["OUT"], exist_ok=True)
         for path in (a.out, a.md):
-            shutil.copy(path, os.environ["OUT"])
+            dst = os.path.join(os.environ["OUT"], os.path.basename(path))
+            if not os.path.exists(dst) or not os.path.samefile(path, dst):
+                shutil.copy(path, dst)
         if not a.logs:
             shutil.copytree(logs, os.path.join(os.environ["OUT"], "e2e_logs"), dirs_exist_ok=True)
     for c in cells:
