@@ -174,10 +174,11 @@ def _op_sac_context():
     ``_SAVE_OPS`` are always recomputed, so they bypass the matching (not under compile, where torch's
     partitioner applies the policy and needs every op tagged).
     """
-    if not _HAVE_SAVE_OPS_MODES:
-        return create_selective_checkpoint_contexts(_op_sac_policy)
-    storage = defaultdict(dict)
-    return _SaveOpsCaching(_op_sac_policy, storage), _SaveOpsCached(_op_sac_policy, storage)
+    caching, cached = create_selective_checkpoint_contexts(_op_sac_policy)
+    if _HAVE_SAVE_OPS_MODES and type(caching) is _CachingTorchDispatchMode and type(cached) is _CachedTorchDispatchMode:
+        # Same objects (whatever this torch version's constructors take), with the bypass above.
+        caching.__class__, cached.__class__ = _SaveOpsCaching, _SaveOpsCached
+    return caching, cached
 
 
 class _CheckpointedForward:
@@ -281,7 +282,7 @@ def apply_fsdp(model: nn.Module, mesh: ParallelMesh, *, param_dtype: torch.dtype
 
     if getattr(model, "tok_embeddings", None) is not None:
         fully_shard(model.tok_embeddings, **dense, reshard_after_forward=reshard)
-    for block in model.layers.values():
+    for block in (model.layers.values() if getattr(model, "layers", None) is not None else ()):
         shard_block(block)
     if getattr(model, "mtp", None) is not None:
         shard_block(model.mtp.block)
@@ -336,6 +337,9 @@ def parallelize_model(model: nn.Module, mesh: ParallelMesh | None, *, param_dtyp
     if mesh is not None and (mesh.dp_enabled or ep_enabled):
         apply_fsdp(model, mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
                    reshard_after_forward=reshard_after_forward)
+    elif param_dtype != torch.float32 or reduce_dtype != torch.float32:
+        logger.warning("one data-parallel rank: FSDP is not applied, so param_dtype=%s / reduce_dtype=%s are not "
+                       "used (parameters keep their dtype)", param_dtype, reduce_dtype)
     return model
 
 
@@ -361,7 +365,7 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm_ty
     for group in groups.values():
         n = torch.nn.utils.get_total_norm([p.grad for p in group], norm_type, error_if_nonfinite, foreach)
         norms.append(n.full_tensor() if isinstance(n, DTensor) else n)
-    device = norms[0].device if norms else torch.device("cpu")
+    device = norms[0].device if norms else (params[0].device if params else torch.device("cpu"))
     norms = [n.to(device=device, dtype=torch.float32) for n in norms]
     if math.isinf(norm_type):
         total = torch.stack(norms).max() if norms else torch.zeros((), device=device)

@@ -1,0 +1,215 @@
+"""Per-rank bodies of the distributed tests (run by ``launcher.run_on_ranks``).
+
+Every rank builds the debug model with the same seed, runs the single-process reference on the whole
+global batch itself, then runs the parallelized copy on its slice of the batch and compares.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from collections import Counter
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from titan_glm52.distributed import build_mesh, init_distributed
+from titan_glm52.model.args import get_flavor
+from titan_glm52.model.model import GLM52Model, cross_entropy_sum
+from titan_glm52.model.moe import MoE
+from titan_glm52.parallelize import all_reduce_moe_load, clip_grad_norm_, parallelize_model
+
+SEQ, GLOBAL_BATCH, IGNORE = 32, 8, -100
+RTOL, ATOL = 1e-4, 1e-5
+# cpu (gloo) by default, also on GPU hosts; TITAN_GLM52_TEST_DEVICE=cuda runs the same cases on nccl.
+DEVICE_TYPE = os.environ.get("TITAN_GLM52_TEST_DEVICE", "cpu")
+
+
+def debug_args():
+    # index_topk 8 < SEQ so DSA is really sparse; IndexShare FFFSSSFS; MTP on.
+    return get_flavor("debug").replace(index_topk=8)
+
+
+def make_batch(vocab: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1234)
+    return torch.randint(1, vocab, (GLOBAL_BATCH, SEQ), generator=g)
+
+
+def labels_of(tokens: torch.Tensor, shift: int) -> torch.Tensor:
+    lab = torch.full_like(tokens, IGNORE)
+    lab[:, :-shift] = tokens[:, shift:]
+    return lab
+
+
+def loss_on(model, tokens: torch.Tensor, n_main: int, n_mtp: int) -> torch.Tensor:
+    """This slice's share of the global loss: summed token CE (main + MTP) / global valid-token counts."""
+    logits, mtp_logits = model(tokens, with_mtp=True)
+    return (cross_entropy_sum(logits, labels_of(tokens, 1)) / n_main
+            + cross_entropy_sum(mtp_logits, labels_of(tokens, 2)) / n_mtp)
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def moe_counts(model) -> list[torch.Tensor]:
+    return [m.tokens_per_expert.clone() for m in model.modules() if isinstance(m, MoE)]
+
+
+def check_train_step(dp_replicate: int = 1, dp_shard: int = -1, ep: int = 1, ac_mode: str = "none",
+                     selective_ac_option: str = "op", compile: bool = False, compile_backend: str = "aot_eager",
+                     reshard_after_forward: str = "default", meta_init: bool = False,
+                     route_to_first_experts: bool = False, **arg_overrides) -> None:
+    """Loss, gradients, grad norm (after clipping), one AdamW step and MoE loads equal single-process.
+
+    ``route_to_first_experts``: a large routing bias on the first half of the experts, so that under EP=2
+    the second EP rank receives no tokens at all (all-to-alls with zero splits, experts with empty input).
+    """
+    env = init_distributed(device_type=DEVICE_TYPE)
+    args = debug_args().replace(**arg_overrides)
+    torch.manual_seed(0)
+    ref = GLM52Model(args)
+    ref.init_weights()
+    if route_to_first_experts:
+        with torch.no_grad():
+            for m in ref.modules():
+                if isinstance(m, MoE):
+                    m.router.e_score_correction_bias[: args.n_routed_experts // 2] = 100.0
+    ref.to(env.device)
+    init_params = {n: p.detach().clone() for n, p in ref.named_parameters()}
+    model = copy.deepcopy(ref)
+    local_ref = copy.deepcopy(ref)
+    tokens = make_batch(args.vocab_size).to(env.device)
+    n_main = int((labels_of(tokens, 1) != IGNORE).sum())
+    n_mtp = int((labels_of(tokens, 2) != IGNORE).sum())
+
+    # Single-process reference on the whole global batch. AdamW eps 1e-6: with the default 1e-8, weights whose
+    # gradient is ~1e-8 would turn fp32 rounding differences of the reductions into different updates.
+    ref_loss = loss_on(ref, tokens, n_main, n_mtp)
+    ref_loss.backward()
+    # The DSA indexer runs under no_grad (its own KL loss trains it), so its weights get no gradient here.
+    ref_grads = {n: None if p.grad is None else p.grad.clone() for n, p in ref.named_parameters()}
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm=0.5)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=1e-6, weight_decay=0.1)
+    ref_opt.step()
+
+    mesh = build_mesh(env.world_size, dp_replicate=dp_replicate, dp_shard=dp_shard, ep=ep,
+                      device_type=env.device.type, n_routed_experts=args.n_routed_experts)
+    parallelize_model(model, mesh, param_dtype=torch.float32, reduce_dtype=torch.float32,
+                      reshard_after_forward=reshard_after_forward, ac_mode=ac_mode,
+                      selective_ac_option=selective_ac_option, compile=compile, compile_backend=compile_backend)
+    assert [n for n, _ in model.named_parameters()] == list(ref_grads), "parameter names changed"
+    if ep > 1:  # experts: EP shards dim 0 on "ep"; FSDP on "efsdp" shards dim 0 again, or dim 1 if too few
+        w1 = model.layers["3"].moe.experts.w1
+        assert w1.device_mesh.mesh_dim_names[-2:] == ("efsdp", "ep"), w1.device_mesh
+        too_few = mesh.degrees.efsdp > args.n_routed_experts // ep
+        assert w1.placements[-1] == Shard(0) and (w1.placements[-2] == Shard(1)) == too_few, w1.placements
+    dp = mesh["dp"]
+    local = tokens.chunk(dp.size())[dp.get_local_rank()]
+    loss = loss_on(model, local, n_main, n_mtp)
+    loss.backward()
+
+    total = loss.detach().clone()
+    dist.all_reduce(total, group=dp.get_group())
+    torch.testing.assert_close(total, ref_loss.detach(), rtol=RTOL, atol=ATOL)
+    for name, p in model.named_parameters():
+        if ref_grads[name] is None:
+            assert p.grad is None, name
+            continue
+        torch.testing.assert_close(full(p.grad), ref_grads[name], rtol=RTOL, atol=ATOL, msg=lambda m: f"{name}: {m}")
+    # Before the all-reduce each rank has counted its own tokens by GLOBAL expert id (also under EP, where
+    # the tokens are computed elsewhere), once per forward (not again in AC recomputes) ...
+    with torch.no_grad():
+        local_ref(local, with_mtp=True)
+    for got, want in zip(moe_counts(model), moe_counts(local_ref)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    # ... so the all-reduce over the data-parallel ranks gives the global load.
+    all_reduce_moe_load(model, dp)
+    for got, want in zip(moe_counts(model), moe_counts(ref)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+    norm = clip_grad_norm_(model.parameters(), max_norm=0.5)
+    assert not isinstance(norm, DTensor)
+    torch.testing.assert_close(norm, ref_norm, rtol=RTOL, atol=ATOL)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6, weight_decay=0.1)
+    opt.step()
+    ref_params = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(full(p.detach()), ref_params[name].detach(), rtol=RTOL, atol=ATOL,
+                                   msg=lambda m: f"{name} after AdamW: {m}")
+
+    if meta_init:  # the trainer's path: parallelize on meta, then materialise and initialise (layout-free init)
+        with torch.device("meta"):
+            meta_model = GLM52Model(args)
+        parallelize_model(meta_model, mesh, ac_mode=ac_mode)
+        meta_model.to_empty(device=env.device)
+        meta_model.init_weights()
+        for name, p in meta_model.named_parameters():
+            torch.testing.assert_close(full(p.detach()), init_params[name], rtol=0, atol=0,
+                                       msg=lambda m: f"{name} initialised sharded: {m}")
+
+
+class _OpCounter(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[str(func.overloadpacket)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def check_backward_all_to_alls(ep: int = 2) -> None:
+    """Selective AC keeps the EP all-to-all outputs: its backward issues as many all-to-alls as without AC
+    (the gradient ones), full AC issues more (the recompute's)."""
+    env = init_distributed(device_type=DEVICE_TYPE)
+    args = debug_args()
+    mesh = build_mesh(env.world_size, dp_shard=env.world_size, ep=ep, device_type=env.device.type)
+    tokens = make_batch(args.vocab_size).to(env.device).chunk(env.world_size)[env.rank]
+    a2a = {}
+    for mode in ("none", "selective", "full"):
+        torch.manual_seed(0)
+        model = GLM52Model(args)
+        model.init_weights()
+        model.to(env.device)
+        parallelize_model(model, mesh, ac_mode=mode)
+        logits = model(tokens)
+        counter = _OpCounter()
+        with counter:
+            logits.float().pow(2).mean().backward()
+        a2a[mode] = sum(n for op, n in counter.counts.items() if "all_to_all_single" in op)
+    assert a2a["none"] > 0 and a2a["selective"] == a2a["none"] < a2a["full"], a2a
+
+
+def check_mixed_precision(ep: int = 1, compile: bool = False, compile_backend: str = "inductor",
+                          ac_mode: str = "none") -> None:
+    """bf16 parameters with fp32 gradient reduction (the GPU setting): the loss is within bf16 rounding of
+    the fp32 single-process loss, gradients are finite fp32, and one optimizer step runs."""
+    env = init_distributed(device_type=DEVICE_TYPE)
+    args = debug_args()
+    torch.manual_seed(0)
+    ref = GLM52Model(args)
+    ref.init_weights()
+    ref.to(env.device)
+    model = copy.deepcopy(ref)
+    tokens = make_batch(args.vocab_size).to(env.device)
+    n_main = int((labels_of(tokens, 1) != IGNORE).sum())
+    n_mtp = int((labels_of(tokens, 2) != IGNORE).sum())
+    with torch.no_grad():
+        ref_loss = loss_on(ref, tokens, n_main, n_mtp)
+    mesh = build_mesh(env.world_size, dp_shard=env.world_size, ep=ep, device_type=env.device.type)
+    parallelize_model(model, mesh, param_dtype=torch.bfloat16, reduce_dtype=torch.float32, ac_mode=ac_mode,
+                      compile=compile, compile_backend=compile_backend)
+    local = tokens.chunk(env.world_size)[env.rank]
+    loss = loss_on(model, local, n_main, n_mtp)
+    loss.backward()
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    torch.testing.assert_close(total, ref_loss, rtol=2e-2, atol=0)
+    for name, p in model.named_parameters():
+        assert p.dtype == torch.float32, name
+        if p.grad is not None:
+            assert p.grad.dtype == torch.float32 and torch.isfinite(full(p.grad)).all(), name
+    torch.optim.AdamW(model.parameters(), lr=1e-3).step()
