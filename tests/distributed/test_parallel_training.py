@@ -13,6 +13,7 @@ from tests.distributed.launcher import run_on_ranks
 CASES = {
     # 2 processes
     "fsdp2": (2, dict(dp_shard=2)),
+    "replicate2_no_shard": (2, dict(dp_replicate=2, dp_shard=1)),  # DDP-like: HSDP on a (2, 1) mesh
     "ep2_fsdp2": (2, dict(dp_shard=2, ep=2)),
     "ep2_second_rank_gets_no_tokens": (2, dict(dp_shard=2, ep=2, route_to_first_experts=True)),
     "ep2_ac_full": (2, dict(dp_shard=2, ep=2, ac_mode="full")),
