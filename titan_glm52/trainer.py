@@ -304,13 +304,14 @@ class Trainer:
                 self._collect_aux(parts, n_tok)
                 continue
             tokens, labels = b["input_ids"].to(dev), b["labels"].to(dev)
-            out = self.model(tokens, b["cu_seqlens"].to(dev), with_mtp=self.with_mtp)
-            logits, mtp_logits = out if self.with_mtp else (out, None)
-            ce = cross_entropy_sum(logits, labels) / n_tok
+            out = self.model(tokens, b["cu_seqlens"].to(dev), with_mtp=self.with_mtp, labels=labels,
+                             mtp_labels=mtp_labels(labels) if self.with_mtp else None)
+            ce_sum, mtp_sum = out if self.with_mtp else (out, None)
+            ce = ce_sum / n_tok
             loss = ce
             parts[0] += ce.detach()
-            if mtp_logits is not None:
-                mtp = cross_entropy_sum(mtp_logits, mtp_labels(labels)) / n_mtp * cfg.mtp.loss_weight
+            if mtp_sum is not None:
+                mtp = mtp_sum / n_mtp * cfg.mtp.loss_weight
                 loss = loss + mtp
                 parts[1] += mtp.detach()
             if self.state.step + 1 in cfg.faults.inject_nan_at_steps and i == 0:

@@ -153,3 +153,33 @@ def test_mtp_predicts_from_hidden_and_next_embedding():
     assert not torch.allclose(mtp2[0, 4], mtp[0, 4])
     with pytest.raises(ValueError, match="without its MTP layer"):
         GLM52Model(args, with_mtp=False)(tokens, with_mtp=True)
+
+
+def test_chunked_loss_equals_full_logits_loss_and_grads():
+    from titan_glm52.model import model as model_mod
+    from titan_glm52.model.model import cross_entropy_sum
+
+    args = get_flavor("debug")
+    torch.manual_seed(0)
+    model = GLM52Model(args)
+    model.init_weights()
+    tokens = torch.randint(0, args.vocab_size, (2, 24))
+    labels = torch.roll(tokens, -1, 1)
+    labels[:, -1] = -100
+    mtp_labels = torch.roll(labels, -1, 1)
+    mtp_labels[:, -1] = -100
+    logits, mtp = model(tokens, with_mtp=True)
+    full = cross_entropy_sum(logits, labels) + cross_entropy_sum(mtp, mtp_labels)
+    full.backward()
+    ref = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    old, model_mod.LOSS_CHUNK = model_mod.LOSS_CHUNK, 7  # several chunks, the last one partial
+    try:
+        ce, ce_mtp = model(tokens, with_mtp=True, labels=labels, mtp_labels=mtp_labels)
+    finally:
+        model_mod.LOSS_CHUNK = old
+    torch.testing.assert_close(ce + ce_mtp, full)
+    (ce + ce_mtp).backward()
+    for n, p in model.named_parameters():
+        if n in ref:
+            torch.testing.assert_close(p.grad, ref[n], rtol=1e-5, atol=2e-5, msg=n)

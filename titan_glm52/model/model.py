@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from titan_glm52.kernels.reference import check_cu_seqlens, doc_positions
 from titan_glm52.model.args import GLM52ModelArgs
@@ -127,21 +128,51 @@ class GLM52Model(nn.Module):
         return h
 
     def forward(self, tokens: torch.Tensor, cu_seqlens: torch.Tensor | None = None, *,
-                with_mtp: bool = False):
+                with_mtp: bool = False, labels: torch.Tensor | None = None,
+                mtp_labels: torch.Tensor | None = None):
         """Main-head logits ``[B, S, vocab]``; with ``with_mtp`` also the MTP head's ``[B, S, vocab]``
-        (position i predicts token i + 2)."""
+        (position i predicts token i + 2).
+
+        With ``labels`` (and ``mtp_labels`` when ``with_mtp``) it returns the summed token cross-entropies instead
+        of logits, computed over chunks of tokens whose logits are recomputed in backward: the ``[T, vocab]`` logits
+        never exist at once (``LOSS_CHUNK`` tokens at a time).
+        """
         b, s = tokens.shape[:2]
         ctx = self.packed_context(b, s, cu_seqlens, tokens.device)
         emb = self.tok_embeddings(tokens).view(b * s, -1)
         h = self.norm(self.run_layers(emb, ctx))
-        logits = self.output(h).view(b, s, -1)
-        if not with_mtp:
-            return logits
-        if self.mtp is None:
+        if with_mtp and self.mtp is None:
             raise ValueError("with_mtp=True but the model was built without its MTP layer "
                              "(num_nextn_predict_layers = 0 or with_mtp=False)")
-        x = self.mtp(h, next_token_embeddings(emb, b), ctx)
-        return logits, self.output(x).view(b, s, -1)
+        x = self.mtp(h, next_token_embeddings(emb, b), ctx) if with_mtp else None
+        if labels is not None:
+            ce = chunked_cross_entropy_sum(self.output, h, labels.reshape(-1))
+            if not with_mtp:
+                return ce
+            return ce, chunked_cross_entropy_sum(self.output, x, mtp_labels.reshape(-1))
+        logits = self.output(h).view(b, s, -1)
+        return (logits, self.output(x).view(b, s, -1)) if with_mtp else logits
+
+
+LOSS_CHUNK = 4096
+
+
+def _head_ce_sum(head: nn.Module, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(head(h).float(), labels, ignore_index=-100, reduction="sum")
+
+
+def chunked_cross_entropy_sum(head: nn.Module, h: torch.Tensor, labels: torch.Tensor,
+                              chunk: int | None = None) -> torch.Tensor:
+    """``sum_t CE(head(h_t), labels_t)`` in fp32 (-100 ignored), ``chunk`` (default ``LOSS_CHUNK``) tokens at a
+    time; each chunk's logits are recomputed in backward instead of being kept."""
+    chunk = chunk or LOSS_CHUNK
+    total = h.new_zeros((), dtype=torch.float32)
+    for a in range(0, h.shape[0], chunk):
+        if torch.is_grad_enabled() and h.requires_grad:
+            total = total + checkpoint(_head_ce_sum, head, h[a:a + chunk], labels[a:a + chunk], use_reentrant=False)
+        else:
+            total = total + _head_ce_sum(head, h[a:a + chunk], labels[a:a + chunk])
+    return total
 
 
 def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
