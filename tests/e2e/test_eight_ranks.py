@@ -22,11 +22,17 @@ LAYOUTS = {
 }
 
 
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("one")
+    run_train(folder, *COMMON, "--training.local_batch_size", "8", nproc=1)
+    return read_metrics(folder)
+
+
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_eight_ranks_train_like_one(tmp_path, name):
+def test_eight_ranks_train_like_one(tmp_path, one_process, name):
     # 4 data-parallel ranks x 2 rows = the 1-process run's 8 rows per step
-    run_train(tmp_path / "one", *COMMON, "--training.local_batch_size", "8", nproc=1)
     run_train(tmp_path / "eight", *COMMON, "--training.local_batch_size", "2", *LAYOUTS[name], nproc=8)
-    for a, b in zip(read_metrics(tmp_path / "one"), read_metrics(tmp_path / "eight"), strict=True):
+    for a, b in zip(one_process, read_metrics(tmp_path / "eight"), strict=True):
         for key in ("loss/total", "loss/ce", "loss/mtp", "grad_norm"):
             assert b[key] == pytest.approx(a[key], rel=1e-5), (a["step"], key)

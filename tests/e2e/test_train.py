@@ -128,13 +128,11 @@ def test_consecutive_faults_stop_and_keep_last_good_checkpoint(tmp_path):
 
 
 @pytest.mark.parametrize("override, message", [
-    (("--parallelism.tensor_parallel_degree", "2"), "parallelism.tensor_parallel_degree"),
     (("--parallelism.expert_parallel_degree", "3"), "parallelism.expert_parallel_degree"),
-    (("--dsa.mode", "dense_warmup", "--dsa.indexer_loss_coeff", "0"), "dsa.indexer_loss_coeff"),
-    (("--checkpoint.keep_latest_k", "1"), "checkpoint.keep_latest_k"),
     (("--model.flavor", "nope"), "unknown model flavor"),
 ])
 def test_config_errors_name_the_key(tmp_path, override, message):
+    """Through torchrun; every other refusal is checked in-process in tests/unit/test_config.py."""
     proc = run_train(tmp_path, *override, nproc=1, check=False)
     assert proc.returncode != 0
     assert message in proc.stdout + proc.stderr
@@ -147,20 +145,29 @@ def test_profiler_trace_on_request(tmp_path):
     assert trace.exists() and json.loads(trace.read_text())["traceEvents"]
 
 
+SAME_BATCH = ("--training.steps", "3", "--training.seq_len", "64", "--data.same_global_batch",
+              "--checkpoint.no-enable", "--metrics.log_freq", "1")
+
+
+@pytest.fixture(scope="module")
+def one_process_reference(tmp_path_factory):
+    """Metrics of the 1-process run with 4 rows per step (shared by the layout comparisons)."""
+    folder = tmp_path_factory.mktemp("one")
+    run_train(folder, *SAME_BATCH, "--training.local_batch_size", "4", nproc=1)
+    return read_metrics(folder)
+
+
 @pytest.mark.parametrize("layout", [
     ("--parallelism.data_parallel_shard_degree", "2"),
     ("--parallelism.expert_parallel_degree", "2"),
     ("--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "1F1B"),
 ])
-def test_two_processes_train_like_one(tmp_path, layout):
+def test_two_processes_train_like_one(tmp_path, one_process_reference, layout):
     """Same global batches (data.same_global_batch) and layout-independent init: the trainer's losses and grad norms
     on 2 processes (FSDP, EP x FSDP, or PP) equal the 1-process run step for step."""
-    common = ("--training.steps", "3", "--training.seq_len", "64", "--data.same_global_batch",
-              "--checkpoint.no-enable", "--metrics.log_freq", "1")
-    run_train(tmp_path / "one", *common, "--training.local_batch_size", "4", nproc=1)
     pp = "--parallelism.pipeline_parallel_degree" in layout
-    run_train(tmp_path / "two", *common, "--training.local_batch_size", "4" if pp else "2", *layout, nproc=2)
-    one, two = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two")
+    run_train(tmp_path / "two", *SAME_BATCH, "--training.local_batch_size", "4" if pp else "2", *layout, nproc=2)
+    one, two = one_process_reference, read_metrics(tmp_path / "two")
     for a, b in zip(one, two, strict=True):
         for key in ("loss/total", "loss/ce", "loss/mtp", "grad_norm"):
             assert b[key] == pytest.approx(a[key], rel=1e-5), (a["step"], key)
@@ -176,14 +183,14 @@ def test_gradient_accumulation_equals_one_big_batch(tmp_path):
             assert b[key] == pytest.approx(a[key], rel=1e-5), (a["step"], key)
 
 
-def _final_state(folder):
-    """Model weights of the run's last (model-only) DCP checkpoint."""
+def _state_at(folder, step):
+    """Model weights of the run's DCP checkpoint at ``step``."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    step = max(int(d.split("-")[1]) for d in os.listdir(folder / "checkpoint") if d.startswith("step-"))
-    dcp_to_torch_save(str(folder / "checkpoint" / f"step-{step}"), str(folder / "final.pt"))
-    state = torch.load(folder / "final.pt", weights_only=False)
-    return state.get("model", state)
+    dcp_to_torch_save(str(folder / "checkpoint" / f"step-{step}"), str(folder / f"step{step}.pt"))
+    state = torch.load(folder / f"step{step}.pt", weights_only=False)
+    model_roots = {"tok_embeddings", "layers", "norm", "output", "mtp"}
+    return {k: v for k, v in state.items() if k.split(".")[0] in model_roots and isinstance(v, torch.Tensor)}
 
 
 @pytest.mark.parametrize("mode, trained", [
@@ -193,17 +200,15 @@ def _final_state(folder):
 ])
 def test_indexer_training_stages(tmp_path, mode, trained):
     """dense warm-up trains only the indexers; a frozen indexer never changes; the sparse KL trains them too."""
-    common = ("--training.steps", "2", "--training.seq_len", "64", "--training.local_batch_size", "2",
-              "--checkpoint.interval", "1000", "--checkpoint.last_save_model_only", "--metrics.log_freq", "1")
-    run_train(tmp_path / "a", *common, *mode, "--training.steps", "1", nproc=1)
-    run_train(tmp_path / "b", *common, *mode, nproc=1)
-    first, last = _final_state(tmp_path / "a"), _final_state(tmp_path / "b")
+    run_train(tmp_path, "--training.steps", "2", "--training.seq_len", "64", "--training.local_batch_size", "2",
+              "--checkpoint.interval", "1", "--checkpoint.keep_latest_k", "0", "--metrics.log_freq", "1", *mode, nproc=1)
+    first, last = _state_at(tmp_path, 1), _state_at(tmp_path, 2)
     changed = {k for k in first if first[k].is_floating_point() and "e_score_correction_bias" not in k
                and not torch.equal(first[k], last[k])}
     indexer = {k for k in first if ".indexer." in k}
     if trained == "indexers only":
         assert changed and changed <= indexer
-        assert "dsa/indexer_kl_per_token" in read_metrics(tmp_path / "b")[0]
+        assert "dsa/indexer_kl_per_token" in read_metrics(tmp_path)[0]
     elif trained == "all but the indexers":
         assert changed and not (changed & indexer)
     else:
