@@ -213,3 +213,26 @@ def test_indexer_training_stages(tmp_path, mode, trained):
         assert changed and not (changed & indexer)
     else:
         assert changed & indexer and changed - indexer
+
+
+def test_initial_load_from_hf_checkpoint(tmp_path):
+    """A run started from an exported HF checkpoint begins from exactly those weights: its first logged loss equals
+    the loss of the loaded checkpoint on the same first batch, computed here in-process."""
+    args = ("--training.seq_len", "64", "--training.local_batch_size", "2", "--metrics.log_freq", "1")
+    run_train(tmp_path / "a", "--training.steps", "2", "--checkpoint.last_save_in_hf", "--checkpoint.export_dtype",
+              "float32", *args, nproc=1)
+    hf_dir = tmp_path / "a" / "checkpoint" / "step-2-hf"
+    run_train(tmp_path / "b", "--training.steps", "1", "--checkpoint.initial_load_path", str(hf_dir),
+              "--checkpoint.initial_load_in_hf", "--checkpoint.no-enable", *args, nproc=1)
+    from titan_glm52 import load_hf_model
+    from titan_glm52.data import build_dataloader, build_tokenizer
+    from titan_glm52.trainer import mtp_labels
+
+    model = load_hf_model(str(hf_dir), dtype=torch.float32)
+    batch = next(build_dataloader(build_tokenizer("embedded"), "embedded", 64, 2))
+    labels = batch["labels"]
+    with torch.no_grad():
+        ce, _ = model(batch["input_ids"], batch["cu_seqlens"], with_mtp=True, labels=labels,
+                      mtp_labels=mtp_labels(labels))
+    logged = read_metrics(tmp_path / "b")[0]["loss/ce"]
+    assert logged == pytest.approx(float(ce) / int((labels != -100).sum()), rel=1e-5)
