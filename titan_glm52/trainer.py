@@ -13,7 +13,8 @@ import math
 import os
 import signal
 import time
-from dataclasses import dataclass, field
+import dataclasses
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -85,7 +86,6 @@ class TrainState:
     tokens_seen: int = 0
     skipped_steps: int = 0
     consecutive_skips: int = 0
-    extra: dict = field(default_factory=dict)
 
     def state_dict(self) -> dict:
         return {"step": self.step, "tokens_seen": self.tokens_seen, "skipped_steps": self.skipped_steps,
@@ -198,8 +198,9 @@ class Trainer:
             lr=o.lr, betas=(0.9, 0.95), eps=o.eps, weight_decay=o.weight_decay, **impl))
         self.lr_schedulers = build_lr_schedulers(self.optimizers, cfg.lr_scheduler, cfg.training.steps)
         self.state = TrainState()
-        ckpt_cfg = _copy_dataclass(cfg.checkpoint, initial_load_path=None, initial_load_in_hf=False,
-                                   last_save_in_hf=False)
+        # Initial HF loads and the final HF export are this trainer's (see _initial_load / export_hf).
+        ckpt_cfg = dataclasses.replace(cfg.checkpoint, initial_load_path=None, initial_load_in_hf=False,
+                                       last_save_in_hf=False)
         self.checkpointer = CheckpointManager(
             dataloader=self.dataloader, model_parts=self.model_parts, optimizers=self.optimizers,
             lr_schedulers=self.lr_schedulers, states={"train_state": self.state}, checkpoint_config=ckpt_cfg,
@@ -453,10 +454,10 @@ class Trainer:
                         f"stopping: {self.state.consecutive_skips} consecutive steps with a non-finite loss or "
                         f"gradient (faults.max_consecutive_nonfinite = {cfg.faults.max_consecutive_nonfinite}); "
                         "the last checkpoint was written before the fault and is intact")
-                if finite:
-                    self.checkpointer.save(self.state.step, last_step=self.state.step == total)
-                if self._stop:
+                if self._stop:  # SIGTERM: a full checkpoint of this step, then leave the loop
                     self.checkpointer.save_now(self.state.step)
+                elif finite:  # a skipped (non-finite) step is never checkpointed
+                    self.checkpointer.save(self.state.step, last_step=self.state.step == total)
                 if torch_profiler is not None:
                     torch_profiler.step()
                 if memory_profiler is not None:
@@ -537,12 +538,6 @@ class Trainer:
             save_hf_state(sd, args, out_dir, dtype)
             logger.info("exported HF checkpoint to %s", out_dir)
         dist.barrier()
-
-
-def _copy_dataclass(obj, **changes):
-    import dataclasses
-
-    return dataclasses.replace(obj, **changes)
 
 
 def main(argv: list[str]) -> None:
