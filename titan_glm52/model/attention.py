@@ -30,7 +30,15 @@ BACKENDS = ("torch", "triton")
 
 def dsa_ops(backend: str):
     """(indexer_topk, sparse_mla, indexer_kl_sparse) of a backend; signatures as in ``kernels/reference.py``
-    (``indexer_kl_sparse(q, kv, sm_scale, lse, q_idx, k_idx, w_idx, idx_scale, indices) -> [T]``)."""
+    (``indexer_kl_sparse(q, kv, sm_scale, lse, q_idx, k_idx, w_idx, idx_scale, indices) -> [T]``).
+
+    Under torch.compile they stay opaque (``torch.compiler.disable``): the blocks' projections and MoE compile
+    around them, the DSA kernels run as they are (the torch reference has data-dependent chunk bounds, the
+    Triton wrappers allocate scratch and pick launch shapes from the packing)."""
+    return tuple(torch.compiler.disable(fn) for fn in _dsa_ops(backend))
+
+
+def _dsa_ops(backend: str):
     if backend == "torch":
         def kl_sparse(q, kv, sm_scale, lse, q_idx, k_idx, w_idx, idx_scale, indices, cu_seqlens):
             return reference.indexer_kl(q, kv, sm_scale, q_idx, k_idx, w_idx, idx_scale, cu_seqlens, indices=indices)
