@@ -514,7 +514,11 @@ class Trainer:
         if recall:
             s["dsa/topk_recall"] = float(recall[0])
         s.update(moe_stats)
-        s.update(memory_stats(self.device))
+        mem = memory_stats(self.device)
+        peak = torch.tensor(list(mem.values()), dtype=torch.float64, device=self.device)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)  # the fullest rank (pipeline stages differ)
+        s.update(mem)
+        s.update({f"{k}_max_over_ranks": float(v) for k, v in zip(mem, peak)})
         eta = avg_step_s * (self.cfg.training.steps - self.state.step)
         self.metrics.log(self.state.step, s, format_line(self.state.step, self.cfg.training.steps, s, eta))
 
