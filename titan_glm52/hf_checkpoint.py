@@ -17,6 +17,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from titan_glm52.model.args import GLM52ModelArgs
+from titan_glm52.model.init import local_view
 from titan_glm52.model.model import GLM52Model
 from titan_glm52.model.state_dict_adapter import FP32_KEYS, hf_to_ours, to_hf
 
@@ -43,12 +44,18 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def load_hf_state(model: GLM52Model, hf_dir: str) -> None:
-    """Copies every tensor of an HF checkpoint into ``model`` (which must already be materialised)."""
+def load_hf_state(model: GLM52Model, hf_dir: str, partial: bool = False) -> None:
+    """Copies an HF checkpoint into ``model`` (already materialised), reading only what each tensor holds.
+
+    Sharded parameters (DTensors under FSDP / EP) read just their own rows and columns from the safetensors files,
+    so every rank can load a large model without ever holding it whole. ``partial=True`` is for a pipeline stage:
+    checkpoint tensors of other stages are skipped. Every tensor of ``model`` must be found, with the published
+    shape.
+    """
     args = model.args
     targets = dict(model.named_parameters())
     targets.update({k: v for k, v in model.named_buffers() if "tokens_per_expert" not in k})
-    filled: dict[str, set[int] | bool] = {}
+    seen: dict[str, set[int] | bool] = {}
     by_file: dict[str, list[str]] = defaultdict(list)
     for key, path in hf_weight_files(hf_dir).items():
         by_file[path].append(key)
@@ -57,25 +64,36 @@ def load_hf_state(model: GLM52Model, hf_dir: str) -> None:
             for hf_key in keys:
                 name, expert = hf_to_ours(hf_key, args)
                 if name not in targets:
+                    if partial:
+                        continue
                     raise KeyError(f"{hf_key!r} maps to {name!r}, which this model does not have "
                                    "(indexer weights on a shared layer? MTP layer disabled?)")
-                dst = targets[name]
-                src = f.get_tensor(hf_key)
-                view = dst if expert is None else dst[expert]
-                if tuple(view.shape) != tuple(src.shape):
-                    raise ValueError(f"{hf_key}: checkpoint shape {tuple(src.shape)} != model {tuple(view.shape)}")
-                view.copy_(src.to(device=view.device, dtype=view.dtype))
+                _copy_slice(f.get_slice(hf_key), hf_key, targets[name], expert)
                 if expert is None:
-                    filled[name] = True
+                    seen[name] = True
                 else:
-                    filled.setdefault(name, set()).add(expert)
-    missing = []
-    for name, t in targets.items():
-        got = filled.get(name)
-        if got is None or (isinstance(got, set) and len(got) != t.shape[0]):
-            missing.append(name)
+                    seen.setdefault(name, set()).add(expert)
+    missing = [name for name, t in targets.items()
+               if seen.get(name) is None or (isinstance(seen[name], set) and len(seen[name]) != t.shape[0])]
     if missing:
         raise KeyError(f"{len(missing)} tensors missing from {hf_dir}: {missing[:8]}")
+
+
+def _copy_slice(src, hf_key: str, dst: torch.Tensor, expert: int | None) -> None:
+    """Copies the part of checkpoint tensor ``src`` (a safetensors slice) that ``dst``'s local shard holds
+    (``dst[expert]`` for a per-expert tensor of a 3-D weight)."""
+    local, shape, offset = local_view(dst)
+    global_shape = tuple(dst.shape) if expert is None else tuple(dst.shape[1:])
+    if tuple(src.get_shape()) != global_shape:
+        raise ValueError(f"{hf_key}: checkpoint shape {tuple(src.get_shape())} != model {global_shape}")
+    if expert is not None:
+        if not offset[0] <= expert < offset[0] + shape[0]:
+            return  # another rank's expert
+        local, shape, offset = local[expert - offset[0]], shape[1:], offset[1:]
+    if local.numel() == 0:
+        return
+    index = tuple(slice(o, o + n) for o, n in zip(offset, shape))
+    local.copy_(src[index] if index else src[:])
 
 
 def load_hf_model(hf_dir: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",

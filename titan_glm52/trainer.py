@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torchtitan.components import checkpoint as tt_checkpoint
 from torchtitan.components.lr_scheduler import build_lr_schedulers
 from torchtitan.components.optimizer import OptimizersContainer
@@ -255,22 +255,14 @@ class Trainer:
                 param.requires_grad_(False)
 
     def _initial_load(self, path: str, in_hf: bool) -> None:
-        """Loads an HF checkpoint into the (sharded) model parts. Without pipelining rank 0 reads it and broadcasts;
-        with pipelining every rank reads its stages' tensors. Names and shapes are checked against this job's
-        model args."""
+        """Loads an HF checkpoint into the (sharded, possibly pipelined) model parts: every rank reads only the
+        slices its shards hold. Names and shapes are checked against this job's model args."""
         if not in_hf:
             raise ConfigError("checkpoint.initial_load_path without checkpoint.initial_load_in_hf: put a DCP "
                               "checkpoint in checkpoint.folder to resume from it, or set initial_load_in_hf")
         logger.info("initial load of the HF checkpoint %s", path)
         for part in self.model_parts:
-            keys = {k for k in part.state_dict() if "tokens_per_expert" not in k}
-            full = {}
-            if self.pp or self.env.rank == 0:
-                cpu = GLM52Model(self.args, with_mtp=self.with_mtp)
-                load_hf_state(cpu, path)
-                full = {k: v for k, v in cpu.state_dict().items() if k in keys}
-            set_model_state_dict(part, full, options=StateDictOptions(
-                full_state_dict=True, broadcast_from_rank0=not self.pp, strict=False))
+            load_hf_state(part, path, partial=self.pp)
 
     def _on_sigterm(self, signum, frame) -> None:
         logger.warning("SIGTERM: saving a checkpoint after this step, then stopping")

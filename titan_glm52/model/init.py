@@ -32,7 +32,7 @@ def _seed(seed: int, name: str, block: int) -> int:
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
-def _local_view(param: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]:
+def local_view(param: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]:
     """(local tensor, its shape, its offset in the global tensor)."""
     if hasattr(param, "to_local"):
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -45,7 +45,7 @@ def _local_view(param: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tup
 
 @torch.no_grad()
 def _normal_(name: str, param: torch.Tensor, std: float, seed: int) -> None:
-    local, shape, offset = _local_view(param)
+    local, shape, offset = local_view(param)
     if local.numel() == 0:
         return
     if param.dim() == 0:
