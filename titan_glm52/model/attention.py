@@ -13,6 +13,7 @@ under activation checkpointing selects the same keys); a shared layer passes its
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +29,7 @@ from titan_glm52.model.rope import apply_rope
 BACKENDS = ("torch", "triton")
 
 
+@functools.cache
 def dsa_ops(backend: str):
     """(indexer_topk, sparse_mla, indexer_kl_sparse) of a backend; signatures as in ``kernels/reference.py``
     (``indexer_kl_sparse(q, kv, sm_scale, lse, q_idx, k_idx, w_idx, idx_scale, indices) -> [T]``).
