@@ -48,8 +48,10 @@ L = ``expert_load_factor``: routed rows a rank's experts receive over the mean).
   per stage  + a*D (stage output kept by the schedule) + a*D with MTP (next-token embeddings passed along)
              + 8 (positions) [+ 8 tokens on the first stage]; last stage + a*2D + 4 (final norm) and, with MTP,
              + a*6D + 8 (enorm, hnorm, concat, MTP norm) + the MTP block (a full MoE block)
-  logits     last stage: heads x vocab x (a + 4) per token (the logits the schedule keeps for backward, and the
-             fp32 log-softmax cross_entropy saves); heads = 2 with MTP
+  logits     pipelined, last stage: heads x vocab x (a + 4) per token (the logits the schedule keeps for backward,
+             and the fp32 log-softmax cross_entropy saves); heads = 2 with MTP. Without pipelining the trainer's
+             chunked cross-entropy keeps none: one chunk of LOSS_CHUNK tokens x vocab x (a + 8) (logits, fp32
+             upcast and gradient) is a transient instead
 
 In flight: every (stage, micro-batch) a rank has run forward but not yet finished backward holds its stage's
 activations. 1F1B: stage s holds min(n_mb, pp - s) micro-batches; GPipe: n_mb; multi-stage schedules
@@ -79,6 +81,7 @@ import torch.distributed as dist
 from torch import nn
 
 from titan_glm52.model.args import GLM52ModelArgs
+from titan_glm52.model.model import LOSS_CHUNK
 
 GIB = 1024 ** 3
 PARAM_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -475,6 +478,10 @@ def plan_memory(req: MemoryRequest) -> MemoryReport:
             dist.destroy_process_group()
         saved = tokens * sum(acts[s].saved_per_token for s in alive)
         logits = tokens * sum(acts[s].logits_per_token for s in alive)
+        loss_chunk = 0.0
+        if not pipelined and logits:  # chunked cross-entropy: no kept logits, one chunk in flight
+            logits = 0.0
+            loss_chunk = min(tokens, LOSS_CHUNK) * args.vocab_size * (act_bytes + 8)
         local = sum(u.local for u in units) + loose
         trainable = sum(u.trainable for u in units) + loose_trainable
         by_size = sorted(units, key=lambda u: u.unsharded, reverse=True)
@@ -495,7 +502,7 @@ def plan_memory(req: MemoryRequest) -> MemoryReport:
             local_params=local, trainable_params=trainable, params=4.0 * local, grads=4.0 * trainable,
             optimizer=8.0 * trainable, unsharded=float(unsharded_elems * act_bytes),
             grad_accum=4.0 * sum(sizes) if accumulate else 0.0, activations=saved, logits=logits,
-            transient=tokens * max(acts[s].transient_per_token for s in stage_ids) + fsdp_transient,
+            transient=tokens * max(acts[s].transient_per_token for s in stage_ids) + fsdp_transient + loss_chunk,
             in_flight=len(alive), units=len(units)))
     return report
 
