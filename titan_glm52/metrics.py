@@ -14,6 +14,9 @@ FLOPs of one training step (forward x 3: backward costs twice the forward; recom
 * ``P_sparse = sum over documents of sum_p min(index_topk, p + 1)``: each query attends to at most top-k of its
   visible keys; ``P_causal = sum over documents of L (L + 1) / 2``: the indexer scores every visible key.
   In dense mode (DSA warm-up) ``P_sparse`` is replaced by ``P_causal``.
+
+Per device: a data-parallel rank's tokens and FLOPs are divided by the devices that share them (its pipeline
+stages), as torchtitan does; MFU = FLOPs per device / step time / bf16 peak.
 """
 
 from __future__ import annotations

@@ -485,9 +485,12 @@ class Trainer:
 
     def _log(self, losses, grad_norm, moe_stats, batches, t0, t_data, t_fb, t_opt, avg_step_s) -> None:
         step_s = t_opt - t0
+        # This data-parallel rank's tokens and FLOPs are shared by its pipeline stages' devices.
+        devices_per_replica = self.env.world_size // self.dp_world
         doc_lengths = torch.cat([doc_lengths_of(b["cu_seqlens"]) for b in batches])
         flops = step_flops(self.args, doc_lengths, self.with_mtp, sparse=self.cfg.dsa.mode == "sparse")
-        tokens_local = sum(b["input_ids"].numel() for b in batches)
+        flops /= devices_per_replica
+        tokens_local = sum(b["input_ids"].numel() for b in batches) / devices_per_replica
         s = {"loss/total": losses["total"], "loss/ce": losses["ce"], "lr": self.lr_schedulers.schedulers[0].get_last_lr()[0],
              "grad_norm": grad_norm, "throughput/tokens_per_s_per_device": tokens_local / step_s,
              "time/step_s": step_s, "time/data_s": t_data - t0, "time/forward_backward_s": t_fb - t_data,
