@@ -357,8 +357,8 @@ def _build_rank(req: MemoryRequest, plan, rank: int, pp_rank_expected: int):
     """Fake world at ``rank``: mesh, this rank's stages (meta, parallelized). Returns (mesh, modules, stage ids)."""
     from titan_glm52.distributed import build_mesh
     from titan_glm52.model.model import GLM52Model
-    from titan_glm52.parallelize import apply_fsdp, parallelize_model
-    from titan_glm52.pipeline import GLM52Stage
+    from titan_glm52.parallelize import parallelize_model
+    from titan_glm52.pipeline import stage_modules
 
     args = req.args
     mesh = build_mesh(req.gpus, dp_replicate=req.dp_replicate, dp_shard=req.dp_shard, ep=req.ep, pp=req.pp,
@@ -367,35 +367,16 @@ def _build_rank(req: MemoryRequest, plan, rank: int, pp_rank_expected: int):
     assert pp_rank == pp_rank_expected, (rank, pp_rank, pp_rank_expected)
     dtype = PARAM_DTYPES[req.param_dtype]
 
-    sharded = mesh.dp_enabled or mesh.ep_enabled
-
     def prepare(module: nn.Module) -> nn.Module:  # the trainer's _prepare, minus kernels/freezing
-        # Without data/expert parallelism parallelize_model applies no FSDP (and would only warn that the dtype
-        # goes unused); the trainer then applies FSDP over the one rank for bf16 compute, as done here.
-        module = parallelize_model(module, mesh, param_dtype=dtype if sharded else torch.float32,
-                                   reduce_dtype=torch.float32, reshard_after_forward=req.reshard_after_forward,
-                                   ac_mode=req.ac_mode, selective_ac_option=req.selective_ac_option,
-                                   ep_enabled=req.ep > 1)
-        if dtype != torch.float32 and not sharded:
-            apply_fsdp(module, mesh, param_dtype=dtype, reduce_dtype=torch.float32,
-                       reshard_after_forward=req.reshard_after_forward)
-        return module
+        return parallelize_model(module, mesh, param_dtype=dtype, reduce_dtype=torch.float32,
+                                 reshard_after_forward=req.reshard_after_forward, ac_mode=req.ac_mode,
+                                 selective_ac_option=req.selective_ac_option, ep_enabled=req.ep > 1)
 
-    starts = [sum(plan.layers_per_stage[:i]) for i in range(len(plan.layers_per_stage))]
-    num_stages = len(plan.layers_per_stage)
-    modules, stage_ids = [], []
-    for s, r in enumerate(plan.placement.stage_to_rank):
-        if r != pp_rank:
-            continue
+    if req.pp == 1:
         with torch.device("meta"):
-            if req.pp == 1:
-                module = GLM52Model(args, with_mtp=req.with_mtp)
-            else:
-                module = GLM52Stage(args, range(starts[s], starts[s] + plan.layers_per_stage[s]), s == 0,
-                                    s == num_stages - 1, req.with_mtp)
-        modules.append(prepare(module))
-        stage_ids.append(s)
-    return mesh, modules, tuple(stage_ids)
+            return mesh, [prepare(GLM52Model(args, with_mtp=req.with_mtp))], (0,)
+    built = [(s, prepare(module)) for s, module in stage_modules(args, plan, pp_rank, req.with_mtp)]
+    return mesh, [m for _, m in built], tuple(s for s, _ in built)
 
 
 def _check_request(req: MemoryRequest) -> None:

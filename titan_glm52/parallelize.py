@@ -316,8 +316,10 @@ def parallelize_model(model: nn.Module, mesh: ParallelMesh | None, *, param_dtyp
                       compile_backend: str = "inductor", ep_enabled: bool | None = None) -> nn.Module:
     """Applies EP -> compile -> AC -> FSDP2 in place and returns the model.
 
-    ``mesh=None`` (or a mesh of one data-parallel rank) skips FSDP: single process, no mixed precision
-    (cast the model yourself). ``ep_enabled`` defaults to the mesh's EP degree > 1 and must agree with it.
+    FSDP is applied when there is data or expert parallelism, and also on a mesh of one data-parallel rank when
+    ``param_dtype`` is not fp32: that is how one GPU computes in bf16 with fp32 master weights. ``mesh=None``
+    skips FSDP (plain single process; cast the model yourself). ``ep_enabled`` defaults to the mesh's EP degree
+    > 1 and must agree with it.
     Works on a model built on the meta device (initialise it after, e.g. ``to_empty`` + ``init_weights``).
     """
     mesh_ep = mesh is not None and mesh.ep_enabled
@@ -334,12 +336,12 @@ def parallelize_model(model: nn.Module, mesh: ParallelMesh | None, *, param_dtyp
     if compile:  # inside the checkpoint: see apply_compile
         apply_compile(model, backend=compile_backend)
     apply_ac(model, ac_mode, selective_ac_option)
-    if mesh is not None and (mesh.dp_enabled or ep_enabled):
+    if mesh is not None and (mesh.dp_enabled or ep_enabled or param_dtype != torch.float32):
         apply_fsdp(model, mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
                    reshard_after_forward=reshard_after_forward)
-    elif param_dtype != torch.float32 or reduce_dtype != torch.float32:
-        logger.warning("one data-parallel rank: FSDP is not applied, so param_dtype=%s / reduce_dtype=%s are not "
-                       "used (parameters keep their dtype)", param_dtype, reduce_dtype)
+    elif mesh is None and (param_dtype != torch.float32 or reduce_dtype != torch.float32):
+        logger.warning("mesh=None: FSDP is not applied, so param_dtype=%s / reduce_dtype=%s are not used "
+                       "(parameters keep their dtype)", param_dtype, reduce_dtype)
     return model
 
 

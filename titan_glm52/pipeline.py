@@ -78,22 +78,26 @@ class GLM52Stage(GLM52Model):
         return logits, self.output(self.mtp(h, emb_next, ctx)).view(mb, s, -1)
 
 
+def stage_modules(args: GLM52ModelArgs, plan: PipelinePlan, pp_rank: int, with_mtp: bool):
+    """Yields ``(stage index, GLM52Stage on the meta device)`` for the stages pipeline rank ``pp_rank`` holds."""
+    num_stages = len(plan.layers_per_stage)
+    for stage_idx, rank in enumerate(plan.placement.stage_to_rank):
+        if rank == pp_rank:
+            start = sum(plan.layers_per_stage[:stage_idx])
+            layers = range(start, start + plan.layers_per_stage[stage_idx])
+            with torch.device("meta"):
+                yield stage_idx, GLM52Stage(args, layers, stage_idx == 0, stage_idx == num_stages - 1, with_mtp)
+
+
 def build_pipeline_stages(args: GLM52ModelArgs, plan: PipelinePlan, pp_rank: int, pp_group, device: torch.device,
                           with_mtp: bool, prepare: Callable[[nn.Module], nn.Module]) -> tuple[list[PipelineStage],
                                                                                               list[nn.Module]]:
     """Builds this rank's stages on the meta device; ``prepare`` parallelizes each stage module (the caller
     materialises and initialises them). Returns the PipelineStages and their modules (the model parts)."""
-    starts = [sum(plan.layers_per_stage[:i]) for i in range(len(plan.layers_per_stage))]
-    num_stages = len(plan.layers_per_stage)
     stages, parts = [], []
-    for stage_idx, rank in enumerate(plan.placement.stage_to_rank):
-        if rank != pp_rank:
-            continue
-        layers = range(starts[stage_idx], starts[stage_idx] + plan.layers_per_stage[stage_idx])
-        with torch.device("meta"):
-            module = GLM52Stage(args, layers, stage_idx == 0, stage_idx == num_stages - 1, with_mtp)
+    for stage_idx, module in stage_modules(args, plan, pp_rank, with_mtp):
         module = prepare(module)
-        stages.append(PipelineStage(module, stage_idx, num_stages, device, group=pp_group))
+        stages.append(PipelineStage(module, stage_idx, len(plan.layers_per_stage), device, group=pp_group))
         parts.append(module)
     return stages, parts
 

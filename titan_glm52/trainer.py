@@ -33,7 +33,7 @@ from titan_glm52.model.args import GLM52ModelArgs, get_flavor
 from titan_glm52.model.attention import Attention
 from titan_glm52.model.model import GLM52Model, cross_entropy_sum
 from titan_glm52.model.moe import MoE
-from titan_glm52.parallelize import apply_fsdp, clip_grad_norm_, parallelize_model
+from titan_glm52.parallelize import clip_grad_norm_, parallelize_model
 from titan_glm52.pipeline import build_pipeline_stages, cu_seqlens_from_positions, make_plan
 from titan_glm52.profiling import profiling
 from torchtitan.distributed.pipeline_parallel import build_pipeline_schedule
@@ -234,16 +234,11 @@ class Trainer:
         self._freeze(model)
         on_gpu = self.device.type == "cuda"
         bf16 = on_gpu and cfg.training.mixed_precision_param == "bfloat16"
-        model = parallelize_model(
+        return parallelize_model(
             model, self.mesh, param_dtype=torch.bfloat16 if bf16 else torch.float32, reduce_dtype=torch.float32,
             reshard_after_forward=p.fsdp_reshard_after_forward, ac_mode=cfg.activation_checkpoint.mode,
             selective_ac_option=cfg.activation_checkpoint.selective_ac_option, compile=cfg.compile.enable,
             compile_backend=cfg.compile.backend, ep_enabled=p.expert_parallel_degree > 1)
-        if bf16 and not (self.mesh.dp_enabled or self.mesh.ep_enabled):
-            # No data parallelism: FSDP over a 1-rank mesh still gives bf16 compute with fp32 master weights.
-            apply_fsdp(model, self.mesh, param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
-                       reshard_after_forward=p.fsdp_reshard_after_forward)
-        return model
 
     def _freeze(self, model: GLM52Model) -> None:
         """dsa.freeze_indexer freezes the indexers; the dense warm-up freezes everything else."""

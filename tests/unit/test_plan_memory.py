@@ -11,6 +11,8 @@ import os
 import re
 
 import pytest
+
+from tests.unit.test_plan import _main
 import torch.distributed as dist
 
 from titan_glm52 import plan
@@ -21,13 +23,6 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 CONFIG_744B = os.path.join(REPO, "train_configs", "glm52_744b.toml")
 
 
-def _main(capsys, *argv: str) -> tuple[int, str, str]:
-    try:
-        rc = plan.main(list(argv))
-    except SystemExit as e:  # argparse usage errors
-        rc = e.code
-    captured = capsys.readouterr()
-    return rc, captured.out, captured.err
 
 
 # ----------------------------------------------------------------------------------------- independent counts
