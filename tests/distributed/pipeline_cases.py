@@ -18,6 +18,7 @@ from titan_glm52.model.model import GLM52Model, cross_entropy_sum
 from titan_glm52.model.moe import MoE
 from titan_glm52.parallelize import clip_grad_norm_, parallelize_model
 from titan_glm52.pipeline import build_pipeline_stages, make_plan
+from titan_glm52.trainer import mtp_labels
 
 RTOL, ATOL = 1e-4, 1e-5
 
@@ -62,10 +63,7 @@ def check_pipeline(schedule: str, pp: int, dp_shard: int = 1, ep: int = 1, stage
 
     def loss_fn(output, labels):
         logits, mtp = output
-        full_labels = torch.cat((labels, torch.full_like(labels[:, :1], IGNORE)), dim=1)  # labels carry t[i+1]
-        mtp_labels = full_labels[:, 1:].clone()
-        mtp_labels[labels == IGNORE] = IGNORE
-        loss = cross_entropy_sum(logits, labels) / n_main + cross_entropy_sum(mtp, mtp_labels) / n_mtp
+        loss = cross_entropy_sum(logits, labels) / n_main + cross_entropy_sum(mtp, mtp_labels(labels)) / n_mtp
         losses.append(loss.detach())
         return loss
 
