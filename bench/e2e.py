@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import glob
 import json
 import os
 import shlex
@@ -37,6 +38,8 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import trace_summary  # noqa: E402  (bench/trace_summary.py)
 PEAK_BF16_TFLOPS = 989.0  # H100/H200 dense bf16, as titan_glm52.metrics uses for MFU
 
 
@@ -87,6 +90,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    "copied to $OUT/e2e_logs when $OUT is set)")
     p.add_argument("--cell-timeout", type=float, default=300.0, help="seconds per subprocess")
     p.add_argument("--budget-s", type=float, default=510.0, help="seconds for the whole run (0 = unbounded)")
+    p.add_argument("--trace", action="store_true",
+                   help="profile one extra step per side and cell (torch.profiler, not timed) and report its top "
+                        "GPU kernels (bench/trace_summary.py) in the JSON and printed before the table")
     a = p.parse_args(argv)
     if a.quick:
         a.seq_lens, a.compile, a.ac = [4096, 32768], ["off"], ["selective"]
@@ -170,8 +176,9 @@ def _failure(run: dict, status: str | None = None) -> dict:
 
 # --------------------------------------------------------------------------------------------- our side
 def our_command(a: argparse.Namespace, seq_len: int, compile_on: bool, ac: str, dump: str) -> list[str]:
+    total = a.warmup + a.steps + (1 if a.trace else 0)
     cmd = [sys.executable, "train.py", "--job.config_file", a.config,
-           "--training.steps", str(a.warmup + a.steps), "--metrics.log_freq", "1", "--job.dump_folder", dump,
+           "--training.steps", str(total), "--metrics.log_freq", "1", "--job.dump_folder", dump,
            "--training.seq_len", str(seq_len), "--training.local_batch_size", str(a.batch),
            "--activation_checkpoint.mode", ac, "--activation_checkpoint.selective_ac_option", a.sac_option,
            "--data.no-document-masking", "--dsa.recall_queries", "0", "--checkpoint.no-enable",
@@ -180,12 +187,16 @@ def our_command(a: argparse.Namespace, seq_len: int, compile_on: bool, ac: str, 
         cmd.append("--compile.enable")
     if a.our_mtp == "off":
         cmd.append("--mtp.no-enable")
+    if a.trace:  # the extra last step runs under the profiler and is left out of the averages
+        cmd += ["--profiling.enable_profiling", "--profiling.save_traces_folder", "traces",
+                "--profiling.profile_freq", str(total), "--profiling.profiler_warmup", "0",
+                "--profiling.profiler_active", "1"]
     return cmd + shlex.split(a.our_args)
 
 
 def summarize_ours(rows: list[dict], warmup: int, steps: int) -> dict:
     """Averages the trainer's per-step metrics over the steps after the warm-up."""
-    timed = [r for r in rows if r["step"] > warmup]
+    timed = [r for r in rows if warmup < r["step"] <= warmup + steps]
     if len(timed) < steps:
         raise ValueError(f"metrics.jsonl has {len(timed)} steps after the warm-up, expected {steps}")
     total_s = sum(r["time/step_s"] for r in timed)
@@ -220,6 +231,9 @@ def run_ours(a, runner: Runner, seq_len: int, compile_on: bool, ac: str, name: s
         except (OSError, ValueError, KeyError) as e:
             return {**_failure(run, "error"), "error": f"{type(e).__name__}: {e}"}
         out.update(wall_s=run["wall_s"], log=run["log"], cmd=run["cmd"])
+        if a.trace:
+            traces = glob.glob(os.path.join(dump, "traces", "*", "rank0_trace.json"))
+            out["trace_summary"] = trace_summary.summarize(traces[0]) if traces else {"error": "no trace written"}
         return out
     finally:
         shutil.rmtree(dump, ignore_errors=True)
@@ -232,6 +246,8 @@ def run_peer(a, runner: Runner, seq_len: int, compile_on: bool, ac: str, name: s
            "--batch", str(a.batch), "--steps", str(a.steps), "--warmup", str(a.warmup), "--ac", ac,
            "--sac-option", a.sac_option, "--compile", "on" if compile_on else "off", "--sdpa", a.peer_sdpa,
            "--out", out_json]
+    if a.trace:
+        cmd += ["--trace", os.path.join(runner.logs, name + "_trace.json")]
     run = runner.run(cmd + shlex.split(a.peer_args), name)
     if run.get("skipped"):
         return _failure(run)
@@ -244,6 +260,8 @@ def run_peer(a, runner: Runner, seq_len: int, compile_on: bool, ac: str, name: s
             result = None
     if run["rc"] == 0 and result and result.get("status") == "ok":
         result.update(wall_s=run["wall_s"], log=run["log"], cmd=run["cmd"])
+        if result.get("trace"):
+            result["trace_summary"] = trace_summary.summarize(result.pop("trace"))
         return result
     fail = _failure(run, "OOM" if result and result.get("status") == "OOM" else None)
     if result and result.get("error"):
@@ -393,6 +411,11 @@ def main(argv: list[str]) -> int:
             if s and s.get("status") not in ("ok", None):
                 print(f"[e2e] {c['config']} {side}: {s['status']} {s.get('error', '')}\n{s.get('stderr_tail', '')}\n",
                       flush=True)
+    for c in cells:
+        for side in ("ours", "peer"):
+            s = (c.get(side) or {}).get("trace_summary")
+            if s and "kernels" in s:
+                print(trace_summary.text(s, f"[trace] {c['config']} {side}:"), flush=True)
     print(f"[e2e] wrote {a.out} and {a.md}\n", flush=True)
     print(text_table(*table_rows(cells)), flush=True)
     return 0

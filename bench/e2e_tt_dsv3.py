@@ -81,6 +81,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--tiny", action="store_true", help="tiny widths (CPU smoke test)")
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
     p.add_argument("--out", default=None, help="JSON result path (default: stdout only)")
+    p.add_argument("--trace", default=None, help="also profile one extra step; Chrome trace written here")
     return p.parse_args(argv)
 
 
@@ -248,7 +249,8 @@ def run(a: argparse.Namespace) -> dict:
         tokens = a.batch * a.seq_len
         params = [p for p in model.parameters() if p.requires_grad]
         records = []
-        for step in range(1, a.warmup + a.steps + 1):
+
+        def one_step(step: int) -> dict:
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
             sync()
@@ -271,9 +273,20 @@ def run(a: argparse.Namespace) -> dict:
             if device.type == "cuda":
                 rec["peak_allocated_gib"] = torch.cuda.max_memory_allocated(device) / 2 ** 30
                 rec["peak_reserved_gib"] = torch.cuda.max_memory_reserved(device) / 2 ** 30
-            records.append(rec)
             print(f"[peer] step {step}/{a.warmup + a.steps} loss {rec['loss']:.4f} step {rec['step_s']:.3f}s "
                   f"mem {rec.get('peak_allocated_gib', 0):.1f}GiB", flush=True)
+            return rec
+
+        for step in range(1, a.warmup + a.steps + 1):
+            records.append(one_step(step))
+        if a.trace:  # one more step under torch.profiler (not part of the timed steps)
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if device.type == "cuda":
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            with torch.profiler.profile(activities=activities) as prof:
+                one_step(a.warmup + a.steps + 1)
+            prof.export_chrome_trace(a.trace)
+            result["trace"] = a.trace
     timed = records[a.warmup:]
     step_s = sum(r["step_s"] for r in timed) / len(timed)
     result.update(status="ok", records=records, tokens_per_step=tokens, flops_per_step=flops,

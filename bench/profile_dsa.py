@@ -1,0 +1,93 @@
+"""Per-kernel profile of the Triton DSA kernels at one size (issue 5: what limits them).
+
+    python bench/profile_dsa.py --T 32768                       # torch.profiler: time of every kernel launch
+    ncu --clock-control none --set full -k regex:'^_(fwd|bwd_dq|bwd_dkv|score|select|kl_fwd|kl_bwd)_kernel' \\
+        -o dsa python bench/profile_dsa.py --T 32768 --once     # hardware counters, one launch of each
+
+Shapes as bench/kernels.py (H = 64, D_qk = 576, d_v = 512, topk = 2048, H_I = 32, D_I = 128, bf16, one document
+of T tokens, random data). The split backward runs as one chunk (one launch per kernel). Prints one table: per
+kernel, ms per call and TFLOP/s by the FLOP counts of bench/kernels.py split per kernel (dq kernel: S, dP, dQ =
+2*H*K_valid*(2*D_qk + d_v); dkv kernel: dK, dV = 2*H*K_valid*(D_qk + d_v)); JSON to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections import defaultdict
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import torch  # noqa: E402
+
+from kernels import D_I, D_QK, D_V, H, H_I, TOPK, counts, make_inputs  # noqa: E402  (bench/kernels.py)
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--T", type=int, default=32768)
+    p.add_argument("--once", action="store_true", help="one call of each op (for ncu), no timing")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--out", default=None)
+    a = p.parse_args(argv)
+    from titan_glm52.kernels import indexer_topk as it_mod, sparse_mla as sm_mod
+    from titan_glm52.kernels.indexer_loss import indexer_kl_sparse
+    sm_mod.SPLIT_SCRATCH_BYTES = 1 << 40  # one chunk: one launch of each backward kernel
+    T = a.T
+    pairs, kvalid = counts([T])
+    cu, qi, ki, wi = make_inputs(T, [T])
+    iscale, scale = D_I ** -0.5, D_QK ** -0.5
+    g = torch.Generator(device="cuda").manual_seed(1)
+    q = torch.randn(T, H, D_QK, generator=g, device="cuda").to(torch.bfloat16).requires_grad_()
+    kv = torch.randn(T, D_QK, generator=g, device="cuda").to(torch.bfloat16).requires_grad_()
+    do = torch.randn(T, H, D_V, generator=g, device="cuda").to(torch.bfloat16)
+    qi_, ki_, wi_ = (x.clone().requires_grad_() for x in (qi, ki, wi))
+    grow = torch.ones(T, device="cuda")
+
+    def step():
+        idx = it_mod.indexer_topk(qi, ki, wi, cu, TOPK, iscale)
+        o, lse = sm_mod.sparse_mla(q, kv, idx, scale, D_V)
+        torch.autograd.grad(o, (q, kv), do)
+        kl = indexer_kl_sparse(q.detach(), kv.detach(), scale, lse, qi_, ki_, wi_, iscale, idx)
+        torch.autograd.grad(kl, (qi_, ki_, wi_), grow)
+
+    step()  # compile everything (under ncu: these are the profiled launches)
+    torch.cuda.synchronize()
+    if a.once:
+        return 0
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(a.reps):
+            step()
+        torch.cuda.synchronize()
+    times: dict[str, list[float]] = defaultdict(list)
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            times[e.name].append(e.device_time / 1e3)
+    flops = {"_score_kernel": 2 * H_I * D_I * pairs,
+             "_fwd_kernel": 2 * H * kvalid * (D_QK + D_V),
+             "_bwd_dq_kernel": 2 * H * kvalid * (2 * D_QK + D_V),
+             "_bwd_dkv_kernel": 2 * H * kvalid * (D_QK + D_V),
+             "_kl_fwd_kernel": 2 * H * kvalid * D_QK + 2 * H_I * D_I * kvalid,
+             "_kl_bwd_kernel": 2 * 2 * H_I * D_I * kvalid}
+    rows = []
+    for name, ts in sorted(times.items(), key=lambda kv_: -sum(kv_[1])):
+        ms = sum(ts) / a.reps
+        f = flops.get(name)
+        rows.append({"kernel": name[:80], "calls_per_step": len(ts) / a.reps, "ms_per_step": ms,
+                     "tflops": f / ms / 1e9 if f else None})
+    total = sum(r["ms_per_step"] for r in rows)
+    print(f"\nT={T} (one document), {a.reps} reps; GPU time per step {total:.1f} ms")
+    print(f"{'kernel':<42} {'calls':>5} {'ms':>9} {'TFLOP/s':>8}")
+    for r in rows[:14]:
+        tf = f"{r['tflops']:.0f}" if r["tflops"] else "-"
+        print(f"{r['kernel'][:42]:<42} {r['calls_per_step']:>5g} {r['ms_per_step']:>9.2f} {tf:>8}")
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump({"T": T, "device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
