@@ -54,8 +54,13 @@ def run_layout(name, nproc, extra, a, folder) -> dict:
     out = {"name": name, "nproc": nproc, "args": extra, "wall_s": round(time.time() - t0, 1),
            "command": " ".join(shlex.quote(c) for c in cmd)}
     if proc.returncode != 0:
-        tail = (proc.stdout + proc.stderr).splitlines()[-25:]
-        out.update(status="OOM" if any("out of memory" in line.lower() for line in tail) else "error", log=tail)
+        lines = (proc.stdout + proc.stderr).splitlines()
+        first_tb = next((i for i, line in enumerate(lines) if line.startswith("Traceback")
+                         or "Traceback (most recent call last)" in line), max(0, len(lines) - 25))
+        log = lines[first_tb:first_tb + 60] + ["..."] + lines[-15:]  # the first rank's traceback, then the end
+        oom = any("out of memory" in line.lower() for line in lines)
+        out.update(status="OOM" if oom else "error", log=log)
+        print("\n".join(log), flush=True)
         return out
     with open(os.path.join(folder, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]

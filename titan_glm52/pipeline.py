@@ -2,17 +2,20 @@
 ``torch.distributed.pipelining`` schedule (built through torchtitan's ``build_pipeline_schedule``).
 
 A stage is the model with the other stages' pieces removed; its layers keep their global names
-(``layers.17``), so DCP checkpoints move between pipeline layouts. Stages exchange plain tensors:
+(``layers.17``), so DCP checkpoints move between pipeline layouts. Stages exchange plain float tensors:
 
-    first stage in : tokens [mb, S], positions [mb, S]
-    between stages : hidden [mb * S, D], positions [mb, S] (+ next-token embeddings [mb * S, D] with MTP)
+    first stage in : tokens [mb, S]
+    between stages : hidden [mb * S, D] (+ next-token embeddings [mb * S, D] with MTP)
     last stage out : logits [mb, S, V] (or (logits, mtp_logits))
 
-Tensors sent between stages are never views (the schedules detach stage outputs in place), so pass-through
-tensors are copied: positions (a few bytes a token) and, with MTP, the next-token embeddings.
+Tensors sent between stages are never views (the schedules detach stage outputs in place), so the pass-through
+next-token embeddings are copied.
 
-``positions`` (restarting at 0 on every document) carries the packing: every stage rebuilds ``cu_seqlens``
-from it. With MTP, the first stage also sends the embeddings of the next tokens down the pipeline, so the MTP
+``positions [mb, S]`` (restarting at 0 on every document) carries the packing. It is not sent between stages:
+every pipeline rank has the batch, and the schedule hands it to every stage as a keyword argument
+(``schedule.step(..., positions=positions)``, split into micro-batches like the inputs); each stage rebuilds
+``cu_seqlens`` from it. (torch 2.11's stages mark every received tensor as requiring grad, which integer
+tensors cannot.) With MTP, the first stage also sends the embeddings of the next tokens down the pipeline, so the MTP
 layer on the last stage uses the one embedding table of stage 0 and its gradient flows back through the
 pipeline (no tied copy to synchronise). IndexShare top-k never crosses a stage: the splitter only cuts before
 full layers, and each stage starts with no top-k.
@@ -57,7 +60,7 @@ class GLM52Stage(GLM52Model):
             self.norm, self.output = None, None
         self.is_first, self.is_last, self.with_mtp = is_first, is_last, with_mtp
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, emb_next: torch.Tensor | None = None):
+    def forward(self, x: torch.Tensor, emb_next: torch.Tensor | None = None, *, positions: torch.Tensor):
         mb, s = positions.shape
         ctx = self.packed_context(mb, s, cu_seqlens_from_positions(positions), positions.device)
         if self.is_first:
@@ -69,8 +72,8 @@ class GLM52Stage(GLM52Model):
         h = self.run_layers(h, ctx)
         if not self.is_last:
             if not self.with_mtp:
-                return h, positions.clone()
-            return h, positions.clone(), emb_next if self.is_first else emb_next.clone()
+                return h
+            return h, emb_next if self.is_first else emb_next.clone()
         h = self.norm(h)
         logits = self.output(h).view(mb, s, -1)
         if not self.with_mtp:

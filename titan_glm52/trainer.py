@@ -379,9 +379,9 @@ class Trainer:
         self._pp_parts = []
         target = labels if self.has_last else None
         if self.has_first:
-            self.schedule.step(tokens, positions, target=target)
+            self.schedule.step(tokens, target=target, positions=positions)
         else:
-            self.schedule.step(target=target)
+            self.schedule.step(target=target, positions=positions)
         if self._pp_parts:
             summed = torch.stack(self._pp_parts).sum(0).to(parts.dtype)
             parts[0] += summed[0]

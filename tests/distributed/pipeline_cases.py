@@ -80,9 +80,9 @@ def check_pipeline(schedule: str, pp: int, dp_shard: int = 1, ep: int = 1, stage
                 if isinstance(m, MoE):
                     m.tokens_per_expert.zero_()
         if has_first:
-            sched.step(local, positions, target=labels if has_last else None)
+            sched.step(local, target=labels if has_last else None, positions=positions)
         else:
-            sched.step(target=labels if has_last else None)
+            sched.step(target=labels if has_last else None, positions=positions)
 
     total = torch.stack(losses).sum() if losses else torch.zeros(())
     dist.all_reduce(total)  # last-stage ranks hold the loss of their data-parallel slice
