@@ -215,8 +215,8 @@ SWEEP = {  # (module, part) -> alternatives to the built-in default ({}); the fa
     ("indexer_topk", "score"): [dict(BN=128, num_warps=8, num_stages=2), dict(BN=64, num_warps=4, num_stages=2),
                                 dict(BN=64, num_warps=4, num_stages=4), dict(BN=64, num_warps=8, num_stages=3)],
     ("indexer_topk", "select"): [dict(BLOCK=2048, num_warps=8), dict(BLOCK=512, num_warps=4)],
-    ("sparse_mla", "fwd"): [dict(BK=64, num_stages=1)],
-    ("sparse_mla", "bwd_dq"): [dict(BH=32, BK=32, num_stages=2), dict(BH=32, BK=64, num_stages=2)],
+    ("sparse_mla", "fwd"): [dict(BK=32, num_stages=3)],
+    ("sparse_mla", "bwd_dq"): [dict(BH=32, BK=32, num_stages=2), dict(BH=64, BK=32, num_stages=1)],
     ("sparse_mla", "bwd_dkv"): [dict(BK=64, num_stages=2), dict(BK=32, num_stages=2, SPLIT=False)],
     ("sparse_mla", "bwd"): [dict(mode="fused")],  # after the split parts: compares against their best
     ("indexer_loss", "fwd"): [dict(BK=64, num_stages=1)],
@@ -241,7 +241,8 @@ def sweep(args, deadline):
     q = torch.randn(T, H, D_QK, generator=g, device="cuda").to(torch.bfloat16)
     kv = torch.randn(T, D_QK, generator=g, device="cuda").to(torch.bfloat16)
     do = torch.randn(T, H, D_V, generator=g, device="cuda").to(torch.bfloat16)
-    o, lse = SM._fwd(q, kv, idx, 0.04, D_V)
+    kend = SM.valid_extent(idx)
+    o, lse = SM._fwd(q, kv, idx, kend, 0.04, D_V)
     qi_, ki_, wi_ = (x.clone().requires_grad_() for x in (qi, ki, wi))
 
     def kl_step():
@@ -249,8 +250,8 @@ def sweep(args, deadline):
         torch.autograd.grad(kl, (qi_, ki_, wi_), torch.ones_like(kl))
     work = {
         "indexer_topk": (lambda: IT.indexer_topk(qi, ki, wi, cu, TOPK, 1.0), 2 * H_I * D_I * pairs),
-        "fwd": (lambda: SM._fwd(q, kv, idx, 0.04, D_V), 2 * H * kvalid * (D_QK + D_V)),
-        "bwd": (lambda: SM._bwd(q, kv, idx, o, lse, do, 0.04, D_V), 2 * H * kvalid * (3 * D_QK + 2 * D_V)),
+        "fwd": (lambda: SM._fwd(q, kv, idx, kend, 0.04, D_V), 2 * H * kvalid * (D_QK + D_V)),
+        "bwd": (lambda: SM._bwd(q, kv, idx, kend, o, lse, do, 0.04, D_V), 2 * H * kvalid * (3 * D_QK + 2 * D_V)),
         "indexer_loss": (kl_step, 2 * H * kvalid * D_QK + 3 * 2 * H_I * D_I * kvalid),
     }
     chosen = {}

@@ -68,7 +68,7 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _fwd_kernel(q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr,
+def _fwd_kernel(q_ptr, kv_ptr, idx_ptr, kend_ptr, out_ptr, lse_ptr,
                 T, H, K, qk_scale,
                 stride_qt, stride_qh, stride_kvt, stride_it, stride_ot, stride_oh, stride_lt,
                 DA: tl.constexpr, DB: tl.constexpr, DAP: tl.constexpr, DBP: tl.constexpr,
@@ -83,11 +83,12 @@ def _fwd_kernel(q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr,
         offs_b = tl.arange(0, DBP)
         qb = tl.load(qrow + DA + offs_b[None, :], mask=hmask[:, None] & (offs_b < DB)[None, :], other=0.0)
     idx_row = idx_ptr + t.to(tl.int64) * stride_it
+    kend = tl.load(kend_ptr + t)  # slots past the row's last valid index are skipped
 
     m_i = tl.full([BH], float("-inf"), tl.float32)
     l_i = tl.zeros([BH], tl.float32)
     acc = tl.zeros([BH, DAP], tl.float32)
-    for k0 in range(0, K, BK):
+    for k0 in range(0, kend, BK):
         valid, safe, ka, kb = _gather(kv_ptr, idx_row, k0, K, T, stride_kvt, DA, DB, DAP, DBP, BK, HAS_B)
         s = _dot(qa, tl.trans(ka), IEEE)
         if HAS_B:
@@ -109,7 +110,7 @@ def _fwd_kernel(q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr,
 
 
 @triton.jit
-def _bwd_kernel(q_ptr, kv_ptr, idx_ptr, out_ptr, do_ptr, lse_ptr, dq_ptr, dkv_ptr,
+def _bwd_kernel(q_ptr, kv_ptr, idx_ptr, kend_ptr, out_ptr, do_ptr, lse_ptr, dq_ptr, dkv_ptr,
                 T, H, K, sm_scale,
                 stride_qt, stride_qh, stride_kvt, stride_it, stride_ot, stride_oh, stride_dot, stride_doh,
                 stride_lt, stride_dqt, stride_dqh, stride_dkvt,
@@ -134,11 +135,12 @@ def _bwd_kernel(q_ptr, kv_ptr, idx_ptr, out_ptr, do_ptr, lse_ptr, dq_ptr, dkv_pt
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)  # empty row -> P = 0
     qk_scale = sm_scale * 1.4426950408889634
     idx_row = idx_ptr + t64 * stride_it
+    kend = tl.load(kend_ptr + t)
 
     dqa = tl.zeros([BH, DAP], tl.float32)
     if HAS_B:
         dqb = tl.zeros([BH, DBP], tl.float32)
-    for k0 in range(0, K, BK):
+    for k0 in range(0, kend, BK):
         valid, safe, ka, kb = _gather(kv_ptr, idx_row, k0, K, T, stride_kvt, DA, DB, DAP, DBP, BK, HAS_B)
         s = _dot(qa, tl.trans(ka), IEEE)
         if HAS_B:
@@ -166,14 +168,14 @@ def _bwd_kernel(q_ptr, kv_ptr, idx_ptr, out_ptr, do_ptr, lse_ptr, dq_ptr, dkv_pt
 
 
 @triton.jit
-def _bwd_dq_kernel(q_ptr, kv_ptr, idx_ptr, out_ptr, do_ptr, lse_ptr, dq_ptr, p_ptr, ds_ptr,
+def _bwd_dq_kernel(q_ptr, kv_ptr, idx_ptr, kend_ptr, out_ptr, do_ptr, lse_ptr, dq_ptr, p_ptr, ds_ptr,
                    T, H, K, sm_scale, row0,
                    stride_qt, stride_qh, stride_kvt, stride_it, stride_ot, stride_oh, stride_dot, stride_doh,
-                   stride_lt, stride_dqt, stride_dqh, stride_pt, stride_ph,
+                   stride_lt, stride_dqt, stride_dqh, stride_pt, stride_pk,
                    DA: tl.constexpr, DB: tl.constexpr, DAP: tl.constexpr, DBP: tl.constexpr,
                    BH: tl.constexpr, BK: tl.constexpr, HAS_B: tl.constexpr, IEEE: tl.constexpr):
-    """Split backward, part 1 (no atomics): dQ, and P / dS (dS already times sm_scale) of every (head, slot)
-    into a scratch for part 2."""
+    """Split backward, part 1 (no atomics): dQ, and P / dS (dS already times sm_scale) of every (slot, head)
+    into a scratch ``[rows, K, H]`` for part 2 (heads innermost: part 2 reads [slots, heads] tiles coalesced)."""
     t = row0 + tl.program_id(0)
     offs_h = tl.program_id(1) * BH + tl.arange(0, BH)
     hmask = offs_h < H
@@ -193,12 +195,13 @@ def _bwd_dq_kernel(q_ptr, kv_ptr, idx_ptr, out_ptr, do_ptr, lse_ptr, dq_ptr, p_p
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)  # empty row -> P = 0
     qk_scale = sm_scale * 1.4426950408889634
     idx_row = idx_ptr + t64 * stride_it
-    prow = (t - row0).to(tl.int64) * stride_pt + offs_h[:, None] * stride_ph  # [BH, 1] offsets into P / dS
+    kend = tl.load(kend_ptr + t)
+    prow = (t - row0).to(tl.int64) * stride_pt + offs_h[:, None]  # [BH, 1] offsets into P / dS
 
     dqa = tl.zeros([BH, DAP], tl.float32)
     if HAS_B:
         dqb = tl.zeros([BH, DBP], tl.float32)
-    for k0 in range(0, K, BK):
+    for k0 in range(0, kend, BK):
         valid, safe, ka, kb = _gather(kv_ptr, idx_row, k0, K, T, stride_kvt, DA, DB, DAP, DBP, BK, HAS_B)
         s = _dot(qa, tl.trans(ka), IEEE)
         if HAS_B:
@@ -212,8 +215,8 @@ def _bwd_dq_kernel(q_ptr, kv_ptr, idx_ptr, out_ptr, do_ptr, lse_ptr, dq_ptr, p_p
             dqb += _dot(ds_c, kb, IEEE)
         offs_k = k0 + tl.arange(0, BK)
         smask = hmask[:, None] & (offs_k < K)[None, :]
-        tl.store(p_ptr + prow + offs_k[None, :], p.to(p_ptr.dtype.element_ty), mask=smask)
-        tl.store(ds_ptr + prow + offs_k[None, :], ds_c, mask=smask)
+        tl.store(p_ptr + prow + offs_k[None, :] * stride_pk, p.to(p_ptr.dtype.element_ty), mask=smask)
+        tl.store(ds_ptr + prow + offs_k[None, :] * stride_pk, ds_c, mask=smask)
     dqrow = dq_ptr + t64 * stride_dqt + offs_h[:, None] * stride_dqh
     tl.store(dqrow + offs_a[None, :], dqa.to(dq_ptr.dtype.element_ty), mask=amask)
     if HAS_B:
@@ -233,9 +236,9 @@ def _dkv_cols(pt, dst, q_c, do_c, rows, c0: tl.constexpr, DAC: tl.constexpr, DA:
 
 
 @triton.jit
-def _bwd_dkv_kernel(q_ptr, idx_ptr, do_ptr, p_ptr, ds_ptr, dkv_ptr,
+def _bwd_dkv_kernel(q_ptr, idx_ptr, kend_ptr, do_ptr, p_ptr, ds_ptr, dkv_ptr,
                     T, H, K, row0,
-                    stride_qt, stride_qh, stride_it, stride_dot, stride_doh, stride_pt, stride_ph, stride_dkvt,
+                    stride_qt, stride_qh, stride_it, stride_dot, stride_doh, stride_pt, stride_pk, stride_dkvt,
                     DA: tl.constexpr, DB: tl.constexpr, DAP: tl.constexpr, DBP: tl.constexpr,
                     BH: tl.constexpr, BK: tl.constexpr, HAS_B: tl.constexpr, IEEE: tl.constexpr,
                     SPLIT: tl.constexpr):
@@ -261,14 +264,15 @@ def _bwd_dkv_kernel(q_ptr, idx_ptr, do_ptr, p_ptr, ds_ptr, dkv_ptr,
         offs_b = tl.arange(0, DBP)
         qb = tl.load(qrow + DA + offs_b[None, :], mask=hmask[:, None] & (offs_b < DB)[None, :], other=0.0)
     idx_row = idx_ptr + t64 * stride_it
-    prow = (t - row0).to(tl.int64) * stride_pt + offs_h[None, :] * stride_ph  # [1, BH]
-    for k0 in range(0, K, BK):
+    kend = tl.load(kend_ptr + t)
+    prow = (t - row0).to(tl.int64) * stride_pt + offs_h[None, :]  # [1, BH]
+    for k0 in range(0, kend, BK):
         offs_k = k0 + tl.arange(0, BK)
         idx = tl.load(idx_row + offs_k, mask=offs_k < K, other=-1)
         valid = (idx >= 0) & (idx < T)
         lmask = valid[:, None] & hmask[None, :]
-        pt = tl.load(p_ptr + prow + offs_k[:, None], mask=lmask, other=0.0)  # [BK, BH]
-        dst = tl.load(ds_ptr + prow + offs_k[:, None], mask=lmask, other=0.0)
+        pt = tl.load(p_ptr + prow + offs_k[:, None] * stride_pk, mask=lmask, other=0.0)  # [BK, BH], heads contiguous
+        dst = tl.load(ds_ptr + prow + offs_k[:, None] * stride_pk, mask=lmask, other=0.0)
         rows = dkv_ptr + tl.where(valid, idx, 0).to(tl.int64) * stride_dkvt
         _dkv_cols(pt, dst, q0, do0, rows, 0, DAC, DA, valid, IEEE)
         if SPLIT:
@@ -323,7 +327,17 @@ def _check(q, kv, indices, d_v):
     check_device(q, kv, indices)
 
 
-def _fwd(q, kv, indices, sm_scale, d_v):
+def valid_extent(indices: torch.Tensor) -> torch.Tensor:
+    """int32 ``[T]``: 1 + the slot of each row's last valid index (0 for a row without one). The kernels walk
+    only these slots: the indexer pads rows with fewer visible keys than top-k with a -1 tail, which at short
+    contexts is a large share of the slots (at T = 4K, a quarter)."""
+    k = indices.shape[1]
+    slot = torch.arange(1, k + 1, device=indices.device, dtype=torch.int32)
+    return torch.where(indices >= 0, slot, 0).amax(dim=1).to(torch.int32) if k else \
+        torch.zeros(indices.shape[0], dtype=torch.int32, device=indices.device)
+
+
+def _fwd(q, kv, indices, kend, sm_scale, d_v):
     total, h, d_qk = q.shape
     out = torch.empty((total, h, d_v), dtype=q.dtype, device=q.device)
     lse = torch.empty((total, h), dtype=torch.float32, device=q.device)
@@ -331,7 +345,7 @@ def _fwd(q, kv, indices, sm_scale, d_v):
         return out, lse
     c, nw, ns = _config(h, d_qk, d_v)
     grid = (total, triton.cdiv(h, c["BH"]))
-    _fwd_kernel[grid](q, kv, indices, out, lse, kv.shape[0], h, indices.shape[1], sm_scale * LOG2E,
+    _fwd_kernel[grid](q, kv, indices, kend, out, lse, kv.shape[0], h, indices.shape[1], sm_scale * LOG2E,
                       q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), out.stride(0), out.stride(1),
                       lse.stride(0), IEEE=q.dtype == torch.float32, num_warps=nw, num_stages=ns, **c)
     return out, lse
@@ -340,44 +354,44 @@ def _fwd(q, kv, indices, sm_scale, d_v):
 SPLIT_SCRATCH_BYTES = 1 << 30  # P and dS of one chunk of queries (split backward)
 
 
-def _bwd(q, kv, indices, out, lse, grad_out, sm_scale, d_v):
+def _bwd(q, kv, indices, kend, out, lse, grad_out, sm_scale, d_v):
     total, h, d_qk = q.shape
     dq = torch.empty_like(q)
     dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
     if total == 0:
         return dq, dkv.to(kv.dtype)
     if TUNE["bwd"].get("mode", "split") == "split":
-        _bwd_split(q, kv, indices, out, lse, grad_out, sm_scale, d_v, dq, dkv)
+        _bwd_split(q, kv, indices, kend, out, lse, grad_out, sm_scale, d_v, dq, dkv)
         return dq, dkv.to(kv.dtype)
     c, nw, ns = _config(h, d_qk, d_v, backward=True)
     c.pop("mode", None)
     grid = (total, triton.cdiv(h, c["BH"]))
-    _bwd_kernel[grid](q, kv, indices, out, grad_out, lse, dq, dkv, kv.shape[0], h, indices.shape[1], sm_scale,
+    _bwd_kernel[grid](q, kv, indices, kend, out, grad_out, lse, dq, dkv, kv.shape[0], h, indices.shape[1], sm_scale,
                       q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), out.stride(0), out.stride(1),
                       grad_out.stride(0), grad_out.stride(1), lse.stride(0), dq.stride(0), dq.stride(1),
                       dkv.stride(0), IEEE=q.dtype == torch.float32, num_warps=nw, num_stages=ns, **c)
     return dq, dkv.to(kv.dtype)
 
 
-def _bwd_split(q, kv, indices, out, lse, grad_out, sm_scale, d_v, dq, dkv):
+def _bwd_split(q, kv, indices, kend, out, lse, grad_out, sm_scale, d_v, dq, dkv):
     """dQ kernel (also writes P and dS, bf16 for bf16 inputs) then dKV kernel, per chunk of queries."""
     total, h, d_qk = q.shape
     n_k = indices.shape[1]
     c, nw, ns = _config(h, d_qk, d_v, backward=True, part="dq")
     c2, nw2, ns2 = _config(h, d_qk, d_v, backward=True, part="dkv")
     rows = max(1, min(total, SPLIT_SCRATCH_BYTES // max(1, 2 * h * n_k * q.element_size())))
-    p = torch.empty((rows, h, n_k), dtype=q.dtype, device=q.device)
+    p = torch.empty((rows, n_k, h), dtype=q.dtype, device=q.device)
     ds = torch.empty_like(p)
     ieee = q.dtype == torch.float32
     for a in range(0, total, rows):
         n = min(rows, total - a)
         _bwd_dq_kernel[(n, triton.cdiv(h, c["BH"]))](
-            q, kv, indices, out, grad_out, lse, dq, p, ds, kv.shape[0], h, n_k, sm_scale, a,
+            q, kv, indices, kend, out, grad_out, lse, dq, p, ds, kv.shape[0], h, n_k, sm_scale, a,
             q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), out.stride(0), out.stride(1),
             grad_out.stride(0), grad_out.stride(1), lse.stride(0), dq.stride(0), dq.stride(1), p.stride(0),
             p.stride(1), IEEE=ieee, num_warps=nw, num_stages=ns, **c)
         _bwd_dkv_kernel[(n, triton.cdiv(h, c2["BH"]))](
-            q, indices, grad_out, p, ds, dkv, kv.shape[0], h, n_k, a,
+            q, indices, kend, grad_out, p, ds, dkv, kv.shape[0], h, n_k, a,
             q.stride(0), q.stride(1), indices.stride(0), grad_out.stride(0), grad_out.stride(1), p.stride(0),
             p.stride(1), dkv.stride(0), IEEE=ieee, num_warps=nw2, num_stages=ns2, **c2)
 
@@ -390,18 +404,19 @@ class _SparseMLA(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, kv, indices, sm_scale, d_v):
         q, kv, indices = _contig(q), _contig(kv.to(q.dtype)), _contig(indices.to(torch.int32))
-        out, lse = _fwd(q, kv, indices, sm_scale, d_v)
-        ctx.save_for_backward(q, kv, indices, out, lse)
+        kend = valid_extent(indices)
+        out, lse = _fwd(q, kv, indices, kend, sm_scale, d_v)
+        ctx.save_for_backward(q, kv, indices, kend, out, lse)
         ctx.sm_scale, ctx.d_v = sm_scale, d_v
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
-        q, kv, indices, out, lse = ctx.saved_tensors
+        q, kv, indices, kend, out, lse = ctx.saved_tensors
         if grad_out is None:
             grad_out = torch.zeros_like(out)
-        dq, dkv = _bwd(q, kv, indices, out, lse, _contig(grad_out.to(out.dtype)), ctx.sm_scale, ctx.d_v)
+        dq, dkv = _bwd(q, kv, indices, kend, out, lse, _contig(grad_out.to(out.dtype)), ctx.sm_scale, ctx.d_v)
         return dq, dkv, None, None, None
 
 
@@ -425,7 +440,7 @@ def compile_specs(small: bool = False):
         c["IEEE"] = False
         sig = {n: "i32" for n in fn.arg_names if n.startswith("stride") or n in ("T", "H", "K", "row0")}
         sig.update({n: "*bf16" for n in fn.arg_names if n.endswith("_ptr")})
-        sig.update({"idx_ptr": "*i32", "lse_ptr": "*fp32", "qk_scale": "fp32", "sm_scale": "fp32",
+        sig.update({"idx_ptr": "*i32", "kend_ptr": "*i32", "lse_ptr": "*fp32", "qk_scale": "fp32", "sm_scale": "fp32",
                     "dkv_ptr": "*fp32"})
         sig = {k: v for k, v in sig.items() if k in fn.arg_names}
         div = tuple(n for n in fn.arg_names if n.endswith("_ptr") or (n.startswith("stride") and not n.endswith("h")
