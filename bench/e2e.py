@@ -1,10 +1,13 @@
-"""End-to-end training throughput on one GPU: our GLM-5.2 proxy vs torchtitan 0.2.2's DeepSeek-V3 at the same widths.
+"""End-to-end training throughput on one GPU (or N of one host): our GLM-5.2 proxy vs torchtitan 0.2.2's DeepSeek-V3
+at the same widths.
 
 On the GPU machine (wheels carried in .whl/, see bench/gpu_env.sh):
 
     source bench/gpu_env.sh && python3 bench/e2e.py                       # lean default matrix, < 9 min
     python3 bench/e2e.py --quick                                          # 4K and 32K, compile off, AC selective
     python3 bench/e2e.py --seq-lens 4096,16384,32768 --compile off,on --ac none,selective --steps 6 --warmup 3
+    python3 bench/e2e.py --nproc 2 --parallel fsdp                        # each side on 2 GPUs, FSDP over 2
+    python3 bench/e2e.py --nproc 2 --parallel ep                          # EP = 2 (carved out of FSDP's 2 ranks)
 
 Every cell of the matrix (seq_len x compile x AC) runs twice, each side in its own subprocess (memory is released,
 an OOM or a crash loses only that cell, recorded as "OOM" / "error" with the last lines of its log):
@@ -16,8 +19,15 @@ an OOM or a crash loses only that cell, recorded as "OOM" / "error" with the las
 * peer: ``bench/e2e_tt_dsv3.py`` (torchtitan's DeepSeekV3Model, its AC / compile / MoE / SDPA attention, FSDP2
   mixed precision on a 1-rank mesh, AdamW); MFU counts dense causal attention (see that file).
 
-tokens/s is per GPU = tokens per step / mean step time over the timed steps; ratio = ours / peer tokens/s (the
-primary metric). Peak memory is the largest per-step ``torch.cuda.max_memory_allocated`` of the timed steps.
+With ``--nproc N`` (N > 1) both sides run under ``python -m torch.distributed.run --standalone --nproc_per_node N``
+with the same mode: ``--parallel fsdp`` = FSDP over the N ranks (ours ``--parallelism.data_parallel_shard_degree
+N``, the peer ``--dp-shard N``), ``--parallel ep`` = expert parallelism over the N ranks on top of that (ours also
+``--parallelism.expert_parallel_degree N``, the peer ``--ep N``; the EP ranks are the FSDP ranks, dp_shard stays N).
+``--batch`` stays the local batch per rank; every rank trains on different data.
+
+tokens/s is per GPU = local tokens per step / mean step time over the timed steps (rank 0's); ratio = ours / peer
+tokens/s (the primary metric). Peak memory is the largest per-step ``torch.cuda.max_memory_allocated`` of the timed
+steps, the max over ranks when N > 1.
 Results: ``--out`` (JSON) and the markdown table beside it (``--md``), both copied into ``$OUT`` when it is set;
 the table is printed last. ``--budget-s`` bounds the whole run: cells that cannot start in time are "SKIPPED".
 """
@@ -73,7 +83,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "(torchtitan's default, and the proxy config's), 'op' = per-op SAC (each side's own policy)")
     p.add_argument("--steps", type=int, default=4, help="timed steps per cell, after the warm-up")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per cell (compile, allocator)")
-    p.add_argument("--batch", type=int, default=1, help="local batch size (sequences per step), both sides")
+    p.add_argument("--batch", type=int, default=1, help="local batch size (sequences per step per rank), both sides")
+    p.add_argument("--nproc", type=int, default=1, help="GPUs (processes, under torchrun when > 1) per side and cell")
+    p.add_argument("--parallel", choices=("fsdp", "ep"), default="fsdp",
+                   help="with --nproc N > 1: FSDP over N ranks, or EP = N on top of it (both sides)")
     p.add_argument("--quick", action="store_true", help="only 4K and 32K, compile off, AC selective")
     p.add_argument("--peer", action=argparse.BooleanOptionalAction, default=True,
                    help="also run torchtitan's DeepSeek-V3 at the same widths")
@@ -96,8 +109,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     a = p.parse_args(argv)
     if a.quick:
         a.seq_lens, a.compile, a.ac = [4096, 32768], ["off"], ["selective"]
-    if a.steps < 1 or a.warmup < 0 or a.batch < 1:
-        p.error("--steps >= 1, --warmup >= 0, --batch >= 1")
+    if a.steps < 1 or a.warmup < 0 or a.batch < 1 or a.nproc < 1:
+        p.error("--steps >= 1, --warmup >= 0, --batch >= 1, --nproc >= 1")
+    if a.parallel == "ep" and a.nproc < 2:
+        p.error("--parallel ep needs --nproc >= 2 (EP degree = --nproc)")
     a.md = a.md or os.path.splitext(a.out)[0] + ".md"
     return a
 
@@ -174,10 +189,26 @@ def _failure(run: dict, status: str | None = None) -> dict:
             "stderr_tail": tail}
 
 
+def launcher(a: argparse.Namespace, script: str) -> list[str]:
+    """``python script`` at one GPU, else torchrun with --nproc processes on this host (the same for both sides)."""
+    if a.nproc == 1:
+        return [sys.executable, script]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(a.nproc), script]
+
+
+def parallel_text(nproc: int, parallel: str) -> str:
+    """The GPUs per side and the parallel mode, for the table's header."""
+    if nproc == 1:
+        return "1 GPU per side (FSDP2 on a 1-rank mesh)"
+    if parallel == "fsdp":
+        return f"{nproc} GPUs per side, FSDP (dp_shard {nproc})"
+    return f"{nproc} GPUs per side, EP {nproc} + FSDP (dp_shard {nproc}; routed experts: ep {nproc} x efsdp 1)"
+
+
 # --------------------------------------------------------------------------------------------- our side
 def our_command(a: argparse.Namespace, seq_len: int, compile_on: bool, ac: str, dump: str) -> list[str]:
     total = a.warmup + a.steps + (1 if a.trace else 0)
-    cmd = [sys.executable, "train.py", "--job.config_file", a.config,
+    cmd = launcher(a, "train.py") + ["--job.config_file", a.config,
            "--training.steps", str(total), "--metrics.log_freq", "1", "--job.dump_folder", dump,
            "--training.seq_len", str(seq_len), "--training.local_batch_size", str(a.batch),
            "--activation_checkpoint.mode", ac, "--activation_checkpoint.selective_ac_option", a.sac_option,
@@ -187,6 +218,10 @@ def our_command(a: argparse.Namespace, seq_len: int, compile_on: bool, ac: str, 
         cmd.append("--compile.enable")
     if a.our_mtp == "off":
         cmd.append("--mtp.no-enable")
+    if a.nproc > 1:  # EP ranks are carved out of the FSDP ranks: dp_shard stays N
+        cmd += ["--parallelism.data_parallel_shard_degree", str(a.nproc)]
+        if a.parallel == "ep":
+            cmd += ["--parallelism.expert_parallel_degree", str(a.nproc)]
     if a.trace:  # the extra last step runs under the profiler and is left out of the averages
         cmd += ["--profiling.enable_profiling", "--profiling.save_traces_folder", "traces",
                 "--profiling.profile_freq", str(total), "--profiling.profiler_warmup", "0",
@@ -212,8 +247,11 @@ def summarize_ours(rows: list[dict], warmup: int, steps: int) -> dict:
         out["mfu_pct"] = sum(r["throughput/mfu_pct"] * r["time/step_s"] for r in timed) / total_s
     for key, name in (("memory/peak_allocated_gib", "peak_allocated_gib"),
                       ("memory/peak_reserved_gib", "peak_reserved_gib"), ("memory/peak_rss_gib", "peak_rss_gib")):
-        if all(key in r for r in timed):
-            out[name] = max(r[key] for r in timed)
+        # the fullest rank's peak (the trainer all-reduces it) when logged, else rank 0's own
+        for k in (key + "_max_over_ranks", key):
+            if all(k in r for r in timed):
+                out[name] = max(r[k] for r in timed)
+                break
     return out
 
 
@@ -242,10 +280,12 @@ def run_ours(a, runner: Runner, seq_len: int, compile_on: bool, ac: str, name: s
 # --------------------------------------------------------------------------------------------- the peer
 def run_peer(a, runner: Runner, seq_len: int, compile_on: bool, ac: str, name: str) -> dict:
     out_json = os.path.join(runner.logs, name + ".json")
-    cmd = [sys.executable, os.path.join("bench", "e2e_tt_dsv3.py"), "--seq-len", str(seq_len),
-           "--batch", str(a.batch), "--steps", str(a.steps), "--warmup", str(a.warmup), "--ac", ac,
-           "--sac-option", a.sac_option, "--compile", "on" if compile_on else "off", "--sdpa", a.peer_sdpa,
-           "--out", out_json]
+    cmd = launcher(a, os.path.join("bench", "e2e_tt_dsv3.py")) + [
+        "--seq-len", str(seq_len), "--batch", str(a.batch), "--steps", str(a.steps), "--warmup", str(a.warmup),
+        "--ac", ac, "--sac-option", a.sac_option, "--compile", "on" if compile_on else "off", "--sdpa", a.peer_sdpa,
+        "--out", out_json]
+    if a.nproc > 1:
+        cmd += ["--dp-shard", str(a.nproc), "--ep", str(a.nproc if a.parallel == "ep" else 1)]
     if a.trace:
         cmd += ["--trace", os.path.join(runner.logs, name + "_trace.json")]
     run = runner.run(cmd + shlex.split(a.peer_args), name)
@@ -323,27 +363,34 @@ def text_table(head: list[str], rows: list[list[str]]) -> str:
 def markdown(report: dict) -> str:
     m, head, rows = report["meta"], *table_rows(report["cells"])
     env = m["environment"]
-    out = ["# End-to-end training throughput: GLM-5.2 proxy (ours) vs torchtitan 0.2.2 DeepSeek-V3 (peer)", "",
+    nproc, parallel = m.get("nproc", 1), m.get("parallel", "fsdp")  # older reports: one GPU
+    gpus = "1 GPU" if nproc == 1 else f"{nproc} GPUs, {parallel.upper()}"
+    out = [f"# End-to-end training throughput ({gpus}): GLM-5.2 proxy (ours) vs torchtitan 0.2.2 DeepSeek-V3 (peer)",
+           "",
            f"- date: {m['date']}",
-           f"- GPU: {env.get('gpu')} (x{env.get('gpu_count')}; one used)",
+           f"- GPU: {env.get('gpu')} (x{env.get('gpu_count')}; {nproc} used per side)",
+           f"- parallelism: {parallel_text(nproc, parallel)}" + (
+               "; both sides under `torch.distributed.run --standalone`, the same degrees" if nproc > 1 else ""),
            f"- torch {env.get('torch')} (CUDA {env.get('cuda')}), triton {env.get('triton')}, "
            f"torchtitan {env.get('torchtitan')}",
            f"- command: `{m['command']}`",
-           f"- per cell: {m['warmup']} warm-up + {m['steps']} timed steps, local batch {m['batch']}, "
+           f"- per cell: {m['warmup']} warm-up + {m['steps']} timed steps, local batch {m['batch']} per rank, "
            f"selective_ac_option {m['sac_option']!r}, our MTP {m['our_mtp']}; wall {m['wall_s']:.0f} s", "",
            "| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
     out += ["| " + " | ".join(r) + " |" for r in rows]
     out += ["", "Notes:", "",
-            "- tok/s is per GPU: tokens per step / mean step time of the timed steps; ratio = ours / peer tok/s.",
+            "- tok/s is per GPU: local tokens per step / mean step time of the timed steps (rank 0's); "
+            "ratio = ours / peer tok/s. MFU is per GPU likewise.",
             "- ours: `train.py` with the proxy config (4 layers: 1 dense + 3 MoE, 16 experts top-8 + 1 shared, "
             "IndexShare FFFS, DSA top-2048, MTP as configured), bf16 compute with fp32 master weights (FSDP2 "
-            "MixedPrecisionPolicy on a 1-rank mesh), fused AdamW, one sequence per sample (no document masking). "
+            "MixedPrecisionPolicy), fused AdamW, one sequence per sample (no document masking). "
             "MFU = the trainer's DSA-aware FLOPs (sparse MLA core over top-k keys, indexer over causal pairs, "
             "MTP layer and second head pass when MTP is on) / 989 TFLOP/s.",
             "- peer: torchtitan 0.2.2 `DeepSeekV3Model` at the same widths (no indexer, no MTP), SDPA causal "
             "attention, GroupedExperts with torch._grouped_mm, its parallelize_deepseekv3 (AC, per-block compile) "
-            "and apply_fsdp (bf16 / fp32 MixedPrecisionPolicy, 1-rank mesh), build_optimizers_with_moe_load_balancing "
-            "(fused AdamW). MFU = (6 N_active T + 3 L 2 H (d_qk + d_v) B S(S+1)/2) / step time / 989 TFLOP/s "
+            "and apply_fsdp (bf16 / fp32 MixedPrecisionPolicy; at one GPU on a 1-rank mesh, else applied by "
+            "parallelize_deepseekv3 over torchtitan's ParallelDims meshes, with its EP when EP > 1), "
+            "build_optimizers_with_moe_load_balancing (fused AdamW). MFU = (6 N_active T + 3 L 2 H (d_qk + d_v) B S(S+1)/2) / step time / 989 TFLOP/s "
             "(dense causal attention; `mfu_pct_tt` in the JSON uses torchtitan's own full S x S count).",
             f"- AC 'selective' = activation_checkpoint.selective_ac_option {m['sac_option']!r} on both sides "
             "(an integer N: every N-th block fully recomputed; 'op': each side's own per-op policy). Compile = "
@@ -353,7 +400,8 @@ def markdown(report: dict) -> str:
              "FLOPs per token at 4K) and the peer has none, so the tok/s ratio understates ours; "
              "`--our-mtp off` compares like for like." if m["our_mtp"] == "on" else
              "- ours runs without MTP (`--our-mtp off`), like the peer; ours still runs the DSA indexer."),
-            "- peak GiB: the largest per-step torch.cuda.max_memory_allocated of the timed steps.",
+            "- peak GiB: the largest per-step torch.cuda.max_memory_allocated of the timed steps"
+            + (", max over ranks." if nproc > 1 else "."),
             "- OOM / error / TIMEOUT / SKIPPED: that cell failed or did not run; the JSON holds the last log lines."]
     return "\n".join(out) + "\n"
 
@@ -366,6 +414,10 @@ def main(argv: list[str]) -> int:
     runner = Runner(logs, a.cell_timeout, a.budget_s)
     env = environment()
     print(f"[e2e] {env}; logs in {logs}", flush=True)
+    if env.get("gpu") not in ("cpu", "unknown") and env.get("gpu_count", 0) < a.nproc:
+        print(f"[e2e] --nproc {a.nproc} but this host has {env.get('gpu_count')} GPUs", flush=True)
+        return 2
+    print(f"[e2e] {parallel_text(a.nproc, a.parallel)}", flush=True)
     cells = []
     for compile_flag in a.compile:
         for ac in a.ac:
@@ -389,7 +441,8 @@ def main(argv: list[str]) -> int:
                 cells.append(cell)
     report = {"meta": {"command": shlex.join(["python3", "bench/e2e.py", *argv]),
                        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-                       "environment": env, "steps": a.steps, "warmup": a.warmup, "batch": a.batch,
+                       "environment": env, "nproc": a.nproc, "parallel": a.parallel,
+                       "steps": a.steps, "warmup": a.warmup, "batch": a.batch,
                        "sac_option": a.sac_option, "our_mtp": a.our_mtp, "peer_sdpa": a.peer_sdpa, "config": a.config,
                        "peak_bf16_tflops": PEAK_BF16_TFLOPS, "wall_s": time.monotonic() - t_start},
               "cells": cells}
@@ -417,6 +470,7 @@ def main(argv: list[str]) -> int:
             if s and "kernels" in s:
                 print(trace_summary.text(s, f"[trace] {c['config']} {side}:"), flush=True)
     print(f"[e2e] wrote {a.out} and {a.md}\n", flush=True)
+    print(f"{parallel_text(a.nproc, a.parallel)}:", flush=True)
     print(text_table(*table_rows(cells)), flush=True)
     return 0
 

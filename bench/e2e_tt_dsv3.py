@@ -1,6 +1,8 @@
-"""The peer of bench/e2e.py: torchtitan 0.2.2's own DeepSeek-V3 model, at our proxy's widths, trained on one device.
+"""The peer of bench/e2e.py: torchtitan 0.2.2's own DeepSeek-V3 model, at our proxy's widths, trained on one device
+or on the N GPUs of one host (under torchrun, FSDP or EP + FSDP).
 
     python3 bench/e2e_tt_dsv3.py --seq-len 4096 --ac selective --compile off --steps 4 --warmup 2 --out cell.json
+    python3 -m torch.distributed.run --standalone --nproc_per_node 2 bench/e2e_tt_dsv3.py --dp-shard 2 [--ep 2] ...
 
 What runs (every piece is torchtitan 0.2.2's, used as a library; only this loop is ours):
 
@@ -15,6 +17,13 @@ What runs (every piece is torchtitan 0.2.2's, used as a library; only this loop 
 * parallelisms: ``parallelize_deepseekv3`` (its AC -> per-block compile; with one rank it applies no FSDP), then
   ``torchtitan.models.llama4.infra.parallelize.apply_fsdp`` on a 1-rank mesh with ``MixedPrecisionPolicy(bf16,
   fp32)``: bf16 compute, fp32 master weights and gradients -- what our trainer does on one GPU.
+  Under torchrun with WORLD_SIZE = N > 1: ``ParallelDims(dp_shard=N, ep=E, world_size=N)`` (``--dp-shard N``,
+  ``--ep E``; dp_replicate = cp = tp = pp = etp = 1), its ``build_mesh``, and ``parallelize_deepseekv3`` applies
+  EP (E > 1: routed experts sharded over the "ep" mesh, token all-to-all) and FSDP itself (dense parameters over
+  "fsdp", routed experts over "efsdp" = N / E), with ``training.mixed_precision_param`` bf16 / reduce fp32, as
+  torchtitan's trainer does. As there, FSDP's gradient division is off and the loss is the local sum / the global
+  token count; clip_grad_norm_ gets ``ep_enabled``. Each rank draws its own random tokens (seeded by rank) at the
+  same local batch.
   AC: ``activation_checkpoint.mode`` none / selective (``selective_ac_option`` "2" = checkpoint every 2nd block,
   torchtitan's default and ours; "op" = its per-op SAC with DeepSeek-V3's save list) / full.
   Compile: ``compile.components = ["model"]`` (per-block ``torch.compile``, MoE blocks per child as torchtitan does;
@@ -33,10 +42,13 @@ the routed experts scaled by top_k / num_experts (the output head included); d_q
 
 Shims for CPU only (the CPU smoke test): torchtitan's ``parallel_dims.device_type`` is "cuda" when no GPU is
 present (set to "cpu"), CPU ``torch.histc`` has no int64 kernel (cast through float), gloo has no PREMUL_SUM
-(``set_force_sum_reduction_for_comms``), and the experts use the for-loop path (the Triton permute kernel needs a
-GPU). On CUDA nothing is patched.
+(``set_force_sum_reduction_for_comms``), the experts use the for-loop path (the Triton permute kernel needs a
+GPU), and EP's token permutation (``torchtitan.models.moe.utils._permute``) uses torchtitan's own CPU fill
+(``generate_permute_indices(use_cpu=True)``) instead of that Triton kernel. On CUDA nothing is patched.
 
-Writes one JSON object to ``--out`` (status "ok" | "OOM" | "error"); exit code 0 on "ok", 3 on OOM, 1 otherwise.
+Per-GPU numbers: tokens/s = local tokens / rank 0's step time, MFU likewise; peak memory is the max over ranks.
+Only rank 0 prints the steps and writes one JSON object to ``--out`` (status "ok" | "OOM" | "error"); exit code 0
+on "ok", 3 on OOM, 1 otherwise.
 """
 
 from __future__ import annotations
@@ -80,6 +92,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="SDPA backends: torchtitan's priority (cuDNN > flash > math), or pin flash / cuDNN (+ math)")
     p.add_argument("--tiny", action="store_true", help="tiny widths (CPU smoke test)")
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
+    p.add_argument("--dp-shard", type=int, default=1, help="FSDP degree = the world size (run under torchrun)")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel degree, carved out of --dp-shard")
     p.add_argument("--out", default=None, help="JSON result path (default: stdout only)")
     p.add_argument("--trace", default=None, help="also profile one extra step; Chrome trace written here")
     return p.parse_args(argv)
@@ -101,6 +115,17 @@ def _cpu_shims() -> None:
 
     histc_any._e2e_int_shim = True
     torch.histc = histc_any
+
+    # EP's _permute calls generate_permute_indices, whose default path is a Triton kernel; torchtitan ships a CPU
+    # fill of the same indices behind use_cpu=True.
+    import torchtitan.models.moe.utils as moe_utils
+
+    permute_indices = moe_utils.generate_permute_indices
+
+    def permute_indices_cpu(*args, **kwargs):
+        return permute_indices(*args, **kwargs, use_cpu=True)
+
+    moe_utils.generate_permute_indices = permute_indices_cpu
 
 
 # --------------------------------------------------------------------------------------------- pieces
@@ -143,10 +168,15 @@ def step_flops(args, n_active: int, batch: int, seq_len: int) -> tuple[float, fl
     return float(causal), float(tt)
 
 
-def job_config(a: argparse.Namespace, dump_folder: str):
+def job_config(a: argparse.Namespace, dump_folder: str, on_gpu: bool = True):
     from torchtitan.config import JobConfig
 
     jc = JobConfig()
+    # Read by parallelize_deepseekv3 when it applies FSDP / EP itself (world size > 1).
+    jc.parallelism.data_parallel_shard_degree = a.dp_shard
+    jc.parallelism.expert_parallel_degree = a.ep
+    jc.training.mixed_precision_param = "bfloat16" if on_gpu else "float32"
+    jc.training.mixed_precision_reduce = "float32"
     jc.job.dump_folder = dump_folder
     jc.training.seq_len = a.seq_len
     jc.training.local_batch_size = a.batch
@@ -160,7 +190,7 @@ def job_config(a: argparse.Namespace, dump_folder: str):
     return jc
 
 
-def build(a: argparse.Namespace, device: torch.device, dump_folder: str):
+def build(a: argparse.Namespace, device: torch.device, dump_folder: str, world_size: int = 1):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule
     from torchtitan.components.optimizer import build_optimizers_with_moe_load_balancing
@@ -179,20 +209,26 @@ def build(a: argparse.Namespace, device: torch.device, dump_folder: str):
     with torch.device("meta"):
         model = DeepSeekV3Model(args)
     n_total, n_active = active_params(model, args)
-    jc = job_config(a, dump_folder)
-    dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=1)
+    jc = job_config(a, dump_folder, on_gpu)
+    dims = ParallelDims(dp_replicate=1, dp_shard=a.dp_shard, cp=1, tp=1, pp=1, ep=a.ep, etp=1,
+                        world_size=world_size)
     mesh_note = None
-    try:  # the expert-bias hook asks for the "loss" mesh; build them now so a failure shows here
+    if world_size > 1:  # the meshes are needed: a failure is the cell's error
         dims.build_mesh()
-    except Exception as e:  # noqa: BLE001 - private DeviceMesh APIs differ across torch versions
-        # With one rank every optional mesh is None (size 1), which is all torchtitan's code asks here.
-        mesh_note = f"ParallelDims.build_mesh failed ({type(e).__name__}: {e}); optional meshes = None"
-        print(f"[peer] {mesh_note}", flush=True)
-        dims.get_optional_mesh = lambda names: None
-    model = parallelize_deepseekv3(model, dims, jc)  # AC, then compile; no FSDP at one rank
-    mesh = init_device_mesh(device.type, (1,), mesh_dim_names=("fsdp",))
-    apply_fsdp(model, mesh, param_dtype=torch.bfloat16 if on_gpu else torch.float32, reduce_dtype=torch.float32,
-               pp_enabled=False, reshard_after_forward_policy="default", ep_degree=1)
+    else:
+        try:  # the expert-bias hook asks for the "loss" mesh; build them now so a failure shows here
+            dims.build_mesh()
+        except Exception as e:  # noqa: BLE001 - private DeviceMesh APIs differ across torch versions
+            # With one rank every optional mesh is None (size 1), which is all torchtitan's code asks here.
+            mesh_note = f"ParallelDims.build_mesh failed ({type(e).__name__}: {e}); optional meshes = None"
+            print(f"[peer] {mesh_note}", flush=True)
+            dims.get_optional_mesh = lambda names: None
+    # AC, then compile; at one rank no FSDP, else EP (ep > 1) and FSDP over dims' meshes, as torchtitan's trainer
+    model = parallelize_deepseekv3(model, dims, jc)
+    if world_size == 1:
+        mesh = init_device_mesh(device.type, (1,), mesh_dim_names=("fsdp",))
+        apply_fsdp(model, mesh, param_dtype=torch.bfloat16 if on_gpu else torch.float32, reduce_dtype=torch.float32,
+                   pp_enabled=False, reshard_after_forward_policy="default", ep_degree=1)
     if not on_gpu:  # gloo has no PREMUL_SUM (torchtitan sets the divide factor to 1); a plain sum is the same
         for m in model.modules():
             if isinstance(m, FSDPModule):
@@ -202,7 +238,7 @@ def build(a: argparse.Namespace, device: torch.device, dump_folder: str):
         model.init_weights(buffer_device=device)
     model.train()
     optimizers = build_optimizers_with_moe_load_balancing([model], jc.optimizer, dims)
-    return args, model, optimizers, n_total, n_active, mesh_note
+    return args, model, optimizers, dims, n_total, n_active, mesh_note
 
 
 def run(a: argparse.Namespace) -> dict:
@@ -213,40 +249,56 @@ def run(a: argparse.Namespace) -> dict:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     else:
         device = torch.device(a.device)
+    # Under torchrun: its RANK / WORLD_SIZE / LOCAL_RANK (and MASTER_*); else a one-rank process group over env://
+    # on a free port, as our trainer's `python train.py` does.
+    launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    rank = int(os.environ["RANK"]) if launched else 0
+    world_size = int(os.environ["WORLD_SIZE"]) if launched else 1
+    local_rank = int(os.environ.get("LOCAL_RANK", 0)) if launched else 0
+    if a.dp_shard != world_size:
+        raise ValueError(f"--dp-shard {a.dp_shard} must equal the world size {world_size} (dp_replicate = cp = tp = "
+                         f"pp = 1); launch {a.dp_shard} processes with torchrun")
+    if a.ep < 1 or a.dp_shard % a.ep:
+        raise ValueError(f"--ep {a.ep} must divide --dp-shard {a.dp_shard} (EP ranks are carved out of FSDP's)")
     if device.type == "cuda":
-        torch.cuda.set_device(device.index or 0)
+        torch.cuda.set_device(local_rank if launched else (device.index or 0))
         device = torch.device("cuda", torch.cuda.current_device())
     else:
         _cpu_shims()
-    # A one-rank process group over env:// on a free port, as our trainer's `python train.py` does.
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if not launched:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if device.type == "cuda":
         dist.init_process_group("nccl", device_id=device)
     else:
         dist.init_process_group("gloo")
-    torch.manual_seed(0)
+    # Each rank its own random tokens (rank 0: seed 0, as the one-rank run). The parameters are DTensors after
+    # FSDP, whose random init draws from DTensor's RNG tracker (synchronised from rank 0), not from this seed.
+    torch.manual_seed(rank)
+    main_rank = rank == 0
 
     def sync() -> None:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
     result: dict = {"side": "peer", "seq_len": a.seq_len, "batch": a.batch, "ac": a.ac, "sac_option": a.sac_option,
-                    "compile": a.compile, "steps": a.steps, "warmup": a.warmup, "device": str(device)}
+                    "compile": a.compile, "steps": a.steps, "warmup": a.warmup, "device": str(device),
+                    "world_size": world_size, "dp_shard": a.dp_shard, "ep": a.ep}
     if device.type == "cuda":
         result["device_name"] = torch.cuda.get_device_name(device)
     with tempfile.TemporaryDirectory() as dump:
         t_build = time.perf_counter()
-        args, model, optimizers, n_total, n_active, mesh_note = build(a, device, dump)
+        args, model, optimizers, dims, n_total, n_active, mesh_note = build(a, device, dump, world_size)
         sync()
         result.update(build_s=time.perf_counter() - t_build, params_total=n_total, params_active=n_active,
                       sdpa=a.sdpa, grouped_mm=args.moe_args.use_grouped_mm)
         if mesh_note:
             result["note"] = mesh_note
         flops, flops_tt = step_flops(args, n_active, a.batch, a.seq_len)
-        tokens = a.batch * a.seq_len
+        tokens = a.batch * a.seq_len  # per rank
+        global_tokens = tokens * world_size  # torchtitan's loss: local sum / global token count
         params = [p for p in model.parameters() if p.requires_grad]
         records = []
 
@@ -259,34 +311,40 @@ def run(a: argparse.Namespace) -> dict:
             inputs, labels = seq[:, :-1], seq[:, 1:]
             sync()
             t_data = time.perf_counter()
-            loss = cross_entropy_loss(model(inputs), labels) / tokens
+            loss = cross_entropy_loss(model(inputs), labels) / global_tokens
             loss.backward()
             sync()
             t_fb = time.perf_counter()
-            grad_norm = clip_grad_norm_(params, 1.0, foreach=True)
+            grad_norm = clip_grad_norm_(params, 1.0, foreach=True, ep_enabled=dims.ep_enabled)
             optimizers.step()
             optimizers.zero_grad()
             sync()
             t_opt = time.perf_counter()
-            rec = {"step": step, "loss": float(loss.detach()), "grad_norm": float(grad_norm), "step_s": t_opt - t0,
+            # loss: rank 0's local mean (not all-reduced: no extra collective per step)
+            rec = {"step": step, "loss": float(loss.detach()) * world_size, "grad_norm": float(grad_norm),
+                   "step_s": t_opt - t0,
                    "data_s": t_data - t0, "forward_backward_s": t_fb - t_data, "optimizer_s": t_opt - t_fb}
             if device.type == "cuda":
                 rec["peak_allocated_gib"] = torch.cuda.max_memory_allocated(device) / 2 ** 30
                 rec["peak_reserved_gib"] = torch.cuda.max_memory_reserved(device) / 2 ** 30
-            print(f"[peer] step {step}/{a.warmup + a.steps} loss {rec['loss']:.4f} step {rec['step_s']:.3f}s "
-                  f"mem {rec.get('peak_allocated_gib', 0):.1f}GiB", flush=True)
+            if main_rank:
+                print(f"[peer] step {step}/{a.warmup + a.steps} loss {rec['loss']:.4f} step {rec['step_s']:.3f}s "
+                      f"mem {rec.get('peak_allocated_gib', 0):.1f}GiB", flush=True)
             return rec
 
         for step in range(1, a.warmup + a.steps + 1):
             records.append(one_step(step))
-        if a.trace:  # one more step under torch.profiler (not part of the timed steps)
+        if a.trace:  # one more step under torch.profiler (not part of the timed steps), profiled on rank 0
             activities = [torch.profiler.ProfilerActivity.CPU]
             if device.type == "cuda":
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
-            with torch.profiler.profile(activities=activities) as prof:
+            if main_rank:
+                with torch.profiler.profile(activities=activities) as prof:
+                    one_step(a.warmup + a.steps + 1)
+                prof.export_chrome_trace(a.trace)
+                result["trace"] = a.trace
+            else:
                 one_step(a.warmup + a.steps + 1)
-            prof.export_chrome_trace(a.trace)
-            result["trace"] = a.trace
     timed = records[a.warmup:]
     step_s = sum(r["step_s"] for r in timed) / len(timed)
     result.update(status="ok", records=records, tokens_per_step=tokens, flops_per_step=flops,
@@ -302,6 +360,12 @@ def run(a: argparse.Namespace) -> dict:
     if device.type == "cuda":
         result["peak_allocated_gib"] = max(r["peak_allocated_gib"] for r in timed)
         result["peak_reserved_gib"] = max(r["peak_reserved_gib"] for r in timed)
+        if world_size > 1:  # the fullest rank; "records" stay rank 0's
+            peak = torch.tensor([result["peak_allocated_gib"], result["peak_reserved_gib"]], dtype=torch.float64,
+                                device=device)
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+            result["peak_allocated_gib"], result["peak_reserved_gib"] = peak.tolist()
+            result["peak_over"] = "max over ranks"
     return result
 
 
@@ -319,15 +383,23 @@ def main(argv: list[str]) -> int:
     if a.steps < 1 or a.warmup < 0:
         raise SystemExit("--steps must be >= 1 and --warmup >= 0")
     base = {"side": "peer", "seq_len": a.seq_len, "ac": a.ac, "compile": a.compile}
+    # Only rank 0 writes the result (or its own failure); every rank prints its traceback into the shared log.
+    main_rank = int(os.environ.get("RANK", 0)) == 0
     try:
-        _write(a.out, run(a))
+        result = run(a)
+        if main_rank:
+            _write(a.out, result)
+        if dist.get_world_size() > 1:
+            dist.barrier()  # nobody tears down while another rank still reads its results
         return 0
     except torch.OutOfMemoryError as e:
-        _write(a.out, {**base, "status": "OOM", "error": str(e).splitlines()[0][:400]})
+        if main_rank:
+            _write(a.out, {**base, "status": "OOM", "error": str(e).splitlines()[0][:400]})
         traceback.print_exc()
         return 3
     except Exception as e:  # noqa: BLE001 - every failure becomes a row of the table
-        _write(a.out, {**base, "status": "error", "error": f"{type(e).__name__}: {e}"[:400]})
+        if main_rank:
+            _write(a.out, {**base, "status": "error", "error": f"{type(e).__name__}: {e}"[:400]})
         traceback.print_exc()
         return 1
     finally:

@@ -22,7 +22,7 @@ CATEGORIES = (
     ("dsa: indexer top-k", r"^_(score|select)_kernel"),
     ("dsa: indexer kl", r"^_kl_(fwd|bwd)_kernel"),
     ("dense attention (flash/cudnn/efficient)", r"flash|fmha|cudnn|attention|sdpa|efficient"),
-    ("grouped gemm (moe)", r"grouped|group_gemm|ragged"),
+    ("grouped gemm (moe)", r"grouped|group_gemm|groupproblem|ragged"),
     ("nccl", r"nccl"),
     ("gemm (cublas/cutlass)", r"gemm|nvjet|xmma|cutlass|sm90_|wgmma|splitk"),
     ("inductor triton", r"^triton_"),

@@ -18,7 +18,8 @@ Static bytes (sizes read from FSDP2's ``FSDPParam``s; which buffers are live fol
   unsharded     FSDP all-gather outputs in ``param_dtype`` (``padded shard numel x shard degree``) of the units
                 in flight: ALL units of the rank under pipeline parallelism (torch 2.13's ``PipelineStage`` runs
                 every backward with ``set_reshard_after_backward(False)`` and reshards only in
-                ``perform_reduce_grad`` after the last micro-batch) or with ``reshard_after_forward = "never"``,
+                ``perform_reduce_grad`` after the last micro-batch) or with ``reshard_after_forward = "never"``
+                (and "default" at dp_shard 1),
                 else the two largest units (current + prefetched) plus ``output`` (kept unsharded unless
                 ``reshard_after_forward = "always"``)
   grad accum    under pipeline parallelism every backward also runs with ``set_requires_gradient_sync(False)``
@@ -432,7 +433,7 @@ def plan_memory(req: MemoryRequest) -> MemoryReport:
                               req.selective_ac_option, act_bytes, req.expert_load_factor, req.ep > 1)
             for s in range(pl.num_stages)]
     accumulate = pipelined  # PipelineStage defers every reduce-scatter to the end of the step
-    keep_all = accumulate or not _reshard_policy(req.reshard_after_forward, pipelined)
+    keep_all = accumulate or not _reshard_policy(req.reshard_after_forward, pipelined, deg.dp_shard)
     ranks_per_pp = deg.dp_replicate * deg.dp_shard
 
     for pp_rank in range(req.pp):

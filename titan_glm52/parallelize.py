@@ -250,10 +250,12 @@ def _as_function(fn: Callable) -> Callable:
 
 
 # ============================================================================ FSDP2 / HSDP
-def _reshard_policy(policy: str, pp_enabled: bool) -> bool:
+def _reshard_policy(policy: str, pp_enabled: bool, shard_degree: int) -> bool:
+    """"default": reshard after forward unless pipelined or unsharded (``shard_degree`` 1: FSDP only casts to
+    ``param_dtype`` there, and resharding would redo that cast and copy for every unit in backward)."""
     if policy not in RESHARD_POLICIES:
         raise ValueError(f"parallelism.fsdp_reshard_after_forward = {policy!r}: choose one of {RESHARD_POLICIES}")
-    return {"always": True, "never": False}.get(policy, not pp_enabled)
+    return {"always": True, "never": False}.get(policy, not pp_enabled and shard_degree > 1)
 
 
 def apply_fsdp(model: nn.Module, mesh: ParallelMesh, *, param_dtype: torch.dtype = torch.float32,
@@ -261,12 +263,13 @@ def apply_fsdp(model: nn.Module, mesh: ParallelMesh, *, param_dtype: torch.dtype
     """FSDP2 units: ``tok_embeddings``; each block (with its routed experts as their own unit on the expert
     FSDP mesh under EP); the MTP layer; ``output``; the root (the final ``norm``). HSDP when dp_replicate > 1.
 
-    ``reshard_after_forward``: "always" | "never" | "default" (reshard blocks unless pipeline parallel;
+    ``reshard_after_forward``: "always" | "never" | "default" (reshard blocks unless pipeline parallel or
+    dp_shard is 1;
     ``output`` is kept unsharded unless "always": backward needs it first and the MTP head reuses it).
     Forward inputs are not cast (``cast_forward_inputs=False``): hidden states arrive in ``param_dtype`` from
     the embedding, and the fp32 RoPE tables in the packed context keep their precision.
     """
-    reshard = _reshard_policy(reshard_after_forward, mesh.pp_enabled)
+    reshard = _reshard_policy(reshard_after_forward, mesh.pp_enabled, mesh.degrees.dp_shard)
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False)
     dense = {"mesh": mesh.fsdp_mesh, "mp_policy": mp}
     expert = {"mesh": mesh.expert_fsdp_mesh, "mp_policy": mp}

@@ -63,7 +63,12 @@ def test_bad_options_are_refused():
     with pytest.raises(ValueError, match="selective_ac_option"):
         apply_ac(model, "selective", "every")
     with pytest.raises(ValueError, match="fsdp_reshard_after_forward"):
-        _reshard_policy("maybe", pp_enabled=False)
+        _reshard_policy("maybe", pp_enabled=False, shard_degree=2)
+    # "default": reshard only what is sharded, and never under pipeline parallelism
+    assert _reshard_policy("default", pp_enabled=False, shard_degree=2)
+    assert not _reshard_policy("default", pp_enabled=False, shard_degree=1)
+    assert not _reshard_policy("default", pp_enabled=True, shard_degree=2)
+    assert _reshard_policy("always", pp_enabled=True, shard_degree=1)
     with pytest.raises(ValueError, match="ep_enabled=True"):
         parallelize_model(model, None, ep_enabled=True)
     # A mesh built without n_routed_experts: parallelize_model still refuses an EP degree not dividing them.
