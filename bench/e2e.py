@@ -390,7 +390,8 @@ def markdown(report: dict) -> str:
             "attention, GroupedExperts with torch._grouped_mm, its parallelize_deepseekv3 (AC, per-block compile) "
             "and apply_fsdp (bf16 / fp32 MixedPrecisionPolicy; at one GPU on a 1-rank mesh, else applied by "
             "parallelize_deepseekv3 over torchtitan's ParallelDims meshes, with its EP when EP > 1), "
-            "build_optimizers_with_moe_load_balancing (fused AdamW). MFU = (6 N_active T + 3 L 2 H (d_qk + d_v) B S(S+1)/2) / step time / 989 TFLOP/s "
+            "build_optimizers_with_moe_load_balancing (fused AdamW). "
+            "MFU = (6 N_active T + 3 L 2 H (d_qk + d_v) B S(S+1)/2) / step time / 989 TFLOP/s "
             "(dense causal attention; `mfu_pct_tt` in the JSON uses torchtitan's own full S x S count).",
             f"- AC 'selective' = activation_checkpoint.selective_ac_option {m['sac_option']!r} on both sides "
             "(an integer N: every N-th block fully recomputed; 'op': each side's own per-op policy). Compile = "

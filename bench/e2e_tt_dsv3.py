@@ -22,8 +22,8 @@ What runs (every piece is torchtitan 0.2.2's, used as a library; only this loop 
   EP (E > 1: routed experts sharded over the "ep" mesh, token all-to-all) and FSDP itself (dense parameters over
   "fsdp", routed experts over "efsdp" = N / E), with ``training.mixed_precision_param`` bf16 / reduce fp32, as
   torchtitan's trainer does. As there, FSDP's gradient division is off and the loss is the local sum / the global
-  token count; clip_grad_norm_ gets ``ep_enabled``. Each rank draws its own random tokens (seeded by rank) at the
-  same local batch.
+  token count; clip_grad_norm_ gets ``ep_enabled``. Each rank draws its own random tokens (a generator seeded by
+  rank) at the same local batch.
   AC: ``activation_checkpoint.mode`` none / selective (``selective_ac_option`` "2" = checkpoint every 2nd block,
   torchtitan's default and ours; "op" = its per-op SAC with DeepSeek-V3's save list) / full.
   Compile: ``compile.components = ["model"]`` (per-block ``torch.compile``, MoE blocks per child as torchtitan does;
@@ -274,10 +274,15 @@ def run(a: argparse.Namespace) -> dict:
         dist.init_process_group("nccl", device_id=device)
     else:
         dist.init_process_group("gloo")
-    # Each rank its own random tokens (rank 0: seed 0, as the one-rank run). The parameters are DTensors after
-    # FSDP, whose random init draws from DTensor's RNG tracker (synchronised from rank 0), not from this seed.
-    torch.manual_seed(rank)
+    torch.manual_seed(0)  # the same seed on every rank, as DTensor's random init (the FSDP-sharded params) wants
     main_rank = rank == 0
+    # Each rank its own random tokens: a generator seeded by rank. Not the default one: on CUDA, DTensor's RNG
+    # tracker sets every rank's device RNG state to rank 0's at the first random init, so it would give every
+    # rank the same tokens. One rank keeps the default generator (the tokens of the one-GPU runs).
+    data_gen = None
+    if world_size > 1:
+        data_gen = torch.Generator(device=device)
+        data_gen.manual_seed(rank)
 
     def sync() -> None:
         if device.type == "cuda":
@@ -307,7 +312,7 @@ def run(a: argparse.Namespace) -> dict:
                 torch.cuda.reset_peak_memory_stats(device)
             sync()
             t0 = time.perf_counter()
-            seq = torch.randint(0, args.vocab_size, (a.batch, a.seq_len + 1), device=device)
+            seq = torch.randint(0, args.vocab_size, (a.batch, a.seq_len + 1), device=device, generator=data_gen)
             inputs, labels = seq[:, :-1], seq[:, 1:]
             sync()
             t_data = time.perf_counter()
