@@ -18,15 +18,17 @@ def rope_cos_sin(positions: torch.Tensor, dim: int, theta: float) -> tuple[torch
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool = True) -> torch.Tensor:
-    """Rotates ``x [T, ..., d]`` by per-token ``cos``/``sin [T, d // 2]`` (computed in fp32, returned in x's dtype)."""
+    """Rotates ``x [T, ..., d]`` by per-token ``cos``/``sin [T, d // 2]`` (computed in fp32, returned in x's dtype).
+
+    One complex multiply per pair, ``(x0 + i x1)(cos + i sin)``: the same products and sums as the real form,
+    in one elementwise pass instead of six (plus the casts)."""
     shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
-    c, s = cos.view(shape), sin.view(shape)
-    xf = x.float()
+    rot = torch.complex(cos, sin).view(shape)
+    xf = x.float().contiguous()
     if interleave:
-        pairs = xf.unflatten(-1, (-1, 2))
-        x0, x1 = pairs[..., 0], pairs[..., 1]
-        out = torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1).flatten(-2)
+        out = torch.view_as_real(torch.view_as_complex(xf.unflatten(-1, (-1, 2))) * rot).flatten(-2)
     else:
         x0, x1 = xf.chunk(2, dim=-1)
-        out = torch.cat((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1)
+        r = torch.complex(x0, x1) * rot
+        out = torch.cat((r.real, r.imag), dim=-1)
     return out.to(x.dtype)
