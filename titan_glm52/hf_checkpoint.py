@@ -3,7 +3,8 @@
 ``load_hf_model(hf_dir)`` builds the model from ``config.json`` and fills every parameter and buffer from the
 safetensors files (single file or sharded with ``model.safetensors.index.json``); missing or unexpected keys
 and shape mismatches are errors. ``save_hf_model(model, out_dir)`` writes ``config.json`` plus shards and an
-index; ``e_score_correction_bias`` stays fp32 as in the published checkpoint.
+index; ``e_score_correction_bias`` stays fp32 as in the published checkpoint. It needs the whole model in one
+process; a sharded or pipelined model is written unit by unit by ``hf_export.save_hf_distributed``.
 """
 
 from __future__ import annotations
@@ -155,7 +156,7 @@ def save_hf_state(state: dict[str, torch.Tensor], args: GLM52ModelArgs, out_dir:
                   dtype: torch.dtype = torch.bfloat16, max_shard_bytes: int = 5 * 1024 ** 3) -> None:
     """``save_hf_model`` for a state dict under our names (e.g. gathered from a sharded model)."""
     os.makedirs(out_dir, exist_ok=True)
-    args.replace(dtype=str(dtype).removeprefix("torch.")).save_hf_config(out_dir)
+    write_hf_config(args, out_dir, dtype)
     tensors = to_hf_tensors(state, args, dtype)
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
@@ -172,10 +173,25 @@ def save_hf_state(state: dict[str, torch.Tensor], args: GLM52ModelArgs, out_dir:
         return
     weight_map, total = {}, 0
     for i, shard in enumerate(shards, 1):
-        name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        name = shard_file_name(i - 1, len(shards))
         save_file(shard, os.path.join(out_dir, name), metadata=metadata)
         for key, t in shard.items():
             weight_map[key] = name
             total += t.numel() * t.element_size()
+    write_hf_index(out_dir, weight_map, total)
+
+
+def shard_file_name(i: int, n: int) -> str:
+    """The name of file ``i`` (0-based) of ``n``: ``model-0000{i+1}-of-0000{n}.safetensors``."""
+    return f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+
+
+def write_hf_config(args: GLM52ModelArgs, out_dir: str, dtype: torch.dtype) -> None:
+    """``config.json`` of ``args`` with ``dtype`` = the export dtype."""
+    args.replace(dtype=str(dtype).removeprefix("torch.")).save_hf_config(out_dir)
+
+
+def write_hf_index(out_dir: str, weight_map: dict[str, str], total_size: int) -> None:
+    """``model.safetensors.index.json``: HF key -> file name, and the total bytes of the tensors."""
     with open(os.path.join(out_dir, INDEX_NAME), "w") as f:
-        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+        json.dump({"metadata": {"total_size": total_size}, "weight_map": weight_map}, f, indent=2)

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torchtitan.components import checkpoint as tt_checkpoint
 from torchtitan.components.lr_scheduler import build_lr_schedulers
 from torchtitan.components.optimizer import OptimizersContainer
@@ -27,7 +26,8 @@ from torchtitan.components.optimizer import OptimizersContainer
 from titan_glm52 import distributed as tdist
 from titan_glm52.config import ConfigError, JobConfig, validate
 from titan_glm52.data import IGNORE_INDEX, build_dataloader, build_tokenizer
-from titan_glm52.hf_checkpoint import load_hf_state, save_hf_state
+from titan_glm52.hf_checkpoint import load_hf_state
+from titan_glm52.hf_export import save_hf_distributed
 from titan_glm52.metrics import (MetricsLogger, doc_lengths_of, format_line, memory_stats, peak_flops,
                                  reset_peak_memory, step_flops)
 from titan_glm52.model.args import GLM52ModelArgs, get_flavor
@@ -516,23 +516,14 @@ class Trainer:
     def export_hf(self, out_dir: str, dtype: torch.dtype) -> None:
         """Writes the model as an HF safetensors directory (published names) that transformers can load.
 
-        The full weights are gathered on rank 0 (over the pipeline stages too), so this needs the whole model
-        in rank 0's CPU memory."""
-        sd = {}
-        for part in self.model_parts:
-            sd.update(get_model_state_dict(part, options=StateDictOptions(full_state_dict=True, cpu_offload=True)))
-        sd = {k: v for k, v in sd.items() if "tokens_per_expert" not in k}
-        if self.pp:
-            pieces = [None] * self.mesh["pp"].size() if self.env.rank == 0 else None
-            if self.dp_rank == 0:
-                dist.gather_object(sd, pieces, dst=0, group=self.mesh["pp"].get_group())
-            if self.env.rank == 0:
-                sd = {k: v for piece in pieces for k, v in piece.items()}
+        Streamed one unit at a time (embedding, each decoder layer, MTP layer, final norm + head; one file each):
+        the ranks of a unit's pipeline stage gather its full tensors together and the stage's data-parallel rank 0
+        writes them, then rank 0 writes the index and config.json (``hf_export.save_hf_distributed``). Memory: one
+        unit's full weights on each stage's writer (host), one full parameter at a time on every device."""
+        args = self.args if self.with_mtp else self.args.replace(num_nextn_predict_layers=0)
+        save_hf_distributed(self.model_parts, args, out_dir, dtype, writer=self.dp_rank == 0)
         if self.env.rank == 0:
-            args = self.args if self.with_mtp else self.args.replace(num_nextn_predict_layers=0)
-            save_hf_state(sd, args, out_dir, dtype)
             logger.info("exported HF checkpoint to %s", out_dir)
-        dist.barrier()
 
 
 def main(argv: list[str]) -> None:
