@@ -49,10 +49,10 @@ L = ``expert_load_factor``: routed rows a rank's experts receive over the mean).
   per stage  + a*D (stage output kept by the schedule) + a*D with MTP (next-token embeddings passed along)
              + 8 (positions) [+ 8 tokens on the first stage]; last stage + a*2D + 4 (final norm) and, with MTP,
              + a*6D + 8 (enorm, hnorm, concat, MTP norm) + the MTP block (a full MoE block)
-  logits     pipelined, last stage: heads x vocab x (a + 4) per token (the logits the schedule keeps for backward,
-             and the fp32 log-softmax cross_entropy saves); heads = 2 with MTP. Without pipelining the trainer's
-             chunked cross-entropy keeps none: one chunk of LOSS_CHUNK tokens x vocab x (a + 8) (logits, fp32
-             upcast and gradient) is a transient instead
+  logits     none kept, pipelined or not: the head runs in the chunked cross-entropy (the trainer's, and the
+             last pipeline stage's loss function), which recomputes each chunk's logits in backward; one chunk of
+             LOSS_CHUNK tokens x vocab x (a + 8) (logits, fp32 upcast and gradient) is a transient on the rank
+             with the head
 
 In flight: every (stage, micro-batch) a rank has run forward but not yet finished backward holds its stage's
 activations. 1F1B: stage s holds min(n_mb, pp - s) micro-batches; GPipe: n_mb; multi-stage schedules
@@ -135,7 +135,6 @@ class RankMemory:
     unsharded: float
     grad_accum: float
     activations: float
-    logits: float
     transient: float
     in_flight: int  # (stage, micro-batch) chunks held at the activation peak
     units: int  # FSDP units on this rank
@@ -143,7 +142,7 @@ class RankMemory:
     @property
     def total(self) -> float:
         return (self.params + self.grads + self.optimizer + self.unsharded + self.grad_accum + self.activations
-                + self.logits + self.transient)
+                + self.transient)
 
 
 @dataclass
@@ -229,7 +228,7 @@ def _block_modes(ac_mode: str, selective_option: str, n_blocks: int) -> list[str
 @dataclass(frozen=True)
 class StageActivations:
     saved_per_token: float  # kept per in-flight micro-batch (blocks + stage boundary + last-stage extras)
-    logits_per_token: float  # last stage: kept logits (+ MTP logits) per in-flight micro-batch
+    has_head: bool  # the last stage: the chunked cross-entropy's transient chunk
     transient_per_token: float  # recompute / backward workspace / loss backward, once
 
 
@@ -246,22 +245,17 @@ def stage_activations(args: GLM52ModelArgs, layer_ids: range, is_first: bool, is
         saved += 8  # token ids (the embedding backward)
     if not is_last:
         saved += a * d  # the stage output, kept for its backward
-    logits = 0.0
     transient = 0.0
     if is_last:
         saved += 2 * a * d + 4
-        heads = 1
         if with_mtp:
             saved += 6 * a * d + 8
-            heads = 2
-        logits = heads * args.vocab_size * (a + 4)
-        transient = max(transient, 8.0 * args.vocab_size)
     work = 0.0
     for b, m in zip(blocks, modes):
         recompute = block_bytes_per_token(args, b, "none", a, load, ep) if m != "none" else 0.0
         workspace = 4 * a * d + (2 * args.num_experts_per_tok * a * d * load if args.is_moe_layer(b) else 0.0)
         work = max(work, recompute + workspace)
-    return StageActivations(saved, logits, transient + work)
+    return StageActivations(saved, is_last, transient + work)
 
 
 # ===================================================================================== in-flight chunks
@@ -447,7 +441,7 @@ def plan_memory(req: MemoryRequest) -> MemoryReport:
                 units += u
                 loose += lo
                 loose_trainable += lt
-            chunk = {s: acts[s].saved_per_token + acts[s].logits_per_token for s in stage_ids}
+            chunk = {s: acts[s].saved_per_token for s in stage_ids}
             if not pipelined:
                 alive = list(stage_ids)
             elif pl.style == "single":
@@ -459,10 +453,8 @@ def plan_memory(req: MemoryRequest) -> MemoryReport:
         finally:
             dist.destroy_process_group()
         saved = tokens * sum(acts[s].saved_per_token for s in alive)
-        logits = tokens * sum(acts[s].logits_per_token for s in alive)
-        loss_chunk = 0.0
-        if not pipelined and logits:  # chunked cross-entropy: no kept logits, one chunk in flight
-            logits = 0.0
+        loss_chunk = 0.0  # chunked cross-entropy everywhere: no kept logits, one chunk in flight on the head's rank
+        if any(acts[s].has_head for s in stage_ids):
             loss_chunk = min(tokens, LOSS_CHUNK) * args.vocab_size * (act_bytes + 8)
         local = sum(u.local for u in units) + loose
         trainable = sum(u.trainable for u in units) + loose_trainable
@@ -483,7 +475,7 @@ def plan_memory(req: MemoryRequest) -> MemoryReport:
             pp_rank=pp_rank, rank=rank, stages=stage_ids, layers=tuple(stage_layers[s] for s in stage_ids),
             local_params=local, trainable_params=trainable, params=4.0 * local, grads=4.0 * trainable,
             optimizer=8.0 * trainable, unsharded=float(unsharded_elems * act_bytes),
-            grad_accum=4.0 * sum(sizes) if accumulate else 0.0, activations=saved, logits=logits,
+            grad_accum=4.0 * sum(sizes) if accumulate else 0.0, activations=saved,
             transient=tokens * max(acts[s].transient_per_token for s in stage_ids) + fsdp_transient + loss_chunk,
             in_flight=len(alive), units=len(units)))
     return report
@@ -555,11 +547,11 @@ def format_report(report: MemoryReport, model_name: str) -> str:
         "",
         f"{unit} per GPU (one representative rank per pipeline rank):",
         f"{'pp':>3} {'rank':>5} {'stages':>7} {'layers':>11} {'params':>7} {'grads':>7} {'AdamW':>7} "
-        f"{'unshard':>7} {'gradacc':>7} {'activ':>7} {'logits':>7} {'transnt':>7} {'total':>7} {'mb':>3}  fits",
+        f"{'unshard':>7} {'gradacc':>7} {'activ':>7} {'transnt':>7} {'total':>7} {'mb':>3}  fits",
     ]
     for r in report.ranks:
         layers = ",".join(_layers(lr) for lr in r.layers)
-        values = (r.params, r.grads, r.optimizer, r.unsharded, r.grad_accum, r.activations, r.logits, r.transient,
+        values = (r.params, r.grads, r.optimizer, r.unsharded, r.grad_accum, r.activations, r.transient,
                   r.total)
         lines.append(f"{r.pp_rank:>3} {r.rank:>5} {','.join(map(str, r.stages)):>7} {layers:>11} "
                      + " ".join(f"{v / scale:7.2f}" for v in values)
@@ -567,8 +559,8 @@ def format_report(report: MemoryReport, model_name: str) -> str:
     lines += [
         "columns: fp32 master params, fp32 grads, AdamW states (2 x fp32), FSDP unsharded params in flight "
         f"({req.param_dtype}), unsharded fp32 gradient accumulation (pipeline), saved activations of the "
-        "in-flight micro-batches (mb), kept logits (last stage), transient (recompute, backward workspace, "
-        "loss backward, FSDP gradient buffers)",
+        "in-flight micro-batches (mb), transient (recompute, backward workspace, one chunk of the chunked "
+        "cross-entropy on the head's rank, FSDP gradient buffers)",
     ]
     worst = report.worst
     lines += [

@@ -6,7 +6,11 @@ A stage is the model with the other stages' pieces removed; its layers keep thei
 
     first stage in : tokens [mb, S]
     between stages : hidden [mb * S, D] (+ next-token embeddings [mb * S, D] with MTP)
-    last stage out : logits [mb, S, V] (or (logits, mtp_logits))
+    last stage out : final hidden states [mb * S, D] (or (hidden, MTP hidden))
+
+The last stage returns hidden states, not logits: the schedule's loss function runs the output head over them
+in chunks (``GLM52Stage.loss_sums``, the trainer's chunked cross-entropy), so no ``[tokens, vocab]`` logits are
+kept for backward (154,880 x 4 bytes a token in fp32).
 
 Tensors sent between stages are never views (the schedules detach stage outputs in place), so the pass-through
 next-token embeddings are copied.
@@ -30,7 +34,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
 from titan_glm52.model.args import GLM52ModelArgs
-from titan_glm52.model.model import GLM52Model, next_token_embeddings
+from titan_glm52.model.model import GLM52Model, chunked_cross_entropy_sum, next_token_embeddings
 from titan_glm52.pipeline_split import PipelinePlan, plan_pipeline
 
 
@@ -75,10 +79,19 @@ class GLM52Stage(GLM52Model):
                 return h
             return h, emb_next if self.is_first else emb_next.clone()
         h = self.norm(h)
-        logits = self.output(h).view(mb, s, -1)
         if not self.with_mtp:
-            return logits
-        return logits, self.output(self.mtp(h, emb_next, ctx)).view(mb, s, -1)
+            return h
+        return h, self.mtp(h, emb_next, ctx)
+
+    def loss_sums(self, output, labels: torch.Tensor, mtp_labels: torch.Tensor | None = None):
+        """Last stage: summed fp32 cross-entropy of the head over ``output`` (this stage's forward output) against
+        ``labels [mb, S]``, and of the MTP hidden states against ``mtp_labels`` (None without MTP), chunked as
+        in ``GLM52Model.forward``."""
+        h, x = output if self.with_mtp else (output, None)
+        ce = chunked_cross_entropy_sum(self.output, h, labels.reshape(-1))
+        if x is None:
+            return ce, None
+        return ce, chunked_cross_entropy_sum(self.output, x, mtp_labels.reshape(-1))
 
 
 def stage_modules(args: GLM52ModelArgs, plan: PipelinePlan, pp_rank: int, with_mtp: bool):

@@ -32,7 +32,7 @@ from titan_glm52.metrics import (MetricsLogger, doc_lengths_of, format_line, mem
                                  reset_peak_memory, step_flops)
 from titan_glm52.model.args import GLM52ModelArgs, get_flavor
 from titan_glm52.model.attention import Attention
-from titan_glm52.model.model import GLM52Model, cross_entropy_sum
+from titan_glm52.model.model import GLM52Model
 from titan_glm52.model.moe import MoE
 from titan_glm52.parallelize import clip_grad_norm_, parallelize_model
 from titan_glm52.pipeline import build_pipeline_stages, cu_seqlens_from_positions, make_plan
@@ -164,6 +164,7 @@ class Trainer:
                 self._prepare)
             self.has_first = any(s.is_first for s in stages)
             self.has_last = any(s.is_last for s in stages)
+            self._last_stage = next((m for m in self.model_parts if m.is_last), None)
             self.schedule = build_pipeline_schedule(cfg, stages, self._pp_loss)
             self._pp_parts: list[torch.Tensor] = []
         else:
@@ -338,12 +339,12 @@ class Trainer:
     def _pp_loss(self, output, labels: torch.Tensor) -> torch.Tensor:
         """Loss of one micro-batch on the last stage, normalised by the step's global token counts."""
         n_tok, n_mtp = self._pp_norm
-        logits, mtp_logits = output if self.with_mtp else (output, None)
-        ce = cross_entropy_sum(logits, labels) / n_tok
+        ce_sum, mtp_sum = self._last_stage.loss_sums(output, labels, mtp_labels(labels) if self.with_mtp else None)
+        ce = ce_sum / n_tok
         loss = ce
         mtp = torch.zeros((), device=ce.device)
-        if mtp_logits is not None:
-            mtp = cross_entropy_sum(mtp_logits, mtp_labels(labels)) / n_mtp * self.cfg.mtp.loss_weight
+        if mtp_sum is not None:
+            mtp = mtp_sum / n_mtp * self.cfg.mtp.loss_weight
             loss = loss + mtp
         self._pp_parts.append(torch.stack((ce.detach(), mtp.detach())))
         if self._pp_inject_nan:

@@ -61,9 +61,11 @@ def check_pipeline(schedule: str, pp: int, dp_shard: int = 1, ep: int = 1, stage
                             "--parallelism.pipeline_parallel_microbatch_size", "1"])
     losses = []
 
+    last = next((part for part in parts if part.is_last), None)
+
     def loss_fn(output, labels):
-        logits, mtp = output
-        loss = cross_entropy_sum(logits, labels) / n_main + cross_entropy_sum(mtp, mtp_labels(labels)) / n_mtp
+        ce, mtp = last.loss_sums(output, labels, mtp_labels(labels))
+        loss = ce / n_main + mtp / n_mtp
         losses.append(loss.detach())
         return loss
 

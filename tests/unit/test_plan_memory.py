@@ -92,9 +92,9 @@ def test_debug_activations_follow_the_stated_formula():
         in_flight = min(4, 2 - r.stages[0])  # 1F1B: pp - stage
         assert r.in_flight == in_flight
         assert r.activations == pytest.approx(in_flight * 64 * per_token)
-        assert r.logits == pytest.approx((in_flight * 64 * 2 * v * (a + 4)) if last else 0.0)
-        parts = (r.params + r.grads + r.optimizer + r.unsharded + r.grad_accum + r.activations + r.logits
-                 + r.transient)
+        # no logits are kept: the last stage's loss runs the head in chunks, one chunk (64 tokens here) transient
+        assert r.transient >= (64 * v * (a + 8) if last else 0.0)
+        parts = r.params + r.grads + r.optimizer + r.unsharded + r.grad_accum + r.activations + r.transient
         assert r.total == pytest.approx(parts)
     # AC none keeps far more than AC full; selective in between.
     totals = {}
@@ -175,7 +175,7 @@ def test_744b_config_fits_h200_and_matches_its_comment():
     # The TOML comment quotes the tool's table: the same totals, in pipeline-rank order.
     with open(CONFIG_744B) as f:
         text = f.read()
-    rows = re.findall(r"^#\s+(\d)\s+\d+\s+\d\s+[\d-]+\s+((?:[\d.]+\s+){9})\d+\s+yes$", text, re.M)
+    rows = re.findall(r"^#\s+(\d)\s+\d+\s+\d\s+[\d-]+\s+((?:[\d.]+\s+){8})\d+\s+yes$", text, re.M)
     assert [int(pp) for pp, _ in rows] == list(range(8))
     quoted = [float(values.split()[-1]) for _, values in rows]
     assert quoted == [round(r.total / GIB, 2) for r in report.ranks]
