@@ -51,9 +51,11 @@ def load_hf_state(model: GLM52Model, hf_dir: str, partial: bool = False) -> None
     Sharded parameters (DTensors under FSDP / EP) read just their own rows and columns from the safetensors files,
     so every rank can load a large model without ever holding it whole. ``partial=True`` is for a pipeline stage:
     checkpoint tensors of other stages are skipped. Every tensor of ``model`` must be found, with the published
-    shape.
+    shape. A model built without its MTP layer (``with_mtp=False``, ``[mtp] enable = false``) skips the
+    checkpoint's MTP layer (``model.layers.<num_hidden_layers>.*``).
     """
     args = model.args
+    mtp_prefix = None if getattr(model, "mtp", None) is not None else f"model.layers.{args.num_hidden_layers}."
     targets = dict(model.named_parameters())
     targets.update({k: v for k, v in model.named_buffers() if "tokens_per_expert" not in k})
     seen: dict[str, set[int] | bool] = {}
@@ -63,6 +65,8 @@ def load_hf_state(model: GLM52Model, hf_dir: str, partial: bool = False) -> None
     for path, keys in sorted(by_file.items()):
         with safe_open(path, "pt", device="cpu") as f:
             for hf_key in keys:
+                if mtp_prefix is not None and hf_key.startswith(mtp_prefix):
+                    continue  # the MTP layer of a model trained without it
                 name, expert = hf_to_ours(hf_key, args)
                 if name not in targets:
                     if partial:

@@ -72,7 +72,7 @@ def check_hf_export(src_dir: str, out_dir: str, dp_shard: int = 1, ep: int = 1, 
             model = GLM52Model(args, with_mtp=with_mtp)
     parallelize_model(model, mesh, ep_enabled=ep > 1)
     model.to_empty(device="cpu")
-    load_hf_state(model, src_dir, partial=pp > 1 or not with_mtp)
+    load_hf_state(model, src_dir, partial=pp > 1)
     writer = mesh["dp"].get_local_rank() == 0
     export_args = args if with_mtp else args.replace(num_nextn_predict_layers=0)
     watch = UnitWatch(writer)

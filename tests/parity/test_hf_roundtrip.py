@@ -69,6 +69,11 @@ def test_mtp_layer_survives_our_round_trip(tmp_path):
     with torch.no_grad():
         model_bf16 = load_hf_model(str(tmp_path), dtype=torch.float32)
         torch.testing.assert_close(model_bf16(tokens, with_mtp=True)[1], back(tokens, with_mtp=True)[1])
+    # Training without MTP from a checkpoint that has it: the MTP layer is skipped, everything else loads.
+    no_mtp = load_hf_model(str(tmp_path), dtype=torch.float32, with_mtp=False)
+    assert no_mtp.mtp is None
+    with torch.no_grad():
+        torch.testing.assert_close(no_mtp(tokens), back(tokens, with_mtp=True)[0], rtol=0, atol=0)
 
 
 def test_published_names_and_shapes_on_meta():
