@@ -8,6 +8,7 @@ On the GPU machine (wheels carried in .whl/, see bench/gpu_env.sh):
     python3 bench/e2e.py --seq-lens 4096,16384,32768 --compile off,on --ac none,selective --steps 6 --warmup 3
     python3 bench/e2e.py --nproc 2 --parallel fsdp                        # each side on 2 GPUs, FSDP over 2
     python3 bench/e2e.py --nproc 2 --parallel ep                          # EP = 2 (carved out of FSDP's 2 ranks)
+    python3 bench/e2e.py --seq-lens 4096 --trace                          # + top GPU kernels of both sides
 
 Every cell of the matrix (seq_len x compile x AC) runs twice, each side in its own subprocess (memory is released,
 an OOM or a crash loses only that cell, recorded as "OOM" / "error" with the last lines of its log):
