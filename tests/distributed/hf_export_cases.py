@@ -10,10 +10,7 @@ from torch.distributed.tensor import DTensor
 import titan_glm52.hf_export as hf_export
 from tests.distributed.cases import debug_args
 from titan_glm52.distributed import build_mesh, init_distributed
-from titan_glm52.hf_checkpoint import load_hf_state
-from titan_glm52.model.model import GLM52Model
-from titan_glm52.parallelize import parallelize_model
-from titan_glm52.pipeline import GLM52Stage, make_plan
+from tests.distributed.hf_load_cases import loaded_model
 
 
 class UnitWatch:
@@ -60,19 +57,7 @@ def check_hf_export(src_dir: str, out_dir: str, dp_shard: int = 1, ep: int = 1, 
     args = debug_args()
     mesh = build_mesh(env.world_size, dp_replicate=dp_replicate, dp_shard=dp_shard, ep=ep, pp=pp, device_type="cpu",
                       n_routed_experts=args.n_routed_experts)
-    if pp > 1:
-        plan = make_plan(args, "1F1B", pp, None, 32, None)
-        stage = mesh["pp"].get_local_rank()
-        start = sum(plan.layers_per_stage[:stage])
-        with torch.device("meta"):
-            model = GLM52Stage(args, range(start, start + plan.layers_per_stage[stage]), stage == 0, stage == pp - 1,
-                               with_mtp)
-    else:
-        with torch.device("meta"):
-            model = GLM52Model(args, with_mtp=with_mtp)
-    parallelize_model(model, mesh, ep_enabled=ep > 1)
-    model.to_empty(device="cpu")
-    load_hf_state(model, src_dir, partial=pp > 1)
+    model = loaded_model(args, mesh, src_dir, pp, ep, with_mtp)
     writer = mesh["dp"].get_local_rank() == 0
     export_args = args if with_mtp else args.replace(num_nextn_predict_layers=0)
     watch = UnitWatch(writer)
