@@ -5,71 +5,130 @@ no communication happens), then, for one representative rank of every pipeline r
 the trainer: ``build_mesh`` -> ``make_plan`` (the skip-aware splitter; an invalid explicit layout is refused
 exactly as ``plan layout`` refuses it) -> ``GLM52Stage`` on the meta device for each stage that rank holds ->
 ``parallelize_model`` (EP, AC, FSDP2). It then reads what FSDP2 really allocates (``FSDPParam`` padded shard
-sizes and all-gather sizes) and adds an activation estimate. ``python -m titan_glm52.plan memory`` prints it.
+sizes and all-gather sizes), adds activation estimates, and reports the PEAK of the bytes allocated over a
+training step (what ``torch.cuda.max_memory_allocated`` measures). ``python -m titan_glm52.plan memory`` prints it.
 
 Why one rank per pipeline rank is enough: FSDP2 pads every shard to ``ceil(dim / shard degree)`` rows, and EP
 splits the experts evenly (``ep`` divides ``n_routed_experts``), so all ranks of one pipeline rank allocate the
 same bytes; only the stages held differ. The representative is the rank at data-parallel coordinate 0.
 
-Static bytes (sizes read from FSDP2's ``FSDPParam``s; which buffers are live follows torch 2.13's FSDP2/pipelining):
-  params        fp32 master weights: padded local shard numel x 4 (the model is built in fp32)
-  grads         fp32 sharded gradients: the same numel x 4 (trainable parameters only)
-  AdamW         exp_avg + exp_avg_sq: 2 x 4 bytes per local trainable element
-  unsharded     FSDP all-gather outputs in ``param_dtype`` (``padded shard numel x shard degree``) of the units
-                in flight: ALL units of the rank under pipeline parallelism (torch 2.13's ``PipelineStage`` runs
-                every backward with ``set_reshard_after_backward(False)`` and reshards only in
-                ``perform_reduce_grad`` after the last micro-batch) or with ``reshard_after_forward = "never"``
-                (and "default" at dp_shard 1),
-                else the two largest units (current + prefetched) plus ``output`` (kept unsharded unless
-                ``reshard_after_forward = "always"``)
-  grad accum    under pipeline parallelism every backward also runs with ``set_requires_gradient_sync(False)``
-                (the reduce-scatter waits for ``perform_reduce_grad``), so FSDP2 keeps an unsharded gradient per
-                parameter, upcast to ``reduce_dtype`` (fp32): unsharded numel x 4 for every unit of the rank,
-                whatever the number of micro-batches
+Peak. The buffers of a step do not all exist at once: fp32 gradients appear unit by unit during backward while
+the saved activations are being freed, the activations are largest when backward starts, a block's recompute and
+workspace exist only during its own backward. So the plan walks the step through its phases and reports the
+largest; each column of the table is what is alive at that moment, and the columns add up to it. Held the whole
+step (after the first): the fp32 master weights (padded local shard numel x 4, the model is built in fp32) and the
+AdamW states (exp_avg + exp_avg_sq, 2 x 4 bytes per local trainable element). The rest follows torch 2.13's FSDP2
+and pipelining (``torch/distributed/fsdp/_fully_shard``, ``torch/distributed/pipelining/stage.py``):
 
-Activation estimate (bytes per token of one micro-batch; ``a`` = bytes of ``param_dtype``, D hidden, H heads,
+  * The trainer zeroes gradients with ``set_to_none`` after the optimizer step, so a step starts with no gradient.
+  * FSDP2 keeps a unit's parameters unsharded (all-gather outputs in ``param_dtype``, ``padded shard numel x shard
+    degree``) from its forward until its backward when it does not reshard after forward (pipeline parallelism,
+    ``reshard_after_forward = "never"``, and "default" at dp_shard 1; ``output`` always unless "always"), else
+    from its pre-backward all-gather, prefetched one unit ahead (the current and the next unit of the backward).
+    Without pipeline parallelism every unit reshards right after its own backward.
+  * A unit's post-backward (no pipeline parallelism) copies its unsharded ``param_dtype`` gradient into an fp32
+    reduce-scatter input (unsharded numel x 4), frees the former, and leaves the fp32 sharded gradient (local
+    numel x 4). The input is kept until the next unit's post-backward starts (one buffer in flight: torch's
+    ``reduce_scatter_max_input_buffers`` default), the last one until the end of backward.
+  * FSDP2 hooks the post-backward on a unit's forward inputs. The root module (the final norm) and the embedding
+    take token ids, which need no gradient, so theirs run in the final callback at the end of backward: their
+    ``param_dtype`` gradients wait until then, and a pending reduce-scatter input is freed only by the next
+    unit that runs its own post-backward (the head's stays through the last block's backward).
+  * The head runs once per loss chunk and once more for the MTP loss; each call runs its own post-backward, so a
+    later call's backward sees the earlier calls' sharded gradient and reduce-scatter input.
+  * Under pipeline parallelism torch's ``PipelineStage`` runs every backward with
+    ``set_reshard_after_backward(False)`` and ``set_requires_gradient_sync(False)``: every unit of the rank stays
+    unsharded all step, and FSDP2 upcasts each fresh ``param_dtype`` gradient into an unsharded fp32
+    accumulation (unsharded numel x 4 for every unit, whatever the number of micro-batches). The sharded fp32
+    gradients appear only in ``perform_reduce_grad`` after the last backward, when no activation is left.
+  * The fused AdamW step runs in place (no temporaries); clipping reduces per-tensor norms and scales in place.
+
+Phases, without pipeline parallelism (one micro-batch of ``local_batch_size x seq_len`` tokens), in backward order
+over the steps head, MTP layer, final norm, blocks last to first, embedding (a step is the FSDP units that run
+backward together: a block's unit and, under EP, its experts' unit):
+  backward X        the sharded gradients of the steps already reduced; the unsharded parameters of X and the
+                    steps after it (all, or X and the next when resharding after forward); the activations saved
+                    for X and every step after it, plus the stage extras below; transient: X's backward bytes
+                    (below), its unsharded ``param_dtype`` gradient, the pending reduce-scatter input and the
+                    waiting gradients of the final norm and embedding
+  reduce-scatter X  X resharded and its activations freed; transient: its ``param_dtype`` gradient + its fp32
+                    reduce-scatter input
+  end of backward   all sharded gradients + the last reduce-scatter input (the optimizer step allocates nothing)
+The forward never exceeds the first backward phase: it holds a subset of the same activations and parameters and
+no gradient, and a block's forward temporaries are a subset of its backward's.
+
+Phases, with pipeline parallelism (per rank):
+  backward X        all units unsharded + their fp32 accumulation; the activations of the in-flight micro-batches
+                    (below), of which the one being run backward (a chunk of one of the rank's stages in flight)
+                    holds only what X and the steps after it saved; the schedule's buffers (below); transient: X's
+                    backward bytes + its fresh ``param_dtype`` gradient
+  gradient reduction  the accumulation and the unsharded parameters of every unit (an upper bound: each unit is
+                    resharded and its accumulation freed as it is reduced) + the largest fp32 reduce-scatter input
+  end of backward   all sharded gradients (the schedule's buffers stay until the next step)
+Schedule buffers: ``PipelineStage`` allocates, for EVERY micro-batch of the step, a receive buffer per stage input
+(not on the first stage) and per output gradient (not on the last), and the last stage keeps every micro-batch's
+outputs in ``output_chunks`` (``schedule.step`` returns them): per micro-batch and token a*D for the hidden
+states, twice with MTP (the next-token embeddings travel along), for each of these.
+In flight: every (stage, micro-batch) a rank has run forward but not yet finished backward holds its stage's
+activations. 1F1B: stage s holds min(n_mb, pp - s) micro-batches; GPipe: n_mb; multi-stage schedules
+(Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV): the real schedule object is
+built on the fake pipeline group and its action list for this rank is replayed (F adds a chunk, B or W frees
+it; I keeps it, since the weight gradient still needs the inputs); the chunks alive at the peak are used.
+
+Saved activations (bytes per token of one micro-batch; ``a`` = bytes of ``param_dtype``, D hidden, H heads,
 r = q_lora_rank, c = kv_lora_rank, p = qk_rope_head_dim, n = qk_nope_head_dim, v = v_head_dim, K = index_topk,
 E experts, k = num_experts_per_tok, F = moe_intermediate_size, Fd = intermediate_size, Fs = shared width,
 L = ``expert_load_factor``: routed rows a rank's experts receive over the mean). Triton DSA backend assumed
-(``sparse_mla`` saves q, kv, indices, out, lse); the indexer runs under no_grad (no indexer loss):
+(``sparse_mla`` saves q, kv, indices, their valid extent, out, lse); the indexer runs under no_grad (no indexer
+loss); an RMSNorm keeps its input, its fp32 rstd and the normalised copy its weight multiplies:
 
   none       every tensor autograd keeps, per block:
-             attention  a*(2D + 2r + H(n+p) + 2(c+p) + H(c+p) + Hc + Hv) + 4H (lse) + 12 (norm rstd)
-                        + 4K on full layers (the int32 top-k; shared layers reference the same tensor)
-             dense MLP  a*(2D + 4Fd) + 4;  MoE  a*2D + 4 + 4D + 4E (fp32 router input, scores)
+             attention  a*(3D + 3r + H(n+p) + 2(c+p) + c + H(c+p) + Hc + Hv) + 4H (lse) + 16 (3 rstd, extent)
+                        + 8p (complex RoPE tables of q and k) + 4K on full layers (the int32 top-k; shared
+                        layers reference the same tensor)
+                        (3D: norm input, normalised copy, output; 3r: the q_norm's; (c+p) + c: the kv_norm's)
+             dense MLP  a*(3D + 4Fd) + 4;  MoE  a*3D + 4 + 4D + 4E (fp32 router input, scores)
+                        + 32k (int64 routing indices, fp32 combine weights; + 16kL under EP: the permutations)
                         + L*a*(kD + 4kF) (routed token copies, expert intermediates) + 4kD (fp32 combine)
                         + a*4Fs (shared expert)
   full       the block input a*D, plus 4K on full layers (the top-k a checkpointed full block returns is kept
-             by the shared blocks' checkpoints); in backward one block is recomputed (transient, below)
+             by the shared blocks' checkpoints)
   selective  "op" (the policy of ``parallelize.py``): block input a*D, 4K on full layers, and the outputs of the
              matmuls with a tracked input and of the EP all-to-alls: attention a*(r + H(n+p) + (c+p) + D);
              dense MLP a*(2Fd + D); MoE 4E + a*(2Fs + D) + L*a*(2kF + kD) + EP only: L*a*kD (dispatch
              all-to-all) + a*kD (combine all-to-all);
              an integer N: every N-th block (1-based, forward order) as "full", the others as "none"
-  per stage  + a*D (stage output kept by the schedule) + a*D with MTP (next-token embeddings passed along)
-             + 8 (positions) [+ 8 tokens on the first stage]; last stage + a*2D + 4 (final norm) and, with MTP,
-             + a*6D + 8 (enorm, hnorm, concat, MTP norm) + the MTP block (a full MoE block)
+  extras     held through the whole backward of the micro-batch: 8 (positions) [+ 8 token ids on the first
+             stage] + a*D with MTP (next-token embeddings; + a*D for the copy a middle stage sends on); not last
+             stage: + a*D (stage output kept by the schedule); last stage: + a*3D + 4 (final norm: input,
+             normalised copy, output) and, with MTP, + a*7D + 12 (enorm and hnorm copies, their concat, MTP norm)
+             + the MTP block (a full MoE block)
   logits     none kept, pipelined or not: the head runs in the chunked cross-entropy (the trainer's, and the
-             last pipeline stage's loss function), which recomputes each chunk's logits in backward; one chunk of
-             LOSS_CHUNK tokens x vocab x (a + 8) (logits, fp32 upcast and gradient) is a transient on the rank
-             with the head
+             last pipeline stage's loss function), which recomputes each chunk's logits in backward
 
-In flight: every (stage, micro-batch) a rank has run forward but not yet finished backward holds its stage's
-activations. 1F1B: stage s holds min(n_mb, pp - s) micro-batches; GPipe: n_mb; multi-stage schedules
-(Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV): the real schedule object is
-built on the fake pipeline group and its action list for this rank is replayed (F adds a chunk, B or W frees
-it; I keeps it, since the weight gradient still needs the inputs); the peak over the replay is reported. No
-pipeline: one micro-batch of ``local_batch_size x seq_len`` tokens.
+Backward bytes of a step (on top of what it saved):
+  block      a checkpointed block ("full", "op") rebuilds its "none" set while its own saved tensors are still
+             held (for "op" the cached ones are shared: counted twice, an upper bound), plus the larger of the
+             attention's and the MLP's backward workspace (they run one after the other):
+             attention  a*H(2c+p) (gradient of the latent output, dQ) + 4(c+p) (fp32 dKV) + 3aD (residual and
+                        input gradients), plus the DSA kernels' scratch: min(1 GiB, 2HKa per token) (P and dS of
+                        the split backward; the indexer's 1 GiB score scratch of a recompute comes before them)
+             MoE        12kD (the backward of the fp32 combine multiply: the upcast gradient of the routed rows,
+                        the rows' gradient and the combine weights' gradient before it is summed to [kT, 1], all
+                        fp32 [kT, D]) + 3aD, or L*a*k(2D + 2F) on the experts' side if larger
+             dense MLP  a*(3Fd + 3D)
+  head       one loss chunk of min(tokens, LOSS_CHUNK) tokens x vocab x 12 (three fp32 [chunk, vocab] tensors in
+             the cross-entropy's backward: the log-softmax output it saved, the NLL gradient, the log-softmax
+             gradient)
 
-Transient (the largest of the rank's stages, added once): a recomputed block under AC (its "none" bytes), a
-backward workspace of 4aD per token (+ 2kaDL for a MoE block: routed-row gradients around the all-to-all), on
-the last stage a loss backward of 8 x vocab bytes per token (fp32 gradient of one head), and FSDP's gradient
-buffers: with accumulation the largest unit's fresh ``param_dtype`` gradient, else the two largest units'
-unsharded gradients in ``param_dtype`` plus their fp32 reduce-scatter inputs.
+Checked against ``torch.cuda.max_memory_allocated`` on H200s (bench/results/e2e_h200.md, layouts_h200x2.md;
+tests/unit/test_plan_memory.py): the estimate is above every measured peak, by 1.5-6% on one GPU and 2.5-13%
+on two (the most with MTP, whose head runs twice).
 
-Not modelled: CUDA context and NCCL buffers (~1-3 GiB), allocator fragmentation, the indexer's chunked score
-workspace, the indexer KL loss (``dsa.indexer_loss_coeff > 0`` saves the indexer's q/k/weights), expert load
-imbalance beyond ``expert_load_factor``, torch.compile buffers. The stated headroom is meant to cover these.
+Not modelled: CUDA context and NCCL buffers (~1-3 GiB, outside the caching allocator), allocator fragmentation
+(reserved over allocated), the indexer KL loss (``dsa.indexer_loss_coeff > 0`` saves the indexer's q/k/weights),
+expert load imbalance beyond ``expert_load_factor``, torch.compile buffers, a non-fused optimizer's temporaries
+(foreach AdamW allocates copies of the gradient/state lists). The stated headroom is meant to cover these.
 """
 
 from __future__ import annotations
@@ -119,9 +178,27 @@ class MemoryRequest:
         return self.gpu_memory_gib * GIB * (1.0 - self.headroom)
 
 
+@dataclass(frozen=True)
+class Phase:
+    """The bytes that change over a step, at one moment of it (module docstring, "Peak"); params and AdamW states
+    are held the whole step and live in ``RankMemory``."""
+
+    name: str
+    grads: float = 0.0  # fp32 sharded gradients already reduced
+    unsharded: float = 0.0  # FSDP all-gather outputs in param_dtype
+    grad_accum: float = 0.0  # unsharded fp32 gradient accumulation (pipeline)
+    activations: float = 0.0  # saved activations still held
+    transient: float = 0.0  # recompute, backward workspace, loss chunk, FSDP gradient buffers
+
+    @property
+    def total(self) -> float:
+        return self.grads + self.unsharded + self.grad_accum + self.activations + self.transient
+
+
 @dataclass
 class RankMemory:
-    """Bytes of one representative rank (every rank of its pipeline rank holds the same)."""
+    """Bytes of one representative rank (every rank of its pipeline rank holds the same) at its peak phase: the
+    columns are what is alive at that moment, so they add up to the peak."""
 
     pp_rank: int
     rank: int
@@ -138,6 +215,8 @@ class RankMemory:
     transient: float
     in_flight: int  # (stage, micro-batch) chunks held at the activation peak
     units: int  # FSDP units on this rank
+    phase: str = ""  # the phase of the peak
+    phases: tuple[Phase, ...] = ()  # every phase considered, in step order
 
     @property
     def total(self) -> float:
@@ -191,11 +270,13 @@ def block_bytes_per_token(args: GLM52ModelArgs, layer_id: int, mode: str, act_by
     if mode == "full":
         return a * d + topk
     if mode == "none":
-        attn = a * (2 * d + 2 * r + h * (n + p) + 2 * (c + p) + h * (c + p) + h * c + h * v) + 4 * h + 12 + topk
+        attn = (a * (3 * d + 3 * r + h * (n + p) + 2 * (c + p) + c + h * (c + p) + h * c + h * v) + 4 * h + 16 + 8 * p
+                + topk)
         if moe:
-            mlp = a * 2 * d + 4 + 4 * d + 4 * e + load * a * (k * d + 4 * k * f) + 4 * k * d + a * 4 * fs
+            ints = 32 * k + (16 * k * load if ep else 0)
+            mlp = a * 3 * d + 4 + 4 * d + 4 * e + ints + load * a * (k * d + 4 * k * f) + 4 * k * d + a * 4 * fs
         else:
-            mlp = a * (2 * d + 4 * fd) + 4
+            mlp = a * (3 * d + 4 * fd) + 4
         return attn + mlp
     if mode == "op":
         attn = a * (r + h * (n + p) + (c + p) + d)
@@ -225,37 +306,80 @@ def _block_modes(ac_mode: str, selective_option: str, n_blocks: int) -> list[str
     raise ValueError(f"selective AC option {selective_option!r}: use 'op' or a positive integer N")
 
 
+# The DSA kernels' fixed scratch: kernels/sparse_mla.py SPLIT_SCRATCH_BYTES (P and dS of one chunk of queries in
+# the split backward) and kernels/indexer_topk.py SCRATCH_BYTES (fp32 scores + stash of one chunk of queries).
+DSA_SCRATCH_BYTES = 1 << 30
+
+
+def backward_workspace(args: GLM52ModelArgs, layer_id: int, tokens: int, act_bytes: int,
+                       load: float = 1.0) -> float:
+    """Bytes a block's backward allocates on top of the activations it saved (or recomputed), at its largest
+    moment, for ``tokens`` tokens: the larger of the attention's and the MLP's (they run one after the other; see
+    the module docstring for the terms)."""
+    a, d, h = act_bytes, args.hidden_size, args.num_attention_heads
+    c, p, kk = args.kv_lora_rank, args.qk_rope_head_dim, args.index_topk
+    k, f, fd = args.num_experts_per_tok, args.moe_intermediate_size, args.intermediate_size
+    attn = (tokens * (a * h * (2 * c + p) + 4 * (c + p) + 3 * a * d)
+            + min(DSA_SCRATCH_BYTES, tokens * 2 * h * kk * a))
+    if args.is_moe_layer(layer_id):
+        mlp = tokens * (max(12 * k * d, load * a * k * (2 * d + 2 * f)) + 3 * a * d)
+    else:
+        mlp = tokens * a * (3 * fd + 3 * d)
+    return max(attn, mlp)
+
+
+def loss_chunk_bytes(args: GLM52ModelArgs, tokens: int) -> float:
+    """The chunked cross-entropy's backward of one chunk: three fp32 [chunk, vocab] tensors (the log-softmax output
+    it saved, the NLL gradient, the log-softmax gradient)."""
+    return 12.0 * min(tokens, LOSS_CHUNK) * args.vocab_size
+
+
+@dataclass(frozen=True)
+class BlockActivations:
+    layer_id: int  # num_hidden_layers = the MTP block
+    mode: str  # "none" | "full" | "op"
+    saved: float  # bytes per token kept from its forward to its backward
+    backward: float  # bytes alive on top of ``saved`` while its backward runs (recompute + workspace), all tokens
+
+
 @dataclass(frozen=True)
 class StageActivations:
-    saved_per_token: float  # kept per in-flight micro-batch (blocks + stage boundary + last-stage extras)
-    has_head: bool  # the last stage: the chunked cross-entropy's transient chunk
-    transient_per_token: float  # recompute / backward workspace / loss backward, once
+    extras: float  # bytes per token held through the whole backward of a micro-batch (stage boundary, norms, ...)
+    blocks: tuple[BlockActivations, ...]  # forward order, the MTP block last
+    head: float  # bytes of the loss chunk's backward on the stage with the head, else 0
+
+    @property
+    def saved_per_token(self) -> float:
+        """Kept per in-flight micro-batch: the blocks' saved activations and the extras."""
+        return self.extras + sum(b.saved for b in self.blocks)
 
 
 def stage_activations(args: GLM52ModelArgs, layer_ids: range, is_first: bool, is_last: bool, with_mtp: bool,
-                      ac_mode: str, selective_option: str, act_bytes: int, load: float, ep: bool
+                      ac_mode: str, selective_option: str, act_bytes: int, load: float, ep: bool, tokens: int
                       ) -> StageActivations:
-    """Activation bytes per token of one pipeline stage (module docstring)."""
+    """Activations of one pipeline stage for micro-batches of ``tokens`` tokens (module docstring)."""
     a, d = act_bytes, args.hidden_size
-    blocks = list(layer_ids) + ([args.num_hidden_layers] if is_last and with_mtp else [])
-    modes = _block_modes(ac_mode, selective_option, len(blocks))
-    saved = sum(block_bytes_per_token(args, b, m, a, load, ep) for b, m in zip(blocks, modes))
-    saved += 8 + (a * d if with_mtp else 0)  # positions; next-token embeddings
-    if is_first:
-        saved += 8  # token ids (the embedding backward)
-    if not is_last:
-        saved += a * d  # the stage output, kept for its backward
-    transient = 0.0
-    if is_last:
-        saved += 2 * a * d + 4
-        if with_mtp:
-            saved += 6 * a * d + 8
-    work = 0.0
-    for b, m in zip(blocks, modes):
+    ids = list(layer_ids) + ([args.num_hidden_layers] if is_last and with_mtp else [])
+    modes = _block_modes(ac_mode, selective_option, len(ids))
+    blocks = []
+    for b, m in zip(ids, modes):
+        # A checkpointed block ("full", "op") rebuilds its "none" set in backward while its own saved tensors are
+        # still held (for "op" the cached ones are shared: counted twice, an upper bound).
         recompute = block_bytes_per_token(args, b, "none", a, load, ep) if m != "none" else 0.0
-        workspace = 4 * a * d + (2 * args.num_experts_per_tok * a * d * load if args.is_moe_layer(b) else 0.0)
-        work = max(work, recompute + workspace)
-    return StageActivations(saved, is_last, transient + work)
+        blocks.append(BlockActivations(b, m, block_bytes_per_token(args, b, m, a, load, ep),
+                                       tokens * recompute + backward_workspace(args, b, tokens, a, load)))
+    extras = 8 + (a * d if with_mtp else 0)  # positions; next-token embeddings
+    if is_first:
+        extras += 8  # token ids (the embedding backward)
+    if not is_last:
+        extras += a * d  # the stage output, kept for its backward
+        if with_mtp and not is_first:
+            extras += a * d  # the copy of the next-token embeddings it sends on
+    else:
+        extras += 3 * a * d + 4  # final norm: input, normalised copy, output (the head's chunks)
+        if with_mtp:
+            extras += 7 * a * d + 12  # enorm and hnorm normalised copies, concat (2D), MTP norm (3D)
+    return StageActivations(extras, tuple(blocks), loss_chunk_bytes(args, tokens) if is_last else 0.0)
 
 
 # ===================================================================================== in-flight chunks
@@ -312,6 +436,7 @@ class _Unit:
     local: int  # padded sharded elements
     trainable: int
     unsharded: int  # all-gather output elements (padded)
+    grad_unsharded: int = 0  # of which trainable: the unsharded gradient's elements
 
 
 def _fsdp_units(model: nn.Module) -> tuple[list[_Unit], int, int]:
@@ -335,6 +460,7 @@ def _fsdp_units(model: nn.Module) -> tuple[list[_Unit], int, int]:
                 unit.unsharded += padded * fp.mesh_info.shard_mesh_size
                 if fp.sharded_param.requires_grad:
                     unit.trainable += padded
+                    unit.grad_unsharded += padded * fp.mesh_info.shard_mesh_size
                 managed.add(id(fp.sharded_param))
             units.append(unit)
     local = trainable = 0
@@ -345,6 +471,132 @@ def _fsdp_units(model: nn.Module) -> tuple[list[_Unit], int, int]:
         local += numel
         trainable += numel if p.requires_grad else 0
     return units, local, trainable
+
+
+# ===================================================================================== the backward walk
+@dataclass
+class _Step:
+    """What runs backward together: the head, the MTP layer, the final norm (root unit), one block (its unit and,
+    under EP, its experts' unit) or the embedding; with the saved bytes per token its backward frees and the bytes
+    alive on top while it runs."""
+
+    name: str
+    units: list[_Unit] = field(default_factory=list)
+    saved: float = 0.0
+    backward: float = 0.0
+    # The root module (final norm) and the embedding take token ids (no gradient), so FSDP has no input to hook
+    # their post-backward on: it runs in the final callback, at the end of backward.
+    deferred: bool = False
+
+    @property
+    def unsharded(self) -> int:
+        return sum(u.unsharded for u in self.units)
+
+    @property
+    def grad_unsharded(self) -> int:
+        return sum(u.grad_unsharded for u in self.units)
+
+    @property
+    def trainable(self) -> int:
+        return sum(u.trainable for u in self.units)
+
+
+def _step_key(unit_name: str):
+    parts = unit_name.split(".")
+    if unit_name == "output":
+        return "head"
+    if parts[0] == "mtp":
+        return "mtp"
+    if parts[0] == "layers":
+        return int(parts[1])
+    if parts[0] == "tok_embeddings":
+        return "embedding"
+    return "norm"  # the root unit: the final norm (nothing on a stage without it)
+
+
+def _backward_steps(args: GLM52ModelArgs, units: list[_Unit], acts: StageActivations) -> list[_Step]:
+    """One stage's backward, in order: head, MTP layer, final norm, blocks last to first, embedding."""
+    steps: dict = {"head": _Step("head", backward=acts.head), "mtp": _Step("MTP layer"),
+                   "norm": _Step("final norm", deferred=True)}
+    for b in reversed(acts.blocks):
+        key = "mtp" if b.layer_id >= args.num_hidden_layers else b.layer_id
+        step = steps.setdefault(key, _Step(f"layer {b.layer_id}"))
+        step.saved, step.backward = b.saved, b.backward
+    steps["embedding"] = _Step("embedding", deferred=True)
+    for u in units:
+        key = _step_key(u.name)
+        steps.setdefault(key, _Step(str(key))).units.append(u)
+    return [st for st in steps.values() if st.units or st.saved or st.backward]
+
+
+def _unpipelined_phases(steps: list[_Step], extras: float, tokens: int, a: int, keep_all: bool, head_calls: int,
+                        loose_grads: float) -> list[Phase]:
+    """Walks the backward of the one micro-batch (module docstring, "Peak", without pipeline parallelism)."""
+    phases = []
+    grads = loose_grads  # gradients of parameters FSDP does not manage: counted from the start
+    prev_rs = 0.0  # the last reduce-scatter input, freed when the next reduce-scatter starts
+    deferred: list[_Step] = []  # steps whose post-backward waits for the end of backward
+    for i, st in enumerate(steps):
+        later = steps[i:]
+        live = sum(x.unsharded for x in later) if keep_all else sum(x.unsharded for x in steps[i:i + 2])
+        live += sum(x.unsharded for x in deferred)
+        waiting = a * sum(x.grad_unsharded for x in deferred)
+        acts = tokens * (extras + sum(x.saved for x in later))
+        held_grads, held_rs = grads, prev_rs
+        if st.name == "head" and head_calls > 1:
+            # Every call of the head (each loss chunk, the MTP loss) reduce-scatters its gradient on its own: a later
+            # call runs with the earlier calls' sharded gradient and reduce-scatter input alive.
+            held_grads, held_rs = grads + 4.0 * st.trainable, 4.0 * st.grad_unsharded
+        # While it runs: its transient and its unsharded param_dtype gradient.
+        phases.append(Phase(f"backward {st.name}", held_grads, a * live, 0.0, acts,
+                            st.backward + a * st.grad_unsharded + held_rs + waiting))
+        if st.deferred:
+            deferred.append(st)
+            continue
+        # Post-backward: reshard, free the previous reduce-scatter input, copy the gradient into an fp32 one.
+        phases.append(Phase(f"reduce-scatter {st.name}", grads, a * (live - st.unsharded), 0.0,
+                            acts - tokens * st.saved, (a + 4.0) * st.grad_unsharded + waiting))
+        grads += 4.0 * st.trainable
+        prev_rs = 4.0 * st.grad_unsharded
+    for j, st in enumerate(deferred):  # the final callback: root first, then the embedding
+        rest = deferred[j:]
+        phases.append(Phase(f"reduce-scatter {st.name}", grads, a * sum(x.unsharded for x in rest[1:]), 0.0, 0.0,
+                            a * sum(x.grad_unsharded for x in rest) + 4.0 * st.grad_unsharded))
+        grads += 4.0 * st.trainable
+        prev_rs = 4.0 * st.grad_unsharded
+    phases.append(Phase("end of backward", grads, 0.0, 0.0, 0.0, prev_rs))
+    return phases
+
+
+def _pipelined_phases(steps: dict[int, list[_Step]], acts: list[StageActivations], alive: list[int], tokens: int,
+                      a: int, units: list[_Unit], loose_grads: float, buffers: float) -> list[Phase]:
+    """The micro-batch backward of each stage in flight, the final gradient reduction and the end of backward
+    (module docstring, "Peak", under pipeline parallelism). ``buffers``: the schedule's per-micro-batch buffers,
+    held all step."""
+    unsharded = a * sum(u.unsharded for u in units)
+    accum = 4.0 * sum(u.grad_unsharded for u in units)
+    held = tokens * sum(acts[s].saved_per_token for s in alive)
+    phases = []
+    for s in sorted(set(alive)):  # the chunk being run backward is one of stage s
+        others = held - tokens * acts[s].saved_per_token
+        for i, st in enumerate(steps[s]):
+            phases.append(Phase(
+                f"backward {st.name}" + (f" (stage {s})" if len(set(alive)) > 1 else ""), loose_grads, unsharded,
+                accum, buffers + others + tokens * (acts[s].extras + sum(x.saved for x in steps[s][i:])),
+                st.backward + a * st.grad_unsharded))
+    rs = 4.0 * max((u.grad_unsharded for u in units), default=0)
+    phases.append(Phase("gradient reduction", loose_grads, unsharded, accum, buffers, rs))
+    phases.append(Phase("end of backward", loose_grads + 4.0 * sum(u.trainable for u in units), 0.0, 0.0, buffers))
+    return phases
+
+
+def pipeline_buffer_bytes_per_token(args: GLM52ModelArgs, stage: int, num_stages: int, with_mtp: bool,
+                                    act_bytes: int) -> float:
+    """Bytes per token of one micro-batch that torch's ``PipelineStage`` keeps for EVERY micro-batch of the step
+    (module docstring): receive buffers for the stage inputs (not on the first stage) and for the gradients of
+    its outputs (not on the last), and the last stage's outputs (``output_chunks``, returned by ``step``)."""
+    per_tensor = act_bytes * args.hidden_size * (2 if with_mtp else 1)  # hidden states (+ next-token embeddings)
+    return per_tensor * ((stage > 0) + (stage < num_stages - 1) + (stage == num_stages - 1))
 
 
 # ===================================================================================== the plan
@@ -424,21 +676,23 @@ def plan_memory(req: MemoryRequest) -> MemoryReport:
     starts = [sum(plan.layers_per_stage[:i]) for i in range(pl.num_stages)]
     stage_layers = [range(b, b + n) for b, n in zip(starts, plan.layers_per_stage)]
     acts = [stage_activations(args, stage_layers[s], s == 0, s == pl.num_stages - 1, req.with_mtp, req.ac_mode,
-                              req.selective_ac_option, act_bytes, req.expert_load_factor, req.ep > 1)
+                              req.selective_ac_option, act_bytes, req.expert_load_factor, req.ep > 1, tokens)
             for s in range(pl.num_stages)]
-    accumulate = pipelined  # PipelineStage defers every reduce-scatter to the end of the step
-    keep_all = accumulate or not _reshard_policy(req.reshard_after_forward, pipelined, deg.dp_shard)
+    keep_all = pipelined or not _reshard_policy(req.reshard_after_forward, pipelined, deg.dp_shard)
     ranks_per_pp = deg.dp_replicate * deg.dp_shard
+    # Calls of the head per micro-batch: one per loss chunk, twice with MTP.
+    head_calls = math.ceil(tokens / LOSS_CHUNK) * (2 if req.with_mtp else 1)
 
     for pp_rank in range(req.pp):
         rank = pp_rank * ranks_per_pp
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=req.gpus)
         try:
             mesh, modules, stage_ids = _build_rank(req, plan, rank, pp_rank)
-            units, loose, loose_trainable = [], 0, 0
-            for module in modules:
+            units, steps, loose, loose_trainable = [], {}, 0, 0
+            for s, module in zip(stage_ids, modules):
                 u, lo, lt = _fsdp_units(module)
                 units += u
+                steps[s] = _backward_steps(args, u, acts[s])
                 loose += lo
                 loose_trainable += lt
             chunk = {s: acts[s].saved_per_token for s in stage_ids}
@@ -452,32 +706,23 @@ def plan_memory(req: MemoryRequest) -> MemoryReport:
                                           pl.num_stages, n_mb, chunk)
         finally:
             dist.destroy_process_group()
-        saved = tokens * sum(acts[s].saved_per_token for s in alive)
-        loss_chunk = 0.0  # chunked cross-entropy everywhere: no kept logits, one chunk in flight on the head's rank
-        if any(acts[s].has_head for s in stage_ids):
-            loss_chunk = min(tokens, LOSS_CHUNK) * args.vocab_size * (act_bytes + 8)
         local = sum(u.local for u in units) + loose
         trainable = sum(u.trainable for u in units) + loose_trainable
-        by_size = sorted(units, key=lambda u: u.unsharded, reverse=True)
-        sizes = [u.unsharded for u in by_size]
-        if keep_all:
-            live = by_size
-        else:  # current + prefetched unit, and ``output`` (kept unsharded unless "always")
-            live = by_size[:2] + [u for u in by_size[2:] if u.name.split(".")[-1] == "output"
-                                  and req.reshard_after_forward != "always"]
-        unsharded_elems = sum(u.unsharded for u in live)
-        largest = sizes[0] if sizes else 0
-        if accumulate:
-            fsdp_transient = largest * act_bytes
+        if pipelined:
+            buffers = n_mb * tokens * sum(pipeline_buffer_bytes_per_token(args, s, pl.num_stages, req.with_mtp,
+                                                                          act_bytes) for s in stage_ids)
+            phases = _pipelined_phases(steps, acts, alive, tokens, act_bytes, units, 4.0 * loose_trainable, buffers)
         else:
-            fsdp_transient = sum(sizes[:2]) * (act_bytes + 4)
+            (s,) = stage_ids
+            phases = _unpipelined_phases(steps[s], acts[s].extras, tokens, act_bytes, keep_all, head_calls,
+                                         4.0 * loose_trainable)
+        peak = max(phases, key=lambda ph: ph.total)
         report.ranks.append(RankMemory(
             pp_rank=pp_rank, rank=rank, stages=stage_ids, layers=tuple(stage_layers[s] for s in stage_ids),
-            local_params=local, trainable_params=trainable, params=4.0 * local, grads=4.0 * trainable,
-            optimizer=8.0 * trainable, unsharded=float(unsharded_elems * act_bytes),
-            grad_accum=4.0 * sum(sizes) if accumulate else 0.0, activations=saved,
-            transient=tokens * max(acts[s].transient_per_token for s in stage_ids) + fsdp_transient + loss_chunk,
-            in_flight=len(alive), units=len(units)))
+            local_params=local, trainable_params=trainable, params=4.0 * local, grads=peak.grads,
+            optimizer=8.0 * trainable, unsharded=peak.unsharded, grad_accum=peak.grad_accum,
+            activations=peak.activations, transient=peak.transient, in_flight=len(alive), units=len(units),
+            phase=peak.name, phases=tuple(phases)))
     return report
 
 
@@ -547,7 +792,7 @@ def format_report(report: MemoryReport, model_name: str) -> str:
         "",
         f"{unit} per GPU (one representative rank per pipeline rank):",
         f"{'pp':>3} {'rank':>5} {'stages':>7} {'layers':>11} {'params':>7} {'grads':>7} {'AdamW':>7} "
-        f"{'unshard':>7} {'gradacc':>7} {'activ':>7} {'transnt':>7} {'total':>7} {'mb':>3}  fits",
+        f"{'unshard':>7} {'gradacc':>7} {'activ':>7} {'transnt':>7} {'total':>7} {'mb':>3}  fits  peak at",
     ]
     for r in report.ranks:
         layers = ",".join(_layers(lr) for lr in r.layers)
@@ -555,12 +800,13 @@ def format_report(report: MemoryReport, model_name: str) -> str:
                   r.total)
         lines.append(f"{r.pp_rank:>3} {r.rank:>5} {','.join(map(str, r.stages)):>7} {layers:>11} "
                      + " ".join(f"{v / scale:7.2f}" for v in values)
-                     + f" {r.in_flight:>3}  {'yes' if r.total <= report.budget else 'NO'}")
+                     + f" {r.in_flight:>3}  {'yes' if r.total <= report.budget else 'NO ':<3}  {r.phase}")
     lines += [
-        "columns: fp32 master params, fp32 grads, AdamW states (2 x fp32), FSDP unsharded params in flight "
-        f"({req.param_dtype}), unsharded fp32 gradient accumulation (pipeline), saved activations of the "
-        "in-flight micro-batches (mb), transient (recompute, backward workspace, one chunk of the chunked "
-        "cross-entropy on the head's rank, FSDP gradient buffers)",
+        "columns: what is alive at the rank's peak, the phase named last (module docstring, \"Peak\"): fp32 "
+        "master params, fp32 sharded grads already reduced, AdamW states (2 x fp32), FSDP unsharded params "
+        f"({req.param_dtype}), unsharded fp32 gradient accumulation (pipeline), saved activations of the in-flight "
+        "micro-batches (mb) and the pipeline schedule's per-micro-batch buffers, transient (recompute, backward "
+        "workspace, loss chunk, FSDP gradient buffers)",
     ]
     worst = report.worst
     lines += [
