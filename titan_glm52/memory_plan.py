@@ -66,9 +66,9 @@ Phases, with pipeline parallelism (per rank):
                     resharded and its accumulation freed as it is reduced) + the largest fp32 reduce-scatter input
   end of backward   all sharded gradients (the schedule's buffers stay until the next step)
 Schedule buffers: ``PipelineStage`` allocates, for EVERY micro-batch of the step, a receive buffer per stage input
-(not on the first stage) and per output gradient (not on the last), and the last stage keeps every micro-batch's
-outputs in ``output_chunks`` (``schedule.step`` returns them): per micro-batch and token a*D for the hidden
-states, twice with MTP (the next-token embeddings travel along), for each of these.
+(not on the first stage) and per output gradient (not on the last): per micro-batch and token a*D for the hidden
+states, twice with MTP (the next-token embeddings travel along), for each of these. (The trainer steps the schedule
+with ``return_outputs=False``, so the last stage keeps no ``output_chunks``.)
 In flight: every (stage, micro-batch) a rank has run forward but not yet finished backward holds its stage's
 activations. 1F1B: stage s holds min(n_mb, pp - s) micro-batches; GPipe: n_mb; multi-stage schedules
 (Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV): the real schedule object is
@@ -594,9 +594,9 @@ def pipeline_buffer_bytes_per_token(args: GLM52ModelArgs, stage: int, num_stages
                                     act_bytes: int) -> float:
     """Bytes per token of one micro-batch that torch's ``PipelineStage`` keeps for EVERY micro-batch of the step
     (module docstring): receive buffers for the stage inputs (not on the first stage) and for the gradients of
-    its outputs (not on the last), and the last stage's outputs (``output_chunks``, returned by ``step``)."""
+    its outputs (not on the last)."""
     per_tensor = act_bytes * args.hidden_size * (2 if with_mtp else 1)  # hidden states (+ next-token embeddings)
-    return per_tensor * ((stage > 0) + (stage < num_stages - 1) + (stage == num_stages - 1))
+    return per_tensor * ((stage > 0) + (stage < num_stages - 1))
 
 
 # ===================================================================================== the plan

@@ -380,9 +380,9 @@ class Trainer:
         self._pp_parts = []
         target = labels if self.has_last else None
         if self.has_first:
-            self.schedule.step(tokens, target=target, positions=positions)
-        else:
-            self.schedule.step(target=target, positions=positions)
+            self.schedule.step(tokens, target=target, positions=positions, return_outputs=False)
+        else:  # (return_outputs=False: the last stage keeps no micro-batch outputs; the losses are collected above)
+            self.schedule.step(target=target, positions=positions, return_outputs=False)
         if self._pp_parts:
             summed = torch.stack(self._pp_parts).sum(0).to(parts.dtype)
             parts[0] += summed[0]

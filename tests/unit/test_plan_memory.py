@@ -101,8 +101,8 @@ def test_debug_activations_follow_the_stated_formula():
         in_flight = min(4, 2 - r.stages[0])  # 1F1B: pp - stage
         assert r.in_flight == in_flight
         # Every micro-batch: hidden states + next-token embeddings, as output-gradient receive buffers (stage 0) or
-        # as input receive buffers and kept outputs (the last stage).
-        buffers = 4 * 64 * (2 * a * d) * (1 if first else 2)
+        # as input receive buffers (the last stage; it keeps no outputs: the trainer passes return_outputs=False).
+        buffers = 4 * 64 * (2 * a * d)
         # The first step of the backward still holds everything the in-flight micro-batches saved.
         first_backward = r.phases[0]
         assert first_backward.activations == pytest.approx(buffers + in_flight * 64 * per_token)
