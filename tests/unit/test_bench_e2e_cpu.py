@@ -81,3 +81,26 @@ def test_summarize_ours_averages_after_warmup():
     assert out["mfu_pct"] == pytest.approx((10.0 * 1 + 20.0 * 3) / 4) and out["peak_allocated_gib"] == 21.0
     with pytest.raises(ValueError):
         e2e.summarize_ours(rows, warmup=1, steps=3)
+
+
+def test_trace_summary_groups_kernels_per_step(tmp_path):
+    """bench/trace_summary.py: GPU kernel time per profiled step, by kernel name and by category."""
+    ts = _load("trace_summary")
+    events = [
+        {"ph": "X", "cat": "kernel", "name": "_bwd_dkv_kernel", "dur": 3000.0},
+        {"ph": "X", "cat": "kernel", "name": "_bwd_dkv_kernel", "dur": 1000.0},
+        {"ph": "X", "cat": "kernel", "name": "nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT", "dur": 2000.0},
+        {"ph": "X", "cat": "kernel", "name": "cutlass3x_GroupProblemShape_gemm", "dur": 1000.0},
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoD (Device -> Device)", "dur": 1000.0},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "dur": 9000.0},  # host side: not GPU time
+    ]
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    s = ts.summarize(str(path), steps=2, top=3)
+    assert s["gpu_ms_per_step"] == pytest.approx(4.0)  # 8 ms of GPU work over 2 steps
+    cats = {c["category"]: c["ms_per_step"] for c in s["categories"]}
+    assert cats == pytest.approx({"dsa: sparse mla bwd": 2.0, "gemm (cublas/cutlass)": 1.0,
+                                  "grouped gemm (moe)": 0.5, "copy / cat / index": 0.5})
+    assert [k["name"] for k in s["kernels"]][0] == "_bwd_dkv_kernel" and len(s["kernels"]) == 3
+    assert s["kernels"][0]["calls_per_step"] == 1.0
+    assert "GPU kernel time 4.0 ms/step" in ts.text(s)
