@@ -19,8 +19,8 @@ next-token embeddings are copied.
 every pipeline rank has the batch, and the schedule hands it to every stage as a keyword argument
 (``schedule.step(..., positions=positions)``, split into micro-batches like the inputs); each stage rebuilds
 ``cu_seqlens`` from it. (torch 2.11's stages mark every received tensor as requiring grad, which integer
-tensors cannot.) With MTP, the first stage also sends the embeddings of the next tokens down the pipeline, so the MTP
-layer on the last stage uses the one embedding table of stage 0 and its gradient flows back through the
+tensors cannot.) With MTP, the first stage also sends the embeddings of the next tokens down the pipeline, so
+the MTP layer on the last stage uses the one embedding table of stage 0 and its gradient flows back through the
 pipeline (no tied copy to synchronise). IndexShare top-k never crosses a stage: the splitter only cuts before
 full layers, and each stage starts with no top-k.
 """
