@@ -332,9 +332,10 @@ def valid_extent(indices: torch.Tensor) -> torch.Tensor:
     only these slots: the indexer pads rows with fewer visible keys than top-k with a -1 tail, which at short
     contexts is a large share of the slots (at T = 4K, a quarter)."""
     k = indices.shape[1]
+    if k == 0:
+        return torch.zeros(indices.shape[0], dtype=torch.int32, device=indices.device)
     slot = torch.arange(1, k + 1, device=indices.device, dtype=torch.int32)
-    return torch.where(indices >= 0, slot, 0).amax(dim=1).to(torch.int32) if k else \
-        torch.zeros(indices.shape[0], dtype=torch.int32, device=indices.device)
+    return torch.where(indices >= 0, slot, 0).amax(dim=1).to(torch.int32)
 
 
 def _fwd(q, kv, indices, kend, sm_scale, d_v):
