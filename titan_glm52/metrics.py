@@ -14,6 +14,11 @@ FLOPs of one training step (forward x 3: backward costs twice the forward; recom
 * ``P_sparse = sum over documents of sum_p min(index_topk, p + 1)``: each query attends to at most top-k of its
   visible keys; ``P_causal = sum over documents of L (L + 1) / 2``: the indexer scores every visible key.
   In dense mode (DSA warm-up) ``P_sparse`` is replaced by ``P_causal``.
+* Dense prefix (``[dsa] dense_prefix``): on the layers that use it, the first ``index_topk`` rows of each document of
+  at least ``index_topk`` tokens (``P_prefix = index_topk (index_topk + 1) / 2`` pairs per such document) run in
+  the plain form instead: ``2 * H * (qk_head_dim + v_head_dim)`` per pair (256 + 256 for GLM-5.2), plus their
+  keys' up-projection ``2 * kv_lora_rank * H * (qk_nope_head_dim + v_head_dim)`` per row. The absorbed-form work
+  those rows still do and discard is not counted.
 
 Per device: a data-parallel rank's tokens and FLOPs are divided by the devices that share them (its pipeline
 stages), as torchtitan does; MFU = FLOPs per device / step time / bf16 peak.
@@ -60,8 +65,11 @@ def doc_lengths_of(cu_seqlens: torch.Tensor) -> torch.Tensor:
     return (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.int64)
 
 
-def step_flops(args: GLM52ModelArgs, doc_lengths: torch.Tensor, with_mtp: bool, sparse: bool = True) -> float:
-    """Training FLOPs (forward + backward) for the given documents (their lengths sum to the token count)."""
+def step_flops(args: GLM52ModelArgs, doc_lengths: torch.Tensor, with_mtp: bool, sparse: bool = True,
+               dense_prefix: bool = False, indexer_kl: bool = False) -> float:
+    """Training FLOPs (forward + backward) for the given documents (their lengths sum to the token count).
+    ``dense_prefix``: the model runs with ``[dsa] dense_prefix``; ``indexer_kl``: the full layers train their
+    indexers (those keep every row sparse)."""
     tokens = int(doc_lengths.sum())
     n_active = args.num_active_params(include_mtp=False, include_head=True)
     attn_layers = args.num_hidden_layers
@@ -73,9 +81,17 @@ def step_flops(args: GLM52ModelArgs, doc_lengths: torch.Tensor, with_mtp: bool, 
     p_sparse = _pairs(doc_lengths, args.index_topk if sparse else None)
     p_causal = _pairs(doc_lengths, None)
     d_qk, d_v = args.kv_lora_rank + args.qk_rope_head_dim, args.kv_lora_rank
+    h = args.num_attention_heads
     forward = (2 * n_active * tokens
-               + attn_layers * 2 * args.num_attention_heads * (d_qk + d_v) * p_sparse
+               + attn_layers * 2 * h * (d_qk + d_v) * p_sparse
                + index_layers * 2 * args.index_n_heads * args.index_head_dim * p_causal)
+    if dense_prefix and sparse:
+        k = args.index_topk
+        docs = int((doc_lengths.to(torch.int64) >= k).sum())
+        layers = attn_layers - (index_layers if indexer_kl else 0)
+        plain = 2 * h * (args.qk_head_dim + args.v_head_dim)
+        up = 2 * args.kv_lora_rank * h * (args.qk_nope_head_dim + args.v_head_dim)
+        forward += layers * docs * ((plain - 2 * h * (d_qk + d_v)) * (k * (k + 1) // 2) + up * k)
     return 3.0 * forward
 
 

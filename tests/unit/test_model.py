@@ -183,3 +183,49 @@ def test_chunked_loss_equals_full_logits_loss_and_grads():
     for n, p in model.named_parameters():
         if n in ref:
             torch.testing.assert_close(p.grad, ref[n], rtol=1e-5, atol=2e-5, msg=n)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_dense_prefix_equals_all_sparse(backend, monkeypatch):
+    """The first index_topk rows of a long document, computed in the plain form on SDPA, equal the sparse path
+    (loss and every gradient); short documents and the later rows stay sparse. Mixed lengths: 7 < topk = 16,
+    exactly 16, 40, and a second 40-token row."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+    dtype = torch.float64 if backend == "torch" else torch.float32
+    args = get_flavor("debug").replace(num_hidden_layers=4, first_k_dense_replace=1, num_nextn_predict_layers=0)
+    torch.manual_seed(0)
+    model = GLM52Model(args).to(dtype)
+    model.init_weights(seed=3)
+    model.set_dsa_backend(backend)
+    tokens = torch.randint(0, args.vocab_size, (2, 40))
+    cu = torch.tensor([0, 7, 23, 40, 80], dtype=torch.int32)
+    ctx = model.packed_context(2, 40, cu, torch.device("cpu"))
+    assert ctx.dense_prefix.rows[:, 0].tolist() == [7, 23, 40] and ctx.dense_prefix.rows.shape[1] == 16
+    assert int(ctx.dense_prefix.is_prefix.sum()) == 48
+    from titan_glm52.model import attention
+    calls = []
+    sdpa = attention._causal_sdpa
+    monkeypatch.setattr(attention, "_causal_sdpa", lambda *a: calls.append(a[0].shape) or sdpa(*a))
+    results = []
+    for dense_prefix in (True, False):
+        model.dense_prefix = dense_prefix
+        model.zero_grad()
+        loss = model(tokens, cu, labels=tokens)
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    (l1, g1), (l2, g2) = results
+    assert calls == [torch.Size([3, args.num_attention_heads, 16, args.qk_head_dim])] * 4  # once per layer, on only
+    tol = dict(rtol=1e-9, atol=1e-11) if dtype == torch.float64 else dict(rtol=2e-4, atol=2e-6)
+    torch.testing.assert_close(l1, l2, **tol)
+    assert g1.keys() == g2.keys() and any("wkv_b" in n for n in g1)
+    for n in g1:
+        torch.testing.assert_close(g1[n], g2[n], **tol, msg=lambda m: f"{n}: {m}")
+
+
+def test_dense_prefix_plan_skips_short_documents():
+    from titan_glm52.model.attention import DensePrefix
+    assert DensePrefix.build([5, 15], 16, torch.device("cpu")) is None
+    plan = DensePrefix.build([20, 3, 16], 16, torch.device("cpu"))
+    assert plan.rows[:, 0].tolist() == [0, 23] and plan.is_prefix.tolist() == (
+        [True] * 16 + [False] * 7 + [True] * 16)

@@ -6,6 +6,13 @@ queries (``q_nope @ W_uk`` -> 512-d latent), every head attends over the same la
 ``[c_kv (512) | k_rope (64)]``, and the value up-projection is applied to the latent output. This is
 algebraically the published MLA; it makes a selected key cost 576 values instead of 64 * 448.
 
+Dense prefix: the first ``index_topk`` tokens of a document see at most ``index_topk`` keys, so their top-k is every
+visible key and their DSA attention is plain causal attention. When ``PackedContext.dense_prefix`` is set, those
+rows (of every document of at least ``index_topk`` tokens) run in the plain MLA form (per-head 256-d keys and
+values from ``wkv_b``) on a dense causal kernel (SDPA: cuDNN / FlashAttention on GPU), and only the remaining rows
+go through the sparse kernels. Same math, a different summation order; it saves a third of the sparse work at
+``T = 2 * index_topk`` (``bench/attn_paths.py``).
+
 IndexShare is explicit dataflow (architecture rule 2): ``forward`` takes the top-k of the previous block and
 returns the top-k its successors use. A full layer computes new indices (deterministically, so a recompute
 under activation checkpointing selects the same keys); a shared layer passes its input on.
@@ -19,6 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from titan_glm52.kernels import reference, triton_kernels
 from titan_glm52.model.args import GLM52ModelArgs
@@ -55,6 +63,39 @@ def _dsa_ops(backend: str):
 
 
 @dataclass
+class DensePrefix:
+    """The rows whose DSA attention is plain causal attention: the first ``rows.shape[1]`` (= index_topk) tokens
+    of every document that has at least that many."""
+
+    rows: torch.Tensor  # int64 [n_docs, topk]: global rows, document by document
+    is_prefix: torch.Tensor  # bool [T]
+
+    @staticmethod
+    def build(doc_lengths: list[int], topk: int, device: torch.device) -> DensePrefix | None:
+        """From host-side document lengths (in stream order); None when no document reaches ``topk`` tokens."""
+        starts, at = [], 0
+        for length in doc_lengths:
+            if length >= topk:
+                starts.append(at)
+            at += length
+        if not starts:
+            return None
+        rows = torch.tensor(starts, device=device)[:, None] + torch.arange(topk, device=device)
+        is_prefix = torch.zeros(at, dtype=torch.bool, device=device)
+        is_prefix[rows.reshape(-1)] = True
+        return DensePrefix(rows, is_prefix)
+
+
+@torch.compiler.disable
+def _causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of ``[N, H, L, D]`` tensors on the fastest exact SDPA backend (cuDNN first on GPU)."""
+    backends = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                SDPBackend.MATH]
+    with sdpa_kernel(backends, set_priority=True):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+
+
+@dataclass
 class PackedContext:
     """What every block needs about the packed batch: document boundaries and rotary tables."""
 
@@ -62,6 +103,7 @@ class PackedContext:
     cos: torch.Tensor  # fp32 [T, qk_rope_head_dim // 2]
     sin: torch.Tensor
     rows: int = 1  # B: the flattened stream is B rows of T / B tokens
+    dense_prefix: DensePrefix | None = None  # set: sparse layers run these rows on a dense causal kernel
 
 
 @torch.no_grad()
@@ -171,11 +213,18 @@ class Attention(nn.Module):
             topk = topk_in
 
         lse = None
+        # The KL needs every row's log-sum-exp from the sparse kernels, so a layer that trains its indexer now
+        # keeps all rows there.
+        prefix = ctx.dense_prefix if self.sparse and not train_indexer else None
         if self.sparse:
-            o_lat, lse = sparse_mla(q_abs, kv, topk, self.softmax_scale, self.kv_rank)
+            idx = topk if prefix is None else topk.masked_fill(prefix.is_prefix[:, None], -1)
+            o_lat, lse = sparse_mla(q_abs, kv, idx, self.softmax_scale, self.kv_rank)
         else:
             o_lat = reference.dense_causal_attention(q_abs, kv, ctx.cu_seqlens, self.softmax_scale, self.kv_rank)
-        out = self.wo(torch.einsum("thr,hvr->thv", o_lat, w_uv).reshape(t, self.n_heads * self.v_dim))
+        o = torch.einsum("thr,hvr->thv", o_lat, w_uv)
+        if prefix is not None:  # those rows' sparse output is 0 (no key); put the dense result there
+            o = o.index_copy(0, prefix.rows.reshape(-1), self._plain_causal(prefix.rows, q_nope, q_rope, c_kv, k_rope))
+        out = self.wo(o.reshape(t, self.n_heads * self.v_dim))
         if train_indexer and self.sparse:  # KL over the selected keys, from the attention's own LSE
             kl = indexer_kl_sparse(q_abs.detach(), kv.detach(), self.softmax_scale, lse.detach(), q_i, k_i, w_i,
                                    self.indexer.softmax_scale, topk, ctx.cu_seqlens).sum()
@@ -193,3 +242,16 @@ class Attention(nn.Module):
             self.last_recall = topk_recall(q_abs[rows].detach(), kv.detach(), topk[rows], rows, starts,
                                            self.softmax_scale)
         return out, topk
+
+    def _plain_causal(self, rows: torch.Tensor, q_nope, q_rope, c_kv, k_rope) -> torch.Tensor:
+        """Causal attention in the plain MLA form over each document prefix ``rows [n, L]``: ``[n * L, H, v_dim]``.
+        Keys and values come from ``wkv_b`` per head; the rope key is shared by the heads."""
+        n, length = rows.shape
+        flat = rows.reshape(-1)
+        h = self.n_heads
+        kvb = self.wkv_b(c_kv[flat]).view(n, length, h, self.nope + self.v_dim)
+        k = torch.cat((kvb[..., : self.nope], k_rope[flat].view(n, length, 1, -1).expand(-1, -1, h, -1)), dim=-1)
+        q = torch.cat((q_nope[flat], q_rope[flat]), dim=-1).view(n, length, h, -1)
+        v = kvb[..., self.nope:]
+        o = _causal_sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), self.softmax_scale)
+        return o.transpose(1, 2).reshape(n * length, h, self.v_dim)

@@ -18,7 +18,7 @@ from torch.utils.checkpoint import checkpoint
 from titan_glm52.kernels.reference import check_cu_seqlens, doc_positions
 from titan_glm52.model.args import GLM52ModelArgs
 from titan_glm52.model.init import init_weights_
-from titan_glm52.model.attention import Attention, PackedContext
+from titan_glm52.model.attention import Attention, DensePrefix, PackedContext
 from titan_glm52.model.moe import MoE, FeedForward
 from titan_glm52.model.norms import RMSNorm
 from titan_glm52.model.rope import rope_cos_sin
@@ -92,6 +92,9 @@ class GLM52Model(nn.Module):
         if with_mtp is None:
             with_mtp = args.num_nextn_predict_layers > 0
         self.mtp = MTPLayer(args) if with_mtp else None
+        # Rows within the first index_topk tokens of a document run on a dense causal kernel (``[dsa]
+        # dense_prefix``; same math, see model/attention.py). Read by ``packed_context``.
+        self.dense_prefix = True
 
     # ------------------------------------------------------------------------------------- setup
     def init_weights(self, seed: int = 0) -> None:
@@ -115,11 +118,15 @@ class GLM52Model(nn.Module):
         total = batch * seq
         if cu_seqlens is None:
             cu_seqlens = torch.arange(0, total + 1, seq, dtype=torch.int32, device=device)
+            lengths = [seq] * batch
         else:
             cu_seqlens = cu_seqlens.to(device=device, dtype=torch.int32)
             check_cu_seqlens(cu_seqlens, total)
+            bounds = cu_seqlens.tolist()
+            lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
         cos, sin = rope_cos_sin(doc_positions(cu_seqlens, total), self.args.qk_rope_head_dim, self.args.rope_theta)
-        return PackedContext(cu_seqlens, cos, sin, rows=batch)
+        prefix = DensePrefix.build(lengths, self.args.index_topk, device) if self.dense_prefix else None
+        return PackedContext(cu_seqlens, cos, sin, rows=batch, dense_prefix=prefix)
 
     def run_layers(self, h: torch.Tensor, ctx: PackedContext) -> torch.Tensor:
         topk = None  # every stage starts on a full layer (pipeline splitter), so it begins with no top-k

@@ -1,0 +1,44 @@
+"""The DSA-aware FLOP count behind MFU, against a row-by-row count."""
+
+import pytest
+import torch
+
+from titan_glm52 import get_flavor
+from titan_glm52.metrics import step_flops
+
+
+def _row_by_row(args, lengths, with_mtp, dense_prefix, indexer_kl):
+    k, h = args.index_topk, args.num_attention_heads
+    absorbed = 2 * h * (args.kv_lora_rank + args.qk_rope_head_dim + args.kv_lora_rank)
+    plain = 2 * h * (args.qk_head_dim + args.v_head_dim)
+    up = 2 * args.kv_lora_rank * h * (args.qk_nope_head_dim + args.v_head_dim)
+    n_active = args.num_active_params(include_mtp=False, include_head=True)
+    attn_layers, index_layers = args.num_hidden_layers, len(args.index_share.full_layers)
+    if with_mtp:
+        n_active += args._mtp_params(active=True) + args.vocab_size * args.hidden_size
+        attn_layers, index_layers = attn_layers + 1, index_layers + 1
+    prefix_layers = (attn_layers - (index_layers if indexer_kl else 0)) if dense_prefix else 0
+    fwd = 2 * n_active * sum(lengths)
+    for length in lengths:
+        for p in range(length):
+            fwd += index_layers * 2 * args.index_n_heads * args.index_head_dim * (p + 1)
+            if length >= k and p < k:  # a prefix row: plain form on the prefix layers
+                fwd += prefix_layers * (plain * (p + 1) + up) + (attn_layers - prefix_layers) * absorbed * (p + 1)
+            else:
+                fwd += attn_layers * absorbed * min(k, p + 1)
+    return 3 * fwd
+
+
+@pytest.mark.parametrize("dense_prefix,indexer_kl,with_mtp", [(False, False, False), (True, False, False),
+                                                               (True, True, True), (True, False, True)])
+def test_step_flops_counts_rows_as_they_run(dense_prefix, indexer_kl, with_mtp):
+    args = get_flavor("debug")  # index_topk 16
+    lengths = [7, 16, 40, 3]
+    got = step_flops(args, torch.tensor(lengths), with_mtp, dense_prefix=dense_prefix, indexer_kl=indexer_kl)
+    assert got == pytest.approx(_row_by_row(args, lengths, with_mtp, dense_prefix, indexer_kl), rel=1e-12)
+
+
+def test_dense_prefix_counts_fewer_flops_at_glm52_widths():
+    args = get_flavor("glm52_proxy")  # plain form 2 * 64 * 512 per pair against 2 * 64 * 1088 absorbed
+    sparse, prefix = (step_flops(args, torch.tensor([4096]), False, dense_prefix=d) for d in (False, True))
+    assert 0.9 * sparse < prefix < sparse
