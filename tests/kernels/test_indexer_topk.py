@@ -57,6 +57,8 @@ def test_matches_reference(lengths, h_i, d_i, topk, seed, kw):
     cu = cu_seqlens(lengths)
     out = indexer_topk(q, k, w, cu, topk, 0.37)
     _check(out, R.indexer_topk(q, k, w, cu, topk, 0.37), lengths, topk)
+    # the host-side longest length (no device-to-host copy) gives the same selection
+    assert torch.equal(indexer_topk(q, k, w, cu, topk, 0.37, max_len=max(lengths)), out)
 
 
 def test_chunked_scratch_and_stash_overflow():

@@ -229,9 +229,12 @@ def _config(h_i: int, d_i: int, dtype: torch.dtype):
 
 @torch.no_grad()
 def indexer_topk(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, cu_seqlens: torch.Tensor, topk: int,
-                 scale: float, *, scratch_bytes: int = SCRATCH_BYTES,
+                 scale: float, *, max_len: int | None = None, scratch_bytes: int = SCRATCH_BYTES,
                  stash_cap: int = STASH_CAP) -> torch.Tensor:
-    """Same contract as ``reference.indexer_topk`` (selected set identical; rows listed in ascending order)."""
+    """Same contract as ``reference.indexer_topk`` (selected set identical; rows listed in ascending order).
+
+    ``max_len``: the longest document's length, when the caller knows it on the host (the model's packed
+    context does); then ``cu_seqlens`` is taken as valid and the call makes no device-to-host copy."""
     total, h_i, d_i = q.shape
     if k.shape != (total, d_i) or weights.shape != (total, h_i):
         raise ValueError(f"shape mismatch: q {tuple(q.shape)}, k {tuple(k.shape)}, weights {tuple(weights.shape)}")
@@ -240,11 +243,11 @@ def indexer_topk(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, cu_seq
     if total == 0 or topk == 0:
         return out
     cu = cu_seqlens.to(device=q.device, dtype=torch.int64)
-    if cu.dim() != 1 or int(cu[0]) != 0 or int(cu[-1]) != total:
+    if max_len is None and (cu.dim() != 1 or int(cu[0]) != 0 or int(cu[-1]) != total):
         raise ValueError("cu_seqlens must be 1-D, start at 0 and end at T")
     lengths = cu[1:] - cu[:-1]
     starts = torch.repeat_interleave(cu[:-1], lengths, output_size=total).to(torch.int32)
-    maxlen = int(lengths.max())
+    maxlen = int(lengths.max()) if max_len is None else int(max_len)
     q = q.contiguous() if q.stride(-1) != 1 else q
     k = k.contiguous() if k.stride(-1) != 1 else k
     weights = weights.float().contiguous()

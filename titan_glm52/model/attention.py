@@ -40,7 +40,8 @@ BACKENDS = ("torch", "triton")
 @functools.cache
 def dsa_ops(backend: str):
     """(indexer_topk, sparse_mla, indexer_kl_sparse) of a backend; signatures as in ``kernels/reference.py``
-    (``indexer_kl_sparse(q, kv, sm_scale, lse, q_idx, k_idx, w_idx, idx_scale, indices) -> [T]``).
+    (``indexer_topk`` also takes ``max_len``, the longest document when known on the host;
+    ``indexer_kl_sparse(q, kv, sm_scale, lse, q_idx, k_idx, w_idx, idx_scale, indices) -> [T]``).
 
     Under torch.compile they stay opaque (``torch.compiler.disable``): the blocks' projections and MoE compile
     around them, the DSA kernels run as they are (the torch reference has data-dependent chunk bounds, the
@@ -50,15 +51,21 @@ def dsa_ops(backend: str):
 
 def _dsa_ops(backend: str):
     if backend == "torch":
+        def topk_fn(q, k, w, cu_seqlens, topk, scale, max_len=None):
+            return reference.indexer_topk(q, k, w, cu_seqlens, topk, scale)
+
         def kl_sparse(q, kv, sm_scale, lse, q_idx, k_idx, w_idx, idx_scale, indices, cu_seqlens):
             return reference.indexer_kl(q, kv, sm_scale, q_idx, k_idx, w_idx, idx_scale, cu_seqlens, indices=indices)
-        return reference.indexer_topk, reference.sparse_mla, kl_sparse
+        return topk_fn, reference.sparse_mla, kl_sparse
     if backend == "triton":
         k = triton_kernels()
 
+        def topk_fn(q, kk, w, cu_seqlens, topk, scale, max_len=None):
+            return k["indexer_topk"](q, kk, w, cu_seqlens, topk, scale, max_len=max_len)
+
         def kl_sparse(q, kv, sm_scale, lse, q_idx, k_idx, w_idx, idx_scale, indices, cu_seqlens):
             return k["indexer_kl_sparse"](q, kv, sm_scale, lse, q_idx, k_idx, w_idx, idx_scale, indices)
-        return k["indexer_topk"], k["sparse_mla"], kl_sparse
+        return topk_fn, k["sparse_mla"], kl_sparse
     raise ValueError(f"unknown DSA backend {backend!r}; choose one of {BACKENDS}")
 
 
@@ -103,6 +110,7 @@ class PackedContext:
     cos: torch.Tensor  # fp32 [T, qk_rope_head_dim // 2]
     sin: torch.Tensor
     rows: int = 1  # B: the flattened stream is B rows of T / B tokens
+    max_doc_len: int | None = None  # host-side, so that the indexer needs no device-to-host copy
     dense_prefix: DensePrefix | None = None  # set: sparse layers run these rows on a dense causal kernel
 
 
@@ -205,7 +213,7 @@ class Attention(nn.Module):
                 q_i, k_i, w_i = self.indexer.project(x.detach(), c_q.detach(), ctx)
             with torch.no_grad():
                 topk = indexer_topk(q_i.detach(), k_i.detach(), w_i.detach(), ctx.cu_seqlens, self.indexer.topk,
-                                    self.indexer.softmax_scale)
+                                    self.indexer.softmax_scale, max_len=ctx.max_doc_len)
         elif topk_in is None:
             raise ValueError("an IndexShare-shared layer got no top-k: it needs a full layer before it in the "
                              "same pipeline stage (check indexer_types and the pipeline layout)")

@@ -126,7 +126,7 @@ class GLM52Model(nn.Module):
             lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
         cos, sin = rope_cos_sin(doc_positions(cu_seqlens, total), self.args.qk_rope_head_dim, self.args.rope_theta)
         prefix = DensePrefix.build(lengths, self.args.index_topk, device) if self.dense_prefix else None
-        return PackedContext(cu_seqlens, cos, sin, rows=batch, dense_prefix=prefix)
+        return PackedContext(cu_seqlens, cos, sin, rows=batch, max_doc_len=max(lengths), dense_prefix=prefix)
 
     def run_layers(self, h: torch.Tensor, ctx: PackedContext) -> torch.Tensor:
         topk = None  # every stage starts on a full layer (pipeline splitter), so it begins with no top-k
