@@ -109,6 +109,72 @@ class Router(nn.Module):
         return scores, idx, weights * self.scale
 
 
+# Row dtypes whose float() is exact, so that mul(rows, fp32 w) computes exactly float(rows) * w.
+_EXACT_IN_FP32 = (torch.bfloat16, torch.float16, torch.float32)
+
+
+class _WeightedRowSum(torch.autograd.Function):
+    """``out[t] = sum_r y[r, t]`` (``sum``'s accumulation: fp32 for bf16/fp16/fp32, rounded once to ``out_dtype``),
+    with ``y[r, t] = out_dtype(float(rows[perm[r * n + t]]) * w[r, t])``; ``rows [k * n, D]``, ``w [k, n]`` fp32.
+
+    The products are formed in fp32 and rounded straight into ``out_dtype`` (no fp32 copy of the rows, no fp32
+    product tensor); the k rows of a token are reached through the permutation ``perm``, a gather, so the backward
+    is a gather too (no scatter-add with atomics).
+    """
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, w: torch.Tensor, perm: torch.Tensor, out_dtype: torch.dtype):
+        k, n = w.shape
+        r = rows.index_select(0, perm).view(k, n, rows.shape[-1])
+        ctx.save_for_backward(r, w, perm)
+        return _scale_rows(r, w, out_dtype).sum(0)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        r, w, perm = ctx.saved_tensors
+        k, n = w.shape
+        grad_rows = grad_w = None
+        if ctx.needs_input_grad[0]:  # d out[t] / d rows[perm[r*n+t]] = w[r, t] (through the fp32 product)
+            g = _scale_rows(grad.unsqueeze(0).expand(k, n, grad.shape[-1]), w, r.dtype)
+            inverse = torch.empty_like(perm)
+            inverse[perm] = torch.arange(perm.numel(), device=perm.device, dtype=perm.dtype)
+            grad_rows = g.view(k * n, -1).index_select(0, inverse)
+        if ctx.needs_input_grad[1]:  # d out[t] / d w[r, t] = float(row): the fp32 dot product of grad and row
+            r32 = r if r.dtype in _EXACT_IN_FP32 else r.float()
+            grad_w = (grad.float().unsqueeze(0) * r32).sum(-1)
+        return grad_rows, grad_w, None, None
+
+
+def _scale_rows(r: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """``(r.float() * w[..., None]).to(out_dtype)``. In eager mode, for rows in bf16/fp16/fp32 and fp32 ``w``, one
+    pass with no fp32 temporary: ``mul`` computes in the promoted fp32 and rounds into the ``out=`` tensor, which
+    gives the same bits. (Compiled, the compiler fuses the casts of the plain expression itself.)"""
+    if r.dtype in _EXACT_IN_FP32 and w.dtype == torch.float32 and not torch.compiler.is_compiling():
+        return torch.mul(r, w.unsqueeze(-1), out=torch.empty(r.shape, dtype=out_dtype, device=r.device))
+    return (r.float() * w.unsqueeze(-1)).to(out_dtype)
+
+
+def combine_routed(routed: torch.Tensor, weights: torch.Tensor, order: torch.Tensor,
+                   out_dtype: torch.dtype) -> torch.Tensor:
+    """The routed part of the MoE output: ``out[t] = sum_j out_dtype(float(routed[p(t, j)]) * weights[t, j])``.
+
+    ``routed [N * k, D]``: expert outputs in expert-sorted order (row p is flat choice ``order[p] = t * k + j``);
+    ``weights [N, k]`` fp32 combine weights. Each product is rounded to ``out_dtype``; a token's k products are
+    summed in fp32 (ascending expert order on CPU) and rounded once. That is the CPU numerics of the
+    ``zeros.index_add_(0, token, products)`` this replaced, without its ``out_dtype`` atomics on GPU (which also
+    rounded after every add, in a non-deterministic order) and without the fp32 copies of the ``[N * k, D]`` rows.
+    """
+    if weights.dtype != torch.float32:
+        raise TypeError(f"combine_routed: the combine weights must be fp32 (the router's dtype), got {weights.dtype}")
+    n, k = weights.shape
+    # Sorted positions of each token's k rows, ascending (= ascending expert id), then slot-major:
+    # row r * n + t of the permuted rows is token t's r-th expert.
+    by_token = torch.argsort(order // k, stable=True).view(n, k)
+    perm = by_token.t().reshape(-1)
+    w = weights.reshape(-1)[order[perm]].view(k, n)
+    return _WeightedRowSum.apply(routed, w, perm, out_dtype)
+
+
 class MoE(nn.Module):
     def __init__(self, args: GLM52ModelArgs) -> None:
         super().__init__()
@@ -142,10 +208,8 @@ class MoE(nn.Module):
             with torch.no_grad():
                 self.tokens_per_expert += counts.to(self.tokens_per_expert.dtype)
         order = torch.argsort(flat, stable=True)
-        token_of = order // k
-        routed = self.experts(x[token_of], counts)
-        routed = (routed.float() * weights.reshape(-1)[order, None]).to(x.dtype)
-        out = torch.zeros_like(x).index_add_(0, token_of, routed) + self.shared_experts(x)
+        routed = self.experts(x[order // k], counts)
+        out = combine_routed(routed, weights, order, x.dtype) + self.shared_experts(x)
         if self.seq_aux_scale is not None and torch.is_grad_enabled():
             aux = self.seq_aux_loss(scores, idx, rows)
             if not in_backward():
