@@ -174,11 +174,13 @@ def chunked_cross_entropy_sum(head: nn.Module, h: torch.Tensor, labels: torch.Te
     time; each chunk's logits are recomputed in backward instead of being kept."""
     chunk = chunk or LOSS_CHUNK
     total = h.new_zeros((), dtype=torch.float32)
-    for a in range(0, h.shape[0], chunk):
+    # One split, not a slice per chunk: the backward of a slice writes its rows into a zero [T, D] tensor, and
+    # autograd then adds those full-size tensors over the chunks; split's backward writes each chunk's rows once.
+    for h_c, labels_c in zip(h.split(chunk), labels.split(chunk)):
         if torch.is_grad_enabled() and h.requires_grad:
-            total = total + checkpoint(_head_ce_sum, head, h[a:a + chunk], labels[a:a + chunk], use_reentrant=False)
+            total = total + checkpoint(_head_ce_sum, head, h_c, labels_c, use_reentrant=False)
         else:
-            total = total + _head_ce_sum(head, h[a:a + chunk], labels[a:a + chunk])
+            total = total + _head_ce_sum(head, h_c, labels_c)
     return total
 
 
