@@ -231,7 +231,9 @@ class Attention(nn.Module):
             o_lat = reference.dense_causal_attention(q_abs, kv, ctx.cu_seqlens, self.softmax_scale, self.kv_rank)
         o = torch.einsum("thr,hvr->thv", o_lat, w_uv)
         if prefix is not None:  # those rows' sparse output is 0 (no key); put the dense result there
-            o = o.index_copy(0, prefix.rows.reshape(-1), self._plain_causal(prefix.rows, q_nope, q_rope, c_kv, k_rope))
+            # (two statements: torch.compile resumes after the SDPA call's graph break at a statement boundary)
+            dense = self._plain_causal(prefix.rows, q_nope, q_rope, c_kv, k_rope)
+            o = o.index_copy(0, prefix.rows.reshape(-1), dense)
         out = self.wo(o.reshape(t, self.n_heads * self.v_dim))
         if train_indexer and self.sparse:  # KL over the selected keys, from the attention's own LSE
             kl = indexer_kl_sparse(q_abs.detach(), kv.detach(), self.softmax_scale, lse.detach(), q_i, k_i, w_i,
