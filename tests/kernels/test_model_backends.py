@@ -37,3 +37,26 @@ def test_triton_backend_equals_torch_backend(compile):
     assert sorted(grads) == sorted(ref_grads) and any(".indexer." in n for n in grads)
     for name, grad in ref_grads.items():
         torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_compiled_blocks_do_not_recompile_when_the_kl_scale_changes():
+    """The trainer sets a new indexer-KL scale every step (coefficient / the step's token count); the compiled
+    blocks read only whether the KL is on, so a new value must not recompile anything."""
+    args = get_flavor("debug").replace(index_topk=8)
+    model = GLM52Model(args)
+    model.init_weights(seed=3)
+    apply_compile(model, backend="eager")
+    tokens = torch.randint(0, args.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+    cu = torch.tensor([0, 20, 32, 64], dtype=torch.int32)
+    kls = []
+    for scale in (0.5, 0.25):
+        for m in model.modules():
+            if isinstance(m, Attention) and m.indexer is not None:
+                m.indexer_loss_scale = scale
+                m.last_indexer_kl = None
+        with torch._dynamo.config.patch(error_on_recompile=scale == 0.25):
+            logits = model(tokens, cu)
+            logits.float().pow(2).mean().backward()
+        kls.append(sum(m.last_indexer_kl for m in model.modules() if isinstance(m, Attention)
+                       and m.last_indexer_kl is not None))
+    assert torch.isfinite(kls[1]) and kls[1] > 0

@@ -182,10 +182,21 @@ class Attention(nn.Module):
         self.backend = "torch"
         self.sparse = True
         # Indexer KL loss (DeepSeek-V3.2): None = off; else coefficient / normaliser, set per step by the trainer.
-        self.indexer_loss_scale: float | None = None
+        self.indexer_loss_scale = None  # property: also sets indexer_loss_on
         self.recall_queries = 0  # > 0: measure the top-k recall of the last that many queries of row 0
         self.last_indexer_kl: torch.Tensor | None = None  # detached KL summed over rows (and micro-batches)
         self.last_recall: torch.Tensor | None = None
+
+    # The compiled forward reads only the bool ``indexer_loss_on``; the scale (a float that changes with the
+    # step's token count) is read in ``_indexer_outputs``, which runs eagerly, so that no step recompiles.
+    @property
+    def indexer_loss_scale(self) -> float | None:
+        return self._indexer_loss_scale
+
+    @indexer_loss_scale.setter
+    def indexer_loss_scale(self, scale: float | None) -> None:
+        self._indexer_loss_scale = scale
+        self.indexer_loss_on = scale is not None
 
     def forward(self, x: torch.Tensor, ctx: PackedContext, topk_in: torch.Tensor | None):
         """``x [T, D]`` -> (``out [T, D]``, top-k ``[T, index_topk]`` int32 for the following layers)."""
@@ -205,8 +216,8 @@ class Attention(nn.Module):
         q_abs = torch.cat((q_lat, q_rope), dim=-1)  # [T, H, kv_rank + rope]
         kv = torch.cat((c_kv, k_rope), dim=-1)  # [T, kv_rank + rope]
 
-        indexer_topk, sparse_mla, indexer_kl_sparse = dsa_ops(self.backend)
-        train_indexer = self.indexer is not None and self.indexer_loss_scale is not None and torch.is_grad_enabled()
+        indexer_topk, sparse_mla, _ = dsa_ops(self.backend)
+        train_indexer = self.indexer is not None and self.indexer_loss_on and torch.is_grad_enabled()
         if self.indexer is not None:
             # The indexer sees detached inputs: it learns only from its KL loss, the model only from the LM loss.
             with torch.set_grad_enabled(train_indexer):
@@ -235,23 +246,32 @@ class Attention(nn.Module):
             dense = self._plain_causal(prefix.rows, q_nope, q_rope, c_kv, k_rope)
             o = o.index_copy(0, prefix.rows.reshape(-1), dense)
         out = self.wo(o.reshape(t, self.n_heads * self.v_dim))
-        if train_indexer and self.sparse:  # KL over the selected keys, from the attention's own LSE
-            kl = indexer_kl_sparse(q_abs.detach(), kv.detach(), self.softmax_scale, lse.detach(), q_i, k_i, w_i,
-                                   self.indexer.softmax_scale, topk, ctx.cu_seqlens).sum()
-        elif train_indexer:  # dense warm-up: KL over every visible key (chunked torch path on any backend)
-            kl = reference.indexer_kl(q_abs.detach(), kv.detach(), self.softmax_scale, q_i, k_i, w_i,
-                                      self.indexer.softmax_scale, ctx.cu_seqlens).sum()
+        if self.indexer is not None and (train_indexer or self.recall_queries):
+            out = self._indexer_outputs(out, train_indexer, q_abs, kv, lse, q_i, k_i, w_i, topk, ctx)
+        return out, topk
+
+    @torch.compiler.disable
+    def _indexer_outputs(self, out, train_indexer: bool, q_abs, kv, lse, q_i, k_i, w_i, topk, ctx: PackedContext):
+        """The indexer's KL loss (attached to ``out``) and its logged numbers; eager, it keeps Python state."""
         if train_indexer:
+            if self.sparse:  # KL over the selected keys, from the attention's own LSE
+                _, _, indexer_kl_sparse = dsa_ops(self.backend)
+                kl = indexer_kl_sparse(q_abs.detach(), kv.detach(), self.softmax_scale, lse.detach(), q_i, k_i, w_i,
+                                       self.indexer.softmax_scale, topk, ctx.cu_seqlens).sum()
+            else:  # dense warm-up: KL over every visible key (chunked torch path on any backend)
+                kl = reference.indexer_kl(q_abs.detach(), kv.detach(), self.softmax_scale, q_i, k_i, w_i,
+                                          self.indexer.softmax_scale, ctx.cu_seqlens).sum()
             if not in_backward():  # accumulate over micro-batches, not over checkpoint recomputes
                 self.last_indexer_kl = kl.detach() + (0 if self.last_indexer_kl is None else self.last_indexer_kl)
             out = AuxLoss.apply(out, kl * self.indexer_loss_scale)
-        if self.recall_queries and self.indexer is not None:
+        if self.recall_queries:
+            t = q_abs.shape[0]
             n = min(self.recall_queries, t // ctx.rows)
-            rows = torch.arange(t // ctx.rows - n, t // ctx.rows, device=x.device)
+            rows = torch.arange(t // ctx.rows - n, t // ctx.rows, device=q_abs.device)
             starts = reference.doc_starts(ctx.cu_seqlens, t)[rows]
             self.last_recall = topk_recall(q_abs[rows].detach(), kv.detach(), topk[rows], rows, starts,
                                            self.softmax_scale)
-        return out, topk
+        return out
 
     def _plain_causal(self, rows: torch.Tensor, q_nope, q_rope, c_kv, k_rope) -> torch.Tensor:
         """Causal attention in the plain MLA form over each document prefix ``rows [n, L]``: ``[n * L, H, v_dim]``.
