@@ -107,8 +107,9 @@ class DSA:
     their attention is plain causal attention. True: run those rows (of every document of at least index_topk
     tokens) in the plain MLA form on a dense causal kernel (SDPA: cuDNN on H100/H200), the other rows on the
     sparse kernels. Same math, different rounding order; at 4K tokens a DSA layer's attention takes 25% less time
-    (bench/attn_paths.py). A full layer that trains its indexer (indexer_loss_coeff > 0) keeps every row on the
-    sparse kernels, whose log-sum-exp the KL needs. False: every row on the sparse kernels."""
+    (bench/attn_paths.py). A full layer that trains its indexer (indexer_loss_coeff > 0) also runs the sparse
+    forward on those rows, without gradient, for the log-sum-exp its KL needs. False: every row on the sparse
+    kernels."""
 
     recall_queries: int = 64
     """Queries per step (from the first sequence, one full layer) for the logged top-k recall against dense

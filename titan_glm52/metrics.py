@@ -18,7 +18,8 @@ FLOPs of one training step (forward x 3: backward costs twice the forward; recom
   at least ``index_topk`` tokens (``P_prefix = index_topk (index_topk + 1) / 2`` pairs per such document) run in
   the plain form instead: ``2 * H * (qk_head_dim + v_head_dim)`` per pair (256 + 256 for GLM-5.2), plus their
   keys' up-projection ``2 * kv_lora_rank * H * (qk_nope_head_dim + v_head_dim)`` per row. The absorbed-form work
-  those rows still do and discard is not counted.
+  those rows still do and discard (and, on layers that train their indexer, the gradient-free sparse forward
+  that gives the KL their log-sum-exp) is not counted.
 
 Per device: a data-parallel rank's tokens and FLOPs are divided by the devices that share them (its pipeline
 stages), as torchtitan does; MFU = FLOPs per device / step time / bf16 peak.
@@ -66,10 +67,9 @@ def doc_lengths_of(cu_seqlens: torch.Tensor) -> torch.Tensor:
 
 
 def step_flops(args: GLM52ModelArgs, doc_lengths: torch.Tensor, with_mtp: bool, sparse: bool = True,
-               dense_prefix: bool = False, indexer_kl: bool = False) -> float:
+               dense_prefix: bool = False) -> float:
     """Training FLOPs (forward + backward) for the given documents (their lengths sum to the token count).
-    ``dense_prefix``: the model runs with ``[dsa] dense_prefix``; ``indexer_kl``: the full layers train their
-    indexers (those keep every row sparse)."""
+    ``dense_prefix``: the model runs with ``[dsa] dense_prefix``."""
     tokens = int(doc_lengths.sum())
     n_active = args.num_active_params(include_mtp=False, include_head=True)
     attn_layers = args.num_hidden_layers
@@ -88,7 +88,7 @@ def step_flops(args: GLM52ModelArgs, doc_lengths: torch.Tensor, with_mtp: bool, 
     if dense_prefix and sparse:
         k = args.index_topk
         docs = int((doc_lengths.to(torch.int64) >= k).sum())
-        layers = attn_layers - (index_layers if indexer_kl else 0)
+        layers = attn_layers
         plain = 2 * h * (args.qk_head_dim + args.v_head_dim)
         up = 2 * args.kv_lora_rank * h * (args.qk_nope_head_dim + args.v_head_dim)
         forward += layers * docs * ((plain - 2 * h * (d_qk + d_v)) * (k * (k + 1) // 2) + up * k)

@@ -487,7 +487,7 @@ class Trainer:
         devices_per_replica = self.env.world_size // self.dp_world
         doc_lengths = torch.cat([doc_lengths_of(b["cu_seqlens"]) for b in batches])
         flops = step_flops(self.args, doc_lengths, self.with_mtp, sparse=self.cfg.dsa.mode == "sparse",
-                           dense_prefix=self.cfg.dsa.dense_prefix, indexer_kl=self.cfg.dsa.indexer_loss_coeff > 0)
+                           dense_prefix=self.cfg.dsa.dense_prefix)
         flops /= devices_per_replica
         tokens_local = sum(b["input_ids"].numel() for b in batches) / devices_per_replica
         s = {"loss/total": losses["total"], "loss/ce": losses["ce"], "lr": self.lr_schedulers.schedulers[0].get_last_lr()[0],

@@ -7,7 +7,7 @@ from titan_glm52 import get_flavor
 from titan_glm52.metrics import step_flops
 
 
-def _row_by_row(args, lengths, with_mtp, dense_prefix, indexer_kl):
+def _row_by_row(args, lengths, with_mtp, dense_prefix):
     k, h = args.index_topk, args.num_attention_heads
     absorbed = 2 * h * (args.kv_lora_rank + args.qk_rope_head_dim + args.kv_lora_rank)
     plain = 2 * h * (args.qk_head_dim + args.v_head_dim)
@@ -17,7 +17,7 @@ def _row_by_row(args, lengths, with_mtp, dense_prefix, indexer_kl):
     if with_mtp:
         n_active += args._mtp_params(active=True) + args.vocab_size * args.hidden_size
         attn_layers, index_layers = attn_layers + 1, index_layers + 1
-    prefix_layers = (attn_layers - (index_layers if indexer_kl else 0)) if dense_prefix else 0
+    prefix_layers = attn_layers if dense_prefix else 0
     fwd = 2 * n_active * sum(lengths)
     for length in lengths:
         for p in range(length):
@@ -29,13 +29,12 @@ def _row_by_row(args, lengths, with_mtp, dense_prefix, indexer_kl):
     return 3 * fwd
 
 
-@pytest.mark.parametrize("dense_prefix,indexer_kl,with_mtp", [(False, False, False), (True, False, False),
-                                                               (True, True, True), (True, False, True)])
-def test_step_flops_counts_rows_as_they_run(dense_prefix, indexer_kl, with_mtp):
+@pytest.mark.parametrize("dense_prefix,with_mtp", [(False, False), (True, False), (False, True), (True, True)])
+def test_step_flops_counts_rows_as_they_run(dense_prefix, with_mtp):
     args = get_flavor("debug")  # index_topk 16
     lengths = [7, 16, 40, 3]
-    got = step_flops(args, torch.tensor(lengths), with_mtp, dense_prefix=dense_prefix, indexer_kl=indexer_kl)
-    assert got == pytest.approx(_row_by_row(args, lengths, with_mtp, dense_prefix, indexer_kl), rel=1e-12)
+    got = step_flops(args, torch.tensor(lengths), with_mtp, dense_prefix=dense_prefix)
+    assert got == pytest.approx(_row_by_row(args, lengths, with_mtp, dense_prefix), rel=1e-12)
 
 
 def test_dense_prefix_counts_fewer_flops_at_glm52_widths():

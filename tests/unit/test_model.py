@@ -185,11 +185,12 @@ def test_chunked_loss_equals_full_logits_loss_and_grads():
             torch.testing.assert_close(p.grad, ref[n], rtol=1e-5, atol=2e-5, msg=n)
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_dense_prefix_equals_all_sparse(backend, monkeypatch):
+@pytest.mark.parametrize("backend,kl", [("torch", False), ("torch", True), ("triton", False), ("triton", True)])
+def test_dense_prefix_equals_all_sparse(backend, kl, monkeypatch):
     """The first index_topk rows of a long document, computed in the plain form on SDPA, equal the sparse path
-    (loss and every gradient); short documents and the later rows stay sparse. Mixed lengths: 7 < topk = 16,
-    exactly 16, 40, and a second 40-token row."""
+    (loss and every gradient; with ``kl`` the indexers train through the KL, which then takes those rows' LSE
+    from a gradient-free sparse forward); short documents and the later rows stay sparse. Mixed lengths:
+    7 < topk = 16, exactly 16, 40, and a second 40-token row."""
     if backend == "triton":
         pytest.importorskip("triton")
     dtype = torch.float64 if backend == "torch" else torch.float32
@@ -198,6 +199,10 @@ def test_dense_prefix_equals_all_sparse(backend, monkeypatch):
     model = GLM52Model(args).to(dtype)
     model.init_weights(seed=3)
     model.set_dsa_backend(backend)
+    if kl:
+        for m in model.modules():
+            if isinstance(m, Attention) and m.indexer is not None:
+                m.indexer_loss_scale = 0.5
     tokens = torch.randint(0, args.vocab_size, (2, 40))
     cu = torch.tensor([0, 7, 23, 40, 80], dtype=torch.int32)
     ctx = model.packed_context(2, 40, cu, torch.device("cpu"))
@@ -213,8 +218,15 @@ def test_dense_prefix_equals_all_sparse(backend, monkeypatch):
         model.zero_grad()
         loss = model(tokens, cu, labels=tokens)
         loss.backward()
-        results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+        kls = [m.last_indexer_kl for m in model.modules() if isinstance(m, Attention) and m.last_indexer_kl is not None]
+        for m in model.modules():
+            if isinstance(m, Attention):
+                m.last_indexer_kl = None
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        results.append((torch.stack([loss.detach(), *kls]), grads))
     (l1, g1), (l2, g2) = results
+    assert l1.numel() == (4 if kl else 1)  # CE, then the KL of each of the three full layers (FFFS)
+    assert any("indexer" in n for n in g1) == kl
     assert calls == [torch.Size([3, args.num_attention_heads, 16, args.qk_head_dim])] * 4  # once per layer, on only
     tol = dict(rtol=1e-9, atol=1e-11) if dtype == torch.float64 else dict(rtol=2e-4, atol=2e-6)
     torch.testing.assert_close(l1, l2, **tol)

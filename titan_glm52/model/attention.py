@@ -232,12 +232,15 @@ class Attention(nn.Module):
             topk = topk_in
 
         lse = None
-        # The KL needs every row's log-sum-exp from the sparse kernels, so a layer that trains its indexer now
-        # keeps all rows there.
-        prefix = ctx.dense_prefix if self.sparse and not train_indexer else None
+        prefix = ctx.dense_prefix if self.sparse else None
         if self.sparse:
             idx = topk if prefix is None else topk.masked_fill(prefix.is_prefix[:, None], -1)
             o_lat, lse = sparse_mla(q_abs, kv, idx, self.softmax_scale, self.kv_rank)
+            if prefix is not None and train_indexer:  # the KL needs every row's LSE: the prefix rows' forward
+                flat = prefix.rows.reshape(-1)
+                with torch.no_grad():
+                    _, lse_prefix = sparse_mla(q_abs[flat], kv, topk[flat], self.softmax_scale, self.kv_rank)
+                lse = lse.index_copy(0, flat, lse_prefix)
         else:
             o_lat = reference.dense_causal_attention(q_abs, kv, ctx.cu_seqlens, self.softmax_scale, self.kv_rank)
         o = torch.einsum("thr,hvr->thv", o_lat, w_uv)
