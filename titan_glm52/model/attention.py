@@ -93,7 +93,14 @@ class DensePrefix:
         return DensePrefix(rows, is_prefix)
 
 
-@torch.compiler.disable
+@functools.cache
+def _eager(name: str):
+    """The module function ``name`` under ``torch.compiler.disable`` (compiled blocks call it eagerly), looked up
+    when called. Built on first use: ``torch.compiler.disable`` imports torch._dynamo, and with it triton, which
+    importing this package must not do."""
+    return torch.compiler.disable(lambda *args: globals()[name](*args))
+
+
 def _causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """Causal attention of ``[N, H, L, D]`` tensors on the fastest exact SDPA backend (cuDNN first on GPU)."""
     backends = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
@@ -250,31 +257,8 @@ class Attention(nn.Module):
             o = o.index_copy(0, prefix.rows.reshape(-1), dense)
         out = self.wo(o.reshape(t, self.n_heads * self.v_dim))
         if self.indexer is not None and (train_indexer or self.recall_queries):
-            out = self._indexer_outputs(out, train_indexer, q_abs, kv, lse, q_i, k_i, w_i, topk, ctx)
+            out = _eager("_indexer_outputs")(self, out, train_indexer, q_abs, kv, lse, q_i, k_i, w_i, topk, ctx)
         return out, topk
-
-    @torch.compiler.disable
-    def _indexer_outputs(self, out, train_indexer: bool, q_abs, kv, lse, q_i, k_i, w_i, topk, ctx: PackedContext):
-        """The indexer's KL loss (attached to ``out``) and its logged numbers; eager, it keeps Python state."""
-        if train_indexer:
-            if self.sparse:  # KL over the selected keys, from the attention's own LSE
-                _, _, indexer_kl_sparse = dsa_ops(self.backend)
-                kl = indexer_kl_sparse(q_abs.detach(), kv.detach(), self.softmax_scale, lse.detach(), q_i, k_i, w_i,
-                                       self.indexer.softmax_scale, topk, ctx.cu_seqlens).sum()
-            else:  # dense warm-up: KL over every visible key (chunked torch path on any backend)
-                kl = reference.indexer_kl(q_abs.detach(), kv.detach(), self.softmax_scale, q_i, k_i, w_i,
-                                          self.indexer.softmax_scale, ctx.cu_seqlens).sum()
-            if not in_backward():  # accumulate over micro-batches, not over checkpoint recomputes
-                self.last_indexer_kl = kl.detach() + (0 if self.last_indexer_kl is None else self.last_indexer_kl)
-            out = AuxLoss.apply(out, kl * self.indexer_loss_scale)
-        if self.recall_queries:
-            t = q_abs.shape[0]
-            n = min(self.recall_queries, t // ctx.rows)
-            rows = torch.arange(t // ctx.rows - n, t // ctx.rows, device=q_abs.device)
-            starts = reference.doc_starts(ctx.cu_seqlens, t)[rows]
-            self.last_recall = topk_recall(q_abs[rows].detach(), kv.detach(), topk[rows], rows, starts,
-                                           self.softmax_scale)
-        return out
 
     def _plain_causal(self, rows: torch.Tensor, q_nope, q_rope, c_kv, k_rope) -> torch.Tensor:
         """Causal attention in the plain MLA form over each document prefix ``rows [n, L]``: ``[n * L, H, v_dim]``.
@@ -286,5 +270,29 @@ class Attention(nn.Module):
         k = torch.cat((kvb[..., : self.nope], k_rope[flat].view(n, length, 1, -1).expand(-1, -1, h, -1)), dim=-1)
         q = torch.cat((q_nope[flat], q_rope[flat]), dim=-1).view(n, length, h, -1)
         v = kvb[..., self.nope:]
-        o = _causal_sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), self.softmax_scale)
+        o = _eager("_causal_sdpa")(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), self.softmax_scale)
         return o.transpose(1, 2).reshape(n * length, h, self.v_dim)
+
+
+def _indexer_outputs(attn: Attention, out, train_indexer: bool, q_abs, kv, lse, q_i, k_i, w_i, topk,
+                     ctx: PackedContext):
+    """The indexer's KL loss (attached to ``out``) and its logged numbers (eager: it keeps Python state)."""
+    if train_indexer:
+        if attn.sparse:  # KL over the selected keys, from the attention's own LSE
+            _, _, indexer_kl_sparse = dsa_ops(attn.backend)
+            kl = indexer_kl_sparse(q_abs.detach(), kv.detach(), attn.softmax_scale, lse.detach(), q_i, k_i, w_i,
+                                   attn.indexer.softmax_scale, topk, ctx.cu_seqlens).sum()
+        else:  # dense warm-up: KL over every visible key (chunked torch path on any backend)
+            kl = reference.indexer_kl(q_abs.detach(), kv.detach(), attn.softmax_scale, q_i, k_i, w_i,
+                                      attn.indexer.softmax_scale, ctx.cu_seqlens).sum()
+        if not in_backward():  # accumulate over micro-batches, not over checkpoint recomputes
+            attn.last_indexer_kl = kl.detach() + (0 if attn.last_indexer_kl is None else attn.last_indexer_kl)
+        out = AuxLoss.apply(out, kl * attn.indexer_loss_scale)
+    if attn.recall_queries:
+        t = q_abs.shape[0]
+        n = min(attn.recall_queries, t // ctx.rows)
+        rows = torch.arange(t // ctx.rows - n, t // ctx.rows, device=q_abs.device)
+        starts = reference.doc_starts(ctx.cu_seqlens, t)[rows]
+        attn.last_recall = topk_recall(q_abs[rows].detach(), kv.detach(), topk[rows], rows, starts,
+                                       attn.softmax_scale)
+    return out
