@@ -84,6 +84,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "(torchtitan's default, and the proxy config's), 'op' = per-op SAC (each side's own policy)")
     p.add_argument("--steps", type=int, default=4, help="timed steps per cell, after the warm-up")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per cell (compile, allocator)")
+    p.add_argument("--warmup-compiled", type=int, default=4,
+                   help="untimed steps per compile-on cell, both sides (at least --warmup): with 2, ours still "
+                        "compiled in the first timed step at 4K (session 3)")
     p.add_argument("--batch", type=int, default=1, help="local batch size (sequences per step per rank), both sides")
     p.add_argument("--nproc", type=int, default=1, help="GPUs (processes, under torchrun when > 1) per side and cell")
     p.add_argument("--parallel", choices=("fsdp", "ep"), default="fsdp",
@@ -110,8 +113,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     a = p.parse_args(argv)
     if a.quick:
         a.seq_lens, a.compile, a.ac = [4096, 32768], ["off"], ["selective"]
-    if a.steps < 1 or a.warmup < 0 or a.batch < 1 or a.nproc < 1:
-        p.error("--steps >= 1, --warmup >= 0, --batch >= 1, --nproc >= 1")
+    if a.steps < 1 or a.warmup < 0 or a.warmup_compiled < 0 or a.batch < 1 or a.nproc < 1:
+        p.error("--steps >= 1, --warmup >= 0, --warmup-compiled >= 0, --batch >= 1, --nproc >= 1")
     if a.parallel == "ep" and a.nproc < 2:
         p.error("--parallel ep needs --nproc >= 2 (EP degree = --nproc)")
     a.md = a.md or os.path.splitext(a.out)[0] + ".md"
@@ -207,8 +210,13 @@ def parallel_text(nproc: int, parallel: str) -> str:
 
 
 # --------------------------------------------------------------------------------------------- our side
+def cell_warmup(a: argparse.Namespace, compile_on: bool) -> int:
+    """Untimed steps of a cell (the same on both sides)."""
+    return max(a.warmup, a.warmup_compiled) if compile_on else a.warmup
+
+
 def our_command(a: argparse.Namespace, seq_len: int, compile_on: bool, ac: str, dump: str) -> list[str]:
-    total = a.warmup + a.steps + (1 if a.trace else 0)
+    total = cell_warmup(a, compile_on) + a.steps + (1 if a.trace else 0)
     cmd = launcher(a, "train.py") + ["--job.config_file", a.config,
            "--training.steps", str(total), "--metrics.log_freq", "1", "--job.dump_folder", dump,
            "--training.seq_len", str(seq_len), "--training.local_batch_size", str(a.batch),
@@ -266,7 +274,7 @@ def run_ours(a, runner: Runner, seq_len: int, compile_on: bool, ac: str, name: s
         try:
             with open(path) as f:
                 rows = [json.loads(line) for line in f if line.strip()]
-            out = summarize_ours(rows, a.warmup, a.steps)
+            out = summarize_ours(rows, cell_warmup(a, compile_on), a.steps)
         except (OSError, ValueError, KeyError) as e:
             return {**_failure(run, "error"), "error": f"{type(e).__name__}: {e}"}
         out.update(wall_s=run["wall_s"], log=run["log"], cmd=run["cmd"])
@@ -282,7 +290,8 @@ def run_ours(a, runner: Runner, seq_len: int, compile_on: bool, ac: str, name: s
 def run_peer(a, runner: Runner, seq_len: int, compile_on: bool, ac: str, name: str) -> dict:
     out_json = os.path.join(runner.logs, name + ".json")
     cmd = launcher(a, os.path.join("bench", "e2e_tt_dsv3.py")) + [
-        "--seq-len", str(seq_len), "--batch", str(a.batch), "--steps", str(a.steps), "--warmup", str(a.warmup),
+        "--seq-len", str(seq_len), "--batch", str(a.batch), "--steps", str(a.steps),
+        "--warmup", str(cell_warmup(a, compile_on)),
         "--ac", ac, "--sac-option", a.sac_option, "--compile", "on" if compile_on else "off", "--sdpa", a.peer_sdpa,
         "--out", out_json]
     if a.nproc > 1:
@@ -375,7 +384,8 @@ def markdown(report: dict) -> str:
            f"- torch {env.get('torch')} (CUDA {env.get('cuda')}), triton {env.get('triton')}, "
            f"torchtitan {env.get('torchtitan')}",
            f"- command: `{m['command']}`",
-           f"- per cell: {m['warmup']} warm-up + {m['steps']} timed steps, local batch {m['batch']} per rank, "
+           f"- per cell: {m['warmup']} warm-up ({m.get('warmup_compiled', m['warmup'])} with compile) + "
+           f"{m['steps']} timed steps, local batch {m['batch']} per rank, "
            f"selective_ac_option {m['sac_option']!r}, our MTP {m['our_mtp']}; wall {m['wall_s']:.0f} s", "",
            "| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
     out += ["| " + " | ".join(r) + " |" for r in rows]
@@ -444,7 +454,8 @@ def main(argv: list[str]) -> int:
     report = {"meta": {"command": shlex.join(["python3", "bench/e2e.py", *argv]),
                        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                        "environment": env, "nproc": a.nproc, "parallel": a.parallel,
-                       "steps": a.steps, "warmup": a.warmup, "batch": a.batch,
+                       "steps": a.steps, "warmup": a.warmup, "warmup_compiled": cell_warmup(a, True),
+                       "batch": a.batch,
                        "sac_option": a.sac_option, "our_mtp": a.our_mtp, "peer_sdpa": a.peer_sdpa, "config": a.config,
                        "peak_bf16_tflops": PEAK_BF16_TFLOPS, "wall_s": time.monotonic() - t_start},
               "cells": cells}

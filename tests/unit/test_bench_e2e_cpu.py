@@ -104,3 +104,13 @@ def test_trace_summary_groups_kernels_per_step(tmp_path):
     assert [k["name"] for k in s["kernels"]][0] == "_bwd_dkv_kernel" and len(s["kernels"]) == 3
     assert s["kernels"][0]["calls_per_step"] == 1.0
     assert "GPU kernel time 4.0 ms/step" in ts.text(s)
+
+
+def test_compiled_cells_get_the_longer_warmup():
+    e2e = _load("e2e")
+    a = e2e.parse_args(["--warmup", "2"])
+    assert (e2e.cell_warmup(a, False), e2e.cell_warmup(a, True)) == (2, 4)
+    a = e2e.parse_args(["--warmup", "5", "--warmup-compiled", "3"])
+    assert (e2e.cell_warmup(a, False), e2e.cell_warmup(a, True)) == (5, 5)
+    cmd = e2e.our_command(e2e.parse_args(["--steps", "3"]), 4096, True, "selective", "/tmp/x")
+    assert cmd[cmd.index("--training.steps") + 1] == "7"
