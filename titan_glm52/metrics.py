@@ -14,7 +14,7 @@ FLOPs of one training step (forward x 3: backward costs twice the forward; recom
 * ``P_sparse = sum over documents of sum_p min(index_topk, p + 1)``: each query attends to at most top-k of its
   visible keys; ``P_causal = sum over documents of L (L + 1) / 2``: the indexer scores every visible key.
   In dense mode (DSA warm-up) ``P_sparse`` is replaced by ``P_causal``.
-* Dense prefix (``[dsa] dense_prefix``): on the layers that use it, the first ``index_topk`` rows of each document of
+* Dense prefix (``[dsa] dense_prefix``): on every attention layer, the first ``index_topk`` rows of each document of
   at least ``index_topk`` tokens (``P_prefix = index_topk (index_topk + 1) / 2`` pairs per such document) run in
   the plain form instead: ``2 * H * (qk_head_dim + v_head_dim)`` per pair (256 + 256 for GLM-5.2), plus their
   keys' up-projection ``2 * kv_lora_rank * H * (qk_nope_head_dim + v_head_dim)`` per row. The absorbed-form work
@@ -88,10 +88,9 @@ def step_flops(args: GLM52ModelArgs, doc_lengths: torch.Tensor, with_mtp: bool, 
     if dense_prefix and sparse:
         k = args.index_topk
         docs = int((doc_lengths.to(torch.int64) >= k).sum())
-        layers = attn_layers
         plain = 2 * h * (args.qk_head_dim + args.v_head_dim)
         up = 2 * args.kv_lora_rank * h * (args.qk_nope_head_dim + args.v_head_dim)
-        forward += layers * docs * ((plain - 2 * h * (d_qk + d_v)) * (k * (k + 1) // 2) + up * k)
+        forward += attn_layers * docs * ((plain - 2 * h * (d_qk + d_v)) * (k * (k + 1) // 2) + up * k)
     return 3.0 * forward
 
 
