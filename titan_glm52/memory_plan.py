@@ -85,16 +85,21 @@ loss); an RMSNorm keeps its input, its fp32 rstd and the normalised copy its wei
   none       every tensor autograd keeps, per block:
              attention  a*(3D + 3r + H(n+p) + 2(c+p) + c + H(c+p) + Hc + Hv) + 4H (lse) + 16 (3 rstd, extent)
                         + 8p (complex RoPE tables of q and k) + 4K on full layers (the int32 top-k; shared
-                        layers reference the same tensor)
+                        layers reference the same tensor) + on the dense-prefix rows (min(K, S) of each
+                        sequence of S tokens: one document per row assumed; packed documents of K to 2K tokens
+                        put a larger share of rows there) a*(H(2(n+p) + 2v + n) + c) + 4H (SDPA's q and k, v
+                        inside the wkv_b output, out, lse; the gathered latents)
                         (3D: norm input, normalised copy, output; 3r: the q_norm's; (c+p) + c: the kv_norm's)
              dense MLP  a*(3D + 4Fd) + 4;  MoE  a*3D + 4 + 4D + 4E (fp32 router input, scores)
                         + 32k (int64 routing indices, fp32 combine weights; + 16kL under EP: the permutations)
-                        + L*a*(kD + 4kF) (routed token copies, expert intermediates) + 4kD (fp32 combine)
+                        + L*a*(kD + 4kF) (routed token copies, expert intermediates) + a*kD + 12k (the
+                        combine's token-ordered copy of the routed rows, its permutation and weights)
                         + a*4Fs (shared expert)
   full       the block input a*D, plus 4K on full layers (the top-k a checkpointed full block returns is kept
              by the shared blocks' checkpoints)
   selective  "op" (the policy of ``parallelize.py``): block input a*D, 4K on full layers, and the outputs of the
-             matmuls with a tracked input and of the EP all-to-alls: attention a*(r + H(n+p) + (c+p) + D);
+             matmuls with a tracked input and of the EP all-to-alls: attention a*(r + H(n+p) + (c+p) + D)
+             + a*H(n+v) on the dense-prefix rows;
              dense MLP a*(2Fd + D); MoE 4E + a*(2Fs + D) + L*a*(2kF + kD) + EP only: L*a*kD (dispatch
              all-to-all) + a*kD (combine all-to-all);
              an integer N: every N-th block (1-based, forward order) as "full", the others as "none"
@@ -113,17 +118,18 @@ Backward bytes of a step (on top of what it saved):
              attention  a*H(2c+p) (gradient of the latent output, dQ) + 4(c+p) (fp32 dKV) + 3aD (residual and
                         input gradients), plus the DSA kernels' scratch: min(1 GiB, 2HKa per token) (P and dS of
                         the split backward; the indexer's 1 GiB score scratch of a recompute comes before them)
-             MoE        12kD (the backward of the fp32 combine multiply: the upcast gradient of the routed rows,
-                        the rows' gradient and the combine weights' gradient before it is summed to [kT, 1], all
-                        fp32 [kT, D]) + 3aD, or L*a*k(2D + 2F) on the experts' side if larger
+             MoE        (4 + a)kD (the combine's backward: the routed rows' gradient, a*kD, alive while the
+                        combine weights' gradient forms its fp32 [kT, D] product before the sum over D) + 3aD, or
+                        L*a*k(2D + 2F) on the experts' side if larger
              dense MLP  a*(3Fd + 3D)
   head       one loss chunk of min(tokens, LOSS_CHUNK) tokens x vocab x 12 (three fp32 [chunk, vocab] tensors in
              the cross-entropy's backward: the log-softmax output it saved, the NLL gradient, the log-softmax
              gradient)
 
 Checked against ``torch.cuda.max_memory_allocated`` on H200s (bench/results/e2e_h200.md, layouts_h200x2.md;
-tests/unit/test_plan_memory.py): the estimate is above every measured peak, by 1.5-6% on one GPU and 2.5-13%
-on two (the most with MTP, whose head runs twice).
+tests/unit/test_plan_memory.py): the estimate is above every measured peak, by 0.05-4.3% on one GPU without MTP
+(session 3 code) and 3.9-4.0% on two; the MTP runs (session 2 code, before the gather-based MoE combine lowered
+real peaks) by 6% on one GPU and 13% on two.
 
 Not modelled: CUDA context and NCCL buffers (~1-3 GiB, outside the caching allocator), allocator fragmentation
 (reserved over allocated), the indexer KL loss (``dsa.indexer_loss_coeff > 0`` saves the indexer's q/k/weights),
@@ -172,6 +178,7 @@ class MemoryRequest:
     gpu_memory_gib: float = 141.0
     headroom: float = 0.10
     expert_load_factor: float = 1.0
+    dense_prefix: bool = True  # [dsa] dense_prefix
 
     @property
     def budget_bytes(self) -> float:
@@ -257,9 +264,10 @@ def _is_full(args: GLM52ModelArgs, layer_id: int) -> bool:
 
 
 def block_bytes_per_token(args: GLM52ModelArgs, layer_id: int, mode: str, act_bytes: int,
-                          load: float = 1.0, ep: bool = True) -> float:
+                          load: float = 1.0, ep: bool = True, prefix_share: float = 0.0) -> float:
     """Saved activation bytes per token of one block under an AC mode ("none" | "full" | "op"); see the module
-    docstring for the terms. ``layer_id == num_hidden_layers`` is the MTP block."""
+    docstring for the terms. ``layer_id == num_hidden_layers`` is the MTP block. ``prefix_share``: the share of
+    rows on the dense prefix (``[dsa] dense_prefix``)."""
     a, d, h = act_bytes, args.hidden_size, args.num_attention_heads
     r, c, p = args.q_lora_rank, args.kv_lora_rank, args.qk_rope_head_dim
     n, v, kk = args.qk_nope_head_dim, args.v_head_dim, args.index_topk
@@ -271,15 +279,16 @@ def block_bytes_per_token(args: GLM52ModelArgs, layer_id: int, mode: str, act_by
         return a * d + topk
     if mode == "none":
         attn = (a * (3 * d + 3 * r + h * (n + p) + 2 * (c + p) + c + h * (c + p) + h * c + h * v) + 4 * h + 16 + 8 * p
-                + topk)
+                + topk + prefix_share * (a * (h * (2 * (n + p) + 2 * v + n) + c) + 4 * h))
         if moe:
             ints = 32 * k + (16 * k * load if ep else 0)
-            mlp = a * 3 * d + 4 + 4 * d + 4 * e + ints + load * a * (k * d + 4 * k * f) + 4 * k * d + a * 4 * fs
+            mlp = (a * 3 * d + 4 + 4 * d + 4 * e + ints + load * a * (k * d + 4 * k * f) + a * k * d + 12 * k
+                   + a * 4 * fs)
         else:
             mlp = a * (3 * d + 4 * fd) + 4
         return attn + mlp
     if mode == "op":
-        attn = a * (r + h * (n + p) + (c + p) + d)
+        attn = a * (r + h * (n + p) + (c + p) + d) + prefix_share * a * h * (n + v)
         if moe:
             dispatch = load * a * k * d if ep else 0.0
             combine = a * k * d if ep else 0.0
@@ -322,7 +331,7 @@ def backward_workspace(args: GLM52ModelArgs, layer_id: int, tokens: int, act_byt
     attn = (tokens * (a * h * (2 * c + p) + 4 * (c + p) + 3 * a * d)
             + min(DSA_SCRATCH_BYTES, tokens * 2 * h * kk * a))
     if args.is_moe_layer(layer_id):
-        mlp = tokens * (max(12 * k * d, load * a * k * (2 * d + 2 * f)) + 3 * a * d)
+        mlp = tokens * (max((4 + a) * k * d, load * a * k * (2 * d + 2 * f)) + 3 * a * d)
     else:
         mlp = tokens * a * (3 * fd + 3 * d)
     return max(attn, mlp)
@@ -355,8 +364,8 @@ class StageActivations:
 
 
 def stage_activations(args: GLM52ModelArgs, layer_ids: range, is_first: bool, is_last: bool, with_mtp: bool,
-                      ac_mode: str, selective_option: str, act_bytes: int, load: float, ep: bool, tokens: int
-                      ) -> StageActivations:
+                      ac_mode: str, selective_option: str, act_bytes: int, load: float, ep: bool, tokens: int,
+                      prefix_share: float = 0.0) -> StageActivations:
     """Activations of one pipeline stage for micro-batches of ``tokens`` tokens (module docstring)."""
     a, d = act_bytes, args.hidden_size
     ids = list(layer_ids) + ([args.num_hidden_layers] if is_last and with_mtp else [])
@@ -365,8 +374,8 @@ def stage_activations(args: GLM52ModelArgs, layer_ids: range, is_first: bool, is
     for b, m in zip(ids, modes):
         # A checkpointed block ("full", "op") rebuilds its "none" set in backward while its own saved tensors are
         # still held (for "op" the cached ones are shared: counted twice, an upper bound).
-        recompute = block_bytes_per_token(args, b, "none", a, load, ep) if m != "none" else 0.0
-        blocks.append(BlockActivations(b, m, block_bytes_per_token(args, b, m, a, load, ep),
+        recompute = block_bytes_per_token(args, b, "none", a, load, ep, prefix_share) if m != "none" else 0.0
+        blocks.append(BlockActivations(b, m, block_bytes_per_token(args, b, m, a, load, ep, prefix_share),
                                        tokens * recompute + backward_workspace(args, b, tokens, a, load)))
     extras = 8 + (a * d if with_mtp else 0)  # positions; next-token embeddings
     if is_first:
@@ -675,8 +684,11 @@ def plan_memory(req: MemoryRequest) -> MemoryReport:
                           deg.dp_shard, deg.efsdp, n_mb, tokens)
     starts = [sum(plan.layers_per_stage[:i]) for i in range(pl.num_stages)]
     stage_layers = [range(b, b + n) for b, n in zip(starts, plan.layers_per_stage)]
+    # One document per row: its first index_topk rows run on the dense prefix.
+    prefix_share = min(args.index_topk, req.seq_len) / req.seq_len if req.dense_prefix else 0.0
     acts = [stage_activations(args, stage_layers[s], s == 0, s == pl.num_stages - 1, req.with_mtp, req.ac_mode,
-                              req.selective_ac_option, act_bytes, req.expert_load_factor, req.ep > 1, tokens)
+                              req.selective_ac_option, act_bytes, req.expert_load_factor, req.ep > 1, tokens,
+                              prefix_share)
             for s in range(pl.num_stages)]
     keep_all = pipelined or not _reshard_policy(req.reshard_after_forward, pipelined, deg.dp_shard)
     ranks_per_pp = deg.dp_replicate * deg.dp_shard
@@ -751,7 +763,7 @@ def request_from_job_config(cfg, gpus: int | None = None, *, gpu_memory_gib: flo
         param_dtype="bf16" if t.mixed_precision_param == "bfloat16" else "fp32",
         reshard_after_forward=p.fsdp_reshard_after_forward,
         with_mtp=cfg.mtp.enable and args.num_nextn_predict_layers > 0, gpu_memory_gib=gpu_memory_gib,
-        headroom=headroom, expert_load_factor=expert_load_factor)
+        headroom=headroom, expert_load_factor=expert_load_factor, dense_prefix=cfg.dsa.dense_prefix)
 
 
 # ===================================================================================== printing

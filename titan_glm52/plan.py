@@ -137,6 +137,8 @@ def _add_memory_parser(sub: argparse._SubParsersAction) -> None:
                    help="parallelism.fsdp_reshard_after_forward (default: default)")
     p.add_argument("--mtp", action=argparse.BooleanOptionalAction, default=True,
                    help="train the MTP layer (mtp.enable; default on)")
+    p.add_argument("--dense-prefix", action=argparse.BooleanOptionalAction, default=True,
+                   help="dsa.dense_prefix (default on): the first index_topk rows of each sequence on SDPA")
     p.add_argument("--gpu-memory-gib", type=float, default=141.0,
                    help="memory per GPU in GiB (default 141; an H200 reports 143771 MiB = 140.4 GiB)")
     p.add_argument("--headroom", type=float, default=0.10,
@@ -158,7 +160,8 @@ def memory_request(ns: argparse.Namespace, args: GLM52ModelArgs):
         seq_len=ns.seq_len, local_batch_size=ns.local_batch_size, microbatch_size=ns.microbatch_size,
         ac_mode=ns.ac, selective_ac_option=ns.selective_ac_option, param_dtype=ns.param_dtype,
         reshard_after_forward=ns.reshard_after_forward, with_mtp=ns.mtp and args.num_nextn_predict_layers > 0,
-        gpu_memory_gib=ns.gpu_memory_gib, headroom=ns.headroom, expert_load_factor=ns.expert_load_factor)
+        gpu_memory_gib=ns.gpu_memory_gib, headroom=ns.headroom, expert_load_factor=ns.expert_load_factor,
+        dense_prefix=ns.dense_prefix)
 
 
 def _cmd_memory(ns: argparse.Namespace) -> int:

@@ -250,16 +250,20 @@ def test_too_small_gpu_does_not_fit():
 # Peak torch.cuda.max_memory_allocated (GiB; the largest per-step peak of the timed steps, the fullest rank) of the
 # glm52_proxy flavor on one and two H200s, torch 2.11: bf16 compute with fp32 master weights (FSDP2, also on one
 # GPU), fused AdamW, one sequence per row (no document masking), selective AC "2" unless said, local batch 1 per
-# rank unless said. From bench/results/e2e_h200.md (1 GPU and 2 GPUs FSDP=2 / EP=2, MTP off) and
-# bench/results/layouts_h200x2.md (MTP on: the lr 1e-4 runs, after FSDP stopped resharding on a 1-rank mesh).
+# rank unless said. MTP off: session 3's runs (bench/results/e2e_h200.md, runs/s3_e2e_*.json; the dense prefix and
+# the gather-based MoE combine in). MTP on: bench/results/layouts_h200x2.md (session 2 code, before that MoE combine,
+# which lowered the real peak since; the plan must still bound them).
 # (Not here: the PP=2 run of layouts_h200x2.md, measured while the last stage still kept full logits.)
 MEASURED_H200 = {
-    "1 GPU, 4K": (dict(gpus=1, with_mtp=False, seq_len=4096), 77.5),
-    "1 GPU, 16K": (dict(gpus=1, with_mtp=False, seq_len=16384), 107.2),
-    "1 GPU, 32K, AC full": (dict(gpus=1, with_mtp=False, seq_len=32768, ac_mode="full"), 111.6),
+    "1 GPU, 4K": (dict(gpus=1, with_mtp=False, seq_len=4096), 77.52),
+    "1 GPU, 4K, AC none": (dict(gpus=1, with_mtp=False, seq_len=4096, ac_mode="none"), 81.12),
+    "1 GPU, 16K": (dict(gpus=1, with_mtp=False, seq_len=16384), 101.38),
+    "1 GPU, 16K, AC none": (dict(gpus=1, with_mtp=False, seq_len=16384, ac_mode="none"), 111.49),
+    "1 GPU, 32K": (dict(gpus=1, with_mtp=False, seq_len=32768), 134.77),
+    "1 GPU, 32K, AC full": (dict(gpus=1, with_mtp=False, seq_len=32768, ac_mode="full"), 103.61),
     "1 GPU, 4K, MTP, batch 2": (dict(gpus=1, with_mtp=True, seq_len=4096, local_batch_size=2), 99.8),
-    "2 GPUs FSDP 2, 4K": (dict(gpus=2, dp_shard=2, with_mtp=False, seq_len=4096), 45.3),
-    "2 GPUs EP 2, 4K": (dict(gpus=2, ep=2, with_mtp=False, seq_len=4096), 43.6),
+    "2 GPUs FSDP 2, 4K": (dict(gpus=2, dp_shard=2, with_mtp=False, seq_len=4096), 44.12),
+    "2 GPUs EP 2, 4K": (dict(gpus=2, ep=2, with_mtp=False, seq_len=4096), 42.44),
     "2 GPUs FSDP 2, 4K, MTP": (dict(gpus=2, dp_shard=2, with_mtp=True, seq_len=4096), 50.8),
 }
 
@@ -278,15 +282,19 @@ def test_estimate_bounds_the_measured_h200_peaks(case):
 
 
 def test_backward_workspace_and_loss_chunk_follow_the_stated_formula():
-    """At the proxy's widths and 4096 tokens: a MoE block's backward peaks in the fp32 combine (12kD + 3aD per
-    token), a dense block's in the attention (latent-output gradient, dQ, fp32 dKV, residual gradients + the
-    1 GiB DSA scratch); the head's chunk is three fp32 [4096, vocab] tensors whatever the token count."""
+    """At the proxy's widths and 4096 tokens every block's backward peaks in the attention (latent-output gradient,
+    dQ, fp32 dKV, residual gradients + the 1 GiB DSA scratch); with 4x the experts' rows (load factor 4) a MoE
+    block's peaks in its experts, and at top-16 (no expert-side growth: load 1, smaller F) in the combine
+    ((4 + a)kD + 3aD per token). The head's chunk is three fp32 [4096, vocab] tensors whatever the token count."""
     args, a, t = _proxy_args(), 2, 4096
-    d, h, k = args.hidden_size, args.num_attention_heads, args.num_experts_per_tok
+    d, h, k, f = args.hidden_size, args.num_attention_heads, args.num_experts_per_tok, args.moe_intermediate_size
     c, p = args.kv_lora_rank, args.qk_rope_head_dim
     assert args.is_moe_layer(1) and not args.is_moe_layer(0)
-    assert backward_workspace(args, 1, t, a) == t * (12 * k * d + 3 * a * d)
-    assert backward_workspace(args, 0, t, a) == t * (a * h * (2 * c + p) + 4 * (c + p) + 3 * a * d) + DSA_SCRATCH_BYTES
+    attn = t * (a * h * (2 * c + p) + 4 * (c + p) + 3 * a * d) + DSA_SCRATCH_BYTES
+    assert backward_workspace(args, 0, t, a) == backward_workspace(args, 1, t, a) == attn
+    assert backward_workspace(args, 1, t, a, load=4.0) == t * (4.0 * a * k * (2 * d + 2 * f) + 3 * a * d)
+    wide = args.replace(num_experts_per_tok=16, moe_intermediate_size=512)
+    assert backward_workspace(wide, 1, t, a) == t * ((4 + a) * 16 * d + 3 * a * d)
     assert loss_chunk_bytes(args, 2 * t) == loss_chunk_bytes(args, t) == 12 * t * args.vocab_size
 
 
