@@ -29,13 +29,16 @@ def doc_positions(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
     return torch.arange(total, device=cu_seqlens.device) - doc_starts(cu_seqlens, total)
 
 
-def check_cu_seqlens(cu_seqlens: torch.Tensor, total: int) -> None:
+def check_cu_seqlens(cu_seqlens: torch.Tensor, total: int) -> list[int]:
+    """Validates ``cu_seqlens`` and returns it as a host list (one device-to-host copy)."""
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
         raise ValueError(f"cu_seqlens must be 1-D with >= 2 entries, got shape {tuple(cu_seqlens.shape)}")
-    if int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != total:
-        raise ValueError(f"cu_seqlens must start at 0 and end at T={total}, got {cu_seqlens.tolist()[:4]}...")
-    if bool((cu_seqlens[1:] < cu_seqlens[:-1]).any()):
+    bounds = cu_seqlens.tolist()
+    if bounds[0] != 0 or bounds[-1] != total:
+        raise ValueError(f"cu_seqlens must start at 0 and end at T={total}, got {bounds[:4]}...")
+    if any(b < a for a, b in zip(bounds[:-1], bounds[1:])):
         raise ValueError("cu_seqlens must be non-decreasing")
+    return bounds
 
 
 def _acc(x: torch.Tensor) -> torch.Tensor:

@@ -121,8 +121,7 @@ class GLM52Model(nn.Module):
             lengths = [seq] * batch
         else:
             cu_seqlens = cu_seqlens.to(device=device, dtype=torch.int32)
-            check_cu_seqlens(cu_seqlens, total)
-            bounds = cu_seqlens.tolist()
+            bounds = check_cu_seqlens(cu_seqlens, total)
             lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
         cos, sin = rope_cos_sin(doc_positions(cu_seqlens, total), self.args.qk_rope_head_dim, self.args.rope_theta)
         prefix = DensePrefix.build(lengths, self.args.index_topk, device) if self.dense_prefix else None
