@@ -9,7 +9,7 @@ A stage is the model with the other stages' pieces removed; its layers keep thei
     last stage out : final hidden states [mb * S, D] (or (hidden, MTP hidden))
 
 The last stage returns hidden states, not logits: the schedule's loss function runs the output head over them
-in chunks (``GLM52Stage.loss_sums``, the trainer's chunked cross-entropy), so no ``[tokens, vocab]`` logits are
+in chunks (``GLM52Stage.loss_sums`` -> ``GLM52Model.head_loss_sums``), so no ``[tokens, vocab]`` logits are
 kept for backward (154,880 x 4 bytes a token in fp32).
 
 Tensors sent between stages are never views (the schedules detach stage outputs in place), so the pass-through
@@ -34,7 +34,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
 from titan_glm52.model.args import GLM52ModelArgs
-from titan_glm52.model.model import GLM52Model, chunked_cross_entropy_sum, next_token_embeddings
+from titan_glm52.model.model import GLM52Model, next_token_embeddings
 from titan_glm52.pipeline_split import PipelinePlan, plan_pipeline
 
 
@@ -88,10 +88,7 @@ class GLM52Stage(GLM52Model):
         ``labels [mb, S]``, and of the MTP hidden states against ``mtp_labels`` (None without MTP), chunked as
         in ``GLM52Model.forward``."""
         h, x = output if self.with_mtp else (output, None)
-        ce = chunked_cross_entropy_sum(self.output, h, labels.reshape(-1))
-        if x is None:
-            return ce, None
-        return ce, chunked_cross_entropy_sum(self.output, x, mtp_labels.reshape(-1))
+        return self.head_loss_sums(h, labels, x, mtp_labels)
 
 
 def stage_modules(args: GLM52ModelArgs, plan: PipelinePlan, pp_rank: int, with_mtp: bool):

@@ -152,12 +152,20 @@ class GLM52Model(nn.Module):
                              "(num_nextn_predict_layers = 0 or with_mtp=False)")
         x = self.mtp(h, next_token_embeddings(emb, b), ctx) if with_mtp else None
         if labels is not None:
-            ce = chunked_cross_entropy_sum(self.output, h, labels.reshape(-1))
-            if not with_mtp:
-                return ce
-            return ce, chunked_cross_entropy_sum(self.output, x, mtp_labels.reshape(-1))
+            ce, mtp = self.head_loss_sums(h, labels, x, mtp_labels)
+            return (ce, mtp) if with_mtp else ce
         logits = self.output(h).view(b, s, -1)
         return (logits, self.output(x).view(b, s, -1)) if with_mtp else logits
+
+
+    def head_loss_sums(self, h: torch.Tensor, labels: torch.Tensor, x: torch.Tensor | None = None,
+                       mtp_labels: torch.Tensor | None = None):
+        """Summed fp32 cross-entropy of the output head over the final hidden states ``h`` against ``labels``, and
+        over the MTP layer's ``x`` against ``mtp_labels`` (None without ``x``), in chunks of ``LOSS_CHUNK`` tokens."""
+        ce = chunked_cross_entropy_sum(self.output, h, labels.reshape(-1))
+        if x is None:
+            return ce, None
+        return ce, chunked_cross_entropy_sum(self.output, x, mtp_labels.reshape(-1))
 
 
 LOSS_CHUNK = 4096
