@@ -108,8 +108,8 @@ loss); an RMSNorm keeps its input, its fp32 rstd and the normalised copy its wei
              stage: + a*D (stage output kept by the schedule); last stage: + a*3D + 4 (final norm: input,
              normalised copy, output) and, with MTP, + a*7D + 12 (enorm and hnorm copies, their concat, MTP norm)
              + the MTP block (a full MoE block)
-  logits     none kept, pipelined or not: the head runs in the chunked cross-entropy (the trainer's, and the
-             last pipeline stage's loss function), which recomputes each chunk's logits in backward
+  logits     none kept, pipelined or not: the head runs the fused chunked loss (model/head.py; the trainer's,
+             and the last pipeline stage's loss function), which keeps only the gradients it formed (see head)
 
 Backward bytes of a step (on top of what it saved):
   block      a checkpointed block ("full", "op") rebuilds its "none" set while its own saved tensors are still
@@ -122,9 +122,11 @@ Backward bytes of a step (on top of what it saved):
                         combine weights' gradient forms its fp32 [kT, D] product before the sum over D) + 3aD, or
                         L*a*k(2D + 2F) on the experts' side if larger
              dense MLP  a*(3Fd + 3D)
-  head       one loss chunk of min(tokens, LOSS_CHUNK) tokens x vocab x 12 (three fp32 [chunk, vocab] tensors in
-             the cross-entropy's backward: the log-softmax output it saved, the NLL gradient, the log-softmax
-             gradient)
+  head       the fused loss (model/head.py) forms each chunk's gradients at the end of forward, with every
+             activation still held: one chunk of min(tokens, LOSS_CHUNK) tokens x vocab x 8 (the fp32 logits and
+             logsumexp's fp32 temporary; later the fp32 gradient and its param_dtype copy), plus the head weight's
+             unsharded gradient, which it forms there and keeps until backward; with MTP the second loss runs
+             while the first one's is held. Counted in the head's backward step (the same tensors, all alive)
 
 Checked against ``torch.cuda.max_memory_allocated`` on H200s (bench/results/e2e_h200.md, layouts_h200x2.md;
 tests/unit/test_plan_memory.py): the estimate is above every measured peak, by 0.05-4.3% on one GPU without MTP
@@ -147,7 +149,7 @@ import torch.distributed as dist
 from torch import nn
 
 from titan_glm52.model.args import GLM52ModelArgs
-from titan_glm52.model.model import LOSS_CHUNK
+from titan_glm52.model.head import LOSS_CHUNK
 
 GIB = 1024 ** 3
 PARAM_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -338,9 +340,9 @@ def backward_workspace(args: GLM52ModelArgs, layer_id: int, tokens: int, act_byt
 
 
 def loss_chunk_bytes(args: GLM52ModelArgs, tokens: int) -> float:
-    """The chunked cross-entropy's backward of one chunk: three fp32 [chunk, vocab] tensors (the log-softmax output
-    it saved, the NLL gradient, the log-softmax gradient)."""
-    return 12.0 * min(tokens, LOSS_CHUNK) * args.vocab_size
+    """The fused loss on one chunk (model/head.py): the fp32 [chunk, vocab] logits and logsumexp's fp32 temporary
+    (after them, the fp32 gradient and its param_dtype copy, no more)."""
+    return 8.0 * min(tokens, LOSS_CHUNK) * args.vocab_size
 
 
 @dataclass(frozen=True)
@@ -552,13 +554,16 @@ def _unpipelined_phases(steps: list[_Step], extras: float, tokens: int, a: int, 
         waiting = a * sum(x.grad_unsharded for x in deferred)
         acts = tokens * (extras + sum(x.saved for x in later))
         held_grads, held_rs = grads, prev_rs
+        extra = 0.0
         if st.name == "head" and head_calls > 1:
-            # Every call of the head (each loss chunk, the MTP loss) reduce-scatters its gradient on its own: a later
-            # call runs with the earlier calls' sharded gradient and reduce-scatter input alive.
+            # The two losses (main, MTP) each hold the head's unsharded gradient from forward, and each call
+            # reduce-scatters its own: the later one runs with the earlier one's sharded gradient and reduce-scatter
+            # input alive.
             held_grads, held_rs = grads + 4.0 * st.trainable, 4.0 * st.grad_unsharded
+            extra = (head_calls - 1) * a * st.grad_unsharded
         # While it runs: its transient and its unsharded param_dtype gradient.
         phases.append(Phase(f"backward {st.name}", held_grads, a * live, 0.0, acts,
-                            st.backward + a * st.grad_unsharded + held_rs + waiting))
+                            st.backward + a * st.grad_unsharded + held_rs + waiting + extra))
         if st.deferred:
             deferred.append(st)
             continue
@@ -578,7 +583,7 @@ def _unpipelined_phases(steps: list[_Step], extras: float, tokens: int, a: int, 
 
 
 def _pipelined_phases(steps: dict[int, list[_Step]], acts: list[StageActivations], alive: list[int], tokens: int,
-                      a: int, units: list[_Unit], loose_grads: float, buffers: float) -> list[Phase]:
+                      a: int, units: list[_Unit], loose_grads: float, buffers: float, head_calls: int) -> list[Phase]:
     """The micro-batch backward of each stage in flight, the final gradient reduction and the end of backward
     (module docstring, "Peak", under pipeline parallelism). ``buffers``: the schedule's per-micro-batch buffers,
     held all step."""
@@ -592,7 +597,7 @@ def _pipelined_phases(steps: dict[int, list[_Step]], acts: list[StageActivations
             phases.append(Phase(
                 f"backward {st.name}" + (f" (stage {s})" if len(set(alive)) > 1 else ""), loose_grads, unsharded,
                 accum, buffers + others + tokens * (acts[s].extras + sum(x.saved for x in steps[s][i:])),
-                st.backward + a * st.grad_unsharded))
+                st.backward + a * st.grad_unsharded * (head_calls if st.name == "head" else 1)))
     rs = 4.0 * max((u.grad_unsharded for u in units), default=0)
     phases.append(Phase("gradient reduction", loose_grads, unsharded, accum, buffers, rs))
     phases.append(Phase("end of backward", loose_grads + 4.0 * sum(u.trainable for u in units), 0.0, 0.0, buffers))
@@ -692,8 +697,8 @@ def plan_memory(req: MemoryRequest) -> MemoryReport:
             for s in range(pl.num_stages)]
     keep_all = pipelined or not _reshard_policy(req.reshard_after_forward, pipelined, deg.dp_shard)
     ranks_per_pp = deg.dp_replicate * deg.dp_shard
-    # Calls of the head per micro-batch: one per loss chunk, twice with MTP.
-    head_calls = math.ceil(tokens / LOSS_CHUNK) * (2 if req.with_mtp else 1)
+    # Calls of the head per micro-batch: one per loss (model/head.py), two with MTP.
+    head_calls = 2 if req.with_mtp else 1
 
     for pp_rank in range(req.pp):
         rank = pp_rank * ranks_per_pp
@@ -723,7 +728,8 @@ def plan_memory(req: MemoryRequest) -> MemoryReport:
         if pipelined:
             buffers = n_mb * tokens * sum(pipeline_buffer_bytes_per_token(args, s, pl.num_stages, req.with_mtp,
                                                                           act_bytes) for s in stage_ids)
-            phases = _pipelined_phases(steps, acts, alive, tokens, act_bytes, units, 4.0 * loose_trainable, buffers)
+            phases = _pipelined_phases(steps, acts, alive, tokens, act_bytes, units, 4.0 * loose_trainable, buffers,
+                                       head_calls)
         else:
             (s,) = stage_ids
             phases = _unpipelined_phases(steps[s], acts[s].extras, tokens, act_bytes, keep_all, head_calls,

@@ -156,7 +156,7 @@ def test_mtp_predicts_from_hidden_and_next_embedding():
 
 
 def test_chunked_loss_equals_full_logits_loss_and_grads():
-    from titan_glm52.model import model as model_mod
+    from titan_glm52.model import head as head_mod
     from titan_glm52.model.model import cross_entropy_sum
 
     args = get_flavor("debug")
@@ -173,11 +173,11 @@ def test_chunked_loss_equals_full_logits_loss_and_grads():
     full.backward()
     ref = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad()
-    old, model_mod.LOSS_CHUNK = model_mod.LOSS_CHUNK, 7  # several chunks, the last one partial
+    old, head_mod.LOSS_CHUNK = head_mod.LOSS_CHUNK, 7  # several chunks, the last one partial
     try:
         ce, ce_mtp = model(tokens, with_mtp=True, labels=labels, mtp_labels=mtp_labels)
     finally:
-        model_mod.LOSS_CHUNK = old
+        head_mod.LOSS_CHUNK = old
     torch.testing.assert_close(ce + ce_mtp, full)
     (ce + ce_mtp).backward()
     for n, p in model.named_parameters():

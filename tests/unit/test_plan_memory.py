@@ -108,10 +108,10 @@ def test_debug_activations_follow_the_stated_formula():
         assert first_backward.activations == pytest.approx(buffers + in_flight * 64 * per_token)
         assert r.phases[-1].activations == pytest.approx(buffers)  # held until the next step
         if last:
-            # no logits are kept: the head runs in chunks, one chunk (64 tokens) of three fp32 [chunk, vocab]
-            # tensors in backward, plus the head's fresh bf16 gradient
+            # no logits are kept: the fused loss runs in chunks, one chunk (64 tokens) of 8 bytes per [chunk, vocab]
+            # element, plus the head's bf16 gradient of each of the two losses (main, MTP)
             assert first_backward.name == "backward head"
-            assert first_backward.transient == 12 * 64 * v + 2 * v * d
+            assert first_backward.transient == 8 * 64 * v + 2 * 2 * v * d
         assert r.total == pytest.approx(r.params + r.grads + r.optimizer + r.unsharded + r.grad_accum
                                         + r.activations + r.transient)
         assert r.total == pytest.approx(r.params + r.optimizer + max(ph.total for ph in r.phases))
@@ -156,7 +156,7 @@ def test_unpipelined_backward_walk():
     per_token = sum(a * d + (4 * k if args.index_share.is_full(i) else 0) for i in range(args.num_hidden_layers))
     per_token += 8 + 8 + 3 * a * d + 4  # positions, token ids, final norm
     assert head.grads == 0 and head.unsharded == 2 * n and head.activations == 128 * per_token
-    assert head.transient == 12 * 128 * v + 2 * vd  # one loss chunk + the head's bf16 gradient
+    assert head.transient == 8 * 128 * v + 2 * vd  # one loss chunk + the head's bf16 gradient
     # The head's fp32 reduce-scatter input waits for the last layer's reduce-scatter (the final norm's is deferred).
     last = ph[f"backward {layers[0]}"]
     assert last.grads == 4 * vd and last.unsharded == 2 * (n - vd) and last.transient >= 4 * vd
@@ -285,7 +285,7 @@ def test_backward_workspace_and_loss_chunk_follow_the_stated_formula():
     """At the proxy's widths and 4096 tokens every block's backward peaks in the attention (latent-output gradient,
     dQ, fp32 dKV, residual gradients + the 1 GiB DSA scratch); with 4x the experts' rows (load factor 4) a MoE
     block's peaks in its experts, and at top-16 (no expert-side growth: load 1, smaller F) in the combine
-    ((4 + a)kD + 3aD per token). The head's chunk is three fp32 [4096, vocab] tensors whatever the token count."""
+    ((4 + a)kD + 3aD per token). The head's chunk is 8 bytes per [4096, vocab] element whatever the token count."""
     args, a, t = _proxy_args(), 2, 4096
     d, h, k, f = args.hidden_size, args.num_attention_heads, args.num_experts_per_tok, args.moe_intermediate_size
     c, p = args.kv_lora_rank, args.qk_rope_head_dim
@@ -295,7 +295,7 @@ def test_backward_workspace_and_loss_chunk_follow_the_stated_formula():
     assert backward_workspace(args, 1, t, a, load=4.0) == t * (4.0 * a * k * (2 * d + 2 * f) + 3 * a * d)
     wide = args.replace(num_experts_per_tok=16, moe_intermediate_size=512)
     assert backward_workspace(wide, 1, t, a) == t * ((4 + a) * 16 * d + 3 * a * d)
-    assert loss_chunk_bytes(args, 2 * t) == loss_chunk_bytes(args, t) == 12 * t * args.vocab_size
+    assert loss_chunk_bytes(args, 2 * t) == loss_chunk_bytes(args, t) == 8 * t * args.vocab_size
 
 
 def test_dsa_scratch_matches_the_kernels():

@@ -13,10 +13,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from titan_glm52.kernels.reference import check_cu_seqlens, doc_positions
 from titan_glm52.model.args import GLM52ModelArgs
+from titan_glm52.model.head import OutputHead
 from titan_glm52.model.init import init_weights_
 from titan_glm52.model.attention import Attention, DensePrefix, PackedContext
 from titan_glm52.model.moe import MoE, FeedForward
@@ -88,7 +88,7 @@ class GLM52Model(nn.Module):
             {str(i): Block(i, args, sched.is_full(i)) for i in range(args.num_hidden_layers)}
         )
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.output = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.output = OutputHead(args.hidden_size, args.vocab_size)
         if with_mtp is None:
             with_mtp = args.num_nextn_predict_layers > 0
         self.mtp = MTPLayer(args) if with_mtp else None
@@ -140,8 +140,8 @@ class GLM52Model(nn.Module):
         (position i predicts token i + 2).
 
         With ``labels`` (and ``mtp_labels`` when ``with_mtp``) it returns the summed token cross-entropies instead
-        of logits, computed over chunks of tokens whose logits are recomputed in backward: the ``[T, vocab]`` logits
-        never exist at once (``LOSS_CHUNK`` tokens at a time).
+        of logits (``OutputHead``: ``LOSS_CHUNK`` tokens at a time, the gradients formed in forward; the
+        ``[T, vocab]`` logits never exist at once).
         """
         b, s = tokens.shape[:2]
         ctx = self.packed_context(b, s, cu_seqlens, tokens.device)
@@ -157,38 +157,14 @@ class GLM52Model(nn.Module):
         logits = self.output(h).view(b, s, -1)
         return (logits, self.output(x).view(b, s, -1)) if with_mtp else logits
 
-
     def head_loss_sums(self, h: torch.Tensor, labels: torch.Tensor, x: torch.Tensor | None = None,
                        mtp_labels: torch.Tensor | None = None):
         """Summed fp32 cross-entropy of the output head over the final hidden states ``h`` against ``labels``, and
-        over the MTP layer's ``x`` against ``mtp_labels`` (None without ``x``), in chunks of ``LOSS_CHUNK`` tokens."""
-        ce = chunked_cross_entropy_sum(self.output, h, labels.reshape(-1))
+        over the MTP layer's ``x`` against ``mtp_labels`` (None without ``x``): one call of the head per loss (``OutputHead``)."""
+        ce = self.output(h, labels)
         if x is None:
             return ce, None
-        return ce, chunked_cross_entropy_sum(self.output, x, mtp_labels.reshape(-1))
-
-
-LOSS_CHUNK = 4096
-
-
-def _head_ce_sum(head: nn.Module, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(head(h).float(), labels, ignore_index=-100, reduction="sum")
-
-
-def chunked_cross_entropy_sum(head: nn.Module, h: torch.Tensor, labels: torch.Tensor,
-                              chunk: int | None = None) -> torch.Tensor:
-    """``sum_t CE(head(h_t), labels_t)`` in fp32 (-100 ignored), ``chunk`` (default ``LOSS_CHUNK``) tokens at a
-    time; each chunk's logits are recomputed in backward instead of being kept."""
-    chunk = chunk or LOSS_CHUNK
-    total = h.new_zeros((), dtype=torch.float32)
-    # One split, not a slice per chunk: the backward of a slice writes its rows into a zero [T, D] tensor, and
-    # autograd then adds those full-size tensors over the chunks; split's backward writes each chunk's rows once.
-    for h_c, labels_c in zip(h.split(chunk), labels.split(chunk)):
-        if torch.is_grad_enabled() and h.requires_grad:
-            total = total + checkpoint(_head_ce_sum, head, h_c, labels_c, use_reentrant=False)
-        else:
-            total = total + _head_ce_sum(head, h_c, labels_c)
-    return total
+        return ce, self.output(x, mtp_labels)
 
 
 def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:

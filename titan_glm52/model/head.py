@@ -1,0 +1,118 @@
+"""The output head and its fused linear + cross-entropy loss.
+
+``OutputHead`` is the checkpoint's ``lm_head`` (a bias-free ``nn.Linear``, state-dict key ``weight``). Called with
+labels it returns the summed token cross-entropy instead of logits, and the ``[T, vocab]`` logits never exist at
+once: ``LOSS_CHUNK`` tokens at a time, each chunk's logits are formed, reduced to the loss, turned into their
+gradient ``softmax - onehot`` right away and multiplied out into the gradients of the hidden states and of the
+weight. Backward then only scales those two by the incoming gradient. Against a chunked loss that recomputes
+each chunk's logits in backward this saves the recompute (one head GEMM and one softmax per chunk) and, under
+FSDP, makes one module call per loss instead of one per chunk (one gradient reduce-scatter instead of one per
+chunk).
+
+Numerics: the loss is ``logsumexp(z) - z[label]`` over fp32 logits ``z = float(h W^T)``, as
+``F.cross_entropy(head(h).float(), labels, reduction="sum")`` computes it up to fp32 rounding. The logits'
+gradient is rounded to the compute dtype before the incoming gradient multiplies the products (autograd rounds
+after); with bf16 weights the two agree to bf16 rounding, with fp32 to fp32 rounding. The weight's gradient is
+summed over chunks in its own dtype, as autograd sums the per-chunk gradients of a recomputed loss.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+IGNORE_INDEX = -100
+LOSS_CHUNK = 4096
+
+
+def _chunk_loss_and_grad(h_c: torch.Tensor, weight: torch.Tensor, labels_c: torch.Tensor, want_grad: bool):
+    """(summed fp32 CE of the chunk, gradient of that sum w.r.t. the chunk's logits in h's dtype or None)."""
+    z = F.linear(h_c, weight).float()
+    valid = labels_c != IGNORE_INDEX
+    target = torch.where(valid, labels_c, 0).unsqueeze(1)
+    lse = torch.logsumexp(z, dim=1)
+    loss = torch.where(valid, lse - z.gather(1, target).squeeze(1), 0.0).sum()
+    if not want_grad:
+        return loss, None
+    # d loss / d z = softmax(z) - onehot(label) on valid rows, 0 on ignored ones; formed in place in z.
+    z.sub_(lse.unsqueeze(1)).exp_()
+    z.scatter_add_(1, target, torch.full_like(target, -1.0, dtype=z.dtype))
+    z.mul_(valid.unsqueeze(1))
+    return loss, z.to(h_c.dtype)
+
+
+class _LinearCrossEntropySum(torch.autograd.Function):
+    """``sum_t CE(h_t W^T, labels_t)``; the gradients are formed in forward (module docstring)."""
+
+    @staticmethod
+    def forward(ctx, h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int):
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        total = torch.zeros((), dtype=torch.float32, device=h.device)
+        dh = torch.empty_like(h) if need_h else None
+        dw = None
+        start = 0
+        for h_c, labels_c in zip(h.split(chunk), labels.split(chunk)):
+            loss, g = _chunk_loss_and_grad(h_c, weight, labels_c, True)
+            total += loss
+            if need_h:
+                torch.mm(g, weight, out=dh[start:start + h_c.shape[0]])
+            if need_w:
+                if dw is None:
+                    dw = torch.mm(g.t(), h_c).to(weight.dtype)
+                else:
+                    dw.addmm_(g.t(), h_c.to(dw.dtype))
+            start += h_c.shape[0]
+        if need_w and dw is None:  # no tokens
+            dw = torch.zeros_like(weight)
+        ctx.save_for_backward(dh, dw)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total: torch.Tensor):
+        if getattr(ctx, "used", False):
+            raise RuntimeError("linear_cross_entropy_sum: backward ran twice through the same loss (its gradients "
+                               "are formed in forward and scaled in place); compute the loss again instead")
+        ctx.used = True
+        dh, dw = ctx.saved_tensors
+        return _scale_(dh, grad_total), _scale_(dw, grad_total), None, None
+
+
+def _scale_(x: torch.Tensor | None, g: torch.Tensor, rows: int = 8192) -> torch.Tensor | None:
+    """``x *= g`` in place with the product formed in fp32 (a 0-dim fp32 ``g`` would otherwise be rounded to a
+    bf16 ``x``'s dtype first), ``rows`` rows at a time to bound the fp32 temporary."""
+    if x is None:
+        return None
+    g = g.to(torch.float32)
+    for part in x.split(rows):
+        part.copy_(part.float() * g)
+    return x
+
+
+def linear_cross_entropy_sum(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                             chunk: int | None = None) -> torch.Tensor:
+    """``sum_t CE(h_t W^T, labels_t)`` in fp32 (``IGNORE_INDEX`` rows count 0) for ``h [T, D]``, ``weight
+    [V, D]``, ``labels [T]``, ``chunk`` (default ``LOSS_CHUNK``) tokens at a time. Differentiable in ``h`` and
+    ``weight`` (once: backward scales the gradients it formed in forward in place)."""
+    chunk = chunk or LOSS_CHUNK
+    labels = labels.reshape(-1)
+    if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
+        return _LinearCrossEntropySum.apply(h, weight, labels, chunk)
+    total = torch.zeros((), dtype=torch.float32, device=h.device)
+    for h_c, labels_c in zip(h.split(chunk), labels.split(chunk)):
+        total += _chunk_loss_and_grad(h_c, weight, labels_c, False)[0]
+    return total
+
+
+class OutputHead(nn.Linear):
+    """The vocabulary projection (``lm_head``). ``head(h)`` gives logits; ``head(h, labels)`` the summed fp32
+    cross-entropy by ``linear_cross_entropy_sum``. Going through the module call keeps FSDP's unshard and
+    gradient hooks on it."""
+
+    def __init__(self, hidden_size: int, vocab_size: int) -> None:
+        super().__init__(hidden_size, vocab_size, bias=False)
+
+    def forward(self, h: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        if labels is None:
+            return F.linear(h, self.weight)
+        return linear_cross_entropy_sum(h, self.weight, labels)
