@@ -13,10 +13,11 @@ the per-rank gradients is the single-process gradient.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from collections import defaultdict
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -352,13 +353,17 @@ def parallelize_model(model: nn.Module, mesh: ParallelMesh | None, *, param_dtyp
 @torch.no_grad()
 def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0, *,
                     pp_mesh: DeviceMesh | None = None, error_if_nonfinite: bool = False,
-                    foreach: bool | None = None) -> torch.Tensor:
+                    foreach: bool | None = None, scale_grads: bool = True) -> torch.Tensor:
     """Clips gradients in place to a total norm of ``max_norm`` and returns the total norm before clipping
-    (a plain tensor, the same on every rank).
+    (a plain fp32 0-dim tensor, the same on every rank).
 
     Correct when parameters live on different meshes (dense on the FSDP mesh, routed experts on the
     expert-FSDP x EP mesh) or are plain tensors: the norm is computed per mesh, each reduced over its own
     mesh, then combined; with ``pp_mesh`` also over pipeline stages.
+
+    ``scale_grads=False`` only computes and returns the total norm and leaves the gradients untouched: the
+    caller applies ``clip_coefficient(total, max_norm)`` itself, e.g. inside a fused optimizer step
+    (``clip_in_fused_step``), which saves the separate pass over all gradients.
     """
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     groups: dict[object, list[torch.Tensor]] = defaultdict(list)
@@ -383,9 +388,60 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm_ty
         total = total ** (1.0 / norm_type)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(f"the total norm of order {norm_type} of the gradients is non-finite ({total.item()})")
-    for group in groups.values():
-        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach)
+    if scale_grads:
+        for group in groups.values():
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach)
     return total
+
+
+def clip_coefficient(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """The factor ``torch.nn.utils.clip_grads_with_norm_`` multiplies every gradient by, computed the same way:
+    ``clamp(max_norm / (total_norm + 1e-6), max=1)`` (exactly 1.0 when no clipping is needed)."""
+    return torch.clamp(float(max_norm) / (total_norm + 1e-6), max=1.0)
+
+
+def folds_clip(optimizers: Iterable[torch.optim.Optimizer]) -> bool:
+    """True when every optimizer is torch's fused Adam / AdamW (all parameter groups ``fused=True``): their step
+    divides every gradient by ``optimizer.grad_scale`` inside the same kernel, so ``clip_in_fused_step`` can
+    apply the clip there. foreach / for-loop Adam refuse a ``grad_scale``."""
+    opts = list(optimizers)
+    return bool(opts) and all(isinstance(o, (torch.optim.Adam, torch.optim.AdamW))
+                              and all(g.get("fused") for g in o.param_groups) for o in opts)
+
+
+@contextlib.contextmanager
+def clip_in_fused_step(optimizers: Iterable[torch.optim.Optimizer], total_norm: torch.Tensor,
+                       max_norm: float) -> Iterator[None]:
+    """Gradient clipping folded into the fused Adam/AdamW step: inside the block every optimizer's ``step()``
+    divides each gradient by ``1 / clip_coefficient(total_norm, max_norm)`` in its fused kernel instead of a
+    separate in-place multiply over all gradients before the step (use ``clip_grad_norm_(..., scale_grads=False)``
+    for ``total_norm``). The kernel (CUDA and CPU) also writes the divided gradient back to ``.grad``, so the
+    gradients after the step are clipped, as with the in-place clip.
+
+    Numerics: with clipping inactive the scale is exactly 1.0 and the step is bitwise the one after the in-place
+    clip (both leave the gradient unchanged); with clipping active ``g / (1 / c)`` can differ from ``g * c`` in the
+    last fp32 bit.
+
+    The scale is a 0-dim fp32 tensor on ``total_norm``'s device, computed without a host sync; under DTensor
+    parameters (FSDP2, EP) DTensor treats such a scalar tensor as replicated. ``grad_scale`` is removed on exit
+    (also on an exception), so it never reaches a later step or a checkpoint.
+    """
+    opts = list(optimizers)
+    if not folds_clip(opts):
+        raise ValueError("clip_in_fused_step needs torch's fused Adam/AdamW (fused=True); got "
+                         f"{[type(o).__name__ for o in opts]}: clip the gradients in place instead")
+    for o in opts:
+        if getattr(o, "grad_scale", None) is not None:
+            raise RuntimeError(f"{type(o).__name__} already has a grad_scale (a GradScaler?): not folding the clip "
+                               "into it")
+    scale = torch.reciprocal(clip_coefficient(total_norm.detach().to(torch.float32), max_norm))
+    try:
+        for o in opts:
+            o.grad_scale = scale
+        yield
+    finally:
+        for o in opts:
+            o.__dict__.pop("grad_scale", None)
 
 
 def all_reduce_moe_load(model: nn.Module, dp_mesh: DeviceMesh | None) -> None:

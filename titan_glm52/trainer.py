@@ -34,7 +34,7 @@ from titan_glm52.model.args import GLM52ModelArgs, get_flavor
 from titan_glm52.model.attention import Attention
 from titan_glm52.model.model import GLM52Model
 from titan_glm52.model.moe import MoE
-from titan_glm52.parallelize import clip_grad_norm_, parallelize_model
+from titan_glm52.parallelize import clip_grad_norm_, clip_in_fused_step, folds_clip, parallelize_model
 from titan_glm52.pipeline import build_pipeline_stages, cu_seqlens_from_positions, make_plan
 from titan_glm52.profiling import profiling
 from torchtitan.distributed.pipeline_parallel import build_pipeline_schedule
@@ -198,6 +198,9 @@ class Trainer:
         impl = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for-loop": {"foreach": False}}[o.implementation]
         self.optimizers = OptimizersContainer(self.model_parts, opt_cls, dict(
             lr=o.lr, betas=(0.9, 0.95), eps=o.eps, weight_decay=o.weight_decay, **impl))
+        # Fused Adam/AdamW: the gradient clip is applied inside the optimizer kernel (clip_in_fused_step), which
+        # saves a separate in-place pass over all gradients; foreach / for-loop clip the gradients in place.
+        self.fold_clip = folds_clip(self.optimizers.optimizers)
         self.lr_schedulers = build_lr_schedulers(self.optimizers, cfg.lr_scheduler, cfg.training.steps)
         self.state = TrainState()
         # Initial HF loads and the final HF export are this trainer's (see _initial_load / export_hf).
@@ -422,13 +425,18 @@ class Trainer:
                 t_fb = time.perf_counter()
                 grad_norm = clip_grad_norm_(
                     [p for part in self.model_parts for p in part.parameters() if p.requires_grad],
-                    cfg.training.max_norm, pp_mesh=self.mesh["pp"] if self.pp else None)
+                    cfg.training.max_norm, pp_mesh=self.mesh["pp"] if self.pp else None,
+                    scale_grads=not self.fold_clip)
                 finite = math.isfinite(losses["total"]) and math.isfinite(float(grad_norm))
                 self.state.step += 1
                 self.state.tokens_seen += int(losses["tokens"])
                 moe_stats = self._moe_balance(apply_update=finite)
                 if finite:
-                    self.optimizers.step()
+                    if self.fold_clip:  # grads are clipped by the fused kernel (and written back clipped)
+                        with clip_in_fused_step(self.optimizers.optimizers, grad_norm, cfg.training.max_norm):
+                            self.optimizers.step()
+                    else:
+                        self.optimizers.step()
                     self.lr_schedulers.step()
                     self.state.consecutive_skips = 0
                 else:
