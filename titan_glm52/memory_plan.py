@@ -125,8 +125,9 @@ Backward bytes of a step (on top of what it saved):
   head       the fused loss (model/head.py) forms each chunk's gradients at the end of forward, with every
              activation still held: one chunk of min(tokens, LOSS_CHUNK) tokens x vocab x 8 (the fp32 logits and
              logsumexp's fp32 temporary; later the fp32 gradient and its param_dtype copy), plus the head weight's
-             unsharded gradient, which it forms there and keeps until backward; with MTP the second loss runs
-             while the first one's is held. Counted in the head's backward step (the same tensors, all alive)
+             unsharded gradient, which it forms there and keeps until backward (where a scaled copy of it is made:
+             the larger of the chunk and that copy is counted); with MTP the second loss runs while the first
+             one's gradient is held. Counted in the head's backward step (the same tensors, all alive)
 
 Checked against ``torch.cuda.max_memory_allocated`` on H200s (bench/results/e2e_h200.md, layouts_h200x2.md;
 tests/unit/test_plan_memory.py): the estimate is above every measured peak, by 0.05-4.3% on one GPU without MTP
@@ -540,6 +541,13 @@ def _backward_steps(args: GLM52ModelArgs, units: list[_Unit], acts: StageActivat
     return [st for st in steps.values() if st.units or st.saved or st.backward]
 
 
+def _head_work(st: _Step, a: int, head_calls: int) -> float:
+    """The fused loss (model/head.py) beyond one unsharded gradient of the head: at the end of forward a loss
+    chunk's transient, in backward the scaled copy of the gradient it formed; with MTP the other loss's gradient,
+    held from forward."""
+    return max(st.backward, a * st.grad_unsharded) + (head_calls - 1) * a * st.grad_unsharded
+
+
 def _unpipelined_phases(steps: list[_Step], extras: float, tokens: int, a: int, keep_all: bool, head_calls: int,
                         loose_grads: float) -> list[Phase]:
     """Walks the backward of the one micro-batch (module docstring, "Peak", without pipeline parallelism)."""
@@ -554,16 +562,16 @@ def _unpipelined_phases(steps: list[_Step], extras: float, tokens: int, a: int, 
         waiting = a * sum(x.grad_unsharded for x in deferred)
         acts = tokens * (extras + sum(x.saved for x in later))
         held_grads, held_rs = grads, prev_rs
-        extra = 0.0
-        if st.name == "head" and head_calls > 1:
-            # The two losses (main, MTP) each hold the head's unsharded gradient from forward, and each call
-            # reduce-scatters its own: the later one runs with the earlier one's sharded gradient and reduce-scatter
-            # input alive.
-            held_grads, held_rs = grads + 4.0 * st.trainable, 4.0 * st.grad_unsharded
-            extra = (head_calls - 1) * a * st.grad_unsharded
+        work = st.backward
+        if st.name == "head":
+            work = _head_work(st, a, head_calls)
+            if head_calls > 1:
+                # Each loss (main, MTP) reduce-scatters its own gradient: the later one runs with the earlier one's
+                # sharded gradient and reduce-scatter input alive.
+                held_grads, held_rs = grads + 4.0 * st.trainable, 4.0 * st.grad_unsharded
         # While it runs: its transient and its unsharded param_dtype gradient.
         phases.append(Phase(f"backward {st.name}", held_grads, a * live, 0.0, acts,
-                            st.backward + a * st.grad_unsharded + held_rs + waiting + extra))
+                            work + a * st.grad_unsharded + held_rs + waiting))
         if st.deferred:
             deferred.append(st)
             continue
@@ -597,7 +605,7 @@ def _pipelined_phases(steps: dict[int, list[_Step]], acts: list[StageActivations
             phases.append(Phase(
                 f"backward {st.name}" + (f" (stage {s})" if len(set(alive)) > 1 else ""), loose_grads, unsharded,
                 accum, buffers + others + tokens * (acts[s].extras + sum(x.saved for x in steps[s][i:])),
-                st.backward + a * st.grad_unsharded * (head_calls if st.name == "head" else 1)))
+                (_head_work(st, a, head_calls) if st.name == "head" else st.backward) + a * st.grad_unsharded))
     rs = 4.0 * max((u.grad_unsharded for u in units), default=0)
     phases.append(Phase("gradient reduction", loose_grads, unsharded, accum, buffers, rs))
     phases.append(Phase("end of backward", loose_grads + 4.0 * sum(u.trainable for u in units), 0.0, 0.0, buffers))

@@ -70,30 +70,29 @@ class _LinearCrossEntropySum(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_total: torch.Tensor):
-        if getattr(ctx, "used", False):
-            raise RuntimeError("linear_cross_entropy_sum: backward ran twice through the same loss (its gradients "
-                               "are formed in forward and scaled in place); compute the loss again instead")
-        ctx.used = True
+        # Out of place: a schedule may run backward through this node more than once (zero-bubble pipelines take
+        # the input gradient and the weight gradient in two passes with the graph retained).
         dh, dw = ctx.saved_tensors
-        return _scale_(dh, grad_total), _scale_(dw, grad_total), None, None
+        return _scaled(dh, grad_total), _scaled(dw, grad_total), None, None
 
 
-def _scale_(x: torch.Tensor | None, g: torch.Tensor, rows: int = 8192) -> torch.Tensor | None:
-    """``x *= g`` in place with the product formed in fp32 (a 0-dim fp32 ``g`` would otherwise be rounded to a
+def _scaled(x: torch.Tensor | None, g: torch.Tensor, rows: int = 8192) -> torch.Tensor | None:
+    """``x * g`` in x's dtype with the product formed in fp32 (a 0-dim fp32 ``g`` would otherwise be rounded to a
     bf16 ``x``'s dtype first), ``rows`` rows at a time to bound the fp32 temporary."""
     if x is None:
         return None
     g = g.to(torch.float32)
-    for part in x.split(rows):
-        part.copy_(part.float() * g)
-    return x
+    out = torch.empty_like(x)
+    for src, dst in zip(x.split(rows), out.split(rows)):
+        dst.copy_(src.float() * g)
+    return out
 
 
 def linear_cross_entropy_sum(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                              chunk: int | None = None) -> torch.Tensor:
     """``sum_t CE(h_t W^T, labels_t)`` in fp32 (``IGNORE_INDEX`` rows count 0) for ``h [T, D]``, ``weight
     [V, D]``, ``labels [T]``, ``chunk`` (default ``LOSS_CHUNK``) tokens at a time. Differentiable in ``h`` and
-    ``weight`` (once: backward scales the gradients it formed in forward in place)."""
+    ``weight``."""
     chunk = chunk or LOSS_CHUNK
     labels = labels.reshape(-1)
     if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
