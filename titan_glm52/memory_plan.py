@@ -117,7 +117,10 @@ Backward bytes of a step (on top of what it saved):
              attention's and the MLP's backward workspace (they run one after the other):
              attention  a*H(2c+p) (gradient of the latent output, dQ) + 4(c+p) (fp32 dKV) + 3aD (residual and
                         input gradients), plus the DSA kernels' scratch: min(1 GiB, 2HKa per token) (P and dS of
-                        the split backward; the indexer's 1 GiB score scratch of a recompute comes before them)
+                        the split backward; the indexer's 1 GiB score scratch of a recompute comes before them);
+                        with the dense prefix, per prefix row a*H(2(n+p) + 3v + n) (its output gradient, dQ, dK, dV,
+                        the wkv_b output's gradient) and per token a*H(n+p) (the gathered queries' full-size
+                        gradient), n = qk_nope_head_dim, p = qk_rope_head_dim, v = v_head_dim
              MoE        (4 + a)kD (the combine's backward: the routed rows' gradient, a*kD, alive while the
                         combine weights' gradient forms its fp32 [kT, D] product before the sum over D) + 3aD, or
                         L*a*k(2D + 2F) on the experts' side if larger
@@ -324,15 +327,18 @@ DSA_SCRATCH_BYTES = 1 << 30
 
 
 def backward_workspace(args: GLM52ModelArgs, layer_id: int, tokens: int, act_bytes: int,
-                       load: float = 1.0) -> float:
+                       load: float = 1.0, prefix_share: float = 0.0) -> float:
     """Bytes a block's backward allocates on top of the activations it saved (or recomputed), at its largest
     moment, for ``tokens`` tokens: the larger of the attention's and the MLP's (they run one after the other; see
-    the module docstring for the terms)."""
+    the module docstring for the terms). ``prefix_share``: the share of rows on the dense prefix."""
     a, d, h = act_bytes, args.hidden_size, args.num_attention_heads
     c, p, kk = args.kv_lora_rank, args.qk_rope_head_dim, args.index_topk
+    n, v = args.qk_nope_head_dim, args.v_head_dim
     k, f, fd = args.num_experts_per_tok, args.moe_intermediate_size, args.intermediate_size
     attn = (tokens * (a * h * (2 * c + p) + 4 * (c + p) + 3 * a * d)
             + min(DSA_SCRATCH_BYTES, tokens * 2 * h * kk * a))
+    if prefix_share > 0:
+        attn += tokens * a * h * (prefix_share * (2 * (n + p) + 3 * v + n) + n + p)
     if args.is_moe_layer(layer_id):
         mlp = tokens * (max((4 + a) * k * d, load * a * k * (2 * d + 2 * f)) + 3 * a * d)
     else:
@@ -379,7 +385,8 @@ def stage_activations(args: GLM52ModelArgs, layer_ids: range, is_first: bool, is
         # still held (for "op" the cached ones are shared: counted twice, an upper bound).
         recompute = block_bytes_per_token(args, b, "none", a, load, ep, prefix_share) if m != "none" else 0.0
         blocks.append(BlockActivations(b, m, block_bytes_per_token(args, b, m, a, load, ep, prefix_share),
-                                       tokens * recompute + backward_workspace(args, b, tokens, a, load)))
+                                       tokens * recompute + backward_workspace(args, b, tokens, a, load,
+                                                                               prefix_share)))
     extras = 8 + (a * d if with_mtp else 0)  # positions; next-token embeddings
     if is_first:
         extras += 8  # token ids (the embedding backward)
