@@ -41,22 +41,71 @@ def category(name: str) -> str:
     return "other"
 
 
+def _union_ms(spans: list[tuple[float, float]]) -> tuple[float, list[tuple[float, float]]]:
+    """Total length (ms) of the union of ``(start, end)`` spans in us, and the merged spans."""
+    merged: list[tuple[float, float]] = []
+    for a, b in sorted(spans):
+        if merged and a <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+        else:
+            merged.append((a, b))
+    return sum(b - a for a, b in merged) / 1e3, merged
+
+
+def _uncovered_ms(spans: list[tuple[float, float]], cover: list[tuple[float, float]]) -> float:
+    """Length (ms) of ``spans`` (merged) not inside the merged ``cover`` spans."""
+    out, j = 0.0, 0
+    for a, b in spans:
+        t = a
+        while j < len(cover) and cover[j][1] <= t:
+            j += 1
+        k = j
+        while t < b:
+            if k >= len(cover) or cover[k][0] >= b:
+                out += b - t
+                break
+            if cover[k][0] > t:
+                out += cover[k][0] - t
+            t = max(t, cover[k][1])
+            k += 1
+    return out / 1e3
+
+
+def timeline(kernels: list[tuple[str, float, float]], steps: int = 1) -> dict:
+    """Per step: the GPU span (first kernel start to last kernel end), the time some kernel runs (busy), the time
+    none does (idle), NCCL kernel time and the part of it no compute kernel overlaps (exposed communication).
+    ``kernels``: (name, start us, duration us)."""
+    if not kernels:
+        return {}
+    spans = [(t, t + d) for _, t, d in kernels]
+    comm = [(t, t + d) for n, t, d in kernels if "nccl" in n.lower()]
+    compute = [(t, t + d) for n, t, d in kernels if "nccl" not in n.lower()]
+    busy, _ = _union_ms(spans)
+    _, compute_m = _union_ms(compute)
+    comm_ms, comm_m = _union_ms(comm)
+    span = (max(b for _, b in spans) - min(a for a, _ in spans)) / 1e3
+    return {"span_ms": span / steps, "busy_ms": busy / steps, "idle_ms": (span - busy) / steps,
+            "nccl_ms": comm_ms / steps, "nccl_exposed_ms": _uncovered_ms(comm_m, compute_m) / steps}
+
+
 def summarize(path: str, steps: int = 1, top: int = 25) -> dict:
     with open(path) as f:
         events = json.load(f).get("traceEvents", [])
     per_name: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    kernels = []
     for e in events:
         if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"):
             rec = per_name[e.get("name", "?")]
             rec[0] += float(e.get("dur", 0.0)) / 1e3  # us -> ms
             rec[1] += 1
+            kernels.append((e.get("name", "?"), float(e.get("ts", 0.0)), float(e.get("dur", 0.0))))
     total = sum(v[0] for v in per_name.values())
     by_cat: dict[str, float] = defaultdict(float)
     for name, (ms, _) in per_name.items():
         by_cat[category(name)] += ms
     rows = sorted(per_name.items(), key=lambda kv: -kv[1][0])
     return {
-        "trace": path, "steps": steps, "gpu_ms_per_step": total / steps,
+        "trace": path, "steps": steps, "gpu_ms_per_step": total / steps, "timeline": timeline(kernels, steps),
         "categories": [{"category": c, "ms_per_step": ms / steps, "pct": 100.0 * ms / max(total, 1e-9)}
                        for c, ms in sorted(by_cat.items(), key=lambda kv: -kv[1])],
         "kernels": [{"name": n[:160], "category": category(n), "ms_per_step": ms / steps, "calls_per_step": c / steps,
@@ -66,6 +115,9 @@ def summarize(path: str, steps: int = 1, top: int = 25) -> dict:
 
 def text(summary: dict, title: str = "") -> str:
     lines = [f"{title} GPU kernel time {summary['gpu_ms_per_step']:.1f} ms/step ({summary['trace']})".strip()]
+    tl = summary.get("timeline") or {}
+    if tl:
+        lines.append("  timeline per step: " + ", ".join(f"{k.removesuffix('_ms')} {v:.1f} ms" for k, v in tl.items()))
     for c in summary["categories"]:
         lines.append(f"  {c['ms_per_step']:9.2f} ms {c['pct']:5.1f}%  {c['category']}")
     lines.append("  top kernels:")

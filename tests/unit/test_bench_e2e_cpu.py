@@ -106,6 +106,19 @@ def test_trace_summary_groups_kernels_per_step(tmp_path):
     assert "GPU kernel time 4.0 ms/step" in ts.text(s)
 
 
+def test_trace_timeline_exposed_communication():
+    """Idle GPU time and NCCL time that no compute kernel overlaps (the exposed communication), per step."""
+    ts = _load("trace_summary")
+    kernels = [("nvjet_gemm", 0.0, 10000.0), ("ncclDevKernel_AllGather", 5000.0, 10000.0),
+               ("nvjet_gemm", 20000.0, 5000.0), ("ncclDevKernel_ReduceScatter", 22000.0, 10000.0),
+               ("_fwd_kernel", 40000.0, 1000.0)]
+    tl = ts.timeline(kernels, steps=2)
+    # span 41 ms; busy [0, 15] + [20, 32] + [40, 41] = 28 ms; NCCL 20 ms, of which [10, 15] and [25, 32] exposed
+    assert tl == pytest.approx({"span_ms": 20.5, "busy_ms": 14.0, "idle_ms": 6.5, "nccl_ms": 10.0,
+                                "nccl_exposed_ms": 6.0})
+    assert ts.timeline([]) == {}
+
+
 def test_compiled_cells_get_the_longer_warmup():
     e2e = _load("e2e")
     a = e2e.parse_args(["--warmup", "2"])
