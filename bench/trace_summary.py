@@ -88,17 +88,43 @@ def timeline(kernels: list[tuple[str, float, float]], steps: int = 1) -> dict:
             "nccl_ms": comm_ms / steps, "nccl_exposed_ms": _uncovered_ms(comm_m, compute_m) / steps}
 
 
+def idle_gaps(kernels: list[tuple[str, float, float]], host: list[tuple[str, float, float]], top: int = 8,
+              min_us: float = 200.0) -> list[dict]:
+    """The ``top`` longest stretches (>= ``min_us``) in which no kernel runs: their length, the kernels around them
+    and the host ops (name, us of overlap) that ran meanwhile, longest overlap first (what the host was doing while
+    the GPU waited)."""
+    order = sorted(kernels, key=lambda k: k[1])
+    gaps, end, prev = [], None, None
+    for name, t, d in order:
+        if end is not None and t - end >= min_us:
+            gaps.append((t - end, end, t, prev, name))
+        if end is None or t + d > end:
+            end, prev = t + d, name
+    out = []
+    for length, a, b, before, after in sorted(gaps, reverse=True)[:top]:
+        ops: dict[str, float] = defaultdict(float)
+        for name, t, d in host:
+            ov = min(b, t + d) - max(a, t)
+            if ov > 0 and not name.startswith("ProfilerStep"):
+                ops[name] += ov
+        out.append({"ms": length / 1e3, "after_kernel": (before or "")[:80], "before_kernel": (after or "")[:80],
+                    "host_ops": [[n[:80], round(v / 1e3, 3)] for n, v in sorted(ops.items(), key=lambda kv: -kv[1])[:6]]})
+    return out
+
+
 def summarize(path: str, steps: int = 1, top: int = 25) -> dict:
     with open(path) as f:
         events = json.load(f).get("traceEvents", [])
     per_name: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
-    kernels = []
+    kernels, host = [], []
     for e in events:
         if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"):
             rec = per_name[e.get("name", "?")]
             rec[0] += float(e.get("dur", 0.0)) / 1e3  # us -> ms
             rec[1] += 1
             kernels.append((e.get("name", "?"), float(e.get("ts", 0.0)), float(e.get("dur", 0.0))))
+        elif e.get("ph") == "X" and e.get("cat") in ("cpu_op", "user_annotation", "python_function", "cuda_runtime"):
+            host.append((e.get("name", "?"), float(e.get("ts", 0.0)), float(e.get("dur", 0.0))))
     total = sum(v[0] for v in per_name.values())
     by_cat: dict[str, float] = defaultdict(float)
     for name, (ms, _) in per_name.items():
@@ -106,6 +132,7 @@ def summarize(path: str, steps: int = 1, top: int = 25) -> dict:
     rows = sorted(per_name.items(), key=lambda kv: -kv[1][0])
     return {
         "trace": path, "steps": steps, "gpu_ms_per_step": total / steps, "timeline": timeline(kernels, steps),
+        "idle_gaps": idle_gaps(kernels, host),
         "categories": [{"category": c, "ms_per_step": ms / steps, "pct": 100.0 * ms / max(total, 1e-9)}
                        for c, ms in sorted(by_cat.items(), key=lambda kv: -kv[1])],
         "kernels": [{"name": n[:160], "category": category(n), "ms_per_step": ms / steps, "calls_per_step": c / steps,
@@ -118,6 +145,9 @@ def text(summary: dict, title: str = "") -> str:
     tl = summary.get("timeline") or {}
     if tl:
         lines.append("  timeline per step: " + ", ".join(f"{k.removesuffix('_ms')} {v:.1f} ms" for k, v in tl.items()))
+    for g in summary.get("idle_gaps") or []:
+        lines.append(f"  idle {g['ms']:.2f} ms before {g['before_kernel'][:40]}; host: "
+                     + ", ".join(f"{n} {v:.2f}" for n, v in g["host_ops"][:4]))
     for c in summary["categories"]:
         lines.append(f"  {c['ms_per_step']:9.2f} ms {c['pct']:5.1f}%  {c['category']}")
     lines.append("  top kernels:")

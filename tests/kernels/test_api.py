@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
@@ -30,3 +31,28 @@ def test_triton_entry_points():
     q, kk, w = torch.randn(6, 2, 16), torch.randn(6, 16), torch.randn(6, 2)
     cu = torch.tensor([0, 2, 6], dtype=torch.int32)
     assert torch.equal(mod(q, kk, w, cu, 3, 1.0), ops["indexer_topk"](q, kk, w, cu, 3, 1.0))
+
+
+def test_scale_kernel_equals_the_torch_product():
+    """kernels/scale.py (the fused loss's backward scaling on CUDA): one rounding of the fp32 product, the same bits
+    as model/head.py's torch path, with a ragged last block. Triton 3.6's interpreter truncates fp32 -> bf16 casts
+    whatever the rounding mode asks for, so under it bf16 results may sit one bf16 step toward zero."""
+    from titan_glm52.kernels._triton_env import interpreting
+    from titan_glm52.kernels.scale import scaled
+    from titan_glm52.model.head import _scaled
+
+    g = torch.tensor(1 / 3, dtype=torch.float32)
+    dev = "cpu" if interpreting() else "cuda"
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(37, 129, generator=torch.Generator().manual_seed(0)).to(dtype)
+        ref = _scaled(x, g, rows=5)
+        assert torch.equal(ref, (x.float() * g).to(dtype))
+        out = scaled(x.to(dev), g.to(dev)).cpu()
+        assert out.dtype == dtype and out.shape == x.shape
+        if dtype == torch.bfloat16 and interpreting():
+            ulp = torch.finfo(torch.bfloat16).eps * ref.float().abs()
+            assert ((out.float() - ref.float()).abs() <= ulp).all() and (out.float().abs() <= ref.float().abs()).all()
+        else:
+            assert torch.equal(out, ref)
+    with pytest.raises(ValueError, match="one element"):
+        scaled(x.to(dev), torch.ones(2, device=dev))

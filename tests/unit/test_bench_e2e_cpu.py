@@ -117,6 +117,11 @@ def test_trace_timeline_exposed_communication():
     assert tl == pytest.approx({"span_ms": 20.5, "busy_ms": 14.0, "idle_ms": 6.5, "nccl_ms": 10.0,
                                 "nccl_exposed_ms": 6.0})
     assert ts.timeline([]) == {}
+    host = [("aten::item", 31000.0, 8000.0), ("ProfilerStep#7", 0.0, 50000.0), ("aten::mm", 100.0, 50.0)]
+    gaps = ts.idle_gaps(kernels, host, min_us=1000.0)
+    assert [(g["ms"], g["after_kernel"], g["before_kernel"]) for g in gaps] == [
+        (8.0, "ncclDevKernel_ReduceScatter", "_fwd_kernel"), (5.0, "ncclDevKernel_AllGather", "nvjet_gemm")]
+    assert gaps[0]["host_ops"] == [["aten::item", 7.0]] and gaps[1]["host_ops"] == []
 
 
 def test_compiled_cells_get_the_longer_warmup():

@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from titan_glm52.kernels import triton_available
+
 IGNORE_INDEX = -100
 LOSS_CHUNK = 4096
 
@@ -77,11 +79,16 @@ class _LinearCrossEntropySum(torch.autograd.Function):
 
 
 def _scaled(x: torch.Tensor | None, g: torch.Tensor, rows: int = 8192) -> torch.Tensor | None:
-    """``x * g`` in x's dtype with the product formed in fp32 (a 0-dim fp32 ``g`` would otherwise be rounded to a
-    bf16 ``x``'s dtype first), ``rows`` rows at a time to bound the fp32 temporary."""
+    """``x * g`` in x's dtype with the product formed in fp32 and rounded once (a 0-dim fp32 ``g`` would otherwise
+    be rounded to a bf16 ``x``'s dtype first). On CUDA one Triton pass (``kernels/scale.py``); elsewhere the same
+    numbers in torch, ``rows`` rows at a time to bound the fp32 temporary."""
     if x is None:
         return None
-    g = g.to(torch.float32)
+    g = g.detach().to(torch.float32)
+    if x.is_cuda and triton_available():
+        from titan_glm52.kernels.scale import scaled  # lazy: importing the package must not import triton
+
+        return scaled(x, g)
     out = torch.empty_like(x)
     for src, dst in zip(x.split(rows), out.split(rows)):
         dst.copy_(src.float() * g)
