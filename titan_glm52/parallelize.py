@@ -411,7 +411,7 @@ def folds_clip(optimizers: Iterable[torch.optim.Optimizer]) -> bool:
 
 @contextlib.contextmanager
 def clip_in_fused_step(optimizers: Iterable[torch.optim.Optimizer], total_norm: torch.Tensor,
-                       max_norm: float) -> Iterator[None]:
+                       max_norm: float, skip: torch.Tensor | None = None) -> Iterator[None]:
     """Gradient clipping folded into the fused Adam/AdamW step: inside the block every optimizer's ``step()``
     divides each gradient by ``1 / clip_coefficient(total_norm, max_norm)`` in its fused kernel instead of a
     separate in-place multiply over all gradients before the step (use ``clip_grad_norm_(..., scale_grads=False)``
@@ -422,26 +422,35 @@ def clip_in_fused_step(optimizers: Iterable[torch.optim.Optimizer], total_norm: 
     clip (both leave the gradient unchanged); with clipping active ``g / (1 / c)`` can differ from ``g * c`` in the
     last fp32 bit.
 
+    ``skip``: a bool tensor; where True the kernel leaves parameters, moments and the step count untouched (the
+    optimizer's ``found_inf``, as under a GradScaler), so a non-finite step is skipped without a host sync.
+
     The scale is a 0-dim fp32 tensor on ``total_norm``'s device, computed without a host sync; under DTensor
-    parameters (FSDP2, EP) DTensor treats such a scalar tensor as replicated. ``grad_scale`` is removed on exit
-    (also on an exception), so it never reaches a later step or a checkpoint.
+    parameters (FSDP2, EP) DTensor treats such a scalar tensor as replicated. ``grad_scale`` (and ``found_inf``)
+    are removed on exit (also on an exception), so they never reach a later step or a checkpoint.
     """
     opts = list(optimizers)
     if not folds_clip(opts):
         raise ValueError("clip_in_fused_step needs torch's fused Adam/AdamW (fused=True); got "
                          f"{[type(o).__name__ for o in opts]}: clip the gradients in place instead")
     for o in opts:
-        if getattr(o, "grad_scale", None) is not None:
-            raise RuntimeError(f"{type(o).__name__} already has a grad_scale (a GradScaler?): not folding the clip "
-                               "into it")
+        if getattr(o, "grad_scale", None) is not None or getattr(o, "found_inf", None) is not None:
+            raise RuntimeError(f"{type(o).__name__} already has a grad_scale / found_inf (a GradScaler?): not folding "
+                               "the clip into it")
     scale = torch.reciprocal(clip_coefficient(total_norm.detach().to(torch.float32), max_norm))
+    found_inf = None if skip is None else skip.detach().to(device=scale.device, dtype=torch.float32).reshape(())
     try:
         for o in opts:
             o.grad_scale = scale
+            if found_inf is not None:
+                # A skipped step's grads are non-finite: the divide by 1/coef (NaN) is never used, the kernel
+                # returns before touching anything.
+                o.found_inf = found_inf
         yield
     finally:
         for o in opts:
             o.__dict__.pop("grad_scale", None)
+            o.__dict__.pop("found_inf", None)
 
 
 def all_reduce_moe_load(model: nn.Module, dp_mesh: DeviceMesh | None) -> None:

@@ -99,6 +99,25 @@ class TrainState:
         self.consecutive_skips = int(sd["consecutive_skips"])
 
 
+@dataclass
+class StepLosses:
+    """A step's summed losses, still on the device: ``parts`` = (ce, mtp, indexer KL x coeff, MoE aux, total, raw
+    indexer KL per token), and the host's global valid-token and row counts."""
+    parts: torch.Tensor
+    tokens: float
+    rows: float
+
+    def read(self, grad_norm: torch.Tensor, extra: dict[str, torch.Tensor]):
+        """One device-to-host read of the parts, the gradient norm and ``extra``'s scalars: (the losses as a dict of
+        floats, the norm, ``extra`` as floats)."""
+        dev = self.parts.device
+        vals = torch.cat([self.parts.to(torch.float64), grad_norm.reshape(1).to(dev, torch.float64)]
+                         + [v.reshape(1).to(dev, torch.float64) for v in extra.values()]).tolist()
+        names = ("ce", "mtp", "indexer_kl", "moe_aux", "total", "kl_per_token")
+        losses = dict(zip(names, vals[:6]), tokens=self.tokens, rows=self.rows)
+        return losses, vals[6], dict(zip(extra, vals[7:]))
+
+
 class CheckpointManager(tt_checkpoint.CheckpointManager):
     """torchtitan's DCP manager, plus ``save_now`` (a full checkpoint outside the interval, e.g. on SIGTERM)."""
 
@@ -278,7 +297,7 @@ class Trainer:
         for _, moe in moe_modules(self.model_parts):
             moe.seq_aux_scale = alpha / global_rows if alpha > 0 else None
 
-    def train_step(self, batches: list[dict]) -> dict[str, float]:
+    def train_step(self, batches: list[dict]) -> "StepLosses":
         cfg, dev = self.cfg, self.device
         counts = torch.zeros(3, dtype=torch.float64, device=dev)  # valid tokens, valid MTP tokens, rows
         for b in batches:
@@ -321,9 +340,7 @@ class Trainer:
             dist.all_reduce(parts[2:4], group=self.mesh["pp"].get_group())
             dist.all_reduce(parts[5:6], group=self.mesh["pp"].get_group())
         parts[4] += parts[2] + parts[3]
-        return {"ce": float(parts[0]), "mtp": float(parts[1]), "indexer_kl": float(parts[2]),
-                "moe_aux": float(parts[3]), "total": float(parts[4]), "kl_per_token": float(parts[5]),
-                "tokens": n_tok, "rows": n_rows}
+        return StepLosses(parts, n_tok, n_rows)
 
     def _collect_aux(self, parts: torch.Tensor, n_tok: float) -> None:
         """Adds this micro-batch's indexer KL and MoE balance terms (as logged) to ``parts``."""
@@ -393,18 +410,19 @@ class Trainer:
             parts[1] += summed[1]
 
     @torch.no_grad()
-    def _moe_balance(self, apply_update: bool) -> dict[str, float]:
-        """All-reduces the per-expert token counts, logs max/mean load, and (unless skipped) steps the bias."""
+    def _moe_balance(self, apply_update: torch.Tensor) -> dict[str, torch.Tensor]:
+        """All-reduces the per-expert token counts, returns each layer's max/mean load (device tensors: no host sync)
+        and steps the bias where ``apply_update`` (a bool tensor: False on a skipped step) holds."""
         out = {}
         rate = self.cfg.moe.bias_update_rate
         for name, moe in moe_modules(self.model_parts):
             load = moe.tokens_per_expert.clone()
             dist.all_reduce(load, group=self.dp_group)
             mean = load.mean()
-            out[f"moe/imbalance/{name.removesuffix('.moe')}"] = float(load.max() / mean.clamp_min(1e-9))
-            if apply_update and rate > 0:
+            out[f"moe/imbalance/{name.removesuffix('.moe')}"] = load.max() / mean.clamp_min(1e-9)
+            if rate > 0:
                 bias = moe.router.e_score_correction_bias
-                bias += rate * torch.sign(mean - load).to(bias.dtype)
+                bias += (rate * torch.sign(mean - load) * apply_update.to(load.device)).to(bias.dtype)
             moe.tokens_per_expert.zero_()
         return out
 
@@ -421,21 +439,26 @@ class Trainer:
                 batches = [self._next_batch() for _ in range(self.accum)]
                 t_data = time.perf_counter()
                 self._probe_recall(on=self.state.step + 1 == 1 or (self.state.step + 1) % cfg.metrics.log_freq == 0)
-                losses = self.train_step(batches)
+                step_losses = self.train_step(batches)
                 t_fb = time.perf_counter()
                 grad_norm = clip_grad_norm_(
                     [p for part in self.model_parts for p in part.parameters() if p.requires_grad],
                     cfg.training.max_norm, pp_mesh=self.mesh["pp"] if self.pp else None,
                     scale_grads=not self.fold_clip)
-                finite = math.isfinite(losses["total"]) and math.isfinite(float(grad_norm))
+                finite_t = torch.isfinite(step_losses.parts[4]) & torch.isfinite(grad_norm).to(step_losses.parts.device)
+                moe_stats_t = self._moe_balance(apply_update=finite_t)
+                if self.fold_clip:
+                    # No host sync before the step: the fused kernel clips, and skips the update on a non-finite
+                    # loss or norm (found_inf); the host learns the outcome after the launch.
+                    with clip_in_fused_step(self.optimizers.optimizers, grad_norm, cfg.training.max_norm,
+                                            skip=~finite_t):
+                        self.optimizers.step()
+                losses, grad_norm_f, moe_stats = step_losses.read(grad_norm, moe_stats_t)  # the step's host sync
+                finite = math.isfinite(losses["total"]) and math.isfinite(grad_norm_f)
                 self.state.step += 1
                 self.state.tokens_seen += int(losses["tokens"])
-                moe_stats = self._moe_balance(apply_update=finite)
                 if finite:
-                    if self.fold_clip:  # grads are clipped by the fused kernel (and written back clipped)
-                        with clip_in_fused_step(self.optimizers.optimizers, grad_norm, cfg.training.max_norm):
-                            self.optimizers.step()
-                    else:
+                    if not self.fold_clip:
                         self.optimizers.step()
                     self.lr_schedulers.step()
                     self.state.consecutive_skips = 0
@@ -443,7 +466,7 @@ class Trainer:
                     self.state.skipped_steps += 1
                     self.state.consecutive_skips += 1
                     logger.warning("step %d: non-finite loss (%s) or grad norm (%s): step skipped (%d in a row, %d "
-                                   "total)", self.state.step, losses["total"], float(grad_norm),
+                                   "total)", self.state.step, losses["total"], grad_norm_f,
                                    self.state.consecutive_skips, self.state.skipped_steps)
                 self.optimizers.zero_grad()
                 t_opt = time.perf_counter()
@@ -461,7 +484,7 @@ class Trainer:
                 if memory_profiler is not None:
                     memory_profiler.step()
                 if self.state.step == 1 or self.state.step % cfg.metrics.log_freq == 0 or self.state.step == total:
-                    self._log(losses, float(grad_norm), moe_stats, batches, t0, t_data, t_fb, t_opt,
+                    self._log(losses, grad_norm_f, moe_stats, batches, t0, t_data, t_fb, t_opt,
                               (time.perf_counter() - t_start) / (self.state.step - start_step))
         if cfg.checkpoint.last_save_in_hf and self.state.step == total:
             self.export_hf(os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder, f"step-{self.state.step}-hf"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -111,11 +112,18 @@ def test_export_to_hf_loads_in_transformers_with_same_logits(tmp_path):
     assert (got - ref).abs().max() / ref.abs().max() < 1e-4
 
 
-def test_forced_nan_is_skipped_and_counted(tmp_path):
-    run_train(tmp_path, "--training.steps", "4", "--faults.inject_nan_at_steps", "2", *small(), nproc=1)
+@pytest.mark.parametrize("impl", ["foreach", "fused"])
+def test_forced_nan_is_skipped_and_counted(tmp_path, impl):
+    """foreach: the host checks the loss and norm, then steps; fused: the kernel skips the update on the device
+    (found_inf) and the host counts it after the launch. Either way the NaN step changes nothing: the run goes on
+    with finite losses, and the step after it sees the parameters of step 1."""
+    run_train(tmp_path, "--training.steps", "4", "--faults.inject_nan_at_steps", "2", "--optimizer.implementation",
+              impl, *small(), nproc=1)
     rows = {r["step"]: r for r in read_metrics(tmp_path)}
     assert rows[1]["faults/skipped_steps"] == 0 and rows[2]["faults/skipped_steps"] == 1
     assert rows[4]["faults/skipped_steps"] == 1
+    assert all(math.isfinite(rows[s]["loss/total"]) and math.isfinite(rows[s]["grad_norm"]) for s in (1, 3, 4))
+    assert rows[2]["lr"] == rows[1]["lr"] != rows[3]["lr"]  # the scheduler did not step on the skipped step
 
 
 def test_consecutive_faults_stop_and_keep_last_good_checkpoint(tmp_path):

@@ -136,3 +136,35 @@ def test_an_existing_grad_scale_is_refused():
         with clip_in_fused_step([opt], torch.tensor(1.0), 0.5):
             pass
     assert float(opt.grad_scale) == 4.0  # left as it was
+
+
+@pytest.mark.parametrize("opt_cls", [torch.optim.AdamW, torch.optim.Adam])
+def test_skip_leaves_everything_untouched_without_a_host_sync(opt_cls):
+    """skip=True (a non-finite loss or norm): the fused kernel returns before touching parameters, moments or the
+    step count (found_inf), even with NaN gradients; skip=False is bitwise the step without it."""
+    params, opt, _, _ = run(opt_cls, 0.5, folded=True, steps=2)
+    before = {k: [t.clone() for t in v] for k, v in state_of(params, opt).items()}
+    steps = [opt.state[p]["step"].clone() for p in params if p in opt.state]
+    for p, g in zip(params, grads_for(2)):
+        p.grad = None if g is None else torch.full_like(g, float("nan"))
+    norm = clip_grad_norm_(params, 0.5, scale_grads=False)
+    skip = ~torch.isfinite(norm)
+    with clip_in_fused_step([opt], norm, 0.5, skip=skip):
+        assert float(opt.found_inf) == 1.0
+        opt.step()
+    assert "found_inf" not in vars(opt) and "grad_scale" not in vars(opt)
+    after = state_of(params, opt)
+    for k in ("param", "exp_avg", "exp_avg_sq"):
+        assert all(torch.equal(a, b) for a, b in zip(after[k], before[k])), k
+    assert all(torch.equal(opt.state[p]["step"], s) for p, s in zip([p for p in params if p in opt.state], steps))
+    # skip=False: the same bits as no skip argument
+    a_params, a_opt, _, _ = run(opt_cls, 0.5, folded=True, steps=1)
+    b_params = make_params(0)
+    b_opt = opt_cls(b_params, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=True)
+    for p, g in zip(b_params, grads_for(0)):
+        p.grad = None if g is None else g.clone()
+    norm = clip_grad_norm_(b_params, 0.5, scale_grads=False)
+    with clip_in_fused_step([b_opt], norm, 0.5, skip=torch.tensor(False)):
+        b_opt.step()
+    for k, v in state_of(a_params, a_opt).items():
+        assert all(torch.equal(a, b) for a, b in zip(v, state_of(b_params, b_opt)[k])), k
