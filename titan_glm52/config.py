@@ -77,6 +77,10 @@ class Data:
     batches do not depend on the number of ranks (runs on different layouts can be compared step for step). Off:
     each rank reads its own share of the documents (no redundant reading)."""
 
+    prefetch: int = 2
+    """Batches made ahead on a background thread while the step runs (tokenization is most of a batch's cost; the
+    batches and the checkpointed position are exactly those without it). 0: made on the training loop."""
+
     document_masking: bool = True
     """Attention and the indexer stay inside each packed document (positions restart per document). False: each
     sample of seq_len tokens is one sequence (attention crosses document ends; the label across an end stays
@@ -185,6 +189,8 @@ def validate(cfg: JobConfig, world_size: int | None = None) -> None:
         _refuse("training.steps", "must be >= 1")
     if cfg.training.dataset_path is not None:
         _refuse("training.dataset_path", "put the path in training.dataset (\"embedded\" or a local path)")
+    if cfg.data.prefetch < 0:
+        _refuse("data.prefetch", "must be >= 0 (0 = make each batch on the training loop)")
     if cfg.training.enable_cpu_offload:
         _refuse("training.enable_cpu_offload", "CPU offload is not implemented; set it to false")
     if cfg.mtp.loss_weight < 0 or cfg.dsa.indexer_loss_coeff < 0 or cfg.moe.seq_aux_loss_coeff < 0:

@@ -25,7 +25,7 @@ from torchtitan.components.optimizer import OptimizersContainer
 
 from titan_glm52 import distributed as tdist
 from titan_glm52.config import ConfigError, JobConfig, validate
-from titan_glm52.data import IGNORE_INDEX, build_dataloader, build_tokenizer
+from titan_glm52.data import IGNORE_INDEX, Prefetcher, build_dataloader, build_tokenizer
 from titan_glm52.hf_checkpoint import load_hf_state
 from titan_glm52.hf_export import save_hf_distributed
 from titan_glm52.metrics import (MetricsLogger, doc_lengths_of, format_line, memory_stats, peak_flops,
@@ -206,6 +206,8 @@ class Trainer:
             cfg.training.local_batch_size * (self.dp_world if same else 1),
             dp_rank=0 if same else self.dp_rank, dp_world=1 if same else self.dp_world, seed=cfg.data.seed,
             text_field=cfg.data.text_field)
+        if cfg.data.prefetch > 0:  # pinned batches: the copies to the GPU below do not wait for the host
+            self.dataloader = Prefetcher(self.dataloader, cfg.data.prefetch, pin_memory=self.device.type == "cuda")
         per_step = cfg.training.local_batch_size * self.dp_world
         self.accum = max(cfg.training.global_batch_size // per_step, 1) if cfg.training.global_batch_size > 0 else 1
 
@@ -316,8 +318,9 @@ class Trainer:
                 self._pp_step(b, parts, inject_nan=self.state.step + 1 in cfg.faults.inject_nan_at_steps and i == 0)
                 self._collect_aux(parts, n_tok)
                 continue
-            tokens, labels = b["input_ids"].to(dev), b["labels"].to(dev)
-            out = self.model(tokens, b["cu_seqlens"].to(dev), with_mtp=self.with_mtp, labels=labels,
+            tokens, labels = b["input_ids"].to(dev, non_blocking=True), b["labels"].to(dev, non_blocking=True)
+            cu_seqlens = b["cu_seqlens"].to(dev, non_blocking=True)
+            out = self.model(tokens, cu_seqlens, with_mtp=self.with_mtp, labels=labels,
                              mtp_labels=mtp_labels(labels) if self.with_mtp else None)
             ce_sum, mtp_sum = out if self.with_mtp else (out, None)
             ce = ce_sum / n_tok
@@ -395,8 +398,8 @@ class Trainer:
 
     def _pp_step(self, batch: dict, parts: torch.Tensor, inject_nan: bool) -> None:
         dev = self.device
-        tokens, labels = batch["input_ids"].to(dev), batch["labels"].to(dev)
-        positions = batch["positions"].to(dev)
+        tokens, labels = batch["input_ids"].to(dev, non_blocking=True), batch["labels"].to(dev, non_blocking=True)
+        positions = batch["positions"].to(dev, non_blocking=True)
         self._pp_inject_nan = inject_nan
         self._pp_parts = []
         target = labels if self.has_last else None
@@ -491,6 +494,8 @@ class Trainer:
                            getattr(torch, cfg.checkpoint.export_dtype))
         self.metrics.close()
         self.checkpointer.close()
+        if isinstance(self.dataloader, Prefetcher):
+            self.dataloader.close()
 
     def _next_batch(self) -> dict:
         batch = next(self.dataloader)

@@ -42,6 +42,7 @@ def test_unknown_cli_key_exits():
     (["--checkpoint.enable", "--checkpoint.keep_latest_k", "1"], "checkpoint.keep_latest_k"),
     (["--checkpoint.async_mode", "async"], "checkpoint.async_mode"),
     (["--training.dataset_path", "/x"], "training.dataset_path"),
+    (["--data.prefetch", "-1"], "data.prefetch"),
     (["--parallelism.pipeline_parallel_layers_per_stage", "4"], "parallelism.pipeline_parallel_layers_per_stage"),
     (["--parallelism.pipeline_parallel_layout", "4,x"], "parallelism.pipeline_parallel_layout"),
     (["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "3",

@@ -13,7 +13,8 @@ and ``loader.state_dict()`` / ``loader.load_state_dict()`` for checkpoints. The 
   documents with a seeded per-epoch order;
 * ``packing``: rows of ``seq_len + 1`` tokens with ``cu_seqlens``, ``positions`` and cross-document labels
   set to ``IGNORE_INDEX``;
-* ``loader``: ``PackedDataLoader`` (dp sharding by document, infinite epochs, state) and the builder.
+* ``loader``: ``PackedDataLoader`` (dp sharding by document, infinite epochs, state) and the builder;
+* ``prefetch``: ``Prefetcher``, the next batches made on a background thread with exact checkpoint state.
 
 The embedded default (``"embedded"``, ``"embedded_val"``, tokenizer ``"embedded"``) lives in
 ``titan_glm52/assets/`` and is built by ``tools/build_embedded_assets.py``.
@@ -21,6 +22,7 @@ The embedded default (``"embedded"``, ``"embedded_val"``, tokenizer ``"embedded"
 
 from titan_glm52.data.loader import PackedDataLoader, build_dataloader
 from titan_glm52.data.packing import IGNORE_INDEX, collate, pack_row
+from titan_glm52.data.prefetch import Prefetcher
 from titan_glm52.data.sources import EMBEDDED_DATASETS, DocumentSource, resolve_paths
 from titan_glm52.data.tokenizer import EMBEDDED, Tokenizer, build_tokenizer
 
@@ -30,6 +32,7 @@ __all__ = [
     "IGNORE_INDEX",
     "DocumentSource",
     "PackedDataLoader",
+    "Prefetcher",
     "Tokenizer",
     "build_dataloader",
     "build_tokenizer",
