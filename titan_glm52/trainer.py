@@ -118,6 +118,29 @@ class StepLosses:
         return losses, vals[6], dict(zip(extra, vals[7:]))
 
 
+class _GpuMarks:
+    """CUDA events at the start of forward, the end of backward and the end of the optimizer step: the step's
+    forward+backward and optimizer times as the GPU ran them (the host runs ahead of the GPU: it syncs once per step,
+    after the optimizer is launched). Elsewhere (CPU) ``seconds()`` is None and host times are exact."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.events = []
+        if device.type == "cuda":
+            self.events = [torch.cuda.Event(enable_timing=True)]
+            self.events[0].record()
+
+    def record(self) -> None:
+        if self.events:
+            self.events.append(torch.cuda.Event(enable_timing=True))
+            self.events[-1].record()
+
+    def seconds(self) -> tuple[float, float] | None:
+        if len(self.events) != 3:
+            return None
+        self.events[-1].synchronize()
+        return (self.events[0].elapsed_time(self.events[1]) / 1e3, self.events[1].elapsed_time(self.events[2]) / 1e3)
+
+
 class CheckpointManager(tt_checkpoint.CheckpointManager):
     """torchtitan's DCP manager, plus ``save_now`` (a full checkpoint outside the interval, e.g. on SIGTERM)."""
 
@@ -441,9 +464,11 @@ class Trainer:
                 reset_peak_memory(self.device)
                 batches = [self._next_batch() for _ in range(self.accum)]
                 t_data = time.perf_counter()
+                marks = _GpuMarks(self.device)  # the fb / optimizer split without a host sync (host times lag)
                 self._probe_recall(on=self.state.step + 1 == 1 or (self.state.step + 1) % cfg.metrics.log_freq == 0)
                 step_losses = self.train_step(batches)
                 t_fb = time.perf_counter()
+                marks.record()
                 grad_norm = clip_grad_norm_(
                     [p for part in self.model_parts for p in part.parameters() if p.requires_grad],
                     cfg.training.max_norm, pp_mesh=self.mesh["pp"] if self.pp else None,
@@ -471,6 +496,7 @@ class Trainer:
                     logger.warning("step %d: non-finite loss (%s) or grad norm (%s): step skipped (%d in a row, %d "
                                    "total)", self.state.step, losses["total"], grad_norm_f,
                                    self.state.consecutive_skips, self.state.skipped_steps)
+                marks.record()
                 self.optimizers.zero_grad()
                 t_opt = time.perf_counter()
                 if self.state.consecutive_skips >= cfg.faults.max_consecutive_nonfinite:
@@ -487,7 +513,8 @@ class Trainer:
                 if memory_profiler is not None:
                     memory_profiler.step()
                 if self.state.step == 1 or self.state.step % cfg.metrics.log_freq == 0 or self.state.step == total:
-                    self._log(losses, grad_norm_f, moe_stats, batches, t0, t_data, t_fb, t_opt,
+                    fb_s, opt_s = marks.seconds() or (t_fb - t_data, t_opt - t_fb)
+                    self._log(losses, grad_norm_f, moe_stats, batches, t0, t_data, fb_s, opt_s, t_opt,
                               (time.perf_counter() - t_start) / (self.state.step - start_step))
         if cfg.checkpoint.last_save_in_hf and self.state.step == total:
             self.export_hf(os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder, f"step-{self.state.step}-hf"),
@@ -517,7 +544,7 @@ class Trainer:
             attn.last_recall = None
             first = first and attn.indexer is None
 
-    def _log(self, losses, grad_norm, moe_stats, batches, t0, t_data, t_fb, t_opt, avg_step_s) -> None:
+    def _log(self, losses, grad_norm, moe_stats, batches, t0, t_data, fb_s, opt_s, t_opt, avg_step_s) -> None:
         step_s = t_opt - t0
         # This data-parallel rank's tokens and FLOPs are shared by its pipeline stages' devices.
         devices_per_replica = self.env.world_size // self.dp_world
@@ -528,8 +555,8 @@ class Trainer:
         tokens_local = sum(b["input_ids"].numel() for b in batches) / devices_per_replica
         s = {"loss/total": losses["total"], "loss/ce": losses["ce"], "lr": self.lr_schedulers.schedulers[0].get_last_lr()[0],
              "grad_norm": grad_norm, "throughput/tokens_per_s_per_device": tokens_local / step_s,
-             "time/step_s": step_s, "time/data_s": t_data - t0, "time/forward_backward_s": t_fb - t_data,
-             "time/optimizer_s": t_opt - t_fb, "faults/skipped_steps": self.state.skipped_steps}
+             "time/step_s": step_s, "time/data_s": t_data - t0, "time/forward_backward_s": fb_s,
+             "time/optimizer_s": opt_s, "faults/skipped_steps": self.state.skipped_steps}
         if self.with_mtp:
             s["loss/mtp"] = losses["mtp"]
         if self.cfg.dsa.indexer_loss_coeff > 0:
