@@ -163,6 +163,18 @@ def check_train_step(dp_replicate: int = 1, dp_shard: int = -1, ep: int = 1, ac_
         torch.testing.assert_close(full(p.grad), ref_params[name].grad, rtol=RTOL, atol=ATOL,
                                    msg=lambda m: f"{name} gradient after the step: {m}")
 
+    if fused_clip:  # a non-finite step is skipped inside the fused kernel (found_inf) on DTensor parameters too
+        before = {name: full(p.detach()).clone() for name, p in model.named_parameters()}
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.fill_(float("nan"))
+        nan_norm = clip_grad_norm_(model.parameters(), max_norm=0.5, scale_grads=False)
+        assert not torch.isfinite(nan_norm)
+        with clip_in_fused_step([opt], nan_norm, max_norm=0.5, skip=~torch.isfinite(nan_norm)):
+            opt.step()
+        for name, p in model.named_parameters():
+            assert torch.equal(full(p.detach()), before[name]), f"{name} changed on a skipped step"
+
     if meta_init:  # the trainer's path: parallelize on meta, then materialise and initialise (layout-free init)
         with torch.device("meta"):
             meta_model = GLM52Model(args)
