@@ -107,8 +107,9 @@ def idle_gaps(kernels: list[tuple[str, float, float]], host: list[tuple[str, flo
             ov = min(b, t + d) - max(a, t)
             if ov > 0 and not name.startswith("ProfilerStep"):
                 ops[name] += ov
+        busiest = sorted(ops.items(), key=lambda kv: -kv[1])[:6]
         out.append({"ms": length / 1e3, "after_kernel": (before or "")[:80], "before_kernel": (after or "")[:80],
-                    "host_ops": [[n[:80], round(v / 1e3, 3)] for n, v in sorted(ops.items(), key=lambda kv: -kv[1])[:6]]})
+                    "host_ops": [[n[:80], round(v / 1e3, 3)] for n, v in busiest]})
     return out
 
 

@@ -252,8 +252,9 @@ def test_too_small_gpu_does_not_fit():
 # GPU), fused AdamW, one sequence per row (no document masking), selective AC "2" unless said, local batch 1 per
 # rank unless said. MTP off: session 3's runs (bench/results/e2e_h200.md, runs/s3_e2e_*.json; the dense prefix and
 # the gather-based MoE combine in); session 4's runs with the fused loss (runs/s4_*.json) gave the same 1-GPU peaks
-# to 0.01 GiB (they are reached in the last layer's backward, not at the head). MTP on: bench/results/layouts_h200x2.md (session 2 code, before that MoE combine,
-# which lowered the real peak since; the plan must still bound them).
+# to 0.01 GiB (they are reached in the last layer's backward, not at the head). MTP on:
+# bench/results/layouts_h200x2.md (session 2 code, before that MoE combine, which lowered the real peak since; the
+# plan must still bound them).
 # (Not here: the PP=2 run of layouts_h200x2.md, measured while the last stage still kept full logits.)
 MEASURED_H200 = {
     "1 GPU, 4K": (dict(gpus=1, with_mtp=False, seq_len=4096), 77.52),

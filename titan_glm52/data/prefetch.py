@@ -80,23 +80,26 @@ class Prefetcher:
             if item is _END or isinstance(item, BaseException):
                 return
 
+    def _stop_thread(self) -> bool:
+        """Stops the thread (if running) and drops what it made ahead; True when one was running."""
+        if self._thread is None:
+            return False
+        self._stop.set()
+        self._thread.join()
+        self._thread, self._queue = None, None
+        return True
+
     def close(self) -> None:
         """Stops the thread and drops the batches it made ahead: the wrapped loader goes back to the position after
         the last batch handed out, so a later ``next()`` continues exactly."""
-        if self._thread is not None:
-            self._stop.set()
-            self._thread.join()
-            self._thread, self._queue = None, None
+        if self._stop_thread():
             self.loader.load_state_dict(self._state)
 
     def state_dict(self) -> dict[str, Any]:
         return copy.deepcopy(self._state)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if self._thread is not None:
-            self._stop.set()
-            self._thread.join()
-            self._thread, self._queue = None, None
+        self._stop_thread()
         self.loader.load_state_dict(state_dict)
         self._state = copy.deepcopy(self.loader.state_dict())
         self._done = False

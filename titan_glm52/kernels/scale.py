@@ -22,7 +22,8 @@ def _scale_kernel(x_ptr, g_ptr, out_ptr, n, BLOCK: tl.constexpr):
     mask = offs < n
     g = tl.load(g_ptr)
     x = tl.load(x_ptr + offs, mask=mask, other=0.0)
-    tl.store(out_ptr + offs, (x.to(tl.float32) * g).to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
+    y = (x.to(tl.float32) * g).to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+    tl.store(out_ptr + offs, y, mask=mask)
 
 
 def scaled(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:

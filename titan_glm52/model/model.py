@@ -160,7 +160,8 @@ class GLM52Model(nn.Module):
     def head_loss_sums(self, h: torch.Tensor, labels: torch.Tensor, x: torch.Tensor | None = None,
                        mtp_labels: torch.Tensor | None = None):
         """Summed fp32 cross-entropy of the output head over the final hidden states ``h`` against ``labels``, and
-        over the MTP layer's ``x`` against ``mtp_labels`` (None without ``x``): one call of the head per loss (``OutputHead``)."""
+        over the MTP layer's ``x`` against ``mtp_labels`` (None without ``x``): one call of the head per loss
+        (``OutputHead``)."""
         ce = self.output(h, labels)
         if x is None:
             return ce, None
