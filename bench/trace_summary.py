@@ -113,11 +113,37 @@ def idle_gaps(kernels: list[tuple[str, float, float]], host: list[tuple[str, flo
     return out
 
 
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
+
+
+def host_syncs(host: list[tuple[str, float, float, object]], steps: int = 1, top: int = 10) -> list[dict]:
+    """Where the host waited for the GPU: each blocking CUDA runtime call (``SYNC_CALLS``) under the chain of host
+    ops that enclose it (outermost first, the last four), with calls and wait time per step, longest first.
+    ``host``: (name, start us, duration us, thread) of the host events; a thread's events nest."""
+    sites: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    by_thread: dict[object, list[tuple[str, float, float]]] = defaultdict(list)
+    for name, t, d, tid in host:
+        by_thread[tid].append((name, t, d))
+    for events in by_thread.values():
+        stack: list[tuple[str, float]] = []  # (name, end) of the enclosing events
+        for name, t, d in sorted(events, key=lambda e: (e[1], -e[2])):
+            while stack and stack[-1][1] <= t:
+                stack.pop()
+            if name in SYNC_CALLS:
+                chain = [n for n, _ in stack if not n.startswith("ProfilerStep")][-4:]
+                site = sites[" > ".join(chain + [name])]
+                site[0] += 1
+                site[1] += d
+            stack.append((name, t + d))
+    rows = sorted(sites.items(), key=lambda kv: -kv[1][1])[:top]
+    return [{"site": k[:200], "calls_per_step": c / steps, "ms_per_step": us / 1e3 / steps} for k, (c, us) in rows]
+
+
 def summarize(path: str, steps: int = 1, top: int = 25) -> dict:
     with open(path) as f:
         events = json.load(f).get("traceEvents", [])
     per_name: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
-    kernels, host = [], []
+    kernels, host, threads = [], [], []
     for e in events:
         if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"):
             rec = per_name[e.get("name", "?")]
@@ -126,6 +152,7 @@ def summarize(path: str, steps: int = 1, top: int = 25) -> dict:
             kernels.append((e.get("name", "?"), float(e.get("ts", 0.0)), float(e.get("dur", 0.0))))
         elif e.get("ph") == "X" and e.get("cat") in ("cpu_op", "user_annotation", "python_function", "cuda_runtime"):
             host.append((e.get("name", "?"), float(e.get("ts", 0.0)), float(e.get("dur", 0.0))))
+            threads.append(e.get("tid"))
     total = sum(v[0] for v in per_name.values())
     by_cat: dict[str, float] = defaultdict(float)
     for name, (ms, _) in per_name.items():
@@ -134,6 +161,7 @@ def summarize(path: str, steps: int = 1, top: int = 25) -> dict:
     return {
         "trace": path, "steps": steps, "gpu_ms_per_step": total / steps, "timeline": timeline(kernels, steps),
         "idle_gaps": idle_gaps(kernels, host),
+        "host_syncs": host_syncs([h + (tid,) for h, tid in zip(host, threads)], steps),
         "categories": [{"category": c, "ms_per_step": ms / steps, "pct": 100.0 * ms / max(total, 1e-9)}
                        for c, ms in sorted(by_cat.items(), key=lambda kv: -kv[1])],
         "kernels": [{"name": n[:160], "category": category(n), "ms_per_step": ms / steps, "calls_per_step": c / steps,
@@ -149,6 +177,8 @@ def text(summary: dict, title: str = "") -> str:
     for g in summary.get("idle_gaps") or []:
         lines.append(f"  idle {g['ms']:.2f} ms before {g['before_kernel'][:40]}; host: "
                      + ", ".join(f"{n} {v:.2f}" for n, v in g["host_ops"][:4]))
+    for h in summary.get("host_syncs") or []:
+        lines.append(f"  host sync x{h['calls_per_step']:g} {h['ms_per_step']:.2f} ms: {h['site'][:110]}")
     for c in summary["categories"]:
         lines.append(f"  {c['ms_per_step']:9.2f} ms {c['pct']:5.1f}%  {c['category']}")
     lines.append("  top kernels:")

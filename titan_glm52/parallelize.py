@@ -231,9 +231,8 @@ def apply_compile(model: nn.Module, backend: str = "inductor", fullgraph: bool =
     blocks). Hooks (FSDP's, EP's) stay outside the compiled function because the block's ``forward`` is
     compiled, not its ``__call__``. The routed experts (``GroupedExperts.forward``: a per-expert loop over
     ``counts.tolist()`` or one ``torch._grouped_mm``) and the EP dispatch/combine run eagerly, as in
-    torchtitan. Graph breaks that remain: ``torch.bincount`` (data-dependent shape) and the MoE count guard
-    ``torch._C._current_graph_task_id()`` in MoE blocks, and the torch DSA backend's ``int(tensor)`` chunk
-    bounds (about 17 graphs for the 9 blocks of the debug flavor).
+    torchtitan. Graph breaks that remain: the MoE count guard ``torch._C._current_graph_task_id()`` in MoE
+    blocks and the torch DSA backend's ``int(tensor)`` chunk bounds.
     """
     for block in transformer_blocks(model):
         if getattr(block, "moe_enabled", False):

@@ -124,6 +124,28 @@ def test_trace_timeline_exposed_communication():
     assert gaps[0]["host_ops"] == [["aten::item", 7.0]] and gaps[1]["host_ops"] == []
 
 
+def test_trace_host_syncs_by_enclosing_ops():
+    """Blocking CUDA runtime calls, per step, under the chain of host ops around them (per thread)."""
+    ts = _load("trace_summary")
+    host = [("ProfilerStep#3", 0.0, 1000.0, 1),
+            ("aten::bincount", 10.0, 100.0, 1), ("aten::max", 20.0, 50.0, 1), ("aten::item", 30.0, 30.0, 1),
+            ("cudaStreamSynchronize", 40.0, 15.0, 1),
+            ("aten::bincount", 200.0, 100.0, 1), ("aten::item", 210.0, 30.0, 1),
+            ("cudaStreamSynchronize", 215.0, 5.0, 1),
+            ("cudaStreamSynchronize", 400.0, 500.0, 1),  # at step level
+            ("cudaLaunchKernel", 500.0, 1.0, 2),  # another thread, not a sync
+            ("aten::copy_", 600.0, 50.0, 2), ("cudaMemcpy", 610.0, 2.0, 2)]
+    got = ts.host_syncs(host, steps=1)
+    assert got == [
+        {"site": "cudaStreamSynchronize", "calls_per_step": 1, "ms_per_step": pytest.approx(0.5)},
+        {"site": "aten::bincount > aten::max > aten::item > cudaStreamSynchronize", "calls_per_step": 1,
+         "ms_per_step": pytest.approx(0.015)},
+        {"site": "aten::bincount > aten::item > cudaStreamSynchronize", "calls_per_step": 1,
+         "ms_per_step": pytest.approx(0.005)},
+        {"site": "aten::copy_ > cudaMemcpy", "calls_per_step": 1, "ms_per_step": pytest.approx(0.002)}]
+    assert ts.host_syncs(host, steps=2)[0]["calls_per_step"] == 0.5
+
+
 def test_compiled_cells_get_the_longer_warmup():
     e2e = _load("e2e")
     a = e2e.parse_args(["--warmup", "2"])

@@ -106,3 +106,17 @@ def test_moe_forward_backward_equal_to_index_add_formulation(dtype, monkeypatch)
     torch.testing.assert_close(out_new, out_old)  # only the fp32 summation order of the k products may differ
     for a, b in zip(grads_old, grads_new):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("n,e", [(0, 4), (7, 16), (1000, 256)])
+def test_expert_counts_equal_bincount_and_trace_without_a_break(n, e):
+    """The sync-free expert counts are torch.bincount's (empty experts included, int64), and torch.compile traces
+    them in one graph (bincount was a graph break)."""
+    g = torch.Generator().manual_seed(n)
+    flat = torch.randint(0, max(e // 2, 1), (n,), generator=g)  # the upper half of the experts gets no token
+    got = moe_mod.expert_counts(flat, e)
+    assert got.dtype == torch.int64
+    assert torch.equal(got, torch.bincount(flat, minlength=e))
+    torch._dynamo.reset()
+    compiled = torch.compile(moe_mod.expert_counts, fullgraph=True, backend="eager")
+    assert torch.equal(compiled(flat, e), got)

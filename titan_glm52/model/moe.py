@@ -175,6 +175,14 @@ def combine_routed(routed: torch.Tensor, weights: torch.Tensor, order: torch.Ten
     return _WeightedRowSum.apply(routed, w, perm, out_dtype)
 
 
+def expert_counts(flat: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Tokens routed to each expert, int64 ``[num_experts]``, without a host sync: ``torch.bincount`` reads the
+    index range to the host on CUDA (two device-to-host syncs per MoE layer, which stall the host's kernel
+    queue and FSDP's all-gathers behind it) and is a graph break under torch.compile. Integer adds: exact and
+    order-independent."""
+    return flat.new_zeros(num_experts).scatter_add_(0, flat, torch.ones_like(flat))
+
+
 class MoE(nn.Module):
     def __init__(self, args: GLM52ModelArgs) -> None:
         super().__init__()
@@ -203,7 +211,7 @@ class MoE(nn.Module):
         k = self.router.top_k
         scores, idx, weights = self.router(x)
         flat = idx.reshape(-1)
-        counts = torch.bincount(flat, minlength=self.num_experts)
+        counts = expert_counts(flat, self.num_experts)
         if not in_backward():
             with torch.no_grad():
                 self.tokens_per_expert += counts.to(self.tokens_per_expert.dtype)
