@@ -67,17 +67,16 @@ def main() -> None:
     ap.add_argument("--small", action="store_true")
     ap.add_argument("--only", default="")
     args = ap.parse_args()
-    from titan_glm52.kernels import indexer_loss, indexer_topk, sparse_mla
+    from titan_glm52.kernels import cross_entropy, indexer_loss, indexer_topk, sparse_mla
     failed = False
-    for line in collect(indexer_topk, sparse_mla, indexer_loss, args.small, args.only):
+    for line in collect(args.small, args.only, indexer_topk, sparse_mla, indexer_loss, cross_entropy):
         failed |= "FAILED" in line
         print(line, flush=True)
     sys.exit(1 if failed else 0)
 
 
-def collect(indexer_topk, sparse_mla, indexer_loss, small: bool, only: str = ""):
-    for name, item in [*indexer_topk.compile_specs(small), *sparse_mla.compile_specs(small),
-                       *indexer_loss.compile_specs(small)]:
+def collect(small: bool, only: str, *modules):
+    for name, item in [spec for mod in modules for spec in mod.compile_specs(small)]:
         if only and only not in name:
             continue
         fn, sig, consts, nw, ns, div = item

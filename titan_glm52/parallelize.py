@@ -274,6 +274,8 @@ def apply_fsdp(model: nn.Module, mesh: ParallelMesh, *, param_dtype: torch.dtype
     dense = {"mesh": mesh.fsdp_mesh, "mp_policy": mp}
     expert = {"mesh": mesh.expert_fsdp_mesh, "mp_policy": mp}
 
+    expert_units = []
+
     def shard_block(block: nn.Module) -> None:
         if getattr(block, "moe_enabled", False) and mesh.ep_enabled:
             experts = block.moe.experts
@@ -281,6 +283,7 @@ def apply_fsdp(model: nn.Module, mesh: ParallelMesh, *, param_dtype: torch.dtype
             too_few = mesh.degrees.efsdp > experts.num_experts // mesh.degrees.ep
             fully_shard(experts, **expert, reshard_after_forward=reshard,
                         shard_placement_fn=(lambda p: Shard(1)) if too_few else None)
+            expert_units.append(experts)
         fully_shard(block, **dense, reshard_after_forward=reshard)
 
     if getattr(model, "tok_embeddings", None) is not None:
@@ -296,9 +299,13 @@ def apply_fsdp(model: nn.Module, mesh: ParallelMesh, *, param_dtype: torch.dtype
     fully_shard(model, **dense, reshard_after_forward=reshard)  # the rest: the final norm
     for m in model.modules():
         if isinstance(m, FSDPModule):
-            m.set_gradient_divide_factor(1.0)  # sum over ranks (see the module docstring)
-            # Plain SUM collectives: exact for factor 1, needed on gloo (no PREMUL_SUM), cheapest on NCCL.
-            m.set_force_sum_reduction_for_comms(True)
+            unit_mesh = mesh.expert_fsdp_mesh if any(m is e for e in expert_units) else mesh.fsdp_mesh
+            if unit_mesh.size() > 1:
+                m.set_gradient_divide_factor(1.0)  # sum over ranks (see the module docstring)
+                # Plain SUM collectives: exact for factor 1, needed on gloo (no PREMUL_SUM), cheapest on NCCL.
+                m.set_force_sum_reduction_for_comms(True)
+            # A one-rank unit keeps FSDP's default, which is also a sum there: with a factor set, FSDP copies the
+            # gradients as ``input / factor`` (an extra pass over every gradient, ~9 ms per step on the proxy).
     if mesh.ep_enabled:
         _set_ep_prefetch(model)
 

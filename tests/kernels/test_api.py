@@ -56,3 +56,40 @@ def test_scale_kernel_equals_the_torch_product():
             assert torch.equal(out, ref)
     with pytest.raises(ValueError, match="one element"):
         scaled(x.to(dev), torch.ones(2, device=dev))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cross_entropy_kernel_equals_the_torch_path(dtype):
+    """kernels/cross_entropy.py (the fused loss's per-chunk work on CUDA): per-row loss and ``softmax - onehot``
+    written over the logits equal model/head.py's torch path, over several column blocks with a ragged last one,
+    targets in the first and the last block, and ignored rows (loss 0, gradient 0)."""
+    from titan_glm52.kernels._triton_env import interpreting
+    from titan_glm52.kernels.cross_entropy import cross_entropy_rows
+    from titan_glm52.model.head import IGNORE_INDEX, _chunk_loss_and_grad
+
+    dev = "cpu" if interpreting() else "cuda"
+    g = torch.Generator().manual_seed(3)
+    h = torch.randn(6, 32, generator=g).to(dtype)
+    w = (torch.randn(1000, 32, generator=g) * 0.5).to(dtype)
+    labels = torch.tensor([0, 999, IGNORE_INDEX, 517, 3, IGNORE_INDEX])
+    ref_loss, ref_grad = _chunk_loss_and_grad(h, w, labels, True)  # CPU: the torch path
+    z = torch.nn.functional.linear(h, w).to(dev)
+    z_before = z.clone()
+    loss = cross_entropy_rows(z.clone(), labels.to(dev), IGNORE_INDEX, grad_in_place=False, block=256)
+    assert loss.dtype == torch.float32 and loss.shape == (6,)
+    assert loss[2] == 0 and loss[5] == 0
+    torch.testing.assert_close(loss.sum().cpu(), ref_loss, rtol=1e-5, atol=1e-5)
+    loss2 = cross_entropy_rows(z, labels.to(dev), IGNORE_INDEX, grad_in_place=True, block=256)
+    assert torch.equal(loss2, loss)
+    grad = z.cpu()
+    assert grad.dtype == dtype and not torch.equal(grad, z_before.cpu())
+    assert (grad[2] == 0).all() and (grad[5] == 0).all()
+    if dtype == torch.float32:
+        torch.testing.assert_close(grad, ref_grad, rtol=1e-5, atol=1e-7)
+    else:  # one bf16 step (exp's last fp32 bits, and the interpreter's truncating cast)
+        ulp = torch.finfo(torch.bfloat16).eps * ref_grad.float().abs() + 1e-30
+        assert ((grad.float() - ref_grad.float()).abs() <= ulp).all()
+    with pytest.raises(ValueError, match="labels"):
+        cross_entropy_rows(z, labels[:3].to(dev), IGNORE_INDEX, grad_in_place=False)
+    with pytest.raises(ValueError, match="contiguous rows"):
+        cross_entropy_rows(z.t(), labels.to(dev), IGNORE_INDEX, grad_in_place=False)

@@ -9,7 +9,8 @@ each chunk's logits in backward this saves the recompute (one head GEMM and one 
 FSDP, makes one module call per loss instead of one per chunk (one gradient reduce-scatter instead of one per
 chunk).
 
-Numerics: the loss is ``logsumexp(z) - z[label]`` over fp32 logits ``z = float(h W^T)``, as
+Numerics: the loss is ``logsumexp(z) - z[label]`` over fp32 logits ``z = float(h W^T)`` (on CUDA one Triton kernel
+forms loss and gradient from the logits in two reads, with no fp32 copy), as
 ``F.cross_entropy(head(h).float(), labels, reduction="sum")`` computes it up to fp32 rounding. The logits'
 gradient is rounded to the compute dtype before the incoming gradient multiplies the products (autograd rounds
 after); with bf16 weights the two agree to bf16 rounding, with fp32 to fp32 rounding. The weight's gradient is
@@ -29,8 +30,16 @@ LOSS_CHUNK = 4096
 
 
 def _chunk_loss_and_grad(h_c: torch.Tensor, weight: torch.Tensor, labels_c: torch.Tensor, want_grad: bool):
-    """(summed fp32 CE of the chunk, gradient of that sum w.r.t. the chunk's logits in h's dtype or None)."""
-    z = F.linear(h_c, weight).float()
+    """(summed fp32 CE of the chunk, gradient of that sum w.r.t. the chunk's logits in h's dtype or None).
+    On CUDA one Triton kernel (``kernels/cross_entropy.py``) reads the logits twice and writes the gradient over
+    them; elsewhere the same numbers in torch through an fp32 copy."""
+    z = F.linear(h_c, weight)
+    if z.is_cuda and triton_available():
+        from titan_glm52.kernels.cross_entropy import cross_entropy_rows  # lazy, as in _scaled
+
+        loss_rows = cross_entropy_rows(z, labels_c, IGNORE_INDEX, grad_in_place=want_grad)
+        return loss_rows.sum(), (z if want_grad else None)
+    z = z.float()
     valid = labels_c != IGNORE_INDEX
     target = torch.where(valid, labels_c, 0).unsqueeze(1)
     lse = torch.logsumexp(z, dim=1)
