@@ -28,8 +28,10 @@ def test_triton_entry_points():
     assert k.triton_indexer_kl_sparse is ops["indexer_kl_sparse"]
     # after the submodules are imported, ``k.indexer_topk`` is the module; it is callable with the same contract
     from titan_glm52.kernels import indexer_topk as mod
-    q, kk, w = torch.randn(6, 2, 16), torch.randn(6, 16), torch.randn(6, 2)
-    cu = torch.tensor([0, 2, 6], dtype=torch.int32)
+    from titan_glm52.kernels._triton_env import interpreting
+    dev = "cpu" if interpreting() else "cuda"
+    q, kk, w = torch.randn(6, 2, 16, device=dev), torch.randn(6, 16, device=dev), torch.randn(6, 2, device=dev)
+    cu = torch.tensor([0, 2, 6], dtype=torch.int32, device=dev)
     assert torch.equal(mod(q, kk, w, cu, 3, 1.0), ops["indexer_topk"](q, kk, w, cu, 3, 1.0))
 
 
