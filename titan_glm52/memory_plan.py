@@ -135,7 +135,7 @@ Backward bytes of a step (on top of what it saved):
 Checked against ``torch.cuda.max_memory_allocated`` on H200s (bench/results/e2e_h200.md, layouts_h200x2.md;
 tests/unit/test_plan_memory.py): the estimate is above every measured peak, by 0.05-4.3% on one GPU without MTP
 (session 3 code) and 3.9-4.0% on two; the MTP runs (session 2 code, before the gather-based MoE combine lowered
-real peaks) by 6% on one GPU and 13% on two.
+real peaks) by 6% on one GPU and 13% on two. Session 5's peaks (the Triton loss kernel) are at or below those.
 
 Not modelled: CUDA context and NCCL buffers (~1-3 GiB, outside the caching allocator), allocator fragmentation
 (reserved over allocated), the indexer KL loss (``dsa.indexer_loss_coeff > 0`` saves the indexer's q/k/weights),
@@ -348,7 +348,9 @@ def backward_workspace(args: GLM52ModelArgs, layer_id: int, tokens: int, act_byt
 
 def loss_chunk_bytes(args: GLM52ModelArgs, tokens: int) -> float:
     """The fused loss on one chunk (model/head.py): the fp32 [chunk, vocab] logits and logsumexp's fp32 temporary
-    (after them, the fp32 gradient and its param_dtype copy, no more)."""
+    (after them, the fp32 gradient and its param_dtype copy, no more). That is the torch path; on CUDA the Triton
+    kernel (kernels/cross_entropy.py) needs only the param_dtype logits, so this is an upper bound there (the
+    measured 1-GPU peaks fell by up to 2.9 GiB with it; the plan keeps the bound)."""
     return 8.0 * min(tokens, LOSS_CHUNK) * args.vocab_size
 
 
