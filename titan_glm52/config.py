@@ -113,7 +113,14 @@ class DSA:
     sparse kernels. Same math, different rounding order; at 4K tokens a DSA layer's attention takes 25% less time
     (bench/attn_paths.py). A full layer that trains its indexer (indexer_loss_coeff > 0) also runs the sparse
     forward on those rows, without gradient, for the log-sum-exp its KL needs. False: every row on the sparse
-    kernels."""
+    kernels (and no masked dense rows either)."""
+
+    dense_masked_ratio: float = 2.0
+    """With dense_prefix: a document of index_topk < length <= dense_masked_ratio x index_topk tokens also runs its
+    later rows in the plain MLA form, on SDPA (cuDNN on H100/H200) with a boolean mask of exactly the keys each row
+    selected. Same math, different rounding order. Such a row selects at least 1 / ratio of the keys it sees, and
+    the masked dense kernel then costs less than the sparse kernels (bench/attn_paths.py: at 4K tokens with top-2048,
+    masked cuDNN 1.2 ns per visible pair against 3.1 ns per selected pair on the sparse kernels). 0 = off."""
 
     recall_queries: int = 64
     """Queries per step (from the first sequence, one full layer) for the logged top-k recall against dense
@@ -202,6 +209,9 @@ def validate(cfg: JobConfig, world_size: int | None = None) -> None:
         if cfg.dsa.indexer_loss_coeff <= 0:
             _refuse("dsa.indexer_loss_coeff", "dsa.mode = 'dense_warmup' trains the indexers by the KL loss alone; "
                     "set a coefficient > 0 (e.g. 1.0)")
+    if cfg.dsa.dense_masked_ratio != 0 and not cfg.dsa.dense_masked_ratio > 1:
+        _refuse("dsa.dense_masked_ratio", f"{cfg.dsa.dense_masked_ratio}: use 0 (off) or a ratio > 1 (documents up to "
+                "that many times index_topk tokens)")
     if cfg.dsa.freeze_indexer and cfg.dsa.indexer_loss_coeff > 0:
         _refuse("dsa.freeze_indexer", "a frozen indexer cannot learn from dsa.indexer_loss_coeff > 0; set one of "
                 "them off")

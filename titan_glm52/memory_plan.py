@@ -185,6 +185,7 @@ class MemoryRequest:
     headroom: float = 0.10
     expert_load_factor: float = 1.0
     dense_prefix: bool = True  # [dsa] dense_prefix
+    dense_masked_ratio: float = 2.0  # [dsa] dense_masked_ratio (used with dense_prefix)
 
     @property
     def budget_bytes(self) -> float:
@@ -376,8 +377,10 @@ class StageActivations:
 
 def stage_activations(args: GLM52ModelArgs, layer_ids: range, is_first: bool, is_last: bool, with_mtp: bool,
                       ac_mode: str, selective_option: str, act_bytes: int, load: float, ep: bool, tokens: int,
-                      prefix_share: float = 0.0) -> StageActivations:
-    """Activations of one pipeline stage for micro-batches of ``tokens`` tokens (module docstring)."""
+                      prefix_share: float = 0.0, mask_per_token: float = 0.0) -> StageActivations:
+    """Activations of one pipeline stage for micro-batches of ``tokens`` tokens (module docstring).
+    ``mask_per_token``: the masked dense rows' selection mask, bytes per token of every block (saved with its
+    attention, or rebuilt by its recompute)."""
     a, d = act_bytes, args.hidden_size
     ids = list(layer_ids) + ([args.num_hidden_layers] if is_last and with_mtp else [])
     modes = _block_modes(ac_mode, selective_option, len(ids))
@@ -385,10 +388,11 @@ def stage_activations(args: GLM52ModelArgs, layer_ids: range, is_first: bool, is
     for b, m in zip(ids, modes):
         # A checkpointed block ("full", "op") rebuilds its "none" set in backward while its own saved tensors are
         # still held (for "op" the cached ones are shared: counted twice, an upper bound).
-        recompute = block_bytes_per_token(args, b, "none", a, load, ep, prefix_share) if m != "none" else 0.0
-        blocks.append(BlockActivations(b, m, block_bytes_per_token(args, b, m, a, load, ep, prefix_share),
-                                       tokens * recompute + backward_workspace(args, b, tokens, a, load,
-                                                                               prefix_share)))
+        none = block_bytes_per_token(args, b, "none", a, load, ep, prefix_share) + mask_per_token
+        saved = none if m == "none" else block_bytes_per_token(args, b, m, a, load, ep, prefix_share)
+        recompute = none if m != "none" else 0.0
+        blocks.append(BlockActivations(b, m, saved, tokens * recompute + backward_workspace(args, b, tokens, a, load,
+                                                                                            prefix_share)))
     extras = 8 + (a * d if with_mtp else 0)  # positions; next-token embeddings
     if is_first:
         extras += 8  # token ids (the embedding backward)
@@ -706,11 +710,19 @@ def plan_memory(req: MemoryRequest) -> MemoryReport:
                           deg.dp_shard, deg.efsdp, n_mb, tokens)
     starts = [sum(plan.layers_per_stage[:i]) for i in range(pl.num_stages)]
     stage_layers = [range(b, b + n) for b, n in zip(starts, plan.layers_per_stage)]
-    # One document per row: its first index_topk rows run on the dense prefix.
-    prefix_share = min(args.index_topk, req.seq_len) / req.seq_len if req.dense_prefix else 0.0
+    # One document per row: its first index_topk rows run on the dense prefix; if it is at most dense_masked_ratio x
+    # index_topk long, its later rows run on the masked dense path, with plain keys and values for all its rows
+    # (another share of 1, an upper bound: it also counts the prefix rows' queries and outputs again) and the
+    # selection mask, (S - K) x S per document: a bool and its bf16 additive form, 3 (S - K) bytes per token.
+    kk, seq = args.index_topk, req.seq_len
+    prefix_share = min(kk, seq) / seq if req.dense_prefix else 0.0
+    mask_per_token = 0.0
+    if req.dense_prefix and req.dense_masked_ratio > 0 and kk < seq <= int(req.dense_masked_ratio * kk):
+        prefix_share += 1.0
+        mask_per_token = 3.0 * (seq - kk)
     acts = [stage_activations(args, stage_layers[s], s == 0, s == pl.num_stages - 1, req.with_mtp, req.ac_mode,
                               req.selective_ac_option, act_bytes, req.expert_load_factor, req.ep > 1, tokens,
-                              prefix_share)
+                              prefix_share, mask_per_token)
             for s in range(pl.num_stages)]
     keep_all = pipelined or not _reshard_policy(req.reshard_after_forward, pipelined, deg.dp_shard)
     ranks_per_pp = deg.dp_replicate * deg.dp_shard
@@ -786,7 +798,8 @@ def request_from_job_config(cfg, gpus: int | None = None, *, gpu_memory_gib: flo
         param_dtype="bf16" if t.mixed_precision_param == "bfloat16" else "fp32",
         reshard_after_forward=p.fsdp_reshard_after_forward,
         with_mtp=cfg.mtp.enable and args.num_nextn_predict_layers > 0, gpu_memory_gib=gpu_memory_gib,
-        headroom=headroom, expert_load_factor=expert_load_factor, dense_prefix=cfg.dsa.dense_prefix)
+        headroom=headroom, expert_load_factor=expert_load_factor, dense_prefix=cfg.dsa.dense_prefix,
+        dense_masked_ratio=cfg.dsa.dense_masked_ratio)
 
 
 # ===================================================================================== printing

@@ -20,6 +20,9 @@ FLOPs of one training step (forward x 3: backward costs twice the forward; recom
   keys' up-projection ``2 * kv_lora_rank * H * (qk_nope_head_dim + v_head_dim)`` per row. The absorbed-form work
   those rows still do and discard (and, on layers that train their indexer, the gradient-free sparse forward
   that gives the KL their log-sum-exp) is not counted.
+* Masked dense (``[dsa] dense_masked_ratio``): a document of ``index_topk < L <= ratio * index_topk`` tokens runs its
+  later rows in the plain form too, counted per selected pair (``index_topk`` per row; the masked-out pairs the
+  kernel also visits are not counted), plus the up-projection of all its ``L`` keys.
 
 Per device: a data-parallel rank's tokens and FLOPs are divided by the devices that share them (its pipeline
 stages), as torchtitan does; MFU = FLOPs per device / step time / bf16 peak.
@@ -67,9 +70,10 @@ def doc_lengths_of(cu_seqlens: torch.Tensor) -> torch.Tensor:
 
 
 def step_flops(args: GLM52ModelArgs, doc_lengths: torch.Tensor, with_mtp: bool, sparse: bool = True,
-               dense_prefix: bool = False) -> float:
+               dense_prefix: bool = False, dense_masked_ratio: float = 0.0) -> float:
     """Training FLOPs (forward + backward) for the given documents (their lengths sum to the token count).
-    ``dense_prefix``: the model runs with ``[dsa] dense_prefix``."""
+    ``dense_prefix``: the model runs with ``[dsa] dense_prefix``; ``dense_masked_ratio``: with its
+    ``[dsa] dense_masked_ratio`` (0 = off)."""
     tokens = int(doc_lengths.sum())
     n_active = args.num_active_params(include_mtp=False, include_head=True)
     attn_layers = args.num_hidden_layers
@@ -91,6 +95,10 @@ def step_flops(args: GLM52ModelArgs, doc_lengths: torch.Tensor, with_mtp: bool, 
         plain = 2 * h * (args.qk_head_dim + args.v_head_dim)
         up = 2 * args.kv_lora_rank * h * (args.qk_nope_head_dim + args.v_head_dim)
         forward += attn_layers * docs * ((plain - 2 * h * (d_qk + d_v)) * (k * (k + 1) // 2) + up * k)
+        if dense_masked_ratio > 0:
+            lengths = doc_lengths.to(torch.int64)
+            short = lengths[(lengths > k) & (lengths <= int(dense_masked_ratio * k))]
+            forward += attn_layers * int(((plain - 2 * h * (d_qk + d_v)) * k * (short - k) + up * short).sum())
     return 3.0 * forward
 
 

@@ -139,6 +139,9 @@ def _add_memory_parser(sub: argparse._SubParsersAction) -> None:
                    help="train the MTP layer (mtp.enable; default on)")
     p.add_argument("--dense-prefix", action=argparse.BooleanOptionalAction, default=True,
                    help="dsa.dense_prefix (default on): the first index_topk rows of each sequence on SDPA")
+    p.add_argument("--dense-masked-ratio", type=float, default=2.0,
+                   help="dsa.dense_masked_ratio (default 2; 0 = off): sequences of index_topk < S <= ratio x "
+                        "index_topk run their later rows on SDPA with a selection mask")
     p.add_argument("--gpu-memory-gib", type=float, default=141.0,
                    help="memory per GPU in GiB (default 141; an H200 reports 143771 MiB = 140.4 GiB)")
     p.add_argument("--headroom", type=float, default=0.10,
@@ -161,7 +164,7 @@ def memory_request(ns: argparse.Namespace, args: GLM52ModelArgs):
         ac_mode=ns.ac, selective_ac_option=ns.selective_ac_option, param_dtype=ns.param_dtype,
         reshard_after_forward=ns.reshard_after_forward, with_mtp=ns.mtp and args.num_nextn_predict_layers > 0,
         gpu_memory_gib=ns.gpu_memory_gib, headroom=ns.headroom, expert_load_factor=ns.expert_load_factor,
-        dense_prefix=ns.dense_prefix)
+        dense_prefix=ns.dense_prefix, dense_masked_ratio=ns.dense_masked_ratio)
 
 
 def _cmd_memory(ns: argparse.Namespace) -> int:

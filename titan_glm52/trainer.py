@@ -278,6 +278,7 @@ class Trainer:
         model.set_dsa_backend(self.backend)
         model.set_sparse_attention(cfg.dsa.mode == "sparse")
         model.dense_prefix = cfg.dsa.dense_prefix
+        model.dense_masked_ratio = cfg.dsa.dense_masked_ratio
         grouped = {"auto": None, "on": True, "off": False}[cfg.moe.grouped_mm]
         for _, moe in moe_modules(model):
             moe.experts.use_grouped_mm = grouped
@@ -550,7 +551,8 @@ class Trainer:
         devices_per_replica = self.env.world_size // self.dp_world
         doc_lengths = torch.cat([doc_lengths_of(b["cu_seqlens"]) for b in batches])
         flops = step_flops(self.args, doc_lengths, self.with_mtp, sparse=self.cfg.dsa.mode == "sparse",
-                           dense_prefix=self.cfg.dsa.dense_prefix)
+                           dense_prefix=self.cfg.dsa.dense_prefix,
+                           dense_masked_ratio=self.cfg.dsa.dense_masked_ratio if self.cfg.dsa.dense_prefix else 0.0)
         flops /= devices_per_replica
         tokens_local = sum(b["input_ids"].numel() for b in batches) / devices_per_replica
         s = {"loss/total": losses["total"], "loss/ce": losses["ce"], "lr": self.lr_schedulers.schedulers[0].get_last_lr()[0],

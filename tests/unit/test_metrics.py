@@ -7,7 +7,7 @@ from titan_glm52 import get_flavor
 from titan_glm52.metrics import step_flops
 
 
-def _row_by_row(args, lengths, with_mtp, dense_prefix):
+def _row_by_row(args, lengths, with_mtp, dense_prefix, masked_ratio=0.0):
     k, h = args.index_topk, args.num_attention_heads
     absorbed = 2 * h * (args.kv_lora_rank + args.qk_rope_head_dim + args.kv_lora_rank)
     plain = 2 * h * (args.qk_head_dim + args.v_head_dim)
@@ -20,10 +20,14 @@ def _row_by_row(args, lengths, with_mtp, dense_prefix):
     prefix_layers = attn_layers if dense_prefix else 0
     fwd = 2 * n_active * sum(lengths)
     for length in lengths:
+        if dense_prefix and k < length <= masked_ratio * k:  # the masked rows' keys include the prefix rows' again
+            fwd += attn_layers * up * k
         for p in range(length):
             fwd += index_layers * 2 * args.index_n_heads * args.index_head_dim * (p + 1)
             if length >= k and p < k:  # a prefix row: plain form on the prefix layers
                 fwd += prefix_layers * (plain * (p + 1) + up) + (attn_layers - prefix_layers) * absorbed * (p + 1)
+            elif dense_prefix and k < length <= masked_ratio * k:  # a masked dense row, and its key's up-projection
+                fwd += attn_layers * (plain * k + up)
             else:
                 fwd += attn_layers * absorbed * min(k, p + 1)
     return 3 * fwd
@@ -37,7 +41,17 @@ def test_step_flops_counts_rows_as_they_run(dense_prefix, with_mtp):
     assert got == pytest.approx(_row_by_row(args, lengths, with_mtp, dense_prefix), rel=1e-12)
 
 
+@pytest.mark.parametrize("ratio", [2.0, 2.5])
+def test_step_flops_counts_masked_dense_rows(ratio):
+    args = get_flavor("debug")  # index_topk 16: the 20- and 32-token documents are masked at 2, and the 40 at 2.5
+    lengths = [7, 16, 20, 32, 40, 3]
+    got = step_flops(args, torch.tensor(lengths), False, dense_prefix=True, dense_masked_ratio=ratio)
+    assert got == pytest.approx(_row_by_row(args, lengths, False, True, ratio), rel=1e-12)
+
+
 def test_dense_prefix_counts_fewer_flops_at_glm52_widths():
     args = get_flavor("glm52_proxy")  # plain form 2 * 64 * 512 per pair against 2 * 64 * 1088 absorbed
     sparse, prefix = (step_flops(args, torch.tensor([4096]), False, dense_prefix=d) for d in (False, True))
     assert 0.9 * sparse < prefix < sparse
+    masked = step_flops(args, torch.tensor([4096]), False, dense_prefix=True, dense_masked_ratio=2.0)
+    assert 0.9 * prefix < masked < prefix  # the later rows in the plain form too, plus every key's up-projection

@@ -235,6 +235,65 @@ def test_dense_prefix_equals_all_sparse(backend, kl, monkeypatch):
         torch.testing.assert_close(g1[n], g2[n], **tol, msg=lambda m: f"{n}: {m}")
 
 
+@pytest.mark.parametrize("backend,kl", [("torch", False), ("torch", True), ("triton", False), ("triton", True)])
+def test_dense_masked_equals_all_sparse(backend, kl, monkeypatch):
+    """Documents of index_topk < length <= 2 x index_topk (here 20 tokens, top-16) run their rows after the prefix on
+    SDPA with a mask of exactly their selected keys: loss, KL and every gradient equal the prefix-only and the
+    all-sparse runs. Three such documents (one length group, one SDPA call per layer), a short one and a 40-token
+    one that stays sparse after its prefix."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+    dtype = torch.float64 if backend == "torch" else torch.float32
+    args = get_flavor("debug").replace(num_hidden_layers=4, first_k_dense_replace=1, num_nextn_predict_layers=0)
+    torch.manual_seed(0)
+    model = GLM52Model(args).to(dtype)
+    model.init_weights(seed=5)
+    model.set_dsa_backend(backend)
+    if kl:
+        for m in model.modules():
+            if isinstance(m, Attention) and m.indexer is not None:
+                m.indexer_loss_scale = 0.5
+    tokens = torch.randint(0, args.vocab_size, (2, 60))
+    cu = torch.tensor([0, 20, 27, 40, 60, 80, 120], dtype=torch.int32)  # 20, 7, 13, 20 | 20, 40
+    ctx = model.packed_context(2, 60, cu, torch.device("cpu"))
+    assert ctx.dense_masked.groups == {20: [0, 40, 60]}
+    assert ctx.dense_masked.rows.tolist() == [*range(16, 20), *range(56, 60), *range(76, 80)]
+    assert ctx.dense_prefix.rows[:, 0].tolist() == [0, 40, 60, 80]
+    from titan_glm52.model import attention
+    calls = []
+    sdpa = attention._masked_sdpa
+    monkeypatch.setattr(attention, "_masked_sdpa", lambda *a: calls.append((a[0].shape, a[3].shape)) or sdpa(*a))
+    results = []
+    for prefix, ratio in ((True, 2.0), (True, 0.0), (False, 2.0)):
+        model.dense_prefix, model.dense_masked_ratio = prefix, ratio
+        model.zero_grad()
+        loss = model(tokens, cu, labels=tokens)
+        loss.backward()
+        kls = [m.last_indexer_kl for m in model.modules() if isinstance(m, Attention) and m.last_indexer_kl is not None]
+        for m in model.modules():
+            if isinstance(m, Attention):
+                m.last_indexer_kl = None
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        results.append((torch.stack([loss.detach(), *kls]), grads))
+    h, d = args.num_attention_heads, args.qk_head_dim
+    assert calls == [(torch.Size([3, h, 4, d]), torch.Size([3, 1, 4, 20]))] * 4  # only in the first run
+    tol = dict(rtol=1e-9, atol=1e-11) if dtype == torch.float64 else dict(rtol=2e-4, atol=2e-6)
+    (l1, g1) = results[0]
+    for l2, g2 in results[1:]:
+        torch.testing.assert_close(l1, l2, **tol)
+        assert g1.keys() == g2.keys() and any("wkv_b" in n for n in g1)
+        for n in g1:
+            torch.testing.assert_close(g1[n], g2[n], **tol, msg=lambda m: f"{n}: {m}")
+
+
+def test_dense_masked_plan_takes_documents_between_topk_and_the_ratio():
+    from titan_glm52.model.attention import DenseMasked
+    assert DenseMasked.build([16, 40, 5], 16, 32, torch.device("cpu")) is None
+    plan = DenseMasked.build([17, 3, 32, 17], 16, 32, torch.device("cpu"))
+    assert plan.groups == {17: [0, 52], 32: [20]}
+    assert plan.rows.tolist() == [16, 68, *range(36, 52)] and int(plan.is_masked.sum()) == 18
+
+
 def test_dense_prefix_plan_skips_short_documents():
     from titan_glm52.model.attention import DensePrefix
     assert DensePrefix.build([5, 15], 16, torch.device("cpu")) is None

@@ -13,6 +13,12 @@ values from ``wkv_b``) on a dense causal kernel (SDPA: cuDNN / FlashAttention on
 go through the sparse kernels. Same math, a different summation order; it saves a third of the sparse work at
 ``T = 2 * index_topk`` (``bench/attn_paths.py``).
 
+Masked dense: a document a little longer than ``index_topk`` (up to ``PackedContext.dense_masked``'s ratio times it)
+has rows that select most of what they see. When ``dense_masked`` is set, such a document's rows after the prefix
+run in the plain MLA form too, on SDPA with a boolean mask of exactly the selected keys, which on H200 costs less
+than the sparse kernels while a row selects at least about 40% of its visible keys (``bench/attn_paths.py``).
+Same math again; the indexer and the selection are unchanged.
+
 IndexShare is explicit dataflow (architecture rule 2): ``forward`` takes the top-k of the previous block and
 returns the top-k its successors use. A full layer computes new indices (deterministically, so a recompute
 under activation checkpointing selects the same keys); a shared layer passes its input on.
@@ -93,6 +99,34 @@ class DensePrefix:
         return DensePrefix(rows, is_prefix)
 
 
+@dataclass
+class DenseMasked:
+    """Documents of ``index_topk < length <= max_len`` tokens whose rows after the prefix run on a masked dense
+    kernel: ``groups`` maps a length to the start rows of its documents (host ints, in stream order)."""
+
+    groups: dict[int, list[int]]
+    rows: torch.Tensor  # int64 [n]: those rows, by length group, then document, then position
+    is_masked: torch.Tensor  # bool [T]
+
+    @staticmethod
+    def build(doc_lengths: list[int], topk: int, max_len: int, device: torch.device) -> DenseMasked | None:
+        """None when no document has ``topk < length <= max_len`` tokens."""
+        groups: dict[int, list[int]] = {}
+        at = 0
+        for length in doc_lengths:
+            if topk < length <= max_len:
+                groups.setdefault(length, []).append(at)
+            at += length
+        if not groups:
+            return None
+        rows = torch.cat([(torch.tensor(starts, device=device)[:, None]
+                           + torch.arange(topk, length, device=device)).reshape(-1)
+                          for length, starts in groups.items()])
+        is_masked = torch.zeros(at, dtype=torch.bool, device=device)
+        is_masked[rows] = True
+        return DenseMasked(groups, rows, is_masked)
+
+
 @functools.cache
 def _eager(name: str):
     """The module function ``name`` under ``torch.compiler.disable`` (compiled blocks call it eagerly), looked up
@@ -109,6 +143,14 @@ def _causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
 
 
+def _masked_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """Attention of ``[N, H, L, D]`` tensors over the keys where the bool ``mask [N, 1, Lq, Lk]`` is True, on the
+    fastest SDPA backend that takes a mask (cuDNN first on GPU)."""
+    backends = [SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    with sdpa_kernel(backends, set_priority=True):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+
 @dataclass
 class PackedContext:
     """What every block needs about the packed batch: document boundaries and rotary tables."""
@@ -119,6 +161,7 @@ class PackedContext:
     rows: int = 1  # B: the flattened stream is B rows of T / B tokens
     max_doc_len: int | None = None  # host-side, so that the indexer needs no device-to-host copy
     dense_prefix: DensePrefix | None = None  # set: sparse layers run these rows on a dense causal kernel
+    dense_masked: DenseMasked | None = None  # set: and these rows on a dense kernel with a selection mask
 
 
 @torch.no_grad()
@@ -240,14 +283,18 @@ class Attention(nn.Module):
 
         lse = None
         prefix = ctx.dense_prefix if self.sparse else None
+        masked = ctx.dense_masked if self.sparse else None
         if self.sparse:
-            idx = topk if prefix is None else topk.masked_fill(prefix.is_prefix[:, None], -1)
+            dense_rows = [d for d in (prefix and prefix.is_prefix, masked and masked.is_masked) if d is not None]
+            skip = functools.reduce(torch.logical_or, dense_rows) if dense_rows else None
+            idx = topk if skip is None else topk.masked_fill(skip[:, None], -1)
             o_lat, lse = sparse_mla(q_abs, kv, idx, self.softmax_scale, self.kv_rank)
-            if prefix is not None and train_indexer:  # the KL needs every row's LSE: the prefix rows' forward
-                flat = prefix.rows.reshape(-1)
+            if dense_rows and train_indexer:  # the KL needs every row's LSE: the dense rows' sparse forward
+                flat = torch.cat([r for r in (prefix and prefix.rows.reshape(-1), masked and masked.rows)
+                                  if r is not None])
                 with torch.no_grad():
-                    _, lse_prefix = sparse_mla(q_abs[flat], kv, topk[flat], self.softmax_scale, self.kv_rank)
-                lse = lse.index_copy(0, flat, lse_prefix)
+                    _, lse_dense = sparse_mla(q_abs[flat], kv, topk[flat], self.softmax_scale, self.kv_rank)
+                lse = lse.index_copy(0, flat, lse_dense)
         else:
             o_lat = reference.dense_causal_attention(q_abs, kv, ctx.cu_seqlens, self.softmax_scale, self.kv_rank)
         o = torch.einsum("thr,hvr->thv", o_lat, w_uv)
@@ -255,6 +302,9 @@ class Attention(nn.Module):
             # (two statements: torch.compile resumes after the SDPA call's graph break at a statement boundary)
             dense = self._plain_causal(prefix.rows, q_nope, q_rope, c_kv, k_rope)
             o = o.index_copy(0, prefix.rows.reshape(-1), dense)
+        if masked is not None:  # the same for the masked rows (eager: a loop over the host-side length groups)
+            dense = _eager("_plain_masked")(self, masked, topk, q_nope, q_rope, c_kv, k_rope)
+            o = o.index_copy(0, masked.rows, dense)
         out = self.wo(o.reshape(t, self.n_heads * self.v_dim))
         if self.indexer is not None and (train_indexer or self.recall_queries):
             out = _eager("_indexer_outputs")(self, out, train_indexer, q_abs, kv, lse, q_i, k_i, w_i, topk, ctx)
@@ -272,6 +322,29 @@ class Attention(nn.Module):
         v = kvb[..., self.nope:]
         o = _eager("_causal_sdpa")(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), self.softmax_scale)
         return o.transpose(1, 2).reshape(n * length, h, self.v_dim)
+
+
+def _plain_masked(attn: Attention, masked: DenseMasked, topk: torch.Tensor, q_nope, q_rope, c_kv, k_rope):
+    """The masked rows in the plain MLA form: per length group, the documents' keys and values from ``wkv_b``, their
+    rows after the prefix attending to exactly their selected keys (``topk``: global rows, -1 = none) on SDPA with
+    a boolean mask. ``[len(masked.rows), H, v_dim]`` in ``masked.rows`` order."""
+    h, nope, k_sel = attn.n_heads, attn.nope, topk.shape[1]
+    outs = []
+    for length, starts in masked.groups.items():
+        n = len(starts)
+        keys = (torch.tensor(starts, device=c_kv.device)[:, None] + torch.arange(length, device=c_kv.device))
+        rows = keys[:, k_sel:]  # [n, length - k_sel]
+        kvb = attn.wkv_b(c_kv[keys]).view(n, length, h, nope + attn.v_dim)
+        k = torch.cat((kvb[..., :nope], k_rope[keys].view(n, length, 1, -1).expand(-1, -1, h, -1)), dim=-1)
+        q = torch.cat((q_nope[rows], q_rope[rows]), dim=-1)
+        sel = topk[rows].long()  # [n, length - k_sel, k_sel]
+        local = torch.where(sel >= 0, sel - keys[:, :1, None], length)  # -1 -> a dummy column, dropped below
+        mask = torch.zeros(n, length - k_sel, length + 1, dtype=torch.bool, device=sel.device)
+        mask = mask.scatter_(2, local, True)[..., :length]
+        o = _masked_sdpa(q.transpose(1, 2), k.transpose(1, 2), kvb[..., nope:].transpose(1, 2), mask[:, None],
+                         attn.softmax_scale)
+        outs.append(o.transpose(1, 2).reshape(-1, h, attn.v_dim))
+    return torch.cat(outs)
 
 
 def _indexer_outputs(attn: Attention, out, train_indexer: bool, q_abs, kv, lse, q_i, k_i, w_i, topk,

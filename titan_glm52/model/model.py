@@ -18,7 +18,7 @@ from titan_glm52.kernels.reference import check_cu_seqlens, doc_positions
 from titan_glm52.model.args import GLM52ModelArgs
 from titan_glm52.model.head import OutputHead
 from titan_glm52.model.init import init_weights_
-from titan_glm52.model.attention import Attention, DensePrefix, PackedContext
+from titan_glm52.model.attention import Attention, DenseMasked, DensePrefix, PackedContext
 from titan_glm52.model.moe import MoE, FeedForward
 from titan_glm52.model.norms import RMSNorm
 from titan_glm52.model.rope import rope_cos_sin
@@ -95,6 +95,9 @@ class GLM52Model(nn.Module):
         # Rows within the first index_topk tokens of a document run on a dense causal kernel (``[dsa]
         # dense_prefix``; same math, see model/attention.py). Read by ``packed_context``.
         self.dense_prefix = True
+        # Documents of index_topk < length <= this ratio x index_topk run their later rows on a masked dense kernel
+        # (``[dsa] dense_masked_ratio``; same math). 0 = off. Read by ``packed_context``.
+        self.dense_masked_ratio = 2.0
 
     # ------------------------------------------------------------------------------------- setup
     def init_weights(self, seed: int = 0) -> None:
@@ -124,8 +127,12 @@ class GLM52Model(nn.Module):
             bounds = check_cu_seqlens(cu_seqlens, total)
             lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
         cos, sin = rope_cos_sin(doc_positions(cu_seqlens, total), self.args.qk_rope_head_dim, self.args.rope_theta)
-        prefix = DensePrefix.build(lengths, self.args.index_topk, device) if self.dense_prefix else None
-        return PackedContext(cu_seqlens, cos, sin, rows=batch, max_doc_len=max(lengths), dense_prefix=prefix)
+        k = self.args.index_topk
+        prefix = DensePrefix.build(lengths, k, device) if self.dense_prefix else None
+        masked = (DenseMasked.build(lengths, k, int(self.dense_masked_ratio * k), device)
+                  if self.dense_prefix and self.dense_masked_ratio > 0 else None)
+        return PackedContext(cu_seqlens, cos, sin, rows=batch, max_doc_len=max(lengths), dense_prefix=prefix,
+                             dense_masked=masked)
 
     def run_layers(self, h: torch.Tensor, ctx: PackedContext) -> torch.Tensor:
         topk = None  # every stage starts on a full layer (pipeline splitter), so it begins with no top-k
