@@ -256,7 +256,7 @@ def test_dense_masked_equals_all_sparse(backend, kl, monkeypatch):
     tokens = torch.randint(0, args.vocab_size, (2, 60))
     cu = torch.tensor([0, 20, 27, 40, 60, 80, 120], dtype=torch.int32)  # 20, 7, 13, 20 | 20, 40
     ctx = model.packed_context(2, 60, cu, torch.device("cpu"))
-    assert ctx.dense_masked.groups == {20: [0, 40, 60]}
+    assert {n: k[:, 0].tolist() for n, k in ctx.dense_masked.keys.items()} == {20: [0, 40, 60]}
     assert ctx.dense_masked.rows.tolist() == [*range(16, 20), *range(56, 60), *range(76, 80)]
     assert ctx.dense_prefix.rows[:, 0].tolist() == [0, 40, 60, 80]
     from titan_glm52.model import attention
@@ -290,7 +290,8 @@ def test_dense_masked_plan_takes_documents_between_topk_and_the_ratio():
     from titan_glm52.model.attention import DenseMasked
     assert DenseMasked.build([16, 40, 5], 16, 32, torch.device("cpu")) is None
     plan = DenseMasked.build([17, 3, 32, 17], 16, 32, torch.device("cpu"))
-    assert plan.groups == {17: [0, 52], 32: [20]}
+    assert {n: k.tolist() for n, k in plan.keys.items()} == {17: [list(range(17)), list(range(52, 69))],
+                                                             32: [list(range(20, 52))]}
     assert plan.rows.tolist() == [16, 68, *range(36, 52)] and int(plan.is_masked.sum()) == 18
 
 

@@ -93,19 +93,25 @@ class DensePrefix:
             at += length
         if not starts:
             return None
-        rows = torch.tensor(starts, device=device)[:, None] + torch.arange(topk, device=device)
-        is_prefix = torch.zeros(at, dtype=torch.bool, device=device)
-        is_prefix[rows.reshape(-1)] = True
+        rows = _host_ints(starts, device)[:, None] + torch.arange(topk, device=device)
+        is_prefix = torch.zeros(at, dtype=torch.bool, device=device).index_fill_(0, rows.reshape(-1), True)
         return DensePrefix(rows, is_prefix)
+
+
+def _host_ints(values: list[int], device: torch.device) -> torch.Tensor:
+    """int64 tensor of host ints on ``device`` without a host sync (a pageable host-to-device copy waits for the
+    stream; a pinned one does not)."""
+    t = torch.tensor(values, dtype=torch.int64)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
 
 
 @dataclass
 class DenseMasked:
     """Documents of ``index_topk < length <= max_len`` tokens whose rows after the prefix run on a masked dense
-    kernel: ``groups`` maps a length to the start rows of its documents (host ints, in stream order)."""
+    kernel: ``keys`` maps a document length to the rows of its documents (``[n_docs, length]``, in stream order)."""
 
-    groups: dict[int, list[int]]
-    rows: torch.Tensor  # int64 [n]: those rows, by length group, then document, then position
+    keys: dict[int, torch.Tensor]
+    rows: torch.Tensor  # int64 [n]: the rows after the prefix, by length group, then document, then position
     is_masked: torch.Tensor  # bool [T]
 
     @staticmethod
@@ -119,12 +125,11 @@ class DenseMasked:
             at += length
         if not groups:
             return None
-        rows = torch.cat([(torch.tensor(starts, device=device)[:, None]
-                           + torch.arange(topk, length, device=device)).reshape(-1)
-                          for length, starts in groups.items()])
-        is_masked = torch.zeros(at, dtype=torch.bool, device=device)
-        is_masked[rows] = True
-        return DenseMasked(groups, rows, is_masked)
+        keys = {length: _host_ints(starts, device)[:, None] + torch.arange(length, device=device)
+                for length, starts in groups.items()}
+        rows = torch.cat([k[:, topk:].reshape(-1) for k in keys.values()])
+        is_masked = torch.zeros(at, dtype=torch.bool, device=device).index_fill_(0, rows, True)
+        return DenseMasked(keys, rows, is_masked)
 
 
 @functools.cache
@@ -330,9 +335,8 @@ def _plain_masked(attn: Attention, masked: DenseMasked, topk: torch.Tensor, q_no
     a boolean mask. ``[len(masked.rows), H, v_dim]`` in ``masked.rows`` order."""
     h, nope, k_sel = attn.n_heads, attn.nope, topk.shape[1]
     outs = []
-    for length, starts in masked.groups.items():
-        n = len(starts)
-        keys = (torch.tensor(starts, device=c_kv.device)[:, None] + torch.arange(length, device=c_kv.device))
+    for length, keys in masked.keys.items():
+        n = keys.shape[0]
         rows = keys[:, k_sel:]  # [n, length - k_sel]
         kvb = attn.wkv_b(c_kv[keys]).view(n, length, h, nope + attn.v_dim)
         k = torch.cat((kvb[..., :nope], k_rope[keys].view(n, length, 1, -1).expand(-1, -1, h, -1)), dim=-1)
