@@ -115,12 +115,15 @@ class DSA:
     forward on those rows, without gradient, for the log-sum-exp its KL needs. False: every row on the sparse
     kernels (and no masked dense rows either)."""
 
-    dense_masked_ratio: float = 2.0
+    dense_masked_ratio: float = 0.0
     """With dense_prefix: a document of index_topk < length <= dense_masked_ratio x index_topk tokens also runs its
     later rows in the plain MLA form, on SDPA (cuDNN on H100/H200) with a boolean mask of exactly the keys each row
-    selected. Same math, different rounding order. Such a row selects at least 1 / ratio of the keys it sees, and
-    the masked dense kernel then costs less than the sparse kernels (bench/attn_paths.py: at 4K tokens with top-2048,
-    masked cuDNN 1.2 ns per visible pair against 3.1 ns per selected pair on the sparse kernels). 0 = off."""
+    selected. Same math, different rounding order. Such a row selects at least 1 / ratio of the keys it sees, and the
+    masked dense kernel then costs less than the sparse kernels (bench/attn_paths.py: at 4K tokens with top-2048,
+    masked cuDNN 1.2 ns per visible pair against 3.1 ns per selected pair on the sparse kernels). 0 = off (default).
+    Measured on one H200 (proxy, 4K, compiled, bench/results/e2e_h200.md session 5): with ratio 2, attention
+    kernel time falls from 62 to 47 ms per step, but the step gains only 2.9% with AC none, and it loses 4.5%
+    with selective AC (every second block recomputed; not explained yet). Hence off by default."""
 
     recall_queries: int = 64
     """Queries per step (from the first sequence, one full layer) for the logged top-k recall against dense

@@ -185,7 +185,7 @@ class MemoryRequest:
     headroom: float = 0.10
     expert_load_factor: float = 1.0
     dense_prefix: bool = True  # [dsa] dense_prefix
-    dense_masked_ratio: float = 2.0  # [dsa] dense_masked_ratio (used with dense_prefix)
+    dense_masked_ratio: float = 0.0  # [dsa] dense_masked_ratio (used with dense_prefix)
 
     @property
     def budget_bytes(self) -> float:

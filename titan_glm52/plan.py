@@ -139,8 +139,8 @@ def _add_memory_parser(sub: argparse._SubParsersAction) -> None:
                    help="train the MTP layer (mtp.enable; default on)")
     p.add_argument("--dense-prefix", action=argparse.BooleanOptionalAction, default=True,
                    help="dsa.dense_prefix (default on): the first index_topk rows of each sequence on SDPA")
-    p.add_argument("--dense-masked-ratio", type=float, default=2.0,
-                   help="dsa.dense_masked_ratio (default 2; 0 = off): sequences of index_topk < S <= ratio x "
+    p.add_argument("--dense-masked-ratio", type=float, default=0.0,
+                   help="dsa.dense_masked_ratio (default 0 = off): sequences of index_topk < S <= ratio x "
                         "index_topk run their later rows on SDPA with a selection mask")
     p.add_argument("--gpu-memory-gib", type=float, default=141.0,
                    help="memory per GPU in GiB (default 141; an H200 reports 143771 MiB = 140.4 GiB)")

@@ -43,6 +43,8 @@ def test_unknown_cli_key_exits():
     (["--checkpoint.async_mode", "async"], "checkpoint.async_mode"),
     (["--training.dataset_path", "/x"], "training.dataset_path"),
     (["--data.prefetch", "-1"], "data.prefetch"),
+    (["--dsa.dense_masked_ratio", "1.0"], "dsa.dense_masked_ratio"),
+    (["--dsa.dense_masked_ratio", "-2"], "dsa.dense_masked_ratio"),
     (["--parallelism.pipeline_parallel_layers_per_stage", "4"], "parallelism.pipeline_parallel_layers_per_stage"),
     (["--parallelism.pipeline_parallel_layout", "4,x"], "parallelism.pipeline_parallel_layout"),
     (["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "3",

@@ -255,6 +255,8 @@ def test_dense_masked_equals_all_sparse(backend, kl, monkeypatch):
                 m.indexer_loss_scale = 0.5
     tokens = torch.randint(0, args.vocab_size, (2, 60))
     cu = torch.tensor([0, 20, 27, 40, 60, 80, 120], dtype=torch.int32)  # 20, 7, 13, 20 | 20, 40
+    assert model.dense_masked_ratio == 0 and model.packed_context(2, 60, cu, torch.device("cpu")).dense_masked is None
+    model.dense_masked_ratio = 2.0
     ctx = model.packed_context(2, 60, cu, torch.device("cpu"))
     assert {n: k[:, 0].tolist() for n, k in ctx.dense_masked.keys.items()} == {20: [0, 40, 60]}
     assert ctx.dense_masked.rows.tolist() == [*range(16, 20), *range(56, 60), *range(76, 80)]

@@ -300,6 +300,15 @@ def test_backward_workspace_and_loss_chunk_follow_the_stated_formula():
     assert loss_chunk_bytes(args, 2 * t) == loss_chunk_bytes(args, t) == 8 * t * args.vocab_size
 
 
+def test_masked_dense_rows_add_their_keys_and_mask():
+    """[dsa] dense_masked_ratio: at 4096 tokens (top-2048, ratio 2) every row after the prefix runs in the plain form
+    with keys for all rows and a selection mask, so the plan grows; at 16K nothing is masked and it does not."""
+    base = dict(args=_proxy_args(), gpus=1, with_mtp=False, ac_mode="none", param_dtype="bf16")
+    for seq, grows in ((4096, True), (16384, False)):
+        off, on = (plan_memory(MemoryRequest(seq_len=seq, dense_masked_ratio=r, **base)).worst.total for r in (0, 2))
+        assert (on > off) if grows else (on == off), (seq, on, off)
+
+
 def test_dsa_scratch_matches_the_kernels():
     """The plan's DSA scratch term is the kernels' own budget (read from their source: importing them needs
     triton)."""

@@ -17,7 +17,8 @@ Masked dense: a document a little longer than ``index_topk`` (up to ``PackedCont
 has rows that select most of what they see. When ``dense_masked`` is set, such a document's rows after the prefix
 run in the plain MLA form too, on SDPA with a boolean mask of exactly the selected keys, which on H200 costs less
 than the sparse kernels while a row selects at least about 40% of its visible keys (``bench/attn_paths.py``).
-Same math again; the indexer and the selection are unchanged.
+Same math again; the indexer and the selection are unchanged. Off by default (``[dsa] dense_masked_ratio``: the
+end-to-end gain measured so far is small, and negative with selective AC).
 
 IndexShare is explicit dataflow (architecture rule 2): ``forward`` takes the top-k of the previous block and
 returns the top-k its successors use. A full layer computes new indices (deterministically, so a recompute

@@ -97,7 +97,7 @@ class GLM52Model(nn.Module):
         self.dense_prefix = True
         # Documents of index_topk < length <= this ratio x index_topk run their later rows on a masked dense kernel
         # (``[dsa] dense_masked_ratio``; same math). 0 = off. Read by ``packed_context``.
-        self.dense_masked_ratio = 2.0
+        self.dense_masked_ratio = 0.0
 
     # ------------------------------------------------------------------------------------- setup
     def init_weights(self, seed: int = 0) -> None:
