@@ -185,24 +185,53 @@ def test_chunked_loss_equals_full_logits_loss_and_grads():
             torch.testing.assert_close(p.grad, ref[n], rtol=1e-5, atol=2e-5, msg=n)
 
 
-@pytest.mark.parametrize("backend,kl", [("torch", False), ("torch", True), ("triton", False), ("triton", True)])
-def test_dense_prefix_equals_all_sparse(backend, kl, monkeypatch):
-    """The first index_topk rows of a long document, computed in the plain form on SDPA, equal the sparse path
-    (loss and every gradient; with ``kl`` the indexers train through the KL, which then takes those rows' LSE
-    from a gradient-free sparse forward); short documents and the later rows stay sparse. Mixed lengths:
-    7 < topk = 16, exactly 16, 40, and a second 40-token row."""
+def _dsa_layers_model(backend: str, kl: bool, seed: int):
+    """The debug flavor with 4 layers (FFFS), no MTP, in fp64 (torch backend) or fp32 (Triton); ``kl``: the full
+    layers train their indexers through the KL."""
     if backend == "triton":
         pytest.importorskip("triton")
     dtype = torch.float64 if backend == "torch" else torch.float32
     args = get_flavor("debug").replace(num_hidden_layers=4, first_k_dense_replace=1, num_nextn_predict_layers=0)
     torch.manual_seed(0)
     model = GLM52Model(args).to(dtype)
-    model.init_weights(seed=3)
+    model.init_weights(seed=seed)
     model.set_dsa_backend(backend)
     if kl:
         for m in model.modules():
             if isinstance(m, Attention) and m.indexer is not None:
                 m.indexer_loss_scale = 0.5
+    tol = dict(rtol=1e-9, atol=1e-11) if dtype == torch.float64 else dict(rtol=2e-4, atol=2e-6)
+    return args, model, tol
+
+
+def _loss_kls_grads(model, tokens, cu):
+    """(CE then each full layer's KL, every gradient) of one forward + backward."""
+    model.zero_grad()
+    loss = model(tokens, cu, labels=tokens)
+    loss.backward()
+    kls = [m.last_indexer_kl for m in model.modules() if isinstance(m, Attention) and m.last_indexer_kl is not None]
+    for m in model.modules():
+        if isinstance(m, Attention):
+            m.last_indexer_kl = None
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return torch.stack([loss.detach(), *kls]), grads
+
+
+def _assert_same_run(first, other, tol):
+    (l1, g1), (l2, g2) = first, other
+    torch.testing.assert_close(l1, l2, **tol)
+    assert g1.keys() == g2.keys() and any("wkv_b" in n for n in g1)
+    for n in g1:
+        torch.testing.assert_close(g1[n], g2[n], **tol, msg=lambda m: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("backend,kl", [("torch", False), ("torch", True), ("triton", False), ("triton", True)])
+def test_dense_prefix_equals_all_sparse(backend, kl, monkeypatch):
+    """The first index_topk rows of a long document, computed in the plain form on SDPA, equal the sparse path
+    (loss and every gradient; with ``kl`` the indexers train through the KL, which then takes those rows' LSE
+    from a gradient-free sparse forward); short documents and the later rows stay sparse. Mixed lengths:
+    7 < topk = 16, exactly 16, 40, and a second 40-token row."""
+    args, model, tol = _dsa_layers_model(backend, kl, seed=3)
     tokens = torch.randint(0, args.vocab_size, (2, 40))
     cu = torch.tensor([0, 7, 23, 40, 80], dtype=torch.int32)
     ctx = model.packed_context(2, 40, cu, torch.device("cpu"))
@@ -215,24 +244,11 @@ def test_dense_prefix_equals_all_sparse(backend, kl, monkeypatch):
     results = []
     for dense_prefix in (True, False):
         model.dense_prefix = dense_prefix
-        model.zero_grad()
-        loss = model(tokens, cu, labels=tokens)
-        loss.backward()
-        kls = [m.last_indexer_kl for m in model.modules() if isinstance(m, Attention) and m.last_indexer_kl is not None]
-        for m in model.modules():
-            if isinstance(m, Attention):
-                m.last_indexer_kl = None
-        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-        results.append((torch.stack([loss.detach(), *kls]), grads))
-    (l1, g1), (l2, g2) = results
-    assert l1.numel() == (4 if kl else 1)  # CE, then the KL of each of the three full layers (FFFS)
-    assert any("indexer" in n for n in g1) == kl
+        results.append(_loss_kls_grads(model, tokens, cu))
+    assert results[0][0].numel() == (4 if kl else 1)  # CE, then the KL of each of the three full layers (FFFS)
+    assert any("indexer" in n for n in results[0][1]) == kl
     assert calls == [torch.Size([3, args.num_attention_heads, 16, args.qk_head_dim])] * 4  # once per layer, on only
-    tol = dict(rtol=1e-9, atol=1e-11) if dtype == torch.float64 else dict(rtol=2e-4, atol=2e-6)
-    torch.testing.assert_close(l1, l2, **tol)
-    assert g1.keys() == g2.keys() and any("wkv_b" in n for n in g1)
-    for n in g1:
-        torch.testing.assert_close(g1[n], g2[n], **tol, msg=lambda m: f"{n}: {m}")
+    _assert_same_run(*results, tol)
 
 
 @pytest.mark.parametrize("backend,kl", [("torch", False), ("torch", True), ("triton", False), ("triton", True)])
@@ -241,18 +257,7 @@ def test_dense_masked_equals_all_sparse(backend, kl, monkeypatch):
     SDPA with a mask of exactly their selected keys: loss, KL and every gradient equal the prefix-only and the
     all-sparse runs. Three such documents (one length group, one SDPA call per layer), a short one and a 40-token
     one that stays sparse after its prefix."""
-    if backend == "triton":
-        pytest.importorskip("triton")
-    dtype = torch.float64 if backend == "torch" else torch.float32
-    args = get_flavor("debug").replace(num_hidden_layers=4, first_k_dense_replace=1, num_nextn_predict_layers=0)
-    torch.manual_seed(0)
-    model = GLM52Model(args).to(dtype)
-    model.init_weights(seed=5)
-    model.set_dsa_backend(backend)
-    if kl:
-        for m in model.modules():
-            if isinstance(m, Attention) and m.indexer is not None:
-                m.indexer_loss_scale = 0.5
+    args, model, tol = _dsa_layers_model(backend, kl, seed=5)
     tokens = torch.randint(0, args.vocab_size, (2, 60))
     cu = torch.tensor([0, 20, 27, 40, 60, 80, 120], dtype=torch.int32)  # 20, 7, 13, 20 | 20, 40
     assert model.dense_masked_ratio == 0 and model.packed_context(2, 60, cu, torch.device("cpu")).dense_masked is None
@@ -268,24 +273,11 @@ def test_dense_masked_equals_all_sparse(backend, kl, monkeypatch):
     results = []
     for prefix, ratio in ((True, 2.0), (True, 0.0), (False, 2.0)):
         model.dense_prefix, model.dense_masked_ratio = prefix, ratio
-        model.zero_grad()
-        loss = model(tokens, cu, labels=tokens)
-        loss.backward()
-        kls = [m.last_indexer_kl for m in model.modules() if isinstance(m, Attention) and m.last_indexer_kl is not None]
-        for m in model.modules():
-            if isinstance(m, Attention):
-                m.last_indexer_kl = None
-        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-        results.append((torch.stack([loss.detach(), *kls]), grads))
+        results.append(_loss_kls_grads(model, tokens, cu))
     h, d = args.num_attention_heads, args.qk_head_dim
     assert calls == [(torch.Size([3, h, 4, d]), torch.Size([3, 1, 4, 20]))] * 4  # only in the first run
-    tol = dict(rtol=1e-9, atol=1e-11) if dtype == torch.float64 else dict(rtol=2e-4, atol=2e-6)
-    (l1, g1) = results[0]
-    for l2, g2 in results[1:]:
-        torch.testing.assert_close(l1, l2, **tol)
-        assert g1.keys() == g2.keys() and any("wkv_b" in n for n in g1)
-        for n in g1:
-            torch.testing.assert_close(g1[n], g2[n], **tol, msg=lambda m: f"{n}: {m}")
+    for other in results[1:]:
+        _assert_same_run(results[0], other, tol)
 
 
 def test_dense_masked_plan_takes_documents_between_topk_and_the_ratio():
