@@ -134,6 +134,11 @@ class _GpuMarks:
             self.events.append(torch.cuda.Event(enable_timing=True))
             self.events[-1].record()
 
+    def wait(self) -> None:
+        """Blocks the host until the GPU has run everything up to the last mark."""
+        if self.events:
+            self.events[-1].synchronize()
+
     def seconds(self) -> tuple[float, float] | None:
         if len(self.events) != 3:
             return None
@@ -499,6 +504,10 @@ class Trainer:
                                    self.state.consecutive_skips, self.state.skipped_steps)
                 marks.record()
                 self.optimizers.zero_grad()
+                step = self.state.step
+                log_now = step == 1 or step % cfg.metrics.log_freq == 0 or step == total
+                if log_now:  # the logged step time covers the step's GPU work on every optimizer path (foreach and
+                    marks.wait()  # for-loop launch their updates after the step's read); the log syncs anyway
                 t_opt = time.perf_counter()
                 if self.state.consecutive_skips >= cfg.faults.max_consecutive_nonfinite:
                     raise RuntimeError(
@@ -513,7 +522,7 @@ class Trainer:
                     torch_profiler.step()
                 if memory_profiler is not None:
                     memory_profiler.step()
-                if self.state.step == 1 or self.state.step % cfg.metrics.log_freq == 0 or self.state.step == total:
+                if log_now:
                     fb_s, opt_s = marks.seconds() or (t_fb - t_data, t_opt - t_fb)
                     self._log(losses, grad_norm_f, moe_stats, batches, t0, t_data, fb_s, opt_s, t_opt,
                               (time.perf_counter() - t_start) / (self.state.step - start_step))

@@ -212,6 +212,48 @@ def test_fused_adamw_folds_the_clip_like_the_in_place_clip(tmp_path, layout):
             assert b[key] == pytest.approx(a[key], rel=1e-6), (a["step"], key)
 
 
+_TIMED_WINDOW_TRAIN = f"""import json, sys, time
+sys.path.insert(0, {ROOT!r})
+import titan_glm52.trainer as trainer
+ticks, waits, logged = [0], [], []
+def clock():
+    ticks[0] += 1
+    return float(ticks[0])
+time.perf_counter = clock
+class Marks(trainer._GpuMarks):  # records when the host waits for the step's GPU work (a no-op on CPU)
+    def wait(self):
+        waits.append(clock())
+        super().wait()
+trainer._GpuMarks = Marks
+log = trainer.Trainer._log
+def spy(self, *args):
+    logged.append((self.state.step, args[8]))  # t_opt, the end of the step's timed window
+    log(self, *args)
+    with open(self.cfg.job.dump_folder + "/window.json", "w") as f:  # main() leaves by os._exit
+        json.dump(dict(waits=waits, logged=logged), f)
+trainer.Trainer._log = spy
+trainer.main(sys.argv[1:])
+"""
+
+
+@pytest.mark.parametrize("impl", ["fused", "foreach"])
+def test_logged_step_time_includes_the_steps_gpu_work(tmp_path, impl):
+    """The logged time/step_s ends after the host waited for the step's last GPU mark (its optimizer update), on
+    every logged step and with either optimizer path (foreach launches its update after the step's read, so before
+    this wait its GPU time fell outside the window), and nowhere else (no extra sync on unlogged steps)."""
+    script = tmp_path / "window_train.py"
+    script.write_text(_TIMED_WINDOW_TRAIN)
+    run_train(tmp_path, "--training.steps", "5", "--training.seq_len", "64", "--training.local_batch_size", "2",
+              "--checkpoint.no-enable", "--metrics.log_freq", "2", "--optimizer.implementation", impl,
+              nproc=1, script=str(script))
+    with open(tmp_path / "window.json") as f:
+        window = json.load(f)
+    assert [step for step, _ in window["logged"]] == [1, 2, 4, 5]
+    assert len(window["waits"]) == 4
+    for wait, (_, t_opt) in zip(window["waits"], window["logged"]):
+        assert wait < t_opt
+
+
 def test_gradient_accumulation_equals_one_big_batch(tmp_path):
     common = ("--training.steps", "3", "--training.seq_len", "64", "--checkpoint.no-enable", "--metrics.log_freq", "1")
     run_train(tmp_path / "big", *common, "--training.local_batch_size", "4", nproc=1)
