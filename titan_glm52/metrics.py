@@ -91,12 +91,12 @@ def step_flops(args: GLM52ModelArgs, doc_lengths: torch.Tensor, with_mtp: bool, 
                + index_layers * 2 * args.index_n_heads * args.index_head_dim * p_causal)
     if dense_prefix and sparse:
         k = args.index_topk
-        docs = int((doc_lengths.to(torch.int64) >= k).sum())
+        lengths = doc_lengths.to(torch.int64)
+        docs = int((lengths >= k).sum())
         plain = 2 * h * (args.qk_head_dim + args.v_head_dim)
         up = 2 * args.kv_lora_rank * h * (args.qk_nope_head_dim + args.v_head_dim)
         forward += attn_layers * docs * ((plain - 2 * h * (d_qk + d_v)) * (k * (k + 1) // 2) + up * k)
         if dense_masked_ratio > 0:
-            lengths = doc_lengths.to(torch.int64)
             short = lengths[(lengths > k) & (lengths <= int(dense_masked_ratio * k))]
             forward += attn_layers * int(((plain - 2 * h * (d_qk + d_v)) * k * (short - k) + up * short).sum())
     return 3.0 * forward

@@ -142,7 +142,7 @@ class _GpuMarks:
     def seconds(self) -> tuple[float, float] | None:
         if len(self.events) != 3:
             return None
-        self.events[-1].synchronize()
+        self.wait()
         return (self.events[0].elapsed_time(self.events[1]) / 1e3, self.events[1].elapsed_time(self.events[2]) / 1e3)
 
 
@@ -348,8 +348,8 @@ class Trainer:
                 self._collect_aux(parts, n_tok)
                 continue
             tokens, labels = b["input_ids"].to(dev, non_blocking=True), b["labels"].to(dev, non_blocking=True)
-            cu_seqlens = b["cu_seqlens"].to(dev, non_blocking=True)
-            out = self.model(tokens, cu_seqlens, with_mtp=self.with_mtp, labels=labels,
+            # cu_seqlens stays on the host: the model reads its bounds there and copies it over itself.
+            out = self.model(tokens, b["cu_seqlens"], with_mtp=self.with_mtp, labels=labels,
                              mtp_labels=mtp_labels(labels) if self.with_mtp else None)
             ce_sum, mtp_sum = out if self.with_mtp else (out, None)
             ce = ce_sum / n_tok
@@ -560,8 +560,7 @@ class Trainer:
         devices_per_replica = self.env.world_size // self.dp_world
         doc_lengths = torch.cat([doc_lengths_of(b["cu_seqlens"]) for b in batches])
         flops = step_flops(self.args, doc_lengths, self.with_mtp, sparse=self.cfg.dsa.mode == "sparse",
-                           dense_prefix=self.cfg.dsa.dense_prefix,
-                           dense_masked_ratio=self.cfg.dsa.dense_masked_ratio if self.cfg.dsa.dense_prefix else 0.0)
+                           dense_prefix=self.cfg.dsa.dense_prefix, dense_masked_ratio=self.cfg.dsa.dense_masked_ratio)
         flops /= devices_per_replica
         tokens_local = sum(b["input_ids"].numel() for b in batches) / devices_per_replica
         s = {"loss/total": losses["total"], "loss/ce": losses["ce"], "lr": self.lr_schedulers.schedulers[0].get_last_lr()[0],

@@ -123,8 +123,10 @@ class GLM52Model(nn.Module):
             cu_seqlens = torch.arange(0, total + 1, seq, dtype=torch.int32, device=device)
             lengths = [seq] * batch
         else:
-            cu_seqlens = cu_seqlens.to(device=device, dtype=torch.int32)
+            # Validated where it arrives: a host tensor (the trainer's, pinned) gives its bounds without a
+            # device-to-host sync and then goes to the device without blocking.
             bounds = check_cu_seqlens(cu_seqlens, total)
+            cu_seqlens = cu_seqlens.to(device=device, dtype=torch.int32, non_blocking=True)
             lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
         cos, sin = rope_cos_sin(doc_positions(cu_seqlens, total), self.args.qk_rope_head_dim, self.args.rope_theta)
         k = self.args.index_topk
