@@ -67,9 +67,9 @@ def main() -> None:
     ap.add_argument("--small", action="store_true")
     ap.add_argument("--only", default="")
     args = ap.parse_args()
-    from titan_glm52.kernels import cross_entropy, indexer_loss, indexer_topk, sparse_mla
+    from titan_glm52.kernels import adam, cross_entropy, indexer_loss, indexer_topk, sparse_mla
     failed = False
-    for line in collect(args.small, args.only, indexer_topk, sparse_mla, indexer_loss, cross_entropy):
+    for line in collect(args.small, args.only, indexer_topk, sparse_mla, indexer_loss, cross_entropy, adam):
         failed |= "FAILED" in line
         print(line, flush=True)
     sys.exit(1 if failed else 0)

@@ -65,6 +65,15 @@ class Parallelism(tt.Parallelism):
 
 
 @dataclass
+class Optimizer(tt.Optimizer):
+    implementation: Literal["for-loop", "foreach", "fused", "triton"] = "fused"
+    """AdamW / Adam step: "fused" (torch's fused kernel), "foreach", "for-loop" (torch's), or "triton" (this
+    project's kernel: one pass of 28 bytes per fp32 parameter on the local shards, the clip folded in; same
+    math and state dict as torch's; on CPU it runs in the Triton interpreter, slowly). With "fused" and
+    "triton" the gradient clip and the skip of a non-finite step run inside the kernel (no host sync)."""
+
+
+@dataclass
 class Data:
     text_field: str = "text"
     """Column / JSON field holding the text for .jsonl, .parquet and saved HF datasets."""
@@ -166,6 +175,7 @@ class JobConfig(tt.JobConfig):
     model: Model = field(default_factory=Model)
     training: Training = field(default_factory=Training)
     parallelism: Parallelism = field(default_factory=Parallelism)
+    optimizer: Optimizer = field(default_factory=Optimizer)
     data: Data = field(default_factory=Data)
     dsa: DSA = field(default_factory=DSA)
     moe: MoE = field(default_factory=MoE)
@@ -191,6 +201,10 @@ def validate(cfg: JobConfig, world_size: int | None = None) -> None:
         _refuse("parallelism.expert_tensor_parallel_degree", "expert tensor parallelism is not implemented; set 1")
     if p.expert_parallel_comm_backend != "standard":
         _refuse("parallelism.expert_parallel_comm_backend", "only 'standard' (all-to-all) is implemented")
+    if cfg.optimizer.name not in ("AdamW", "Adam"):
+        _refuse("optimizer.name", f"{cfg.optimizer.name!r}; choose AdamW or Adam")
+    if cfg.optimizer.early_step_in_backward:
+        _refuse("optimizer.early_step_in_backward", "the step runs after the gradient clip; set it to false")
     if cfg.training.seq_len < 2:
         _refuse("training.seq_len", "must be >= 2")
     if cfg.training.local_batch_size < 1:

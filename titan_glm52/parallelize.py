@@ -30,6 +30,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from titan_glm52.distributed import OPTION, ParallelMesh
 from titan_glm52.model.moe import GroupedExperts, MoE
+from titan_glm52.optimizer import TritonAdam, TritonAdamW
 
 logger = logging.getLogger(__name__)
 
@@ -406,57 +407,70 @@ def clip_coefficient(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
     return torch.clamp(float(max_norm) / (total_norm + 1e-6), max=1.0)
 
 
+def _is_triton_adam(o: torch.optim.Optimizer) -> bool:
+    return isinstance(o, (TritonAdam, TritonAdamW))
+
+
 def folds_clip(optimizers: Iterable[torch.optim.Optimizer]) -> bool:
-    """True when every optimizer is torch's fused Adam / AdamW (all parameter groups ``fused=True``): their step
-    divides every gradient by ``optimizer.grad_scale`` inside the same kernel, so ``clip_in_fused_step`` can
-    apply the clip there. foreach / for-loop Adam refuse a ``grad_scale``."""
+    """True when every optimizer can apply the clip inside its step kernel: torch's fused Adam / AdamW (all
+    parameter groups ``fused=True``; it divides every gradient by ``optimizer.grad_scale``) or this project's
+    ``TritonAdam`` / ``TritonAdamW`` (they multiply by ``optimizer.grad_coef``). foreach / for-loop Adam refuse a
+    ``grad_scale``."""
     opts = list(optimizers)
-    return bool(opts) and all(isinstance(o, (torch.optim.Adam, torch.optim.AdamW))
-                              and all(g.get("fused") for g in o.param_groups) for o in opts)
+    return bool(opts) and all(_is_triton_adam(o) or (isinstance(o, (torch.optim.Adam, torch.optim.AdamW))
+                                                     and all(g.get("fused") for g in o.param_groups)) for o in opts)
 
 
 @contextlib.contextmanager
 def clip_in_fused_step(optimizers: Iterable[torch.optim.Optimizer], total_norm: torch.Tensor,
                        max_norm: float, skip: torch.Tensor | None = None) -> Iterator[None]:
-    """Gradient clipping folded into the fused Adam/AdamW step: inside the block every optimizer's ``step()``
-    divides each gradient by ``1 / clip_coefficient(total_norm, max_norm)`` in its fused kernel instead of a
-    separate in-place multiply over all gradients before the step (use ``clip_grad_norm_(..., scale_grads=False)``
-    for ``total_norm``). The kernel (CUDA and CPU) also writes the divided gradient back to ``.grad``, so the
-    gradients after the step are clipped, as with the in-place clip.
+    """Gradient clipping folded into the optimizer's step kernel, instead of a separate in-place multiply over all
+    gradients before the step (use ``clip_grad_norm_(..., scale_grads=False)`` for ``total_norm``).
 
-    Numerics: with clipping inactive the scale is exactly 1.0 and the step is bitwise the one after the in-place
-    clip (both leave the gradient unchanged); with clipping active ``g / (1 / c)`` can differ from ``g * c`` in the
-    last fp32 bit.
+    * torch's fused Adam / AdamW: inside the block ``step()`` divides each gradient by
+      ``1 / clip_coefficient(total_norm, max_norm)`` (its ``grad_scale``) and writes the divided gradient back to
+      ``.grad``, so the gradients after the step are clipped, as with the in-place clip. With clipping inactive the
+      scale is exactly 1.0 and the step is bitwise the one after the in-place clip; with clipping active
+      ``g / (1 / c)`` can differ from ``g * c`` in the last fp32 bit.
+    * ``TritonAdam`` / ``TritonAdamW``: the kernel multiplies each gradient by the coefficient (``grad_coef``),
+      the in-place clip's product; it never writes the gradients, so after the step they are the unclipped ones.
 
     ``skip``: a bool tensor; where True the kernel leaves parameters, moments and the step count untouched (the
     optimizer's ``found_inf``, as under a GradScaler), so a non-finite step is skipped without a host sync.
 
     The scale is a 0-dim fp32 tensor on ``total_norm``'s device, computed without a host sync; under DTensor
-    parameters (FSDP2, EP) DTensor treats such a scalar tensor as replicated. ``grad_scale`` (and ``found_inf``)
-    are removed on exit (also on an exception), so they never reach a later step or a checkpoint.
+    parameters (FSDP2, EP) DTensor treats such a scalar tensor as replicated. The attributes are removed on exit
+    (also on an exception), so they never reach a later step or a checkpoint.
     """
     opts = list(optimizers)
     if not folds_clip(opts):
-        raise ValueError("clip_in_fused_step needs torch's fused Adam/AdamW (fused=True); got "
+        raise ValueError("clip_in_fused_step needs torch's fused Adam/AdamW (fused=True) or TritonAdam(W); got "
                          f"{[type(o).__name__ for o in opts]}: clip the gradients in place instead")
     for o in opts:
-        if getattr(o, "grad_scale", None) is not None or getattr(o, "found_inf", None) is not None:
-            raise RuntimeError(f"{type(o).__name__} already has a grad_scale / found_inf (a GradScaler?): not folding "
-                               "the clip into it")
-    scale = torch.reciprocal(clip_coefficient(total_norm.detach().to(torch.float32), max_norm))
-    found_inf = None if skip is None else skip.detach().to(device=scale.device, dtype=torch.float32).reshape(())
+        if any(getattr(o, a, None) is not None for a in ("grad_scale", "grad_coef", "found_inf")):
+            raise RuntimeError(f"{type(o).__name__} already has a grad_scale / grad_coef / found_inf (a GradScaler?): "
+                               "not folding the clip into it")
+    coef = clip_coefficient(total_norm.detach().to(torch.float32), max_norm)
+    scale = None if all(_is_triton_adam(o) for o in opts) else torch.reciprocal(coef)
+    found_inf = None if skip is None else skip.detach().to(device=coef.device, dtype=torch.float32).reshape(())
     try:
         for o in opts:
-            o.grad_scale = scale
+            if _is_triton_adam(o):
+                o.grad_coef = coef
+            else:
+                o.grad_scale = scale
             if found_inf is not None:
-                # A skipped step's grads are non-finite: the divide by 1/coef (NaN) is never used, the kernel
+                # A skipped step's grads are non-finite: the scaled gradient (NaN) is never used, the kernel
                 # returns before touching anything.
                 o.found_inf = found_inf
         yield
     finally:
         for o in opts:
-            o.__dict__.pop("grad_scale", None)
-            o.__dict__.pop("found_inf", None)
+            if _is_triton_adam(o):
+                o.grad_coef = o.found_inf = None
+            else:
+                o.__dict__.pop("grad_scale", None)
+                o.__dict__.pop("found_inf", None)
 
 
 def all_reduce_moe_load(model: nn.Module, dp_mesh: DeviceMesh | None) -> None:

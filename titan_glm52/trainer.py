@@ -34,6 +34,7 @@ from titan_glm52.model.args import GLM52ModelArgs, get_flavor
 from titan_glm52.model.attention import Attention
 from titan_glm52.model.model import GLM52Model
 from titan_glm52.model.moe import MoE
+from titan_glm52.optimizer import TritonAdam, TritonAdamW
 from titan_glm52.parallelize import clip_grad_norm_, clip_in_fused_step, folds_clip, parallelize_model
 from titan_glm52.pipeline import build_pipeline_stages, cu_seqlens_from_positions, make_plan
 from titan_glm52.profiling import profiling
@@ -241,14 +242,17 @@ class Trainer:
 
         # Optimizer, LR schedule, checkpoints.
         o = cfg.optimizer
-        if o.name not in ("AdamW", "Adam"):
-            raise ConfigError(f"optimizer.name: {o.name!r}; choose AdamW or Adam")
-        opt_cls = torch.optim.AdamW if o.name == "AdamW" else torch.optim.Adam
-        impl = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for-loop": {"foreach": False}}[o.implementation]
+        if o.implementation == "triton":
+            opt_cls = TritonAdamW if o.name == "AdamW" else TritonAdam
+            impl = {}
+        else:
+            opt_cls = torch.optim.AdamW if o.name == "AdamW" else torch.optim.Adam
+            impl = {"fused": {"fused": True}, "foreach": {"foreach": True},
+                    "for-loop": {"foreach": False}}[o.implementation]
         self.optimizers = OptimizersContainer(self.model_parts, opt_cls, dict(
-            lr=o.lr, betas=(0.9, 0.95), eps=o.eps, weight_decay=o.weight_decay, **impl))
-        # Fused Adam/AdamW: the gradient clip is applied inside the optimizer kernel (clip_in_fused_step), which
-        # saves a separate in-place pass over all gradients; foreach / for-loop clip the gradients in place.
+            lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay, **impl))
+        # Fused / Triton Adam(W): the gradient clip is applied inside the optimizer kernel (clip_in_fused_step),
+        # which saves a separate pass over all gradients; foreach / for-loop clip the gradients in place.
         self.fold_clip = folds_clip(self.optimizers.optimizers)
         self.lr_schedulers = build_lr_schedulers(self.optimizers, cfg.lr_scheduler, cfg.training.steps)
         self.state = TrainState()

@@ -19,6 +19,7 @@ from titan_glm52.distributed import build_mesh, init_distributed
 from titan_glm52.model.args import get_flavor
 from titan_glm52.model.model import GLM52Model, cross_entropy_sum
 from titan_glm52.model.moe import MoE
+from titan_glm52.optimizer import TritonAdamW
 from titan_glm52.parallelize import (all_reduce_moe_load, clip_grad_norm_, clip_in_fused_step, folds_clip,
                                      parallelize_model)
 
@@ -62,14 +63,16 @@ def moe_counts(model) -> list[torch.Tensor]:
 def check_train_step(dp_replicate: int = 1, dp_shard: int = -1, ep: int = 1, ac_mode: str = "none",
                      selective_ac_option: str = "op", compile: bool = False, compile_backend: str = "aot_eager",
                      reshard_after_forward: str = "default", meta_init: bool = False,
-                     route_to_first_experts: bool = False, fused_clip: bool = False, **arg_overrides) -> None:
+                     route_to_first_experts: bool = False, clip_in_step: str | None = None,
+                     **arg_overrides) -> None:
     """Loss, gradients, grad norm (after clipping), one AdamW step (parameters, both moments, clipped
     gradients) and MoE loads equal single-process.
 
     ``route_to_first_experts``: a large routing bias on the first half of the experts, so that under EP=2
     the second EP rank receives no tokens at all (all-to-alls with zero splits, experts with empty input).
-    ``fused_clip``: the parallel run uses fused AdamW on the DTensor parameters with the clip folded into its
-    step (the trainer's path for ``optimizer.implementation = "fused"``); the reference still clips in place.
+    ``clip_in_step``: ``"fused"`` / ``"triton"``: the parallel run uses torch's fused AdamW / this project's
+    TritonAdamW on the DTensor parameters with the clip folded into its step (the trainer's paths for
+    ``optimizer.implementation = "fused"`` / ``"triton"``); the reference still clips in place.
     """
     env = init_distributed(device_type=DEVICE_TYPE)
     args = debug_args().replace(**arg_overrides)
@@ -135,15 +138,19 @@ def check_train_step(dp_replicate: int = 1, dp_shard: int = -1, ep: int = 1, ac_
         torch.testing.assert_close(got, want, rtol=0, atol=0)
 
     assert ref_norm > 0.5, f"max_norm 0.5 does not clip (norm {float(ref_norm)}): the clip is not tested"
-    norm = clip_grad_norm_(model.parameters(), max_norm=0.5, scale_grads=not fused_clip)
+    norm = clip_grad_norm_(model.parameters(), max_norm=0.5, scale_grads=clip_in_step is None)
     assert not isinstance(norm, DTensor)
     torch.testing.assert_close(norm, ref_norm, rtol=RTOL, atol=ATOL)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6, weight_decay=0.1, fused=fused_clip or None)
-    if fused_clip:
+    hyper = dict(lr=1e-3, eps=1e-6, weight_decay=0.1)
+    if clip_in_step == "triton":
+        opt = TritonAdamW(model.parameters(), **hyper)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), fused=clip_in_step == "fused" or None, **hyper)
+    if clip_in_step:
         assert folds_clip([opt])
         with clip_in_fused_step([opt], norm, max_norm=0.5):
             opt.step()
-        assert getattr(opt, "grad_scale", None) is None
+        assert getattr(opt, "grad_scale", None) is None and getattr(opt, "grad_coef", None) is None
     else:
         opt.step()
     ref_params = dict(ref.named_parameters())
@@ -154,26 +161,30 @@ def check_train_step(dp_replicate: int = 1, dp_shard: int = -1, ep: int = 1, ac_
             continue
         # The first moment is (1 - beta1) x the clipped gradient: it shows whether the clip was applied (the
         # parameters after one Adam step hardly do, Adam's update is nearly invariant to a gradient scale).
-        # The gradients left after the step are the clipped ones on both paths.
+        # The gradients left after the step are the clipped ones, except under TritonAdamW (it never writes them).
         ref_state, state = ref_opt.state[ref_params[name]], opt.state[p]
         torch.testing.assert_close(full(state["exp_avg"]), ref_state["exp_avg"], rtol=RTOL, atol=ATOL,
                                    msg=lambda m: f"{name} exp_avg after AdamW: {m}")
         torch.testing.assert_close(full(state["exp_avg_sq"]), ref_state["exp_avg_sq"], rtol=2 * RTOL, atol=ATOL ** 2,
                                    msg=lambda m: f"{name} exp_avg_sq after AdamW: {m}")
-        torch.testing.assert_close(full(p.grad), ref_params[name].grad, rtol=RTOL, atol=ATOL,
+        want = ref_grads[name] if clip_in_step == "triton" else ref_params[name].grad
+        torch.testing.assert_close(full(p.grad), want, rtol=RTOL, atol=ATOL,
                                    msg=lambda m: f"{name} gradient after the step: {m}")
 
-    if fused_clip:  # a non-finite step is skipped inside the fused kernel (found_inf) on DTensor parameters too
+    if clip_in_step:  # a non-finite step is skipped inside the fused kernel (found_inf) on DTensor parameters too
         before = {name: full(p.detach()).clone() for name, p in model.named_parameters()}
         for p in model.parameters():
             if p.grad is not None:
                 p.grad.fill_(float("nan"))
         nan_norm = clip_grad_norm_(model.parameters(), max_norm=0.5, scale_grads=False)
         assert not torch.isfinite(nan_norm)
+        steps = {name: opt.state[p]["step"].clone() for name, p in model.named_parameters() if p in opt.state}
         with clip_in_fused_step([opt], nan_norm, max_norm=0.5, skip=~torch.isfinite(nan_norm)):
             opt.step()
         for name, p in model.named_parameters():
             assert torch.equal(full(p.detach()), before[name]), f"{name} changed on a skipped step"
+            if name in steps:
+                assert torch.equal(opt.state[p]["step"], steps[name]), f"{name}: the step count moved"
 
     if meta_init:  # the trainer's path: parallelize on meta, then materialise and initialise (layout-free init)
         with torch.device("meta"):

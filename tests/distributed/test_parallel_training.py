@@ -1,8 +1,8 @@
 """FSDP2 / HSDP / expert parallel / AC / compile on 2 and 4 gloo processes against a single-process reference.
 
 Each case: loss (summed over ranks), every gradient (full tensors), the grad norm after clipping, the
-parameters, moments and clipped gradients after one AdamW step (for-loop, or fused with the clip folded into
-its step) and the MoE loads (per rank and all-reduced) equal the single-process run
+parameters, moments and gradients after one AdamW step (for-loop, or torch fused / Triton with the clip
+folded into its step) and the MoE loads (per rank and all-reduced) equal the single-process run
 of the debug flavor on the whole global batch (see cases.check_train_step).
 """
 
@@ -22,9 +22,10 @@ CASES = {
     "fsdp2_ac_every_2nd_block_no_reshard": (2, dict(dp_shard=2, ac_mode="selective", selective_ac_option="2",
                                                     reshard_after_forward="never")),
     "ep2_compile_ac_selective": (2, dict(dp_shard=2, ep=2, compile=True, ac_mode="selective")),
-    # fused AdamW on DTensor parameters with the gradient clip folded into its step (the trainer's fused path)
-    "fsdp2_fused_clip": (2, dict(dp_shard=2, fused_clip=True)),
-    "ep2_fsdp2_fused_clip": (2, dict(dp_shard=2, ep=2, fused_clip=True)),
+    # fused / Triton AdamW on DTensor parameters with the gradient clip folded into its step (the trainer's paths)
+    "fsdp2_fused_clip": (2, dict(dp_shard=2, clip_in_step="fused")),
+    "ep2_fsdp2_fused_clip": (2, dict(dp_shard=2, ep=2, clip_in_step="fused")),
+    "fsdp2_triton_clip": (2, dict(dp_shard=2, clip_in_step="triton")),
     # 4 processes
     "fsdp4_meta_init": (4, dict(dp_shard=4, reshard_after_forward="always", meta_init=True)),
     "hsdp2x2": (4, dict(dp_replicate=2, dp_shard=2)),
@@ -34,7 +35,10 @@ CASES = {
     # 1 expert per EP rank, 2 expert-FSDP ranks: experts are FSDP-sharded on dim 1
     "ep2_fsdp4_experts_on_dim1": (4, dict(dp_shard=4, ep=2, n_routed_experts=2, num_experts_per_tok=2,
                                           meta_init=True)),
-    "hsdp2x2_ep2_fused_clip": (4, dict(dp_replicate=2, dp_shard=2, ep=2, fused_clip=True)),
+    # the same with TritonAdamW: its kernel walks the dim-1 shards' (transposed) memory
+    "ep2_fsdp4_experts_on_dim1_triton_clip": (4, dict(dp_shard=4, ep=2, n_routed_experts=2, num_experts_per_tok=2,
+                                                      clip_in_step="triton")),
+    "hsdp2x2_ep2_fused_clip": (4, dict(dp_replicate=2, dp_shard=2, ep=2, clip_in_step="fused")),
 }
 
 
