@@ -62,7 +62,7 @@ def main() -> None:
     ap.add_argument("--flavor", default="glm52_proxy")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=7)
-    ap.add_argument("--sweep", default="1024x4,2048x8,4096x8,8192x8,8192x16", help="BLOCKxNUM_WARPS settings")
+    ap.add_argument("--sweep", default="512x4,1024x4,1024x2,2048x4,4096x8", help="BLOCKxNUM_WARPS settings")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     dev = torch.device("cuda")

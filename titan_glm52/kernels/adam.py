@@ -29,8 +29,8 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 # Launch parameters (bench/adam.py sweeps them on the GPU).
-BLOCK = 4096
-NUM_WARPS = 8
+BLOCK = 1024
+NUM_WARPS = 4
 
 
 _DOUBLES = ("lr", "beta1", "beta2", "one_minus_beta1", "one_minus_beta2", "eps", "weight_decay", "decay",
