@@ -44,8 +44,10 @@ def _ptxas_report(ptx: str, arch: str = "sm_90a") -> str:
     return f"regs={regs.group(1) if regs else '?'} spill_st/ld={spill.group(1) + '/' + spill.group(2) if spill else '?'}"
 
 
-def compile_one(fn, sig: dict, consts: dict, num_warps: int, num_stages: int, div16: tuple = ()) -> str:
-    """sig: name -> type string for runtime args; consts: name -> value for constexpr args."""
+def compile_one(fn, sig: dict, consts: dict, num_warps: int, num_stages: int, div16: tuple = (),
+                options: dict | None = None) -> str:
+    """sig: name -> type string for runtime args; consts: name -> value for constexpr args; options: further
+    compile options the launch passes (e.g. enable_fp_fusion)."""
     signature = {}
     for name in fn.arg_names:
         signature[name] = "constexpr" if name in consts else sig[name]
@@ -56,7 +58,7 @@ def compile_one(fn, sig: dict, consts: dict, num_warps: int, num_stages: int, di
     src = ASTSource(fn, signature, constexprs=consts, attrs=attrs)
     t0 = time.time()
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps,
-                                                                         "num_stages": num_stages})
+                                                                         "num_stages": num_stages, **(options or {})})
     if k.metadata.shared > SMEM_LIMIT:
         raise RuntimeError(f"shared memory {k.metadata.shared} B > {SMEM_LIMIT} B available per block on sm_90")
     return f"{fn.__name__:28s} {_ptxas_report(k.asm['ptx'])} smem={k.metadata.shared} ({time.time() - t0:.1f}s)"
@@ -79,9 +81,9 @@ def collect(small: bool, only: str, *modules):
     for name, item in [spec for mod in modules for spec in mod.compile_specs(small)]:
         if only and only not in name:
             continue
-        fn, sig, consts, nw, ns, div = item
+        fn, sig, consts, nw, ns, div, *options = item
         try:
-            yield f"{name:22s} " + compile_one(fn, sig, consts, nw, ns, div)
+            yield f"{name:22s} " + compile_one(fn, sig, consts, nw, ns, div, *options)
         except Exception as e:  # report and go on: we want every failure in one run
             yield f"{name:22s} FAILED: {type(e).__name__}: {str(e)[:2000]}"
 

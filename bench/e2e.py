@@ -43,6 +43,7 @@ import os
 import shlex
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -246,6 +247,8 @@ def summarize_ours(rows: list[dict], warmup: int, steps: int) -> dict:
     total_s = sum(r["time/step_s"] for r in timed)
     tokens = sum(r["throughput/tokens_per_s_per_device"] * r["time/step_s"] for r in timed)
     out = {"status": "ok", "step_s": total_s / len(timed), "tokens_per_s": tokens / total_s,
+           "step_s_median": statistics.median(r["time/step_s"] for r in timed),
+           "step_s_max": max(r["time/step_s"] for r in timed),
            "tokens_per_step": tokens / len(timed),
            "data_s": sum(r["time/data_s"] for r in timed) / len(timed),
            "forward_backward_s": sum(r["time/forward_backward_s"] for r in timed) / len(timed),
@@ -346,9 +349,17 @@ def _fmt(side: dict | None, key: str, spec: str) -> str:
     return format(value, spec) if isinstance(value, (int, float)) else "-"
 
 
+def median_ratio(ours: dict, peer: dict, warmup: int, steps: int) -> float:
+    """ours / peer tok/s from each side's median timed step: a check on the mean-based ratio, which one slow
+    step (a recompile, an allocator stall) on either side moves."""
+    timed = [r["step_s"] for r in peer["records"][warmup:warmup + steps]]
+    peer["step_s_median"], peer["step_s_max"] = statistics.median(timed), max(timed)
+    return (ours["tokens_per_step"] / ours["step_s_median"]) / (peer["tokens_per_step"] / peer["step_s_median"])
+
+
 def table_rows(cells: list[dict]) -> tuple[list[str], list[list[str]]]:
     head = ["config", "ours tok/s", "ours MFU %", "ours peak GiB", "ours data/fwd+bwd/opt s", "peer tok/s",
-            "peer MFU %", "peer peak GiB", "ratio ours/peer"]
+            "peer MFU %", "peer peak GiB", "ratio ours/peer", "ratio of median steps"]
     rows = []
     for c in cells:
         o, p = c["ours"], c.get("peer")
@@ -357,10 +368,11 @@ def table_rows(cells: list[dict]) -> tuple[list[str], list[list[str]]]:
         else:
             breakdown = o.get("status", "?")
         ratio = f"{c['ratio']:.2f}" if c.get("ratio") is not None else "-"
+        ratio_median = f"{c['ratio_median']:.2f}" if c.get("ratio_median") is not None else "-"
         mem_key = "peak_allocated_gib" if "peak_allocated_gib" in o or "peak_rss_gib" not in o else "peak_rss_gib"
         rows.append([c["config"], _fmt(o, "tokens_per_s", ".0f"), _fmt(o, "mfu_pct", ".1f"),
                      _fmt(o, mem_key, ".1f"), breakdown, _fmt(p, "tokens_per_s", ".0f"), _fmt(p, "mfu_pct", ".1f"),
-                     _fmt(p, "peak_allocated_gib", ".1f"), ratio])
+                     _fmt(p, "peak_allocated_gib", ".1f"), ratio, ratio_median])
     return head, rows
 
 
@@ -391,10 +403,12 @@ def markdown(report: dict) -> str:
     out += ["| " + " | ".join(r) + " |" for r in rows]
     out += ["", "Notes:", "",
             "- tok/s is per GPU: local tokens per step / mean step time of the timed steps (rank 0's); "
-            "ratio = ours / peer tok/s. MFU is per GPU likewise.",
+            "ratio = ours / peer tok/s. MFU is per GPU likewise. 'ratio of median steps' uses each side's median "
+            "timed step instead of the mean: where the two differ, one side had a slow step.",
             "- ours: `train.py` with the proxy config (4 layers: 1 dense + 3 MoE, 16 experts top-8 + 1 shared, "
             "IndexShare FFFS, DSA top-2048, MTP as configured), bf16 compute with fp32 master weights (FSDP2 "
-            "MixedPrecisionPolicy), fused AdamW, one sequence per sample (no document masking). "
+            "MixedPrecisionPolicy), AdamW as the config sets it (optimizer.implementation; the proxy config's is "
+            "'triton' since session 6, 'fused' before), one sequence per sample (no document masking). "
             "MFU = the trainer's DSA-aware FLOPs (sparse MLA core over top-k keys, indexer over causal pairs, "
             "MTP layer and second head pass when MTP is on) / 989 TFLOP/s.",
             "- peer: torchtitan 0.2.2 `DeepSeekV3Model` at the same widths (no indexer, no MTP), SDPA causal "
@@ -450,6 +464,7 @@ def main(argv: list[str]) -> int:
                     cell["peer"] = peer
                     if ours["status"] == "ok" and peer["status"] == "ok":
                         cell["ratio"] = ours["tokens_per_s"] / peer["tokens_per_s"]
+                        cell["ratio_median"] = median_ratio(ours, peer, cell_warmup(a, compile_on), a.steps)
                 cells.append(cell)
     report = {"meta": {"command": shlex.join(["python3", "bench/e2e.py", *argv]),
                        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),

@@ -74,7 +74,10 @@ def test_fp32_matches_torch_to_the_last_bits(ours_cls, torch_cls, weight_decay):
 @pytest.mark.parametrize("ours_cls,torch_cls", PAIRS)
 def test_bf16_matches_torch_fused(ours_cls, torch_cls):
     """bf16 parameters and moments, the math in fp32 (fp64 where torch's CUDA kernel uses double) and one rounding
-    per stored value, as torch's fused kernel: equal but for a rare double rounding (fp64 -> fp32 -> bf16)."""
+    per stored value, as torch's fused kernel. A stored value can still differ by one bf16 step: fp64 -> fp32 ->
+    bf16 rounds twice, and torch's CUDA kernel applies AdamW's decay as ``p - lr * wd * p`` in double where its
+    CPU kernel and the for-loop optimizer (and we) use ``p * (1 - lr * wd)``: on the H200, 1.4% of the AdamW
+    values and 0.24% of the Adam ones differ after 4 steps; on CPU under 0.1%."""
     ours_p, fused_p = make_params(torch.bfloat16), make_params(torch.bfloat16)
     ours = run(ours_cls(ours_p, **HYPER), ours_p, steps=4)
     fused = run(torch_cls(fused_p, fused=True, **HYPER), fused_p, steps=4)
@@ -82,7 +85,7 @@ def test_bf16_matches_torch_fused(ours_cls, torch_cls):
     for (m, v), (m_ref, v_ref) in zip(moments(ours, ours_p), moments(fused, fused_p)):
         pairs += [(m, m_ref), (v, v_ref)]
     differing = sum(int((a != b).sum()) for a, b in pairs)
-    assert differing <= 1e-3 * sum(b.numel() for _, b in pairs), differing
+    assert differing <= (1e-3 if DEV == "cpu" else 2e-2) * sum(b.numel() for _, b in pairs), differing
     for a, b in pairs:  # and then by one bf16 step
         torch.testing.assert_close(a, b, rtol=2 ** -7, atol=0)
 

@@ -4,6 +4,7 @@ JSON / markdown / table come out, and a failing cell is recorded without stoppin
 import importlib.util
 import json
 import os
+import statistics
 import subprocess
 import sys
 
@@ -44,6 +45,9 @@ def test_e2e_both_sides_tiny_on_cpu(tmp_path):
         assert side["forward_backward_s"] > 0 and side["optimizer_s"] >= 0 and side["data_s"] >= 0
     assert peer["params_active"] < peer["params_total"] and peer["flops_per_step"] < peer["flops_per_step_tt"]
     assert cell["ratio"] == pytest.approx(ours["tokens_per_s"] / peer["tokens_per_s"])
+    timed = [r["step_s"] for r in peer["records"][1:]]  # (1 warm-up step)
+    assert peer["step_s_median"] == statistics.median(timed) and ours["step_s_median"] > 0
+    assert cell["ratio_median"] == pytest.approx(64 / ours["step_s_median"] / (64 / peer["step_s_median"]))
     md = (tmp_path / "e2e.md").read_text()
     assert "| S=64 compile=off ac=selective |" in md and "bench/e2e.py" in md
     table = proc.stdout.strip().splitlines()
@@ -66,7 +70,7 @@ def test_failing_cell_is_recorded(tmp_path):
     spent = e2e.Runner(str(tmp_path), cell_timeout=60, budget_s=5)
     assert e2e._failure(spent.run([sys.executable, "-c", "pass"], "late"))["status"] == "SKIPPED"
     head, rows = e2e.table_rows([{"config": "S=1", "ours": {"status": "OOM"}, "peer": {"status": "error"}}])
-    assert rows == [["S=1", "OOM", "OOM", "OOM", "OOM", "error", "error", "error", "-"]]
+    assert rows == [["S=1", "OOM", "OOM", "OOM", "OOM", "error", "error", "error", "-", "-"]]
     assert e2e.text_table(head, rows).splitlines()[-1].startswith("S=1")
 
 

@@ -65,15 +65,18 @@ def _adam_kernel(p_ptr, g_ptr, m_ptr, v_ptr, step_ptr, coef_ptr, skip_ptr, n,
     g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     m = tl.load(m_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    if HAS_COEF:  # the in-place clip's product, in fp32
+    # Launched with fp fusion off (no multiply-add contraction), so every operation rounds where it is written,
+    # as in torch, and the result does not depend on the launch variant (a clip in the kernel equals the
+    # in-place clip, bit for bit); the double expressions use explicit FMAs.
+    if HAS_COEF:  # the in-place clip's product
         g = g * tl.load(coef_ptr).to(tl.float32)
-    if DECOUPLED:
-        p = p * decay.to(tl.float32)  # torch's p.mul_(1 - lr * wd): the factor rounded to fp32
+    if DECOUPLED:  # torch's p.mul_(1 - lr * wd): the factor rounded to fp32
+        p = p * decay.to(tl.float32)
     else:
-        g = (g.to(tl.float64) + p.to(tl.float64) * weight_decay).to(tl.float32)
+        g = tl.fma(p.to(tl.float64), weight_decay, g.to(tl.float64)).to(tl.float32)
     g64 = g.to(tl.float64)
-    m = (beta1 * m.to(tl.float64) + one_minus_beta1 * g64).to(tl.float32)
-    v = (beta2 * v.to(tl.float64) + one_minus_beta2 * g64 * g64).to(tl.float32)
+    m = tl.fma(beta1, m.to(tl.float64), one_minus_beta1 * g64).to(tl.float32)
+    v = tl.fma(beta2, v.to(tl.float64), (one_minus_beta2 * g64) * g64).to(tl.float32)
     step = tl.load(step_ptr).to(tl.float64)
     bc1 = 1.0 - tl.exp2(step * _f64(log2_beta1))
     bc2_sqrt = tl.sqrt(1.0 - tl.exp2(step * _f64(log2_beta2)))
@@ -133,7 +136,7 @@ def adam_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, e
                              math.log2(beta1) if beta1 > 0 else -math.inf,
                              math.log2(beta2) if beta2 > 0 else -math.inf)],
         HAS_COEF=grad_coef is not None, HAS_SKIP=skip is not None, DECOUPLED=bool(decoupled),
-        BLOCK=BLOCK, num_warps=NUM_WARPS)
+        BLOCK=BLOCK, num_warps=NUM_WARPS, enable_fp_fusion=False)
 
 
 def compile_specs(small: bool = False):
@@ -143,7 +146,8 @@ def compile_specs(small: bool = False):
         sig = {"p_ptr": f"*{dt}", "g_ptr": f"*{dt}", "m_ptr": f"*{dt}", "v_ptr": f"*{dt}", "step_ptr": "*fp32",
                "coef_ptr": "*fp32", "skip_ptr": "*fp32", "n": "i64", **{name: "i64" for name in _DOUBLES}}
         consts = {"HAS_COEF": True, "HAS_SKIP": True, "DECOUPLED": True, "BLOCK": BLOCK}
-        out.append((f"adam_{dt}", (_adam_kernel, sig, consts, NUM_WARPS, 3, ("p_ptr", "g_ptr", "m_ptr", "v_ptr"))))
+        out.append((f"adam_{dt}", (_adam_kernel, sig, consts, NUM_WARPS, 3, ("p_ptr", "g_ptr", "m_ptr", "v_ptr"),
+                                   {"enable_fp_fusion": False})))
     return out
 
 
