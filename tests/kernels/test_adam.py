@@ -74,10 +74,11 @@ def test_fp32_matches_torch_to_the_last_bits(ours_cls, torch_cls, weight_decay):
 @pytest.mark.parametrize("ours_cls,torch_cls", PAIRS)
 def test_bf16_matches_torch_fused(ours_cls, torch_cls):
     """bf16 parameters and moments, the math in fp32 (fp64 where torch's CUDA kernel uses double) and one rounding
-    per stored value, as torch's fused kernel. A stored value can still differ by one bf16 step: fp64 -> fp32 ->
+    per stored value, as torch's fused kernel. A stored value can still differ by a bf16 step: fp64 -> fp32 ->
     bf16 rounds twice, and torch's CUDA kernel applies AdamW's decay as ``p - lr * wd * p`` in double where its
-    CPU kernel and the for-loop optimizer (and we) use ``p * (1 - lr * wd)``: on the H200, 1.4% of the AdamW
-    values and 0.24% of the Adam ones differ after 4 steps; on CPU under 0.1%."""
+    CPU kernel and the for-loop optimizer (and we) use ``p * (1 - lr * wd)``; a moment that differs once carries
+    the step into the next ones (two steps seen on the H200). Under 0.1% of the values differ on CPU, under 2% on
+    the H200."""
     ours_p, fused_p = make_params(torch.bfloat16), make_params(torch.bfloat16)
     ours = run(ours_cls(ours_p, **HYPER), ours_p, steps=4)
     fused = run(torch_cls(fused_p, fused=True, **HYPER), fused_p, steps=4)
@@ -86,8 +87,8 @@ def test_bf16_matches_torch_fused(ours_cls, torch_cls):
         pairs += [(m, m_ref), (v, v_ref)]
     differing = sum(int((a != b).sum()) for a, b in pairs)
     assert differing <= (1e-3 if DEV == "cpu" else 2e-2) * sum(b.numel() for _, b in pairs), differing
-    for a, b in pairs:  # and then by one bf16 step
-        torch.testing.assert_close(a, b, rtol=2 ** -7, atol=0)
+    for a, b in pairs:  # and then by one bf16 step (two on the GPU)
+        torch.testing.assert_close(a, b, rtol=2 ** -7 if DEV == "cpu" else 2 ** -6, atol=0)
 
 
 @pytest.mark.parametrize("ours_cls", [TritonAdamW, TritonAdam])
