@@ -7,9 +7,11 @@ torch's fused AdamW moves 32 bytes per parameter when it is handed a ``grad_scal
 gradient back), and its DTensor dispatch over every parameter costs milliseconds of host time per step; the
 optimizer that calls this kernel (``titan_glm52.optimizer``) hands it the local tensors instead.
 
-The math is torch's fused Adam / AdamW, in fp32 with IEEE-rounded division and square root:
+The math is torch's Adam / AdamW: fp32 with IEEE-rounded division and square root, the moments and the bias
+corrections in double as torch's CUDA kernel forms them, AdamW's decay as torch's for-loop and CPU kernels apply it
+(its CUDA kernel forms ``p - lr * wd * p`` in double instead):
 
-    g = grad * coef;  g += wd * p (Adam)  |  p -= lr * wd * p (AdamW)
+    g = grad * coef;  g += wd * p (Adam)  |  p *= 1 - lr * wd (AdamW)
     m = beta1 * m + (1 - beta1) * g;   v = beta2 * v + (1 - beta2) * g * g
     p -= (lr / (1 - beta1^step)) * m / (sqrt(v) / sqrt(1 - beta2^step) + eps)
 
@@ -47,8 +49,8 @@ def _f64(bits):
 def _adam_kernel(p_ptr, g_ptr, m_ptr, v_ptr, step_ptr, coef_ptr, skip_ptr, n,
                  lr, beta1, beta2, one_minus_beta1, one_minus_beta2, eps, weight_decay, decay, log2_beta1, log2_beta2,
                  HAS_COEF: tl.constexpr, HAS_SKIP: tl.constexpr, DECOUPLED: tl.constexpr, BLOCK: tl.constexpr):
-    # The hyperparameters arrive as the bits of Python floats (a float argument would be rounded to fp32), and
-    # every expression torch's fused kernel forms in double is formed in double here and rounded where it rounds.
+    # The hyperparameters arrive as the bits of Python floats (a float argument would be rounded to fp32), so the
+    # expressions torch's CUDA kernel forms in double are formed in double here and rounded where it rounds.
     lr = _f64(lr)
     beta1 = _f64(beta1)
     beta2 = _f64(beta2)
