@@ -5,7 +5,10 @@ state (``step`` as a device fp32 counter, ``exp_avg``, ``exp_avg_sq`` shaped lik
 checkpoints move freely between them and torch's fused optimizers. The step
 
 * runs one kernel per parameter on the local tensors (a DTensor's shard), largest first, so the GPU starts on the
-  big tensors while the host launches the rest, and no DTensor dispatch runs per parameter;
+  big tensors while the host launches the rest, and no DTensor dispatch runs per parameter. Each launch costs the
+  host 40-100 us: with many small tensors the step is host-bound (the debug flavor on an H200: 10.9 ms against
+  0.7 ms for torch's fused kernel), with large ones the launches hide behind the GPU work (the proxy: 38 ms
+  against 54);
 * moves 28 bytes per fp32 parameter (torch's fused kernel moves 32 when it clips, writing the gradient back);
 * takes the gradient clip as a multiplier (``grad_coef``) and a skip flag (``found_inf``), both device scalars,
   set for one step by ``parallelize.clip_in_fused_step``: clipping and skipping a non-finite step need no host
