@@ -349,11 +349,9 @@ def _fmt(side: dict | None, key: str, spec: str) -> str:
     return format(value, spec) if isinstance(value, (int, float)) else "-"
 
 
-def median_ratio(ours: dict, peer: dict, warmup: int, steps: int) -> float:
+def median_ratio(ours: dict, peer: dict) -> float:
     """ours / peer tok/s from each side's median timed step: a check on the mean-based ratio, which one slow
     step (a recompile, an allocator stall) on either side moves."""
-    timed = [r["step_s"] for r in peer["records"][warmup:warmup + steps]]
-    peer["step_s_median"], peer["step_s_max"] = statistics.median(timed), max(timed)
     return (ours["tokens_per_step"] / ours["step_s_median"]) / (peer["tokens_per_step"] / peer["step_s_median"])
 
 
@@ -464,7 +462,7 @@ def main(argv: list[str]) -> int:
                     cell["peer"] = peer
                     if ours["status"] == "ok" and peer["status"] == "ok":
                         cell["ratio"] = ours["tokens_per_s"] / peer["tokens_per_s"]
-                        cell["ratio_median"] = median_ratio(ours, peer, cell_warmup(a, compile_on), a.steps)
+                        cell["ratio_median"] = median_ratio(ours, peer)
                 cells.append(cell)
     report = {"meta": {"command": shlex.join(["python3", "bench/e2e.py", *argv]),
                        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),

@@ -57,6 +57,7 @@ import argparse
 import json
 import os
 import socket
+import statistics
 import sys
 import tempfile
 import time
@@ -354,6 +355,8 @@ def run(a: argparse.Namespace) -> dict:
     step_s = sum(r["step_s"] for r in timed) / len(timed)
     result.update(status="ok", records=records, tokens_per_step=tokens, flops_per_step=flops,
                   flops_per_step_tt=flops_tt, step_s=step_s,
+                  step_s_median=statistics.median(r["step_s"] for r in timed),
+                  step_s_max=max(r["step_s"] for r in timed),
                   data_s=sum(r["data_s"] for r in timed) / len(timed),
                   forward_backward_s=sum(r["forward_backward_s"] for r in timed) / len(timed),
                   optimizer_s=sum(r["optimizer_s"] for r in timed) / len(timed),

@@ -93,12 +93,13 @@ def step_flops(args: GLM52ModelArgs, doc_lengths: torch.Tensor, with_mtp: bool, 
         k = args.index_topk
         lengths = doc_lengths.to(torch.int64)
         docs = int((lengths >= k).sum())
-        plain = 2 * h * (args.qk_head_dim + args.v_head_dim)
+        # per selected pair, the plain form's work over the absorbed form's; per key, its up-projection
+        extra = 2 * h * (args.qk_head_dim + args.v_head_dim) - 2 * h * (d_qk + d_v)
         up = 2 * args.kv_lora_rank * h * (args.qk_nope_head_dim + args.v_head_dim)
-        forward += attn_layers * docs * ((plain - 2 * h * (d_qk + d_v)) * (k * (k + 1) // 2) + up * k)
+        forward += attn_layers * docs * (extra * (k * (k + 1) // 2) + up * k)
         if dense_masked_ratio > 0:
             short = lengths[(lengths > k) & (lengths <= int(dense_masked_ratio * k))]
-            forward += attn_layers * int(((plain - 2 * h * (d_qk + d_v)) * k * (short - k) + up * short).sum())
+            forward += attn_layers * int((extra * k * (short - k) + up * short).sum())
     return 3.0 * forward
 
 
