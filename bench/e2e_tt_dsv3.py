@@ -16,7 +16,9 @@ What runs (every piece is torchtitan 0.2.2's, used as a library; only this loop 
   table is plain (original_seq_len = seq_len: no YaRN rescaling).
 * parallelisms: ``parallelize_deepseekv3`` (its AC -> per-block compile; with one rank it applies no FSDP), then
   ``torchtitan.models.llama4.infra.parallelize.apply_fsdp`` on a 1-rank mesh with ``MixedPrecisionPolicy(bf16,
-  fp32)``: bf16 compute, fp32 master weights and gradients -- what our trainer does on one GPU.
+  fp32)``: bf16 compute, fp32 master weights and gradients (our trainer's "fsdp" master weights on one GPU).
+  ``--mp autocast``: torchtitan's own one-device path instead, ``maybe_enable_amp`` (``torch.autocast`` bf16 over
+  fp32 parameters and gradients; no FSDP).
   Under torchrun with WORLD_SIZE = N > 1: ``ParallelDims(dp_shard=N, ep=E, world_size=N)`` (``--dp-shard N``,
   ``--ep E``; dp_replicate = cp = tp = pp = etp = 1), its ``build_mesh``, and ``parallelize_deepseekv3`` applies
   EP (E > 1: routed experts sharded over the "ep" mesh, token all-to-all) and FSDP itself (dense parameters over
@@ -54,6 +56,7 @@ on "ok", 3 on OOM, 1 otherwise.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import socket
@@ -95,6 +98,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
     p.add_argument("--dp-shard", type=int, default=1, help="FSDP degree = the world size (run under torchrun)")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel degree, carved out of --dp-shard")
+    p.add_argument("--mp", choices=("fsdp", "autocast"), default="fsdp",
+                   help="one rank's mixed precision: FSDP2 on a one-rank mesh (bf16 params, fp32 masters and "
+                        "gradients) or torchtitan's own single-device path, maybe_enable_amp (torch.autocast bf16 "
+                        "over fp32 parameters and gradients)")
     p.add_argument("--out", default=None, help="JSON result path (default: stdout only)")
     p.add_argument("--trace", default=None, help="also profile one extra step; Chrome trace written here")
     return p.parse_args(argv)
@@ -226,7 +233,7 @@ def build(a: argparse.Namespace, device: torch.device, dump_folder: str, world_s
             dims.get_optional_mesh = lambda names: None
     # AC, then compile; at one rank no FSDP, else EP (ep > 1) and FSDP over dims' meshes, as torchtitan's trainer
     model = parallelize_deepseekv3(model, dims, jc)
-    if world_size == 1:
+    if world_size == 1 and a.mp == "fsdp":
         mesh = init_device_mesh(device.type, (1,), mesh_dim_names=("fsdp",))
         apply_fsdp(model, mesh, param_dtype=torch.bfloat16 if on_gpu else torch.float32, reduce_dtype=torch.float32,
                    pp_enabled=False, reshard_after_forward_policy="default", ep_degree=1)
@@ -291,7 +298,7 @@ def run(a: argparse.Namespace) -> dict:
 
     result: dict = {"side": "peer", "seq_len": a.seq_len, "batch": a.batch, "ac": a.ac, "sac_option": a.sac_option,
                     "compile": a.compile, "steps": a.steps, "warmup": a.warmup, "device": str(device),
-                    "world_size": world_size, "dp_shard": a.dp_shard, "ep": a.ep}
+                    "world_size": world_size, "dp_shard": a.dp_shard, "ep": a.ep, "mp": a.mp}
     if device.type == "cuda":
         result["device_name"] = torch.cuda.get_device_name(device)
     with tempfile.TemporaryDirectory() as dump:
@@ -307,6 +314,13 @@ def run(a: argparse.Namespace) -> dict:
         global_tokens = tokens * world_size  # torchtitan's loss: local sum / global token count
         params = [p for p in model.parameters() if p.requires_grad]
         records = []
+        amp = contextlib.nullcontext()
+        if a.mp == "autocast":
+            if world_size > 1:
+                raise ValueError("--mp autocast is the one-rank path; with several ranks FSDP does mixed precision")
+            from torchtitan.distributed.utils import maybe_enable_amp
+
+            amp = maybe_enable_amp(dims, "bfloat16", device.type) if device.type == "cuda" else amp
 
         def one_step(step: int) -> dict:
             if device.type == "cuda":
@@ -317,7 +331,8 @@ def run(a: argparse.Namespace) -> dict:
             inputs, labels = seq[:, :-1], seq[:, 1:]
             sync()
             t_data = time.perf_counter()
-            loss = cross_entropy_loss(model(inputs), labels) / global_tokens
+            with amp:
+                loss = cross_entropy_loss(model(inputs), labels) / global_tokens
             loss.backward()
             sync()
             t_fb = time.perf_counter()

@@ -10,6 +10,10 @@ checkpoints move freely between them and torch's fused optimizers. The step
   0.7 ms for torch's fused kernel), with large ones the launches hide behind the GPU work (the proxy: 38 ms
   against 54);
 * moves 28 bytes per fp32 parameter (torch's fused kernel moves 32 when it clips, writing the gradient back);
+* with ``master_weights`` set (``training.master_weights = "optimizer"``: one process, no FSDP) reads each
+  gradient from the parameter's bf16 compute copy and writes that copy from the updated fp32 master in the same
+  pass (28 bytes per parameter as before: the bf16 gradient read is 2 bytes, the copy written 2; 30 with gradient
+  accumulation, whose sum is fp32);
 * takes the gradient clip as a multiplier (``grad_coef``) and a skip flag (``found_inf``), both device scalars,
   set for one step by ``parallelize.clip_in_fused_step``: clipping and skipping a non-finite step need no host
   sync. The gradients are read, never written: after the step they are the unclipped ones.
@@ -52,6 +56,9 @@ class _TritonAdamStep:
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=False)
         self.grad_coef: torch.Tensor | None = None
         self.found_inf: torch.Tensor | None = None
+        # ``master_weights.MasterWeights`` when the parameters are fp32 masters of bf16 compute weights: the
+        # gradients are read from the compute weights, which the kernel rewrites from the updated masters.
+        self.master_weights = None
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -69,9 +76,13 @@ class _TritonAdamStep:
             hyper = dict(lr=group["lr"], beta1=group["betas"][0], beta2=group["betas"][1], eps=group["eps"],
                          weight_decay=group["weight_decay"], decoupled=self._decoupled)
             for p in group["params"]:
-                if p.grad is None:
+                slot = self.master_weights.slot(p) if self.master_weights is not None else None
+                # A gradient on the master itself comes first: torch's state-dict loading initialises the state
+                # with zero gradients there and an lr-0 step (torch.distributed.checkpoint.state_dict).
+                grad = p.grad if p.grad is not None or slot is None else slot.grad
+                if grad is None:
                     continue
-                if p.grad.is_sparse or torch.is_complex(p):
+                if grad.is_sparse or torch.is_complex(p):
                     raise ValueError(f"{type(self).__name__}: sparse gradients and complex parameters are not "
                                      "supported")
                 local = _local(p)
@@ -84,8 +95,8 @@ class _TritonAdamStep:
                     # a state dict from the for-loop / foreach optimizers keeps the count on the CPU
                     state["step"] = state["step"].to(device=local.device, dtype=torch.float32)
                 steps_by_device[local.device].append(state["step"])
-                work.append((local, _local(p.grad), _local(state["exp_avg"]), _local(state["exp_avg_sq"]),
-                             state["step"], hyper))
+                work.append((local, _local(grad), _local(state["exp_avg"]), _local(state["exp_avg_sq"]),
+                             state["step"], None if slot is None else slot.compute, hyper))
         skip = {}
         for device, steps in steps_by_device.items():
             torch._foreach_add_(steps, 1)
@@ -94,12 +105,12 @@ class _TritonAdamStep:
                                                           non_blocking=True).reshape(())
                 torch._foreach_sub_(steps, [skip[device]] * len(steps))
         coef = {}
-        for local, grad, exp_avg, exp_avg_sq, step, hyper in sorted(work, key=lambda w: -w[0].numel()):
+        for local, grad, exp_avg, exp_avg_sq, step, copy_to, hyper in sorted(work, key=lambda w: -w[0].numel()):
             dev = local.device
             if self.grad_coef is not None and dev not in coef:
                 coef[dev] = self.grad_coef.detach().to(device=dev, dtype=torch.float32, non_blocking=True)
             adam_step_(local, grad, exp_avg, exp_avg_sq, step, grad_coef=coef.get(dev),
-                       skip=skip.get(dev), **hyper)
+                       skip=skip.get(dev), copy_to=copy_to, **hyper)
         return loss
 
 

@@ -378,11 +378,45 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm_ty
         if p.grad is not None:
             key = (p.grad.device_mesh, tuple(p.grad.placements)) if isinstance(p.grad, DTensor) else None
             groups[key].append(p)
+    device = params[0].device if params else torch.device("cpu")
+    total = total_grad_norm([[p.grad for p in group] for group in groups.values()], norm_type, device,
+                            pp_mesh=pp_mesh, error_if_nonfinite=error_if_nonfinite, foreach=foreach)
+    if scale_grads:
+        for group in groups.values():
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach)
+    return total
+
+
+def _plain_norm_fp32(grads: list[torch.Tensor], norm_type: float, foreach: bool | None) -> torch.Tensor:
+    """``torch.nn.utils.get_total_norm`` of plain low-precision gradients, accumulated in fp32 as if they were
+    widened first (the foreach kernel and ``vector_norm`` widen each element on load)."""
+    by_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
+    for g in grads:
+        by_device[g.device].append(g)
     norms = []
-    for group in groups.values():
-        n = torch.nn.utils.get_total_norm([p.grad for p in group], norm_type, error_if_nonfinite, foreach)
+    for device, gs in by_device.items():
+        if foreach is not False and device.type == "cuda":
+            norms.extend(torch._foreach_norm(gs, norm_type, dtype=torch.float32))
+        else:
+            norms.extend(torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) for g in gs)
+    return torch.linalg.vector_norm(torch.stack([n.to(grads[0].device) for n in norms]), norm_type)
+
+
+@torch.no_grad()
+def total_grad_norm(groups: list[list[torch.Tensor]], norm_type: float = 2.0, device: torch.device | None = None, *,
+                    pp_mesh: DeviceMesh | None = None, error_if_nonfinite: bool = False,
+                    foreach: bool | None = None) -> torch.Tensor:
+    """The total norm of gradients given in groups (each group's tensors on one mesh with one placement, or plain
+    tensors), as ``clip_grad_norm_`` computes it. Plain bf16 / fp16 gradients (``master_weights``) are accumulated
+    in fp32, so the norm equals that of the same gradients widened to fp32."""
+    norms = []
+    for grads in (g for g in groups if g):
+        if not isinstance(grads[0], DTensor) and grads[0].dtype in (torch.bfloat16, torch.float16):
+            n = _plain_norm_fp32(grads, norm_type, foreach)  # (non-finite: raised below for the total)
+        else:
+            n = torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite, foreach)
         norms.append(n.full_tensor() if isinstance(n, DTensor) else n)
-    device = norms[0].device if norms else (params[0].device if params else torch.device("cpu"))
+    device = norms[0].device if norms else (device or torch.device("cpu"))
     norms = [n.to(device=device, dtype=torch.float32) for n in norms]
     if math.isinf(norm_type):
         total = torch.stack(norms).max() if norms else torch.zeros((), device=device)
@@ -395,9 +429,6 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm_ty
         total = total ** (1.0 / norm_type)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(f"the total norm of order {norm_type} of the gradients is non-finite ({total.item()})")
-    if scale_grads:
-        for group in groups.values():
-            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach)
     return total
 
 

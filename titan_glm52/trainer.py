@@ -1,13 +1,15 @@
 """The training loop: config -> model -> parallelize -> data -> forward/backward -> optimizer -> checkpoints.
 
 Device-agnostic: CUDA + NCCL on GPUs (bf16 mixed precision: fp32 master weights, bf16 compute, fp32 gradient
-reduction), CPU + gloo elsewhere (fp32), same code. Losses are normalised by the global number of valid tokens
+reduction; the masters live in FSDP, or on one process in the Triton optimizer: ``master_weights.py``), CPU + gloo
+elsewhere (fp32 unless ``training.mixed_precision_on_cpu``), same code. Losses are normalised by the global number of valid tokens
 (architecture rule 6): every rank divides its summed token losses by the count over all data-parallel ranks and
 all micro-batches of the step, and gradients are summed across ranks.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -28,6 +30,7 @@ from titan_glm52.config import ConfigError, JobConfig, validate
 from titan_glm52.data import IGNORE_INDEX, Prefetcher, build_dataloader, build_tokenizer
 from titan_glm52.hf_checkpoint import load_hf_state
 from titan_glm52.hf_export import save_hf_distributed
+from titan_glm52.master_weights import MasterWeights
 from titan_glm52.metrics import (MetricsLogger, doc_lengths_of, format_line, memory_stats, peak_flops,
                                  reset_peak_memory, step_flops)
 from titan_glm52.model.args import GLM52ModelArgs, get_flavor
@@ -35,7 +38,8 @@ from titan_glm52.model.attention import Attention
 from titan_glm52.model.model import GLM52Model
 from titan_glm52.model.moe import MoE
 from titan_glm52.optimizer import TritonAdam, TritonAdamW
-from titan_glm52.parallelize import clip_grad_norm_, clip_in_fused_step, folds_clip, parallelize_model
+from titan_glm52.parallelize import (clip_grad_norm_, clip_in_fused_step, folds_clip, parallelize_model,
+                                     total_grad_norm)
 from titan_glm52.pipeline import build_pipeline_stages, cu_seqlens_from_positions, make_plan
 from titan_glm52.profiling import profiling
 from torchtitan.distributed.pipeline_parallel import build_pipeline_schedule
@@ -197,6 +201,12 @@ class Trainer:
         if backend == "auto":
             backend = "triton" if self.device.type == "cuda" else "torch"
         self.backend = backend
+        self.bf16 = cfg.training.mixed_precision_param == "bfloat16" and (
+            self.device.type == "cuda" or cfg.training.mixed_precision_on_cpu)
+        self.master_mode = cfg.training.master_weights
+        if self.master_mode == "auto":
+            self.master_mode = "optimizer" if (self.env.world_size == 1 and cfg.optimizer.implementation == "triton"
+                                               and self.bf16) else "fsdp"
         self.pp = p.pipeline_parallel_degree > 1
         if self.pp:
             layout = ([int(v) for v in p.pipeline_parallel_layout.split(",")]
@@ -239,6 +249,13 @@ class Trainer:
             self.dataloader = Prefetcher(self.dataloader, cfg.data.prefetch, pin_memory=self.device.type == "cuda")
         per_step = cfg.training.local_batch_size * self.dp_world
         self.accum = max(cfg.training.global_batch_size // per_step, 1) if cfg.training.global_batch_size > 0 else 1
+        self.master = None
+        if self.master_mode == "optimizer":
+            if self.bf16:
+                self.master = MasterWeights(self.model_parts, torch.bfloat16, accumulate=self.accum > 1)
+            else:
+                logger.info("training.master_weights = 'optimizer': the model computes in fp32 on CPU (see "
+                            "training.mixed_precision_on_cpu), so there are no bf16 copies to keep")
 
         # Optimizer, LR schedule, checkpoints.
         o = cfg.optimizer
@@ -254,6 +271,8 @@ class Trainer:
         # Fused / Triton Adam(W): the gradient clip is applied inside the optimizer kernel (clip_in_fused_step),
         # which saves a separate pass over all gradients; foreach / for-loop clip the gradients in place.
         self.fold_clip = folds_clip(self.optimizers.optimizers)
+        for opt in self.optimizers.optimizers:
+            opt.master_weights = self.master  # (validate: master_weights = "optimizer" implies the Triton step)
         self.lr_schedulers = build_lr_schedulers(self.optimizers, cfg.lr_scheduler, cfg.training.steps)
         self.state = TrainState()
         # Initial HF loads and the final HF export are this trainer's (see _initial_load / export_hf).
@@ -275,10 +294,12 @@ class Trainer:
         self._stop = False
         signal.signal(signal.SIGTERM, self._on_sigterm)
         logger.info("model %s: %s params (%s active/token), layers %d (IndexShare %s), MTP %s, DSA %s/%s, "
-                    "world %d (dp %d), accum %d", cfg.model.hf_config or cfg.model.flavor,
+                    "world %d (dp %d), accum %d, mixed precision: %s", cfg.model.hf_config or cfg.model.flavor,
                     f"{self.args.num_params(self.with_mtp):,}", f"{self.args.num_active_params():,}",
                     self.args.num_hidden_layers, self.args.index_share.pattern, self.with_mtp, backend,
-                    cfg.dsa.mode, self.env.world_size, self.dp_world, self.accum)
+                    cfg.dsa.mode, self.env.world_size, self.dp_world, self.accum,
+                    "bf16, fp32 masters in the optimizer" if self.master is not None
+                    else "bf16, fp32 masters in FSDP" if self.bf16 else "off (fp32)")
 
     # ----------------------------------------------------------------------------------------- setup helpers
     def _prepare(self, model: GLM52Model) -> GLM52Model:
@@ -292,10 +313,10 @@ class Trainer:
         for _, moe in moe_modules(model):
             moe.experts.use_grouped_mm = grouped
         self._freeze(model)
-        on_gpu = self.device.type == "cuda"
-        bf16 = on_gpu and cfg.training.mixed_precision_param == "bfloat16"
+        # Under master_weights = "optimizer" the model stays fp32 here (no FSDP); MasterWeights adds the bf16 copies.
+        fsdp_bf16 = self.bf16 and self.master_mode == "fsdp"
         return parallelize_model(
-            model, self.mesh, param_dtype=torch.bfloat16 if bf16 else torch.float32, reduce_dtype=torch.float32,
+            model, self.mesh, param_dtype=torch.bfloat16 if fsdp_bf16 else torch.float32, reduce_dtype=torch.float32,
             reshard_after_forward=p.fsdp_reshard_after_forward, ac_mode=cfg.activation_checkpoint.mode,
             selective_ac_option=cfg.activation_checkpoint.selective_ac_option, compile=cfg.compile.enable,
             compile_backend=cfg.compile.backend, ep_enabled=p.expert_parallel_degree > 1)
@@ -333,7 +354,7 @@ class Trainer:
             moe.seq_aux_scale = alpha / global_rows if alpha > 0 else None
 
     def train_step(self, batches: list[dict]) -> "StepLosses":
-        cfg, dev = self.cfg, self.device
+        dev = self.device
         counts = torch.zeros(3, dtype=torch.float64, device=dev)  # valid tokens, valid MTP tokens, rows
         for b in batches:
             counts[0] += (b["labels"] != IGNORE_INDEX).sum()
@@ -346,28 +367,9 @@ class Trainer:
         if self.pp:
             self._pp_norm = (n_tok, n_mtp)
             self._pp_parts = []
-        for i, b in enumerate(batches):
-            if self.pp:
-                self._pp_step(b, parts, inject_nan=self.state.step + 1 in cfg.faults.inject_nan_at_steps and i == 0)
-                self._collect_aux(parts, n_tok)
-                continue
-            tokens, labels = b["input_ids"].to(dev, non_blocking=True), b["labels"].to(dev, non_blocking=True)
-            # cu_seqlens stays on the host: the model reads its bounds there and copies it over itself.
-            out = self.model(tokens, b["cu_seqlens"], with_mtp=self.with_mtp, labels=labels,
-                             mtp_labels=mtp_labels(labels) if self.with_mtp else None)
-            ce_sum, mtp_sum = out if self.with_mtp else (out, None)
-            ce = ce_sum / n_tok
-            loss = ce
-            parts[0] += ce.detach()
-            if mtp_sum is not None:
-                mtp = mtp_sum / n_mtp * cfg.mtp.loss_weight
-                loss = loss + mtp
-                parts[1] += mtp.detach()
-            if self.state.step + 1 in cfg.faults.inject_nan_at_steps and i == 0:
-                loss = loss * float("nan")
-            loss.backward()
-            parts[4] += loss.detach()
-            self._collect_aux(parts, n_tok)
+        with self.master.computing() if self.master is not None else contextlib.nullcontext():
+            for i, b in enumerate(batches):
+                self._micro_step(i, b, parts, n_tok, n_mtp)
         if self.pp:  # the loss lives on the last stage: share it with every stage (each part counted once)
             dist.all_reduce(parts[:2], group=self.mesh["pp"].get_group())
             parts[4] = parts[0] + parts[1]
@@ -377,6 +379,32 @@ class Trainer:
             dist.all_reduce(parts[5:6], group=self.mesh["pp"].get_group())
         parts[4] += parts[2] + parts[3]
         return StepLosses(parts, n_tok, n_rows)
+
+    def _micro_step(self, i: int, b: dict, parts: torch.Tensor, n_tok: float, n_mtp: float) -> None:
+        """Forward and backward of micro-batch ``i``; adds its losses to ``parts``."""
+        cfg, dev = self.cfg, self.device
+        inject_nan = self.state.step + 1 in cfg.faults.inject_nan_at_steps and i == 0
+        if self.pp:
+            self._pp_step(b, parts, inject_nan=inject_nan)
+            self._collect_aux(parts, n_tok)
+            return
+        tokens, labels = b["input_ids"].to(dev, non_blocking=True), b["labels"].to(dev, non_blocking=True)
+        # cu_seqlens stays on the host: the model reads its bounds there and copies it over itself.
+        out = self.model(tokens, b["cu_seqlens"], with_mtp=self.with_mtp, labels=labels,
+                         mtp_labels=mtp_labels(labels) if self.with_mtp else None)
+        ce_sum, mtp_sum = out if self.with_mtp else (out, None)
+        ce = ce_sum / n_tok
+        loss = ce
+        parts[0] += ce.detach()
+        if mtp_sum is not None:
+            mtp = mtp_sum / n_mtp * cfg.mtp.loss_weight
+            loss = loss + mtp
+            parts[1] += mtp.detach()
+        if inject_nan:
+            loss = loss * float("nan")
+        loss.backward()
+        parts[4] += loss.detach()
+        self._collect_aux(parts, n_tok)
 
     def _collect_aux(self, parts: torch.Tensor, n_tok: float) -> None:
         """Adds this micro-batch's indexer KL and MoE balance terms (as logged) to ``parts``."""
@@ -479,10 +507,13 @@ class Trainer:
                 step_losses = self.train_step(batches)
                 t_fb = time.perf_counter()
                 marks.record()
-                grad_norm = clip_grad_norm_(
-                    [p for part in self.model_parts for p in part.parameters() if p.requires_grad],
-                    cfg.training.max_norm, pp_mesh=self.mesh["pp"] if self.pp else None,
-                    scale_grads=not self.fold_clip)
+                if self.master is not None:  # the gradients are the compute copies' (the Triton step clips)
+                    grad_norm = total_grad_norm([self.master.grads()], device=self.device)
+                else:
+                    grad_norm = clip_grad_norm_(
+                        [p for part in self.model_parts for p in part.parameters() if p.requires_grad],
+                        cfg.training.max_norm, pp_mesh=self.mesh["pp"] if self.pp else None,
+                        scale_grads=not self.fold_clip)
                 finite_t = torch.isfinite(step_losses.parts[4]) & torch.isfinite(grad_norm).to(step_losses.parts.device)
                 moe_stats_t = self._moe_balance(apply_update=finite_t)
                 if self.fold_clip:
@@ -508,6 +539,8 @@ class Trainer:
                                    self.state.consecutive_skips, self.state.skipped_steps)
                 marks.record()
                 self.optimizers.zero_grad()
+                if self.master is not None:
+                    self.master.zero_grad()
                 step = self.state.step
                 log_now = step == 1 or step % cfg.metrics.log_freq == 0 or step == total
                 if log_now:  # the logged step time covers the step's GPU work on every optimizer path (foreach and

@@ -57,18 +57,23 @@ def test_main_command_trains_and_writes_tensorboard(tmp_path):
     assert os.path.isdir(os.path.join(tmp_path, "checkpoint", "step-40"))
 
 
-@pytest.mark.parametrize("impl", ["foreach", "triton"])
+@pytest.mark.parametrize("impl", ["foreach", "triton", "triton-master-weights"])
 def test_resume_reproduces_uninterrupted_losses(tmp_path, impl):
     """Also with TritonAdamW: its state (the device step counter, both moments on the FSDP2 shards) goes through
-    the DCP checkpoint and back."""
+    the DCP checkpoint and back. With the master weights in the optimizer (one process, bf16 copies) the checkpoint
+    holds the fp32 masters, and the copies are re-cast from them after the load."""
     full, part = tmp_path / "full", tmp_path / "part"
     # The LR schedule is pinned to 6 steps, so stopping after 3 and extending to 6 is the same run.
     common = small("--checkpoint.interval", "3", "--checkpoint.keep_latest_k", "0", "--lr_scheduler.total_steps", "6",
-                   "--optimizer.implementation", impl)
-    run_train(full, "--training.steps", "6", *common)
-    run_train(part, "--training.steps", "3", *common)
+                   "--optimizer.implementation", impl.split("-")[0])
+    nproc = 2
+    if impl == "triton-master-weights":
+        common += ("--training.master_weights", "optimizer", "--training.mixed_precision_on_cpu")
+        nproc = 1
+    run_train(full, "--training.steps", "6", *common, nproc=nproc)
+    run_train(part, "--training.steps", "3", *common, nproc=nproc)
     assert os.path.exists(part / "checkpoint" / "step-3" / ".metadata")
-    run_train(part, "--training.steps", "6", *common)
+    run_train(part, "--training.steps", "6", *common, nproc=nproc)
     a = {r["step"]: r for r in read_metrics(full)}
     b = {}
     for r in read_metrics(part):
@@ -272,6 +277,38 @@ def test_gradient_accumulation_equals_one_big_batch(tmp_path):
     for a, b in zip(read_metrics(tmp_path / "big"), read_metrics(tmp_path / "acc"), strict=True):
         for key in ("loss/total", "grad_norm"):
             assert b[key] == pytest.approx(a[key], rel=1e-5), (a["step"], key)
+
+
+@pytest.mark.parametrize("extra", [
+    ("--mtp.no-enable",),
+    ("--mtp.no-enable", "--training.global_batch_size", "4"),  # two micro-batches: the fp32 sum
+    (),
+])
+def test_master_weights_in_the_optimizer_train_like_fsdp_on_one_rank(tmp_path, extra):
+    """training.master_weights = "optimizer" (bf16 copies, fp32 masters in the Triton step, no FSDP) against FSDP2 on
+    a one-rank mesh, both in bf16 (training.mixed_precision_on_cpu) with the clip active every step: the same losses
+    and norms bit for bit, and the same final weights. With MTP the embedding output's gradient is the bf16 sum of
+    the uses that meet there (layer 0 and the MTP layer's shifted input); under FSDP's autograd hooks it differs in the
+    last bf16 bits (every other gradient is bitwise equal), and Adam's normalised update carries that into the next
+    steps: step 1 is equal (loss bitwise, norm within 1e-4), the next ones within 1%."""
+    common = ("--training.steps", "3", "--training.seq_len", "64", "--training.local_batch_size", "2",
+              "--checkpoint.interval", "3", "--metrics.log_freq", "1", "--optimizer.implementation", "triton",
+              "--training.max_norm", "0.05", "--training.mixed_precision_on_cpu", *extra)
+    run_train(tmp_path / "fsdp", *common, "--training.master_weights", "fsdp", nproc=1)
+    run_train(tmp_path / "optimizer", *common, "--training.master_weights", "auto", nproc=1)  # -> "optimizer"
+    for a, b in zip(read_metrics(tmp_path / "fsdp"), read_metrics(tmp_path / "optimizer"), strict=True):
+        assert a["grad_norm"] > 0.05, a
+        for key in ("loss/total", "grad_norm"):
+            if extra:
+                assert b[key] == a[key], (a["step"], key)
+            else:
+                assert b[key] == pytest.approx(a[key], rel=1e-4 if a["step"] == 1 else 1e-2), (a["step"], key)
+    assert read_metrics(tmp_path / "fsdp")[0]["loss/total"] == read_metrics(tmp_path / "optimizer")[0]["loss/total"]
+    if extra:
+        ref, ours = _state_at(tmp_path / "fsdp", 3), _state_at(tmp_path / "optimizer", 3)
+        assert ref.keys() == ours.keys()
+        for k in ref:
+            assert ours[k].dtype == ref[k].dtype and torch.equal(ours[k], ref[k]), k
 
 
 def _state_at(folder, step):

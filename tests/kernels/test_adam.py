@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from titan_glm52.kernels._triton_env import interpreting
+from titan_glm52.master_weights import MasterWeights
 from titan_glm52.optimizer import TritonAdam, TritonAdamW
-from titan_glm52.parallelize import clip_grad_norm_, clip_in_fused_step, folds_clip
+from titan_glm52.parallelize import clip_grad_norm_, clip_in_fused_step, folds_clip, total_grad_norm
 
 SHAPES = [(96, 40), (40,), (3, 5, 7), (1,), (5000,)]
 HYPER = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
@@ -157,6 +158,48 @@ def test_state_dict_moves_between_torch_and_triton(source):
     back = torch.optim.AdamW([torch.nn.Parameter(p.detach().clone()) for p in ours_p], fused=True, **HYPER)
     back.load_state_dict(copy.deepcopy(ours.state_dict()))
     assert set(back.state_dict()["state"][0]) == {"step", "exp_avg", "exp_avg_sq"}
+
+
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_master_weights_step_is_the_fp32_step_on_widened_gradients(accumulate):
+    """``master_weights``: the step reads the bf16 gradients of the compute copies (or their fp32 micro-batch sum),
+    updates the fp32 masters bitwise as the fp32 step on the widened gradients would (clip folded in), and writes
+    each copy as ``master.to(bf16)``; the masters' version counters do not move, so nothing is re-cast."""
+    ref_p = make_params()
+    module = torch.nn.ParameterList([torch.nn.Parameter(p.detach().clone()) for p in ref_p])
+    mw = MasterWeights([module], accumulate=accumulate)
+    ours = TritonAdamW(list(module), **HYPER)
+    ours.master_weights = mw
+    ref = TritonAdamW(ref_p, **HYPER)
+    for step in range(3):
+        with mw.computing():
+            compute = list(module)
+            assert all(c.dtype == torch.bfloat16 for c in compute)
+            for micro in range(2 if accumulate else 1):
+                out = sum((c.float() * g.float()).sum() for c, g in zip(compute, grads_for(3 * step + micro))
+                          if g is not None)
+                out.backward()
+        assert all(p.dtype == torch.float32 for p in module)  # the masters are back
+        grads = mw.grads()
+        assert all(g.dtype == (torch.float32 if accumulate else torch.bfloat16) for g in grads)
+        for p, slot_grad in zip(ref_p, (mw.slot(m).grad for m in module)):
+            p.grad = None if slot_grad is None else slot_grad.float().clone()
+        norm = clip_grad_norm_(ref_p, 0.5, scale_grads=False)
+        assert torch.equal(norm, total_grad_norm([grads]))
+        if accumulate:  # the micro-batches' bf16 gradients summed in fp32
+            expect = [a.to(torch.bfloat16).float() + b.to(torch.bfloat16).float()
+                      for a, b in zip(grads_for(3 * step)[:-1], grads_for(3 * step + 1)[:-1])]
+            assert all(torch.equal(g, e) for g, e in zip(grads, expect))
+        for o in (ref, ours):
+            with clip_in_fused_step([o], norm, 0.5):
+                o.step()
+        mw.zero_grad()
+        versions = [m._version for m in module]
+        for m, p in zip(module, ref_p):
+            assert torch.equal(m, p)
+            assert torch.equal(mw.slot(m).compute, m.detach().to(torch.bfloat16))
+        mw.refresh()
+        assert [m._version for m in module] == versions
 
 
 def test_transposed_parameter_walks_its_memory():

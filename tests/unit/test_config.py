@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from titan_glm52.config import ConfigError, parse_job_config
+from titan_glm52.config import ConfigError, parse_job_config, validate
 
 
 def write(tmp_path, text):
@@ -52,10 +52,21 @@ def test_unknown_cli_key_exits():
      "parallelism.pipeline_parallel_microbatch_size"),
     (["--model.tokenizer_path", "/x"], "model.tokenizer_path"),
     (["--faults.max_consecutive_nonfinite", "0"], "faults.max_consecutive_nonfinite"),
+    (["--training.master_weights", "optimizer", "--optimizer.implementation", "fused"], "training.master_weights"),
+    (["--training.master_weights", "optimizer", "--optimizer.implementation", "triton",
+      "--training.mixed_precision_param", "float32"], "training.master_weights"),
 ])
 def test_impossible_combinations_name_the_key(argv, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         parse_job_config(argv)
+
+
+def test_master_weights_in_the_optimizer_need_one_process():
+    cfg = parse_job_config(["--training.master_weights", "optimizer", "--optimizer.implementation", "triton"])
+    validate(cfg, world_size=1)
+    with pytest.raises(ConfigError, match=r"training\.master_weights.*2 ranks"):
+        validate(cfg, world_size=2)
+    validate(parse_job_config(["--optimizer.implementation", "triton"]), world_size=8)  # "auto": FSDP there
 
 
 def test_help_lists_our_options():

@@ -46,9 +46,10 @@ def _f64(bits):
 
 
 @triton.jit(do_not_specialize=list(_DOUBLES))
-def _adam_kernel(p_ptr, g_ptr, m_ptr, v_ptr, step_ptr, coef_ptr, skip_ptr, n,
+def _adam_kernel(p_ptr, g_ptr, m_ptr, v_ptr, step_ptr, coef_ptr, skip_ptr, c_ptr, n,
                  lr, beta1, beta2, one_minus_beta1, one_minus_beta2, eps, weight_decay, decay, log2_beta1, log2_beta2,
-                 HAS_COEF: tl.constexpr, HAS_SKIP: tl.constexpr, DECOUPLED: tl.constexpr, BLOCK: tl.constexpr):
+                 HAS_COEF: tl.constexpr, HAS_SKIP: tl.constexpr, HAS_COPY: tl.constexpr, DECOUPLED: tl.constexpr,
+                 BLOCK: tl.constexpr):
     # The hyperparameters arrive as the bits of Python floats (a float argument would be rounded to fp32), so the
     # expressions torch's CUDA kernel forms in double are formed in double here and rounded where it rounds.
     lr = _f64(lr)
@@ -88,6 +89,8 @@ def _adam_kernel(p_ptr, g_ptr, m_ptr, v_ptr, step_ptr, coef_ptr, skip_ptr, n,
     tl.store(p_ptr + offs, p.to(p_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
     tl.store(m_ptr + offs, m.to(m_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
     tl.store(v_ptr + offs, v.to(v_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
+    if HAS_COPY:  # the compute copy of the updated parameter (torch's ``copy_``: round to nearest even)
+        tl.store(c_ptr + offs, p.to(c_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
 
 
 def _bits(x: float) -> int:
@@ -105,23 +108,28 @@ def _dense(t: torch.Tensor) -> bool:
 
 def adam_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                step: torch.Tensor, *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
-               decoupled: bool, grad_coef: torch.Tensor | None = None, skip: torch.Tensor | None = None) -> None:
+               decoupled: bool, grad_coef: torch.Tensor | None = None, skip: torch.Tensor | None = None,
+               copy_to: torch.Tensor | None = None) -> None:
     """Updates ``param``, ``exp_avg``, ``exp_avg_sq`` in place (one kernel; ``grad`` and ``step`` are read only).
 
-    The four tensors share shape and memory layout (any dense layout; a transposed shard is fine). ``step`` is a
-    one-element tensor on the same device holding this step's count (>= 1); ``grad_coef`` multiplies the
-    gradient; where ``skip`` (one element) is non-zero nothing is read or written.
+    The four tensors share shape and memory layout (any dense layout; a transposed shard is fine); ``grad`` may have
+    another floating dtype than the parameter (a bf16 gradient of fp32 master weights is widened exactly).
+    ``step`` is a one-element tensor on the same device holding this step's count (>= 1); ``grad_coef``
+    multiplies the gradient; where ``skip`` (one element) is non-zero nothing is read or written. ``copy_to``
+    (same shape and layout, e.g. bf16) receives the updated parameter rounded to its dtype, as ``copy_`` would
+    (2 more bytes per bf16 element; ``master_weights``' compute weights).
     """
-    tensors = (param, grad, exp_avg, exp_avg_sq)
-    for name, t in zip(("grad", "exp_avg", "exp_avg_sq"), tensors[1:]):
+    tensors = (param, grad, exp_avg, exp_avg_sq) + ((copy_to,) if copy_to is not None else ())
+    for name, t in zip(("grad", "exp_avg", "exp_avg_sq", "copy_to"), tensors[1:]):
         if t.shape != param.shape or t.stride() != param.stride() or t.device != param.device:
             raise ValueError(f"adam_step_: {name} has shape {tuple(t.shape)}, strides {t.stride()} on {t.device}; "
                              f"the parameter has {tuple(param.shape)}, {param.stride()} on {param.device}")
     if not _dense(param):
         raise ValueError(f"adam_step_: the parameter's layout (shape {tuple(param.shape)}, strides {param.stride()}) "
                          "is not dense; the kernel walks the tensors' memory linearly")
-    if param.dtype not in (torch.float32, torch.bfloat16, torch.float16) or grad.dtype.is_complex:
-        raise ValueError(f"adam_step_: unsupported dtypes {param.dtype} / {grad.dtype}")
+    floats = (torch.float32, torch.bfloat16, torch.float16)
+    if any(t.dtype not in floats for t in tensors):
+        raise ValueError(f"adam_step_: unsupported dtypes {[t.dtype for t in tensors]}; fp32 / bf16 / fp16 only")
     scalars = [s for s in (step, grad_coef, skip) if s is not None]
     for s in scalars:
         if s.numel() != 1 or s.device != param.device:
@@ -133,23 +141,27 @@ def adam_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, e
         return
     _adam_kernel[(triton.cdiv(n, BLOCK),)](
         param, grad, exp_avg, exp_avg_sq, step,
-        grad_coef if grad_coef is not None else step, skip if skip is not None else step, n,
+        grad_coef if grad_coef is not None else step, skip if skip is not None else step,
+        copy_to if copy_to is not None else param, n,
         *[_bits(x) for x in (lr, beta1, beta2, 1.0 - beta1, 1.0 - beta2, eps, weight_decay, 1.0 - lr * weight_decay,
                              math.log2(beta1) if beta1 > 0 else -math.inf,
                              math.log2(beta2) if beta2 > 0 else -math.inf)],
-        HAS_COEF=grad_coef is not None, HAS_SKIP=skip is not None, DECOUPLED=bool(decoupled),
+        HAS_COEF=grad_coef is not None, HAS_SKIP=skip is not None, HAS_COPY=copy_to is not None,
+        DECOUPLED=bool(decoupled),
         BLOCK=BLOCK, num_warps=NUM_WARPS, enable_fp_fusion=False)
 
 
 def compile_specs(small: bool = False):
     """Launch configurations for ``bench/compile_check.py`` (offline sm_90 compile): fp32 and bf16 state."""
     out = []
-    for dt in ("fp32", "bf16"):
-        sig = {"p_ptr": f"*{dt}", "g_ptr": f"*{dt}", "m_ptr": f"*{dt}", "v_ptr": f"*{dt}", "step_ptr": "*fp32",
-               "coef_ptr": "*fp32", "skip_ptr": "*fp32", "n": "i64", **{name: "i64" for name in _DOUBLES}}
-        consts = {"HAS_COEF": True, "HAS_SKIP": True, "DECOUPLED": True, "BLOCK": BLOCK}
-        out.append((f"adam_{dt}", (_adam_kernel, sig, consts, NUM_WARPS, 3, ("p_ptr", "g_ptr", "m_ptr", "v_ptr"),
-                                   {"enable_fp_fusion": False})))
+    ptrs = ("p_ptr", "g_ptr", "m_ptr", "v_ptr", "c_ptr")
+    for name, (dt, gdt, copy) in {"fp32": ("fp32", "fp32", False), "bf16": ("bf16", "bf16", False),
+                                  "fp32_master_bf16": ("fp32", "bf16", True)}.items():
+        sig = {"p_ptr": f"*{dt}", "g_ptr": f"*{gdt}", "m_ptr": f"*{dt}", "v_ptr": f"*{dt}", "step_ptr": "*fp32",
+               "coef_ptr": "*fp32", "skip_ptr": "*fp32", "c_ptr": "*bf16" if copy else f"*{dt}", "n": "i64",
+               **{d: "i64" for d in _DOUBLES}}
+        consts = {"HAS_COEF": True, "HAS_SKIP": True, "HAS_COPY": copy, "DECOUPLED": True, "BLOCK": BLOCK}
+        out.append((f"adam_{name}", (_adam_kernel, sig, consts, NUM_WARPS, 3, ptrs, {"enable_fp_fusion": False})))
     return out
 
 
