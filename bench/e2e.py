@@ -18,7 +18,9 @@ an OOM or a crash loses only that cell, recorded as "OOM" / "error" with the las
   per sample, so DSA is really sparse at 4K+), the cell's seq_len / AC mode / compile flag; its ``metrics.jsonl``
   is averaged over the steps after the warm-up. MFU is the trainer's DSA-aware count (``titan_glm52.metrics``).
 * peer: ``bench/e2e_tt_dsv3.py`` (torchtitan's DeepSeekV3Model, its AC / compile / MoE / SDPA attention, FSDP2
-  mixed precision on a 1-rank mesh, AdamW); MFU counts dense causal attention (see that file).
+  mixed precision on a 1-rank mesh, AdamW); MFU counts dense causal attention (see that file). On one GPU
+  ``--peer-args "--mp autocast"`` runs the peer's own one-device path (torch.autocast), which is faster than its
+  one-rank FSDP path (bench/results/e2e_h200.md, session 7).
 
 With ``--nproc N`` (N > 1) both sides run under ``python -m torch.distributed.run --standalone --nproc_per_node N``
 with the same mode: ``--parallel fsdp`` = FSDP over the N ranks (ours ``--parallelism.data_parallel_shard_degree
