@@ -8,10 +8,11 @@ proxy's 256 ms step on an H200). Here the model keeps a second, bf16 copy of eve
 weights) and trains on those; the optimizer (``TritonAdam`` / ``TritonAdamW``) reads their bf16 gradients,
 updates the fp32 masters and writes the rounded result into the compute weights in the same pass.
 
-The arithmetic is the FSDP path's, bit for bit on one rank: the compute weights are the masters rounded to bf16
-(round to nearest even), the gradients are the bf16 gradients of those weights, widened exactly, and with gradient
+The arithmetic is the FSDP path's on one rank: the compute weights are the masters rounded to bf16 (round to
+nearest even), the gradients are the bf16 gradients of those weights, widened exactly, and with gradient
 accumulation they are summed in fp32 one micro-batch at a time (a post-accumulate hook per parameter), as FSDP sums
-its fp32 reduce-scatter outputs.
+its fp32 reduce-scatter outputs. Training is bitwise the same (tests/e2e, CPU), except where autograd sums several
+bf16 gradients into one tensor: FSDP's hooks can change that order (with MTP, at the embedding output).
 
 Like FSDP2's sharded and unsharded parameters, the module attributes are swapped: between steps the modules hold
 the fp32 masters, so ``state_dict``, checkpoints, the HF export and the optimizer's state see only them. During a
@@ -52,8 +53,6 @@ class MasterWeights:
 
     def __init__(self, modules: Iterable[nn.Module], dtype: torch.dtype = torch.bfloat16,
                  accumulate: bool = False) -> None:
-        self.dtype = dtype
-        self.accumulate = accumulate
         self._slots: dict[nn.Parameter, _Slot] = {}
         for root in modules:
             for module in root.modules():
@@ -121,9 +120,6 @@ class MasterWeights:
         for s in self._slots.values():
             s.compute.grad = None
             s.main_grad = None
-
-    def compute_bytes(self) -> int:
-        return sum(s.compute.numel() * s.compute.element_size() for s in self._slots.values())
 
 
 __all__ = ["MasterWeights"]
