@@ -247,7 +247,8 @@ def summarize_ours(rows: list[dict], warmup: int, steps: int) -> dict:
     if len(timed) < steps:
         raise ValueError(f"metrics.jsonl has {len(timed)} steps after the warm-up, expected {steps}")
     total_s = sum(r["time/step_s"] for r in timed)
-    tokens = sum(r["throughput/tokens_per_s_per_device"] * r["time/step_s"] for r in timed)
+    # a step's tokens are a whole number; tok/s x step_s gives it back up to float rounding (63.99999999999999)
+    tokens = sum(round(r["throughput/tokens_per_s_per_device"] * r["time/step_s"]) for r in timed)
     out = {"status": "ok", "step_s": total_s / len(timed), "tokens_per_s": tokens / total_s,
            "step_s_median": statistics.median(r["time/step_s"] for r in timed),
            "step_s_max": max(r["time/step_s"] for r in timed),

@@ -79,10 +79,11 @@ def test_summarize_ours_averages_after_warmup():
     rows = [{"step": s, "time/step_s": t, "throughput/tokens_per_s_per_device": 100 / t, "time/data_s": 0.0,
              "time/forward_backward_s": t - 0.1, "time/optimizer_s": 0.1, "throughput/tflops_per_device": 1.0,
              "throughput/mfu_pct": m, "memory/peak_allocated_gib": g}
-            for s, t, m, g in ((1, 9.0, 1.0, 50.0), (2, 1.0, 10.0, 20.0), (3, 3.0, 20.0, 21.0))]
+            for s, t, m, g in ((1, 9.0, 1.0, 50.0), (2, 0.1 * 3, 10.0, 20.0), (3, 0.1 * 3, 20.0, 21.0))]
     out = e2e.summarize_ours(rows, warmup=1, steps=2)
-    assert out["tokens_per_s"] == pytest.approx(200 / 4.0) and out["step_s"] == pytest.approx(2.0)
-    assert out["mfu_pct"] == pytest.approx((10.0 * 1 + 20.0 * 3) / 4) and out["peak_allocated_gib"] == 21.0
+    assert out["tokens_per_s"] == pytest.approx(200 / 0.6) and out["step_s"] == pytest.approx(0.3)
+    assert out["tokens_per_step"] == 100  # whole tokens: 100 / t * t is 99.99999999999999 for this t
+    assert out["mfu_pct"] == pytest.approx(15.0) and out["peak_allocated_gib"] == 21.0
     with pytest.raises(ValueError):
         e2e.summarize_ours(rows, warmup=1, steps=3)
 
