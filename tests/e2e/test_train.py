@@ -70,7 +70,8 @@ def test_resume_reproduces_uninterrupted_losses(tmp_path, impl):
     if impl == "triton-master-weights":
         common += ("--training.master_weights", "optimizer", "--training.mixed_precision_on_cpu")
         nproc = 1
-    run_train(full, "--training.steps", "6", *common, nproc=nproc)
+    log = run_train(full, "--training.steps", "6", *common, nproc=nproc)
+    assert ("fp32 masters in the optimizer" in log.stdout + log.stderr) == (impl == "triton-master-weights")
     run_train(part, "--training.steps", "3", *common, nproc=nproc)
     assert os.path.exists(part / "checkpoint" / "step-3" / ".metadata")
     run_train(part, "--training.steps", "6", *common, nproc=nproc)
@@ -294,8 +295,10 @@ def test_master_weights_in_the_optimizer_train_like_fsdp_on_one_rank(tmp_path, e
     common = ("--training.steps", "3", "--training.seq_len", "64", "--training.local_batch_size", "2",
               "--checkpoint.interval", "3", "--metrics.log_freq", "1", "--optimizer.implementation", "triton",
               "--training.max_norm", "0.05", "--training.mixed_precision_on_cpu", *extra)
-    run_train(tmp_path / "fsdp", *common, "--training.master_weights", "fsdp", nproc=1)
-    run_train(tmp_path / "optimizer", *common, "--training.master_weights", "auto", nproc=1)  # -> "optimizer"
+    log_fsdp = run_train(tmp_path / "fsdp", *common, "--training.master_weights", "fsdp", nproc=1)
+    log_opt = run_train(tmp_path / "optimizer", *common, "--training.master_weights", "auto", nproc=1)  # "optimizer"
+    assert "mixed precision: bf16, fp32 masters in FSDP" in log_fsdp.stdout + log_fsdp.stderr
+    assert "mixed precision: bf16, fp32 masters in the optimizer" in log_opt.stdout + log_opt.stderr
     for a, b in zip(read_metrics(tmp_path / "fsdp"), read_metrics(tmp_path / "optimizer"), strict=True):
         assert a["grad_norm"] > 0.05, a
         for key in ("loss/total", "grad_norm"):
