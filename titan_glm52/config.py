@@ -203,6 +203,21 @@ def _refuse(key: str, why: str) -> None:
     raise ConfigError(f"{key}: {why}")
 
 
+def master_weights_blocker(cfg: JobConfig, world_size: int | None) -> str | None:
+    """Why the optimizer cannot hold the fp32 master weights (``training.master_weights = "optimizer"``), or None
+    where it can: the rule ``validate`` refuses by and "auto" chooses by."""
+    if world_size is not None and world_size != 1:
+        return (f"'optimizer' is for one process; with {world_size} ranks FSDP holds the master weights: set it to "
+                "'fsdp'")
+    if cfg.optimizer.implementation != "triton":
+        return ("'optimizer' needs the Triton step, which updates the masters and their bf16 copies in one pass: set "
+                f"optimizer.implementation = 'triton' (is {cfg.optimizer.implementation!r}) or master_weights = 'fsdp'")
+    if cfg.training.mixed_precision_param != "bfloat16":
+        return ("'optimizer' keeps bf16 compute copies of fp32 masters: it needs training.mixed_precision_param = "
+                f"'bfloat16' (is {cfg.training.mixed_precision_param!r})")
+    return None
+
+
 def validate(cfg: JobConfig, world_size: int | None = None) -> None:
     """Refuses combinations this project cannot run; the message names the key and the fix."""
     p = cfg.parallelism
@@ -265,17 +280,8 @@ def validate(cfg: JobConfig, world_size: int | None = None) -> None:
         _refuse("compile.backend", "choose inductor, aot_eager or eager")
     if cfg.training.master_weights not in ("auto", "fsdp", "optimizer"):
         _refuse("training.master_weights", f"{cfg.training.master_weights!r}: choose auto, fsdp or optimizer")
-    if cfg.training.master_weights == "optimizer":
-        if world_size is not None and world_size != 1:
-            _refuse("training.master_weights", f"'optimizer' is for one process; with {world_size} ranks FSDP holds "
-                    "the master weights: set it to 'fsdp'")
-        if cfg.optimizer.implementation != "triton":
-            _refuse("training.master_weights", "'optimizer' needs the Triton step, which updates the masters and "
-                    f"their bf16 copies in one pass: set optimizer.implementation = 'triton' (is "
-                    f"{cfg.optimizer.implementation!r}) or master_weights = 'fsdp'")
-        if cfg.training.mixed_precision_param != "bfloat16":
-            _refuse("training.master_weights", "'optimizer' keeps bf16 compute copies of fp32 masters: it needs "
-                    f"training.mixed_precision_param = 'bfloat16' (is {cfg.training.mixed_precision_param!r})")
+    if cfg.training.master_weights == "optimizer" and (why := master_weights_blocker(cfg, world_size)):
+        _refuse("training.master_weights", why)
     if cfg.training.global_batch_size > 0 and world_size is not None:
         dp = world_size // max(p.pipeline_parallel_degree, 1)
         per_step = cfg.training.local_batch_size * dp

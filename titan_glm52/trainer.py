@@ -2,9 +2,9 @@
 
 Device-agnostic: CUDA + NCCL on GPUs (bf16 mixed precision: fp32 master weights, bf16 compute, fp32 gradient
 reduction; the masters live in FSDP, or on one process in the Triton optimizer: ``master_weights.py``), CPU + gloo
-elsewhere (fp32 unless ``training.mixed_precision_on_cpu``), same code. Losses are normalised by the global number of valid tokens
-(architecture rule 6): every rank divides its summed token losses by the count over all data-parallel ranks and
-all micro-batches of the step, and gradients are summed across ranks.
+elsewhere (fp32 unless ``training.mixed_precision_on_cpu``), same code. Losses are normalised by the global number
+of valid tokens (architecture rule 6): every rank divides its summed token losses by the count over all
+data-parallel ranks and all micro-batches of the step, and gradients are summed across ranks.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from torchtitan.components.lr_scheduler import build_lr_schedulers
 from torchtitan.components.optimizer import OptimizersContainer
 
 from titan_glm52 import distributed as tdist
-from titan_glm52.config import ConfigError, JobConfig, validate
+from titan_glm52.config import ConfigError, JobConfig, master_weights_blocker, validate
 from titan_glm52.data import IGNORE_INDEX, Prefetcher, build_dataloader, build_tokenizer
 from titan_glm52.hf_checkpoint import load_hf_state
 from titan_glm52.hf_export import save_hf_distributed
@@ -205,8 +205,8 @@ class Trainer:
             self.device.type == "cuda" or cfg.training.mixed_precision_on_cpu)
         self.master_mode = cfg.training.master_weights
         if self.master_mode == "auto":
-            self.master_mode = "optimizer" if (self.env.world_size == 1 and cfg.optimizer.implementation == "triton"
-                                               and self.bf16) else "fsdp"
+            applies = self.bf16 and master_weights_blocker(cfg, self.env.world_size) is None
+            self.master_mode = "optimizer" if applies else "fsdp"
         self.pp = p.pipeline_parallel_degree > 1
         if self.pp:
             layout = ([int(v) for v in p.pipeline_parallel_layout.split(",")]
