@@ -6,8 +6,9 @@
 
 Shapes as bench/kernels.py (H = 64, D_qk = 576, d_v = 512, topk = 2048, H_I = 32, D_I = 128, bf16, one document
 of T tokens, random data). The split backward runs as one chunk (one launch per kernel). Prints one table: per
-kernel, ms per call and TFLOP/s by the FLOP counts of bench/kernels.py split per kernel (dq kernel: S, dP, dQ =
-2*H*K_valid*(2*D_qk + d_v); dkv kernel: dK, dV = 2*H*K_valid*(D_qk + d_v)); JSON to --out.
+kernel, ms per call and TFLOP/s by the FLOP counts of bench/kernels.py split per kernel (dq kernel: S, dP =
+2*H*K_valid*(D_qk + d_v); dkv kernel: dK, dV, dQ = 2*H*K_valid*(2*D_qk + d_v); with TUNE["bwd"]["dq"] = "part1"
+dQ's 2*H*K_valid*D_qk moves to the dq kernel); JSON to --out.
 """
 
 from __future__ import annotations
@@ -65,10 +66,11 @@ def main(argv: list[str]) -> int:
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:
             times[e.name].append(e.device_time / 1e3)
+    dq_part2 = sm_mod.TUNE["bwd"].get("dq", "part2") == "part2"  # which backward kernel forms dQ
     flops = {"_score_kernel": 2 * H_I * D_I * pairs,
              "_fwd_kernel": 2 * H * kvalid * (D_QK + D_V),
-             "_bwd_dq_kernel": 2 * H * kvalid * (2 * D_QK + D_V),
-             "_bwd_dkv_kernel": 2 * H * kvalid * (D_QK + D_V),
+             "_bwd_dq_kernel": 2 * H * kvalid * ((D_QK if dq_part2 else 2 * D_QK) + D_V),
+             "_bwd_dkv_kernel": 2 * H * kvalid * ((2 * D_QK if dq_part2 else D_QK) + D_V),
              "_kl_fwd_kernel": 2 * H * kvalid * D_QK + 2 * H_I * D_I * kvalid,
              "_kl_bwd_kernel": 2 * 2 * H_I * D_I * kvalid}
     rows = []

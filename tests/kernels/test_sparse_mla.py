@@ -67,7 +67,9 @@ def test_all_rows_empty():
 
 @pytest.mark.parametrize("tune", [
     {"bwd": {"mode": "fused"}},  # the one-kernel backward
-    {"bwd_dkv": {"SPLIT": True}},  # value columns in two halves (the d_v = 512 layout)
+    {"bwd": {"dq": "part1"}},  # dQ formed in part 1 (with P / dS) instead of part 2
+    {"bwd_dkv": {"DC": 16}},  # dKV in column blocks narrower than d_v (the d_v = 512 layout), a tail-only block
+    {"bwd_dkv": {"DC": 64}},  # one column block holding the values and the tail
     {"split_scratch": 3 * 2 * 2 * 8 * 4},  # P / dS scratch of 3 queries: several chunks
 ])
 def test_backward_variants(tune, monkeypatch):

@@ -34,7 +34,7 @@ LN2 = 0.6931471805599453
 
 # launch-parameter overrides for tuning (bench/kernels.py): keys BH, BK, num_warps, num_stages
 # (bwd: {"mode": "split" | "fused"}; bwd_dq / bwd_dkv: the two kernels of the split backward)
-TUNE: dict[str, dict] = {"fwd": {}, "bwd": {}, "bwd_dq": {}, "bwd_dkv": {}}
+TUNE: dict[str, dict] = {"fwd": {}, "bwd": {}, "bwd_dq": {}, "bwd_p": {}, "bwd_dkv": {}}
 _triton_env.load_tune("sparse_mla", TUNE)
 
 
@@ -173,9 +173,11 @@ def _bwd_dq_kernel(q_ptr, kv_ptr, idx_ptr, kend_ptr, out_ptr, do_ptr, lse_ptr, d
                    stride_qt, stride_qh, stride_kvt, stride_it, stride_ot, stride_oh, stride_dot, stride_doh,
                    stride_lt, stride_dqt, stride_dqh, stride_pt, stride_pk,
                    DA: tl.constexpr, DB: tl.constexpr, DAP: tl.constexpr, DBP: tl.constexpr,
-                   BH: tl.constexpr, BK: tl.constexpr, HAS_B: tl.constexpr, IEEE: tl.constexpr):
-    """Split backward, part 1 (no atomics): dQ, and P / dS (dS already times sm_scale) of every (slot, head)
-    into a scratch ``[rows, K, H]`` for part 2 (heads innermost: part 2 reads [slots, heads] tiles coalesced)."""
+                   BH: tl.constexpr, BK: tl.constexpr, HAS_B: tl.constexpr, IEEE: tl.constexpr,
+                   DQ: tl.constexpr):
+    """Split backward, part 1 (no atomics): P and dS (dS already times sm_scale) of every (slot, head) into a
+    scratch ``[rows, K, H]`` for part 2 (heads innermost: part 2 reads [slots, heads] tiles coalesced), and with DQ
+    also dQ (else part 2 forms dQ)."""
     t = row0 + tl.program_id(0)
     offs_h = tl.program_id(1) * BH + tl.arange(0, BH)
     hmask = offs_h < H
@@ -198,9 +200,10 @@ def _bwd_dq_kernel(q_ptr, kv_ptr, idx_ptr, kend_ptr, out_ptr, do_ptr, lse_ptr, d
     kend = tl.load(kend_ptr + t)
     prow = (t - row0).to(tl.int64) * stride_pt + offs_h[:, None]  # [BH, 1] offsets into P / dS
 
-    dqa = tl.zeros([BH, DAP], tl.float32)
-    if HAS_B:
-        dqb = tl.zeros([BH, DBP], tl.float32)
+    if DQ:
+        dqa = tl.zeros([BH, DAP], tl.float32)
+        if HAS_B:
+            dqb = tl.zeros([BH, DBP], tl.float32)
     for k0 in range(0, kend, BK):
         valid, safe, ka, kb = _gather(kv_ptr, idx_row, k0, K, T, stride_kvt, DA, DB, DAP, DBP, BK, HAS_B)
         s = _dot(qa, tl.trans(ka), IEEE)
@@ -210,78 +213,91 @@ def _bwd_dq_kernel(q_ptr, kv_ptr, idx_ptr, kend_ptr, out_ptr, do_ptr, lse_ptr, d
         p = tl.where(valid[None, :], p, 0.0)  # [BH, BK]
         dp = _dot(do, tl.trans(ka), IEEE)
         ds_c = (p * (dp - delta[:, None]) * sm_scale).to(ka.dtype)  # gradient w.r.t. q.k
-        dqa += _dot(ds_c, ka, IEEE)
-        if HAS_B:
-            dqb += _dot(ds_c, kb, IEEE)
+        if DQ:
+            dqa += _dot(ds_c, ka, IEEE)
+            if HAS_B:
+                dqb += _dot(ds_c, kb, IEEE)
         offs_k = k0 + tl.arange(0, BK)
         smask = hmask[:, None] & (offs_k < K)[None, :]
         tl.store(p_ptr + prow + offs_k[None, :] * stride_pk, p.to(p_ptr.dtype.element_ty), mask=smask)
         tl.store(ds_ptr + prow + offs_k[None, :] * stride_pk, ds_c, mask=smask)
-    dqrow = dq_ptr + t64 * stride_dqt + offs_h[:, None] * stride_dqh
-    tl.store(dqrow + offs_a[None, :], dqa.to(dq_ptr.dtype.element_ty), mask=amask)
-    if HAS_B:
-        tl.store(dqrow + DA + offs_b[None, :], dqb.to(dq_ptr.dtype.element_ty), mask=bmask)
+    if DQ:
+        dqrow = dq_ptr + t64 * stride_dqt + offs_h[:, None] * stride_dqh
+        tl.store(dqrow + offs_a[None, :], dqa.to(dq_ptr.dtype.element_ty), mask=amask)
+        if HAS_B:
+            tl.store(dqrow + DA + offs_b[None, :], dqb.to(dq_ptr.dtype.element_ty), mask=bmask)
 
 
 @triton.jit
-def _dkv_cols(pt, dst, q_c, do_c, rows, c0: tl.constexpr, DAC: tl.constexpr, DA: tl.constexpr, valid, IEEE: tl.constexpr):
-    """dKV[rows, c0:c0+DAC] += P^T dO_c + dS^T Q_c (one accumulator chain, one layout)."""
-    acc = _dot(pt, do_c, IEEE)
-    if IEEE:
-        acc = tl.dot(dst, q_c, acc, input_precision="ieee")
-    else:
-        acc = tl.dot(dst, q_c, acc)
-    offs = c0 + tl.arange(0, DAC)
-    tl.atomic_add(rows[:, None] + offs[None, :], acc, mask=valid[:, None] & (offs < DA)[None, :], sem="relaxed")
-
-
-@triton.jit
-def _bwd_dkv_kernel(q_ptr, idx_ptr, kend_ptr, do_ptr, p_ptr, ds_ptr, dkv_ptr,
-                    T, H, K, row0,
-                    stride_qt, stride_qh, stride_it, stride_dot, stride_doh, stride_pt, stride_pk, stride_dkvt,
-                    DA: tl.constexpr, DB: tl.constexpr, DAP: tl.constexpr, DBP: tl.constexpr,
-                    BH: tl.constexpr, BK: tl.constexpr, HAS_B: tl.constexpr, IEEE: tl.constexpr,
-                    SPLIT: tl.constexpr):
-    """Split backward, part 2: dKV[idx] += dS^T Q + P^T dO (fp32 atomics, once per (query, slot) and head block;
-    dS carries sm_scale). Q and dO are only right-hand operands here, so each has one shared-memory copy; with
-    SPLIT the value columns go in two halves, which halves the register tile converted for the atomics."""
-    t = row0 + tl.program_id(0)
-    offs_h = tl.program_id(1) * BH + tl.arange(0, BH)
-    hmask = offs_h < H
-    t64 = t.to(tl.int64)
-    qrow = q_ptr + t64 * stride_qt + offs_h[:, None] * stride_qh
-    dorow = do_ptr + t64 * stride_dot + offs_h[:, None] * stride_doh
-    DAC: tl.constexpr = DAP // 2 if SPLIT else DAP
-    offs_c = tl.arange(0, DAC)
-    m0 = hmask[:, None] & (offs_c < DA)[None, :]
-    q0 = tl.load(qrow + offs_c[None, :], mask=m0, other=0.0)
-    do0 = tl.load(dorow + offs_c[None, :], mask=m0, other=0.0)
-    if SPLIT:
-        m1 = hmask[:, None] & (DAC + offs_c < DA)[None, :]
-        q1 = tl.load(qrow + DAC + offs_c[None, :], mask=m1, other=0.0)
-        do1 = tl.load(dorow + DAC + offs_c[None, :], mask=m1, other=0.0)
-    if HAS_B:
-        offs_b = tl.arange(0, DBP)
-        qb = tl.load(qrow + DA + offs_b[None, :], mask=hmask[:, None] & (offs_b < DB)[None, :], other=0.0)
-    idx_row = idx_ptr + t64 * stride_it
-    kend = tl.load(kend_ptr + t)
-    prow = (t - row0).to(tl.int64) * stride_pt + offs_h[None, :]  # [1, BH]
+def _dkv_block(kv_ptr, p_ptr, ds_ptr, dkv_ptr, dq_ptr, idx_row, kend, T, K, qrow, dorow, prow, dqrow, stride_kvt,
+               stride_pk, stride_dkvt, hmask, offs_c, DA: tl.constexpr, DQK: tl.constexpr, BH: tl.constexpr,
+               BK: tl.constexpr, DC: tl.constexpr, WITH_P: tl.constexpr, DQ: tl.constexpr, IEEE: tl.constexpr):
+    """Over one row's slots: dKV[idx, offs_c] += dS^T Q[:, offs_c] (+ P^T dO[:, offs_c] with WITH_P); with DQ
+    also dQ[:, offs_c] = dS KV[idx, offs_c]."""
+    cmask = offs_c < DQK
+    q_c = tl.load(qrow + offs_c[None, :], mask=hmask[:, None] & cmask[None, :], other=0.0)
+    if WITH_P:
+        do_c = tl.load(dorow + offs_c[None, :], mask=hmask[:, None] & (offs_c < DA)[None, :], other=0.0)
+    if DQ:
+        dq = tl.zeros([BH, DC], tl.float32)
     for k0 in range(0, kend, BK):
         offs_k = k0 + tl.arange(0, BK)
         idx = tl.load(idx_row + offs_k, mask=offs_k < K, other=-1)
         valid = (idx >= 0) & (idx < T)
+        safe = tl.where(valid, idx, 0).to(tl.int64)
         lmask = valid[:, None] & hmask[None, :]
-        pt = tl.load(p_ptr + prow + offs_k[:, None] * stride_pk, mask=lmask, other=0.0)  # [BK, BH], heads contiguous
-        dst = tl.load(ds_ptr + prow + offs_k[:, None] * stride_pk, mask=lmask, other=0.0)
-        rows = dkv_ptr + tl.where(valid, idx, 0).to(tl.int64) * stride_dkvt
-        _dkv_cols(pt, dst, q0, do0, rows, 0, DAC, DA, valid, IEEE)
-        if SPLIT:
-            _dkv_cols(pt, dst, q1, do1, rows, DAC, DAC, DA, valid, IEEE)
-        if HAS_B:
-            dkb = _dot(dst, qb, IEEE)
-            offs_b2 = DA + tl.arange(0, DBP)
-            tl.atomic_add(rows[:, None] + offs_b2[None, :], dkb, mask=valid[:, None] & (offs_b2 < DA + DB)[None, :],
-                          sem="relaxed")
+        dst = tl.load(ds_ptr + prow + offs_k[:, None] * stride_pk, mask=lmask, other=0.0)  # [BK, BH], heads contiguous
+        acc = _dot(dst, q_c, IEEE)
+        if WITH_P:
+            pt = tl.load(p_ptr + prow + offs_k[:, None] * stride_pk, mask=lmask, other=0.0)
+            if IEEE:
+                acc = tl.dot(pt, do_c, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(pt, do_c, acc)
+        tl.atomic_add(dkv_ptr + safe[:, None] * stride_dkvt + offs_c[None, :], acc,
+                      mask=valid[:, None] & cmask[None, :], sem="relaxed")
+        if DQ:
+            kv_c = tl.load(kv_ptr + safe[:, None] * stride_kvt + offs_c[None, :], mask=valid[:, None] & cmask[None, :],
+                           other=0.0)
+            if IEEE:
+                dq = tl.dot(tl.trans(dst), kv_c, dq, input_precision="ieee")
+            else:
+                dq = tl.dot(tl.trans(dst), kv_c, dq)
+    if DQ:
+        tl.store(dqrow + offs_c[None, :], dq.to(dq_ptr.dtype.element_ty), mask=hmask[:, None] & cmask[None, :])
+
+
+@triton.jit
+def _bwd_dkv_kernel(q_ptr, kv_ptr, idx_ptr, kend_ptr, do_ptr, p_ptr, ds_ptr, dkv_ptr, dq_ptr,
+                    T, H, K, row0,
+                    stride_qt, stride_qh, stride_kvt, stride_it, stride_dot, stride_doh, stride_pt, stride_pk,
+                    stride_dkvt, stride_dqt, stride_dqh,
+                    DA: tl.constexpr, DQK: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, DC: tl.constexpr,
+                    DQ: tl.constexpr, IEEE: tl.constexpr):
+    """Split backward, part 2: dKV[idx] += dS^T Q + P^T dO (fp32 atomics, once per (query, slot), head block and
+    column block; dS carries sm_scale), and with DQ also dQ = dS KV[idx]. One program per (column block of DC,
+    query, head block), the column block fastest, so the programs of one query run side by side and share its
+    P / dS tiles in L2. Small programs (a [BK, DC] tile, Q and dO of DC columns in shared memory) let several
+    run per SM, so one program's atomics overlap another's products: the atomics are what bound this kernel.
+    Blocks past d_v only add dS^T Q."""
+    c0 = tl.program_id(0) * DC
+    t = row0 + tl.program_id(1)
+    offs_h = tl.program_id(2) * BH + tl.arange(0, BH)
+    hmask = offs_h < H
+    t64 = t.to(tl.int64)
+    qrow = q_ptr + t64 * stride_qt + offs_h[:, None] * stride_qh
+    dorow = do_ptr + t64 * stride_dot + offs_h[:, None] * stride_doh
+    dqrow = dq_ptr + t64 * stride_dqt + offs_h[:, None] * stride_dqh
+    idx_row = idx_ptr + t64 * stride_it
+    kend = tl.load(kend_ptr + t)
+    prow = (t - row0).to(tl.int64) * stride_pt + offs_h[None, :]  # [1, BH]
+    offs_c = c0 + tl.arange(0, DC)
+    if c0 < DA:
+        _dkv_block(kv_ptr, p_ptr, ds_ptr, dkv_ptr, dq_ptr, idx_row, kend, T, K, qrow, dorow, prow, dqrow, stride_kvt,
+                   stride_pk, stride_dkvt, hmask, offs_c, DA, DQK, BH, BK, DC, True, DQ, IEEE)
+    else:
+        _dkv_block(kv_ptr, p_ptr, ds_ptr, dkv_ptr, dq_ptr, idx_row, kend, T, K, qrow, dorow, prow, dqrow, stride_kvt,
+                   stride_pk, stride_dkvt, hmask, offs_c, DA, DQK, BH, BK, DC, False, DQ, IEEE)
 
 
 def _config(h: int, d_qk: int, d_v: int, backward: bool = False, part: str = ""):
@@ -299,18 +315,26 @@ def _config(h: int, d_qk: int, d_v: int, backward: bool = False, part: str = "")
         # was on par; 32 x 32 on mma.sync 25% slower)
         bh = min(bh, 32) if big else bh
         bk, num_stages = (64, 2) if big else (16, 2)
+    elif part == "p":
+        # part 1 without dQ: no [heads, 576] accumulator, so all 64 heads in one program (one gather per query)
+        bk, num_stages = (32, 2) if big else (16, 2)
     elif part == "dkv":
-        # 64 slots per step: the dKV tile is the M side of the products (wgmma needs M >= 64)
+        # 64 slots per step: the dKV tile is the M side of the products (wgmma needs M >= 64); one warpgroup per
+        # [64, DC] tile. DC = 64 unpipelined (41 KB shared memory, 143 registers: 3 programs per SM) measured best
+        # on one H200 at T = 4K and 32K (DC = 128: 2 per SM, 3% slower with 1 stage, 50% slower with 2)
         bk, num_stages = (64, 1) if big else (16, 2)
+        num_warps = 4
     else:
         # fused backward at d_v = 512: Q and dO are needed in shared memory in two operand layouts each, which
         # only fits (227 KB) with 32 heads per program
         bh = min(bh, 32) if big else bh
         bk, num_stages = (32, 1) if big else (16, 2)
-    cfg = dict(DA=d_v, DB=db, DAP=dap, DBP=dbp, BH=bh, BK=bk, HAS_B=db > 0)
     if part == "dkv":
-        cfg["SPLIT"] = big
+        cfg = dict(DA=d_v, DQK=d_qk, BH=bh, BK=bk, DC=64)
+    else:
+        cfg = dict(DA=d_v, DB=db, DAP=dap, DBP=dbp, BH=bh, BK=bk, HAS_B=db > 0)
     tune = dict(TUNE["bwd_" + part if part else ("bwd" if backward else "fwd")])
+    tune.pop("dq", None)
     num_warps = tune.pop("num_warps", num_warps)
     num_stages = tune.pop("num_stages", num_stages)
     cfg.update(tune)
@@ -378,23 +402,25 @@ def _bwd_split(q, kv, indices, kend, out, lse, grad_out, sm_scale, d_v, dq, dkv)
     """dQ kernel (also writes P and dS, bf16 for bf16 inputs) then dKV kernel, per chunk of queries."""
     total, h, d_qk = q.shape
     n_k = indices.shape[1]
-    c, nw, ns = _config(h, d_qk, d_v, backward=True, part="dq")
+    c, nw, ns = _config(h, d_qk, d_v, backward=True, part="dq" if TUNE["bwd"].get("dq", "part2") == "part1" else "p")
     c2, nw2, ns2 = _config(h, d_qk, d_v, backward=True, part="dkv")
     rows = max(1, min(total, SPLIT_SCRATCH_BYTES // max(1, 2 * h * n_k * q.element_size())))
     p = torch.empty((rows, n_k, h), dtype=q.dtype, device=q.device)
     ds = torch.empty_like(p)
     ieee = q.dtype == torch.float32
+    dq_in_dkv = TUNE["bwd"].get("dq", "part2") == "part2"
     for a in range(0, total, rows):
         n = min(rows, total - a)
         _bwd_dq_kernel[(n, triton.cdiv(h, c["BH"]))](
             q, kv, indices, kend, out, grad_out, lse, dq, p, ds, kv.shape[0], h, n_k, sm_scale, a,
             q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), out.stride(0), out.stride(1),
             grad_out.stride(0), grad_out.stride(1), lse.stride(0), dq.stride(0), dq.stride(1), p.stride(0),
-            p.stride(1), IEEE=ieee, num_warps=nw, num_stages=ns, **c)
-        _bwd_dkv_kernel[(n, triton.cdiv(h, c2["BH"]))](
-            q, indices, kend, grad_out, p, ds, dkv, kv.shape[0], h, n_k, a,
-            q.stride(0), q.stride(1), indices.stride(0), grad_out.stride(0), grad_out.stride(1), p.stride(0),
-            p.stride(1), dkv.stride(0), IEEE=ieee, num_warps=nw2, num_stages=ns2, **c2)
+            p.stride(1), IEEE=ieee, DQ=not dq_in_dkv, num_warps=nw, num_stages=ns, **c)
+        _bwd_dkv_kernel[(triton.cdiv(d_qk, c2["DC"]), n, triton.cdiv(h, c2["BH"]))](
+            q, kv, indices, kend, grad_out, p, ds, dkv, dq, kv.shape[0], h, n_k, a,
+            q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), grad_out.stride(0), grad_out.stride(1),
+            p.stride(0), p.stride(1), dkv.stride(0), dq.stride(0), dq.stride(1), IEEE=ieee, DQ=dq_in_dkv,
+            num_warps=nw2, num_stages=ns2, **c2)
 
 
 def _contig(x: torch.Tensor) -> torch.Tensor:
@@ -432,13 +458,16 @@ def compile_specs(small: bool = False):
     """Launch configurations for ``bench/compile_check.py`` (offline sm_90 compile)."""
     h, d_qk, d_v = (4, 24, 16) if small else (64, 576, 512)
     out = []
-    for name, fn, bwd, part in (("sparse_mla_fwd", _fwd_kernel, False, ""),
-                                ("sparse_mla_bwd_dq", _bwd_dq_kernel, True, "dq"),
-                                ("sparse_mla_bwd_dkv", _bwd_dkv_kernel, True, "dkv"),
-                                ("sparse_mla_bwd_fused", _bwd_kernel, True, "")):
+    for name, fn, bwd, part, dq in (("sparse_mla_fwd", _fwd_kernel, False, "", None),
+                                    ("sparse_mla_bwd_dq", _bwd_dq_kernel, True, "dq", True),
+                                    ("sparse_mla_bwd_p", _bwd_dq_kernel, True, "p", False),
+                                    ("sparse_mla_bwd_dkv", _bwd_dkv_kernel, True, "dkv", True),
+                                    ("sparse_mla_bwd_fused", _bwd_kernel, True, "", None)):
         c, nw, ns = _config(h, d_qk, d_v, backward=bwd, part=part)
         c.pop("mode", None)
         c["IEEE"] = False
+        if dq is not None:
+            c["DQ"] = dq
         sig = {n: "i32" for n in fn.arg_names if n.startswith("stride") or n in ("T", "H", "K", "row0")}
         sig.update({n: "*bf16" for n in fn.arg_names if n.endswith("_ptr")})
         sig.update({"idx_ptr": "*i32", "kend_ptr": "*i32", "lse_ptr": "*fp32", "qk_scale": "fp32", "sm_scale": "fp32",
