@@ -216,9 +216,8 @@ SWEEP = {  # (module, part) -> alternatives to the built-in default ({}); the fa
                                 dict(BN=64, num_warps=4, num_stages=4), dict(BN=64, num_warps=8, num_stages=3)],
     ("indexer_topk", "select"): [dict(BLOCK=2048, num_warps=8), dict(BLOCK=512, num_warps=4)],
     ("sparse_mla", "fwd"): [dict(BK=32, num_stages=3)],
-    ("sparse_mla", "bwd_dq"): [dict(BH=32, BK=32, num_stages=2), dict(BH=64, BK=32, num_stages=1)],
-    ("sparse_mla", "bwd_dkv"): [dict(BK=64, num_stages=2), dict(BK=32, num_stages=2, SPLIT=False)],
-    ("sparse_mla", "bwd"): [dict(mode="fused")],  # after the split parts: compares against their best
+    ("sparse_mla", "bwd_ps"): [dict(BK=32, num_stages=2), dict(BH=32, BK=64, num_stages=2)],
+    ("sparse_mla", "bwd_grad"): [dict(DC=128, num_stages=1), dict(BK=32)],
     ("indexer_loss", "fwd"): [dict(BK=64, num_stages=1)],
     ("indexer_loss", "bwd"): [dict(BK=32, num_warps=4)],
 }

@@ -1,14 +1,13 @@
 """Per-kernel profile of the Triton DSA kernels at one size (issue 5: what limits them).
 
     python bench/profile_dsa.py --T 32768                       # torch.profiler: time of every kernel launch
-    ncu --clock-control none --set full -k regex:'^_(fwd|bwd_dq|bwd_dkv|score|select|kl_fwd|kl_bwd)_kernel' \\
+    ncu --clock-control none --set full -k regex:'^_(fwd|bwd_ps|bwd_grad|score|select|kl_fwd|kl_bwd)_kernel' \\
         -o dsa python bench/profile_dsa.py --T 32768 --once     # hardware counters, one launch of each
 
 Shapes as bench/kernels.py (H = 64, D_qk = 576, d_v = 512, topk = 2048, H_I = 32, D_I = 128, bf16, one document
 of T tokens, random data). The split backward runs as one chunk (one launch per kernel). Prints one table: per
-kernel, ms per call and TFLOP/s by the FLOP counts of bench/kernels.py split per kernel (dq kernel: S, dP =
-2*H*K_valid*(D_qk + d_v); dkv kernel: dK, dV, dQ = 2*H*K_valid*(2*D_qk + d_v); with TUNE["bwd"]["dq"] = "part1"
-dQ's 2*H*K_valid*D_qk moves to the dq kernel); JSON to --out.
+kernel, ms per call and TFLOP/s by the FLOP counts of bench/kernels.py split per kernel (backward part 1, ps:
+S, dP = 2*H*K_valid*(D_qk + d_v); part 2, grad: dK, dV, dQ = 2*H*K_valid*(2*D_qk + d_v)); JSON to --out.
 """
 
 from __future__ import annotations
@@ -35,7 +34,7 @@ def main(argv: list[str]) -> int:
     a = p.parse_args(argv)
     from titan_glm52.kernels import indexer_topk as it_mod, sparse_mla as sm_mod
     from titan_glm52.kernels.indexer_loss import indexer_kl_sparse
-    sm_mod.SPLIT_SCRATCH_BYTES = 1 << 40  # one chunk: one launch of each backward kernel
+    sm_mod.SCRATCH_BYTES = 1 << 40  # one chunk: one launch of each backward kernel
     T = a.T
     pairs, kvalid = counts([T])
     cu, qi, ki, wi = make_inputs(T, [T])
@@ -66,11 +65,10 @@ def main(argv: list[str]) -> int:
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:
             times[e.name].append(e.device_time / 1e3)
-    dq_part2 = sm_mod.TUNE["bwd"].get("dq", "part2") == "part2"  # which backward kernel forms dQ
     flops = {"_score_kernel": 2 * H_I * D_I * pairs,
              "_fwd_kernel": 2 * H * kvalid * (D_QK + D_V),
-             "_bwd_dq_kernel": 2 * H * kvalid * ((D_QK if dq_part2 else 2 * D_QK) + D_V),
-             "_bwd_dkv_kernel": 2 * H * kvalid * ((2 * D_QK if dq_part2 else D_QK) + D_V),
+             "_bwd_ps_kernel": 2 * H * kvalid * (D_QK + D_V),
+             "_bwd_grad_kernel": 2 * H * kvalid * (2 * D_QK + D_V),
              "_kl_fwd_kernel": 2 * H * kvalid * D_QK + 2 * H_I * D_I * kvalid,
              "_kl_bwd_kernel": 2 * 2 * H_I * D_I * kvalid}
     rows = []

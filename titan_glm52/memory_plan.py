@@ -325,8 +325,8 @@ def _block_modes(ac_mode: str, selective_option: str, n_blocks: int) -> list[str
     raise ValueError(f"selective AC option {selective_option!r}: use 'op' or a positive integer N")
 
 
-# The DSA kernels' fixed scratch: kernels/sparse_mla.py SPLIT_SCRATCH_BYTES (P and dS of one chunk of queries in
-# the split backward) and kernels/indexer_topk.py SCRATCH_BYTES (fp32 scores + stash of one chunk of queries).
+# The DSA kernels' fixed scratch: kernels/sparse_mla.py SCRATCH_BYTES (P and dS of one chunk of queries in
+# the backward) and kernels/indexer_topk.py SCRATCH_BYTES (fp32 scores + stash of one chunk of queries).
 DSA_SCRATCH_BYTES = 1 << 30
 
 

@@ -66,17 +66,16 @@ def test_all_rows_empty():
 
 
 @pytest.mark.parametrize("tune", [
-    {"bwd": {"mode": "fused"}},  # the one-kernel backward
-    {"bwd": {"dq": "part1"}},  # dQ formed in part 1 (with P / dS) instead of part 2
-    {"bwd_dkv": {"DC": 16}},  # dKV in column blocks narrower than d_v (the d_v = 512 layout), a tail-only block
-    {"bwd_dkv": {"DC": 64}},  # one column block holding the values and the tail
-    {"split_scratch": 3 * 2 * 2 * 8 * 4},  # P / dS scratch of 3 queries: several chunks
+    {"bwd_grad": {"DC": 16}},  # column blocks narrower than d_v (the d_v = 512 layout), a tail-only block
+    {"bwd_grad": {"DC": 64}},  # one column block holding the values and the tail
+    {"bwd_ps": {"BH": 1}, "bwd_grad": {"BH": 1}},  # one head per program: head blocks in both parts
+    {"scratch": 3 * 2 * 2 * 8 * 4},  # P / dS scratch of 3 queries: several chunks
 ])
 def test_backward_variants(tune, monkeypatch):
     from titan_glm52.kernels import sparse_mla as SM
     for part, cfg in tune.items():
-        if part == "split_scratch":
-            monkeypatch.setattr(SM, "SPLIT_SCRATCH_BYTES", cfg)
+        if part == "scratch":
+            monkeypatch.setattr(SM, "SCRATCH_BYTES", cfg)
         else:
             monkeypatch.setitem(SM.TUNE, part, cfg)
     lengths, h, d_qk, d_v, topk = [9, 14], 2, 40, 32, 8

@@ -92,8 +92,8 @@ def test_trace_summary_groups_kernels_per_step(tmp_path):
     """bench/trace_summary.py: GPU kernel time per profiled step, by kernel name and by category."""
     ts = _load("trace_summary")
     events = [
-        {"ph": "X", "cat": "kernel", "name": "_bwd_dkv_kernel", "dur": 3000.0},
-        {"ph": "X", "cat": "kernel", "name": "_bwd_dkv_kernel", "dur": 1000.0},
+        {"ph": "X", "cat": "kernel", "name": "_bwd_grad_kernel", "dur": 3000.0},
+        {"ph": "X", "cat": "kernel", "name": "_bwd_grad_kernel", "dur": 1000.0},
         {"ph": "X", "cat": "kernel", "name": "nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT", "dur": 2000.0},
         {"ph": "X", "cat": "kernel", "name": "cutlass3x_GroupProblemShape_gemm", "dur": 1000.0},
         {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoD (Device -> Device)", "dur": 1000.0},
@@ -106,7 +106,7 @@ def test_trace_summary_groups_kernels_per_step(tmp_path):
     cats = {c["category"]: c["ms_per_step"] for c in s["categories"]}
     assert cats == pytest.approx({"dsa: sparse mla bwd": 2.0, "gemm (cublas/cutlass)": 1.0,
                                   "grouped gemm (moe)": 0.5, "copy / cat / index": 0.5})
-    assert [k["name"] for k in s["kernels"]][0] == "_bwd_dkv_kernel" and len(s["kernels"]) == 3
+    assert [k["name"] for k in s["kernels"]][0] == "_bwd_grad_kernel" and len(s["kernels"]) == 3
     assert s["kernels"][0]["calls_per_step"] == 1.0
     assert "GPU kernel time 4.0 ms/step" in ts.text(s)
 

@@ -312,7 +312,7 @@ def test_masked_dense_rows_add_their_keys_and_mask():
 def test_dsa_scratch_matches_the_kernels():
     """The plan's DSA scratch term is the kernels' own budget (read from their source: importing them needs
     triton)."""
-    for path, name in (("sparse_mla.py", "SPLIT_SCRATCH_BYTES"), ("indexer_topk.py", "SCRATCH_BYTES")):
+    for path, name in (("sparse_mla.py", "SCRATCH_BYTES"), ("indexer_topk.py", "SCRATCH_BYTES")):
         with open(os.path.join(REPO, "titan_glm52", "kernels", path)) as f:
             value = re.search(rf"^{name} = 1 << (\d+)\b", f.read(), re.M)
         assert value is not None and 1 << int(value.group(1)) == DSA_SCRATCH_BYTES

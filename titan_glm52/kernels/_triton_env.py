@@ -104,7 +104,7 @@ def pow2(n: int, minimum: int = 16) -> int:
 
 def load_tune(module: str, tune: dict) -> None:
     """Launch-parameter overrides from the JSON file named by $TITAN_DSA_TUNE_FILE (written by
-    ``bench/kernels.py --sweep-only``): ``{"sparse_mla": {"bwd_dq": {"BH": 64, ...}}, ...}``."""
+    ``bench/kernels.py --sweep-only``): ``{"sparse_mla": {"bwd_grad": {"DC": 128, ...}}, ...}``."""
     path = os.environ.get("TITAN_DSA_TUNE_FILE")
     if not path:
         return

@@ -10,13 +10,16 @@ each part is padded to a power of two (masked), so any D_qk/d_v works. One progr
 block of BH heads and walks the K selected rows in blocks of BK: gather the rows once (masked for -1, clamped
 before addressing), S = Q_A K_A^T + Q_B K_B^T, online softmax in base 2, O += P V with V = K_A.
 
-Backward (default "split", per chunk of queries): kernel 1 (same grid as forward) recomputes S and
-P = exp(S - lse) from the saved lse, dP = dO V^T, dS = P (dP - Delta) with Delta = rowsum(O dO), accumulates dQ in
-registers and writes P and dS ([chunk, H, K], q's dtype) to a scratch; kernel 2 forms the dKV tile
-dS^T Q * scale + P^T dO (heads are the GEMM reduction, all 64 in one program) and adds it to an fp32 buffer with
-atomics, cast to kv's dtype at the end (non-deterministic summation order, fp32 accuracy). Splitting keeps Q and
-dO in one operand layout per kernel (a fused kernel needs both layouts and only fits 32 heads per program, which
-doubles the atomic traffic that bounds the backward). The fused kernel stays available (TUNE["bwd"]["mode"]).
+Backward, two kernels per chunk of queries. Part 1 (same grid as forward, all 64 heads per program) recomputes
+S and P = exp(S - lse) from the saved lse, dP = dO V^T, dS = P (dP - Delta) with Delta = rowsum(O dO), and writes
+P and dS ([chunk, K, H], q's dtype) to a scratch. Part 2 runs one program per (64-column block of D_qk, query):
+dKV[idx, cols] += dS^T Q_cols * scale + P^T dO_cols (heads are the GEMM reduction) into an fp32 buffer with
+atomics, cast to kv's dtype at the end (non-deterministic summation order, fp32 accuracy), and
+dQ[:, cols] = dS KV[idx, cols]. Column blocks keep each program small, so several share an SM and one's atomics
+(what bounds the backward) overlap another's products; part 1 holds no dQ accumulator, so its 64 heads share one
+gather. Measured on one H200 (T = 32K, top-2048): 124 ms against 160 for the previous split (dQ in part 1, 32 heads
+per program; bench/results/kernels_h200.md, session 9); a one-kernel backward needs Q and dO in two operand
+layouts each and was slower still.
 """
 
 from __future__ import annotations
@@ -32,9 +35,9 @@ import triton.language as tl  # noqa: E402
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 
-# launch-parameter overrides for tuning (bench/kernels.py): keys BH, BK, num_warps, num_stages
-# (bwd: {"mode": "split" | "fused"}; bwd_dq / bwd_dkv: the two kernels of the split backward)
-TUNE: dict[str, dict] = {"fwd": {}, "bwd": {}, "bwd_dq": {}, "bwd_p": {}, "bwd_dkv": {}}
+# launch-parameter overrides for tuning (bench/kernels.py, $TITAN_DSA_TUNE_FILE), per kernel: keys BH, BK,
+# num_warps, num_stages (and DC, the column block of bwd_grad)
+TUNE: dict[str, dict] = {"fwd": {}, "bwd_ps": {}, "bwd_grad": {}}
 _triton_env.load_tune("sparse_mla", TUNE)
 
 
@@ -110,74 +113,15 @@ def _fwd_kernel(q_ptr, kv_ptr, idx_ptr, kend_ptr, out_ptr, lse_ptr,
 
 
 @triton.jit
-def _bwd_kernel(q_ptr, kv_ptr, idx_ptr, kend_ptr, out_ptr, do_ptr, lse_ptr, dq_ptr, dkv_ptr,
-                T, H, K, sm_scale,
-                stride_qt, stride_qh, stride_kvt, stride_it, stride_ot, stride_oh, stride_dot, stride_doh,
-                stride_lt, stride_dqt, stride_dqh, stride_dkvt,
-                DA: tl.constexpr, DB: tl.constexpr, DAP: tl.constexpr, DBP: tl.constexpr,
-                BH: tl.constexpr, BK: tl.constexpr, HAS_B: tl.constexpr, IEEE: tl.constexpr):
-    t = tl.program_id(0)
-    offs_h = tl.program_id(1) * BH + tl.arange(0, BH)
-    hmask = offs_h < H
-    offs_a = tl.arange(0, DAP)
-    amask = hmask[:, None] & (offs_a < DA)[None, :]
-    t64 = t.to(tl.int64)
-    qrow = q_ptr + t64 * stride_qt + offs_h[:, None] * stride_qh
-    qa = tl.load(qrow + offs_a[None, :], mask=amask, other=0.0)
-    if HAS_B:
-        offs_b = tl.arange(0, DBP)
-        bmask = hmask[:, None] & (offs_b < DB)[None, :]
-        qb = tl.load(qrow + DA + offs_b[None, :], mask=bmask, other=0.0)
-    do = tl.load(do_ptr + t64 * stride_dot + offs_h[:, None] * stride_doh + offs_a[None, :], mask=amask, other=0.0)
-    o = tl.load(out_ptr + t64 * stride_ot + offs_h[:, None] * stride_oh + offs_a[None, :], mask=amask, other=0.0)
-    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), axis=1)  # [BH]
-    lse = tl.load(lse_ptr + t64 * stride_lt + offs_h, mask=hmask, other=float("-inf"))
-    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)  # empty row -> P = 0
-    qk_scale = sm_scale * 1.4426950408889634
-    idx_row = idx_ptr + t64 * stride_it
-    kend = tl.load(kend_ptr + t)
-
-    dqa = tl.zeros([BH, DAP], tl.float32)
-    if HAS_B:
-        dqb = tl.zeros([BH, DBP], tl.float32)
-    for k0 in range(0, kend, BK):
-        valid, safe, ka, kb = _gather(kv_ptr, idx_row, k0, K, T, stride_kvt, DA, DB, DAP, DBP, BK, HAS_B)
-        s = _dot(qa, tl.trans(ka), IEEE)
-        if HAS_B:
-            s += _dot(qb, tl.trans(kb), IEEE)
-        p = tl.math.exp2(s * qk_scale - lse2[:, None])
-        p = tl.where(valid[None, :], p, 0.0)  # [BH, BK]
-        dp = _dot(do, tl.trans(ka), IEEE)
-        ds = p * (dp - delta[:, None])  # gradient w.r.t. the scaled logits
-        ds_c = ds.to(ka.dtype)
-        dqa += _dot(ds_c, ka, IEEE)
-        # dKV tile: the heads are the reduction dimension, so each (query, key) pair is added once per head block
-        dka = _dot(tl.trans(ds_c), qa, IEEE) * sm_scale + _dot(tl.trans(p.to(do.dtype)), do, IEEE)
-        dkv_rows = dkv_ptr + safe * stride_dkvt
-        tl.atomic_add(dkv_rows[:, None] + offs_a[None, :], dka, mask=valid[:, None] & (offs_a < DA)[None, :],
-                      sem="relaxed")
-        if HAS_B:
-            dqb += _dot(ds_c, kb, IEEE)
-            dkb = _dot(tl.trans(ds_c), qb, IEEE) * sm_scale
-            tl.atomic_add(dkv_rows[:, None] + DA + offs_b[None, :], dkb,
-                          mask=valid[:, None] & (offs_b < DB)[None, :], sem="relaxed")
-    dqrow = dq_ptr + t64 * stride_dqt + offs_h[:, None] * stride_dqh
-    tl.store(dqrow + offs_a[None, :], (dqa * sm_scale).to(dq_ptr.dtype.element_ty), mask=amask)
-    if HAS_B:
-        tl.store(dqrow + DA + offs_b[None, :], (dqb * sm_scale).to(dq_ptr.dtype.element_ty), mask=bmask)
-
-
-@triton.jit
-def _bwd_dq_kernel(q_ptr, kv_ptr, idx_ptr, kend_ptr, out_ptr, do_ptr, lse_ptr, dq_ptr, p_ptr, ds_ptr,
+def _bwd_ps_kernel(q_ptr, kv_ptr, idx_ptr, kend_ptr, out_ptr, do_ptr, lse_ptr, p_ptr, ds_ptr,
                    T, H, K, sm_scale, row0,
                    stride_qt, stride_qh, stride_kvt, stride_it, stride_ot, stride_oh, stride_dot, stride_doh,
-                   stride_lt, stride_dqt, stride_dqh, stride_pt, stride_pk,
+                   stride_lt, stride_pt, stride_pk,
                    DA: tl.constexpr, DB: tl.constexpr, DAP: tl.constexpr, DBP: tl.constexpr,
-                   BH: tl.constexpr, BK: tl.constexpr, HAS_B: tl.constexpr, IEEE: tl.constexpr,
-                   DQ: tl.constexpr):
-    """Split backward, part 1 (no atomics): P and dS (dS already times sm_scale) of every (slot, head) into a
-    scratch ``[rows, K, H]`` for part 2 (heads innermost: part 2 reads [slots, heads] tiles coalesced), and with DQ
-    also dQ (else part 2 forms dQ)."""
+                   BH: tl.constexpr, BK: tl.constexpr, HAS_B: tl.constexpr, IEEE: tl.constexpr):
+    """Backward, part 1 (no atomics, no accumulator): recompute P and form dS (already times sm_scale) of every
+    (slot, head) into a scratch ``[rows, K, H]`` for part 2 (heads innermost: part 2 reads [slots, heads] tiles
+    coalesced). Without a [heads, D_qk] accumulator all 64 heads fit one program: one gather per query."""
     t = row0 + tl.program_id(0)
     offs_h = tl.program_id(1) * BH + tl.arange(0, BH)
     hmask = offs_h < H
@@ -188,8 +132,7 @@ def _bwd_dq_kernel(q_ptr, kv_ptr, idx_ptr, kend_ptr, out_ptr, do_ptr, lse_ptr, d
     qa = tl.load(qrow + offs_a[None, :], mask=amask, other=0.0)
     if HAS_B:
         offs_b = tl.arange(0, DBP)
-        bmask = hmask[:, None] & (offs_b < DB)[None, :]
-        qb = tl.load(qrow + DA + offs_b[None, :], mask=bmask, other=0.0)
+        qb = tl.load(qrow + DA + offs_b[None, :], mask=hmask[:, None] & (offs_b < DB)[None, :], other=0.0)
     do = tl.load(do_ptr + t64 * stride_dot + offs_h[:, None] * stride_doh + offs_a[None, :], mask=amask, other=0.0)
     o = tl.load(out_ptr + t64 * stride_ot + offs_h[:, None] * stride_oh + offs_a[None, :], mask=amask, other=0.0)
     delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), axis=1)  # [BH]
@@ -199,11 +142,6 @@ def _bwd_dq_kernel(q_ptr, kv_ptr, idx_ptr, kend_ptr, out_ptr, do_ptr, lse_ptr, d
     idx_row = idx_ptr + t64 * stride_it
     kend = tl.load(kend_ptr + t)
     prow = (t - row0).to(tl.int64) * stride_pt + offs_h[:, None]  # [BH, 1] offsets into P / dS
-
-    if DQ:
-        dqa = tl.zeros([BH, DAP], tl.float32)
-        if HAS_B:
-            dqb = tl.zeros([BH, DBP], tl.float32)
     for k0 in range(0, kend, BK):
         valid, safe, ka, kb = _gather(kv_ptr, idx_row, k0, K, T, stride_kvt, DA, DB, DAP, DBP, BK, HAS_B)
         s = _dot(qa, tl.trans(ka), IEEE)
@@ -213,38 +151,28 @@ def _bwd_dq_kernel(q_ptr, kv_ptr, idx_ptr, kend_ptr, out_ptr, do_ptr, lse_ptr, d
         p = tl.where(valid[None, :], p, 0.0)  # [BH, BK]
         dp = _dot(do, tl.trans(ka), IEEE)
         ds_c = (p * (dp - delta[:, None]) * sm_scale).to(ka.dtype)  # gradient w.r.t. q.k
-        if DQ:
-            dqa += _dot(ds_c, ka, IEEE)
-            if HAS_B:
-                dqb += _dot(ds_c, kb, IEEE)
         offs_k = k0 + tl.arange(0, BK)
         smask = hmask[:, None] & (offs_k < K)[None, :]
         tl.store(p_ptr + prow + offs_k[None, :] * stride_pk, p.to(p_ptr.dtype.element_ty), mask=smask)
         tl.store(ds_ptr + prow + offs_k[None, :] * stride_pk, ds_c, mask=smask)
-    if DQ:
-        dqrow = dq_ptr + t64 * stride_dqt + offs_h[:, None] * stride_dqh
-        tl.store(dqrow + offs_a[None, :], dqa.to(dq_ptr.dtype.element_ty), mask=amask)
-        if HAS_B:
-            tl.store(dqrow + DA + offs_b[None, :], dqb.to(dq_ptr.dtype.element_ty), mask=bmask)
 
 
 @triton.jit
-def _dkv_block(kv_ptr, p_ptr, ds_ptr, dkv_ptr, dq_ptr, idx_row, kend, T, K, qrow, dorow, prow, dqrow, stride_kvt,
-               stride_pk, stride_dkvt, hmask, offs_c, DA: tl.constexpr, DQK: tl.constexpr, BH: tl.constexpr,
-               BK: tl.constexpr, DC: tl.constexpr, WITH_P: tl.constexpr, DQ: tl.constexpr, IEEE: tl.constexpr):
-    """Over one row's slots: dKV[idx, offs_c] += dS^T Q[:, offs_c] (+ P^T dO[:, offs_c] with WITH_P); with DQ
-    also dQ[:, offs_c] = dS KV[idx, offs_c]."""
+def _grad_block(kv_ptr, p_ptr, ds_ptr, dkv_ptr, dq_ptr, idx_row, kend, T, K, qrow, dorow, prow, dqrow, stride_kvt,
+                stride_pk, stride_dkvt, hmask, offs_c, DA: tl.constexpr, DQK: tl.constexpr, BH: tl.constexpr,
+                BK: tl.constexpr, DC: tl.constexpr, WITH_P: tl.constexpr, IEEE: tl.constexpr):
+    """Over one row's slots: dKV[idx, offs_c] += dS^T Q[:, offs_c] (+ P^T dO[:, offs_c] with WITH_P) and
+    dQ[:, offs_c] = dS KV[idx, offs_c]."""
     cmask = offs_c < DQK
     q_c = tl.load(qrow + offs_c[None, :], mask=hmask[:, None] & cmask[None, :], other=0.0)
     if WITH_P:
         do_c = tl.load(dorow + offs_c[None, :], mask=hmask[:, None] & (offs_c < DA)[None, :], other=0.0)
-    if DQ:
-        dq = tl.zeros([BH, DC], tl.float32)
+    dq = tl.zeros([BH, DC], tl.float32)
     for k0 in range(0, kend, BK):
         offs_k = k0 + tl.arange(0, BK)
         idx = tl.load(idx_row + offs_k, mask=offs_k < K, other=-1)
         valid = (idx >= 0) & (idx < T)
-        safe = tl.where(valid, idx, 0).to(tl.int64)
+        safe = tl.where(valid, idx, 0).to(tl.int64)  # clamp before addressing
         lmask = valid[:, None] & hmask[None, :]
         dst = tl.load(ds_ptr + prow + offs_k[:, None] * stride_pk, mask=lmask, other=0.0)  # [BK, BH], heads contiguous
         acc = _dot(dst, q_c, IEEE)
@@ -254,32 +182,28 @@ def _dkv_block(kv_ptr, p_ptr, ds_ptr, dkv_ptr, dq_ptr, idx_row, kend, T, K, qrow
                 acc = tl.dot(pt, do_c, acc, input_precision="ieee")
             else:
                 acc = tl.dot(pt, do_c, acc)
-        tl.atomic_add(dkv_ptr + safe[:, None] * stride_dkvt + offs_c[None, :], acc,
-                      mask=valid[:, None] & cmask[None, :], sem="relaxed")
-        if DQ:
-            kv_c = tl.load(kv_ptr + safe[:, None] * stride_kvt + offs_c[None, :], mask=valid[:, None] & cmask[None, :],
-                           other=0.0)
-            if IEEE:
-                dq = tl.dot(tl.trans(dst), kv_c, dq, input_precision="ieee")
-            else:
-                dq = tl.dot(tl.trans(dst), kv_c, dq)
-    if DQ:
-        tl.store(dqrow + offs_c[None, :], dq.to(dq_ptr.dtype.element_ty), mask=hmask[:, None] & cmask[None, :])
+        kmask = valid[:, None] & cmask[None, :]
+        tl.atomic_add(dkv_ptr + safe[:, None] * stride_dkvt + offs_c[None, :], acc, mask=kmask, sem="relaxed")
+        kv_c = tl.load(kv_ptr + safe[:, None] * stride_kvt + offs_c[None, :], mask=kmask, other=0.0)
+        if IEEE:
+            dq = tl.dot(tl.trans(dst), kv_c, dq, input_precision="ieee")
+        else:
+            dq = tl.dot(tl.trans(dst), kv_c, dq)
+    tl.store(dqrow + offs_c[None, :], dq.to(dq_ptr.dtype.element_ty), mask=hmask[:, None] & cmask[None, :])
 
 
 @triton.jit
-def _bwd_dkv_kernel(q_ptr, kv_ptr, idx_ptr, kend_ptr, do_ptr, p_ptr, ds_ptr, dkv_ptr, dq_ptr,
-                    T, H, K, row0,
-                    stride_qt, stride_qh, stride_kvt, stride_it, stride_dot, stride_doh, stride_pt, stride_pk,
-                    stride_dkvt, stride_dqt, stride_dqh,
-                    DA: tl.constexpr, DQK: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, DC: tl.constexpr,
-                    DQ: tl.constexpr, IEEE: tl.constexpr):
-    """Split backward, part 2: dKV[idx] += dS^T Q + P^T dO (fp32 atomics, once per (query, slot), head block and
-    column block; dS carries sm_scale), and with DQ also dQ = dS KV[idx]. One program per (column block of DC,
-    query, head block), the column block fastest, so the programs of one query run side by side and share its
-    P / dS tiles in L2. Small programs (a [BK, DC] tile, Q and dO of DC columns in shared memory) let several
-    run per SM, so one program's atomics overlap another's products: the atomics are what bound this kernel.
-    Blocks past d_v only add dS^T Q."""
+def _bwd_grad_kernel(q_ptr, kv_ptr, idx_ptr, kend_ptr, do_ptr, p_ptr, ds_ptr, dkv_ptr, dq_ptr,
+                     T, H, K, row0,
+                     stride_qt, stride_qh, stride_kvt, stride_it, stride_dot, stride_doh, stride_pt, stride_pk,
+                     stride_dkvt, stride_dqt, stride_dqh,
+                     DA: tl.constexpr, DQK: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, DC: tl.constexpr,
+                     IEEE: tl.constexpr):
+    """Backward, part 2: dKV[idx] += dS^T Q + P^T dO (fp32 atomics, once per (query, slot), head block and column
+    block; dS carries sm_scale) and dQ = dS KV[idx]. One program per (column block of DC, query, head block), the
+    column block fastest, so the programs of one query run side by side and share its P / dS tiles in L2. Small
+    programs (a [BK, DC] tile, Q and dO of DC columns) let several run per SM, so one program's atomics overlap
+    another's products: the atomics are what bound this kernel. Blocks past d_v only add dS^T Q."""
     c0 = tl.program_id(0) * DC
     t = row0 + tl.program_id(1)
     offs_h = tl.program_id(2) * BH + tl.arange(0, BH)
@@ -293,48 +217,40 @@ def _bwd_dkv_kernel(q_ptr, kv_ptr, idx_ptr, kend_ptr, do_ptr, p_ptr, ds_ptr, dkv
     prow = (t - row0).to(tl.int64) * stride_pt + offs_h[None, :]  # [1, BH]
     offs_c = c0 + tl.arange(0, DC)
     if c0 < DA:
-        _dkv_block(kv_ptr, p_ptr, ds_ptr, dkv_ptr, dq_ptr, idx_row, kend, T, K, qrow, dorow, prow, dqrow, stride_kvt,
-                   stride_pk, stride_dkvt, hmask, offs_c, DA, DQK, BH, BK, DC, True, DQ, IEEE)
+        _grad_block(kv_ptr, p_ptr, ds_ptr, dkv_ptr, dq_ptr, idx_row, kend, T, K, qrow, dorow, prow, dqrow, stride_kvt,
+                    stride_pk, stride_dkvt, hmask, offs_c, DA, DQK, BH, BK, DC, True, IEEE)
     else:
-        _dkv_block(kv_ptr, p_ptr, ds_ptr, dkv_ptr, dq_ptr, idx_row, kend, T, K, qrow, dorow, prow, dqrow, stride_kvt,
-                   stride_pk, stride_dkvt, hmask, offs_c, DA, DQK, BH, BK, DC, False, DQ, IEEE)
+        _grad_block(kv_ptr, p_ptr, ds_ptr, dkv_ptr, dq_ptr, idx_row, kend, T, K, qrow, dorow, prow, dqrow, stride_kvt,
+                    stride_pk, stride_dkvt, hmask, offs_c, DA, DQK, BH, BK, DC, False, IEEE)
 
 
-def _config(h: int, d_qk: int, d_v: int, backward: bool = False, part: str = ""):
-    """Launch parameters. part: "" (forward or fused backward), "dq" / "dkv" (split backward)."""
+def _config(h: int, d_qk: int, d_v: int, part: str = "fwd"):
+    """Launch parameters of one kernel. part: "fwd", "bwd_ps" (backward part 1), "bwd_grad" (part 2)."""
     dap = pow2(d_v)
     db = d_qk - d_v
     dbp = pow2(db) if db > 0 else 16
     big = dap >= 256
     bh = min(pow2(h), 64)
     num_warps = 8 if big else 4
-    if not backward:
+    if part == "fwd":
         bk, num_stages = (64, 2) if big else (16, 2)
-    elif part == "dq":
-        # 32 heads x 64 slots measured best on one H200 (64 heads x 32 slots, on wgmma but with a few spills,
-        # was on par; 32 x 32 on mma.sync 25% slower)
-        bh = min(bh, 32) if big else bh
-        bk, num_stages = (64, 2) if big else (16, 2)
-    elif part == "p":
-        # part 1 without dQ: no [heads, 576] accumulator, so all 64 heads in one program (one gather per query)
-        bk, num_stages = (32, 2) if big else (16, 2)
-    elif part == "dkv":
+        cfg = dict(DA=d_v, DB=db, DAP=dap, DBP=dbp, BH=bh, BK=bk, HAS_B=db > 0)
+    elif part == "bwd_ps":
+        # 64 heads x 64 slots unpipelined measured best on one H200 (43.96 ms at T = 32K against 59.1 with 32 slots
+        # and 2 stages; 128 registers, 217 KB shared memory)
+        bk, num_stages = (64, 1) if big else (16, 2)
+        cfg = dict(DA=d_v, DB=db, DAP=dap, DBP=dbp, BH=bh, BK=bk, HAS_B=db > 0)
+    elif part == "bwd_grad":
         # 64 slots per step: the dKV tile is the M side of the products (wgmma needs M >= 64); one warpgroup per
         # [64, DC] tile. DC = 64 unpipelined (41 KB shared memory, 143 registers: 3 programs per SM) measured best
-        # on one H200 at T = 4K and 32K (DC = 128: 2 per SM, 3% slower with 1 stage, 50% slower with 2)
+        # on one H200 at T = 4K and 32K (DC = 128: 2 per SM, 3% slower with 1 stage, 50% slower with 2; 8 warps 50%
+        # slower; 128 slots per step 11% slower)
         bk, num_stages = (64, 1) if big else (16, 2)
         num_warps = 4
-    else:
-        # fused backward at d_v = 512: Q and dO are needed in shared memory in two operand layouts each, which
-        # only fits (227 KB) with 32 heads per program
-        bh = min(bh, 32) if big else bh
-        bk, num_stages = (32, 1) if big else (16, 2)
-    if part == "dkv":
         cfg = dict(DA=d_v, DQK=d_qk, BH=bh, BK=bk, DC=64)
     else:
-        cfg = dict(DA=d_v, DB=db, DAP=dap, DBP=dbp, BH=bh, BK=bk, HAS_B=db > 0)
-    tune = dict(TUNE["bwd_" + part if part else ("bwd" if backward else "fwd")])
-    tune.pop("dq", None)
+        raise ValueError(f"unknown kernel part {part!r}")
+    tune = dict(TUNE[part])
     num_warps = tune.pop("num_warps", num_warps)
     num_stages = tune.pop("num_stages", num_stages)
     cfg.update(tune)
@@ -376,51 +292,36 @@ def _fwd(q, kv, indices, kend, sm_scale, d_v):
     return out, lse
 
 
-SPLIT_SCRATCH_BYTES = 1 << 30  # P and dS of one chunk of queries (split backward)
+SCRATCH_BYTES = 1 << 30  # P and dS of one chunk of queries (backward)
 
 
 def _bwd(q, kv, indices, kend, out, lse, grad_out, sm_scale, d_v):
+    """Part 1 (P and dS, q's dtype, into a scratch) then part 2 (dKV, dQ), per chunk of queries."""
     total, h, d_qk = q.shape
+    n_k = indices.shape[1]
     dq = torch.empty_like(q)
     dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
     if total == 0:
         return dq, dkv.to(kv.dtype)
-    if TUNE["bwd"].get("mode", "split") == "split":
-        _bwd_split(q, kv, indices, kend, out, lse, grad_out, sm_scale, d_v, dq, dkv)
-        return dq, dkv.to(kv.dtype)
-    c, nw, ns = _config(h, d_qk, d_v, backward=True)
-    c.pop("mode", None)
-    grid = (total, triton.cdiv(h, c["BH"]))
-    _bwd_kernel[grid](q, kv, indices, kend, out, grad_out, lse, dq, dkv, kv.shape[0], h, indices.shape[1], sm_scale,
-                      q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), out.stride(0), out.stride(1),
-                      grad_out.stride(0), grad_out.stride(1), lse.stride(0), dq.stride(0), dq.stride(1),
-                      dkv.stride(0), IEEE=q.dtype == torch.float32, num_warps=nw, num_stages=ns, **c)
-    return dq, dkv.to(kv.dtype)
-
-
-def _bwd_split(q, kv, indices, kend, out, lse, grad_out, sm_scale, d_v, dq, dkv):
-    """dQ kernel (also writes P and dS, bf16 for bf16 inputs) then dKV kernel, per chunk of queries."""
-    total, h, d_qk = q.shape
-    n_k = indices.shape[1]
-    c, nw, ns = _config(h, d_qk, d_v, backward=True, part="dq" if TUNE["bwd"].get("dq", "part2") == "part1" else "p")
-    c2, nw2, ns2 = _config(h, d_qk, d_v, backward=True, part="dkv")
-    rows = max(1, min(total, SPLIT_SCRATCH_BYTES // max(1, 2 * h * n_k * q.element_size())))
+    c, nw, ns = _config(h, d_qk, d_v, "bwd_ps")
+    c2, nw2, ns2 = _config(h, d_qk, d_v, "bwd_grad")
+    rows = max(1, min(total, SCRATCH_BYTES // max(1, 2 * h * n_k * q.element_size())))
     p = torch.empty((rows, n_k, h), dtype=q.dtype, device=q.device)
     ds = torch.empty_like(p)
     ieee = q.dtype == torch.float32
-    dq_in_dkv = TUNE["bwd"].get("dq", "part2") == "part2"
     for a in range(0, total, rows):
         n = min(rows, total - a)
-        _bwd_dq_kernel[(n, triton.cdiv(h, c["BH"]))](
-            q, kv, indices, kend, out, grad_out, lse, dq, p, ds, kv.shape[0], h, n_k, sm_scale, a,
+        _bwd_ps_kernel[(n, triton.cdiv(h, c["BH"]))](
+            q, kv, indices, kend, out, grad_out, lse, p, ds, kv.shape[0], h, n_k, sm_scale, a,
             q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), out.stride(0), out.stride(1),
-            grad_out.stride(0), grad_out.stride(1), lse.stride(0), dq.stride(0), dq.stride(1), p.stride(0),
-            p.stride(1), IEEE=ieee, DQ=not dq_in_dkv, num_warps=nw, num_stages=ns, **c)
-        _bwd_dkv_kernel[(triton.cdiv(d_qk, c2["DC"]), n, triton.cdiv(h, c2["BH"]))](
+            grad_out.stride(0), grad_out.stride(1), lse.stride(0), p.stride(0), p.stride(1),
+            IEEE=ieee, num_warps=nw, num_stages=ns, **c)
+        _bwd_grad_kernel[(triton.cdiv(d_qk, c2["DC"]), n, triton.cdiv(h, c2["BH"]))](
             q, kv, indices, kend, grad_out, p, ds, dkv, dq, kv.shape[0], h, n_k, a,
             q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), grad_out.stride(0), grad_out.stride(1),
-            p.stride(0), p.stride(1), dkv.stride(0), dq.stride(0), dq.stride(1), IEEE=ieee, DQ=dq_in_dkv,
+            p.stride(0), p.stride(1), dkv.stride(0), dq.stride(0), dq.stride(1), IEEE=ieee,
             num_warps=nw2, num_stages=ns2, **c2)
+    return dq, dkv.to(kv.dtype)
 
 
 def _contig(x: torch.Tensor) -> torch.Tensor:
@@ -458,16 +359,10 @@ def compile_specs(small: bool = False):
     """Launch configurations for ``bench/compile_check.py`` (offline sm_90 compile)."""
     h, d_qk, d_v = (4, 24, 16) if small else (64, 576, 512)
     out = []
-    for name, fn, bwd, part, dq in (("sparse_mla_fwd", _fwd_kernel, False, "", None),
-                                    ("sparse_mla_bwd_dq", _bwd_dq_kernel, True, "dq", True),
-                                    ("sparse_mla_bwd_p", _bwd_dq_kernel, True, "p", False),
-                                    ("sparse_mla_bwd_dkv", _bwd_dkv_kernel, True, "dkv", True),
-                                    ("sparse_mla_bwd_fused", _bwd_kernel, True, "", None)):
-        c, nw, ns = _config(h, d_qk, d_v, backward=bwd, part=part)
-        c.pop("mode", None)
+    for name, fn, part in (("sparse_mla_fwd", _fwd_kernel, "fwd"), ("sparse_mla_bwd_ps", _bwd_ps_kernel, "bwd_ps"),
+                           ("sparse_mla_bwd_grad", _bwd_grad_kernel, "bwd_grad")):
+        c, nw, ns = _config(h, d_qk, d_v, part)
         c["IEEE"] = False
-        if dq is not None:
-            c["DQ"] = dq
         sig = {n: "i32" for n in fn.arg_names if n.startswith("stride") or n in ("T", "H", "K", "row0")}
         sig.update({n: "*bf16" for n in fn.arg_names if n.endswith("_ptr")})
         sig.update({"idx_ptr": "*i32", "kend_ptr": "*i32", "lse_ptr": "*fp32", "qk_scale": "fp32", "sm_scale": "fp32",
