@@ -89,3 +89,13 @@ def test_backward_variants(tune, monkeypatch):
     _, _, r_dq, r_dkv = _run(R.sparse_mla, q, kv, idx, 0.2, d_v, go)
     torch.testing.assert_close(dq, r_dq, atol=2e-5, rtol=1e-5)
     torch.testing.assert_close(dkv, r_dkv, atol=5e-5, rtol=1e-5)
+
+
+def test_grad_column_block_is_checked(monkeypatch):
+    """At GLM-5.2's widths only the column blocks checked on the GPU are accepted (DC = 32 faulted there)."""
+    from titan_glm52.kernels import sparse_mla as SM
+    assert SM._config(64, 576, 512, "bwd_grad")[0]["DC"] == 64
+    monkeypatch.setitem(SM.TUNE, "bwd_grad", {"DC": 32})
+    with pytest.raises(ValueError, match="bwd_grad.*DC.*64 or 128"):
+        SM._config(64, 576, 512, "bwd_grad")
+    assert SM._config(2, 40, 32, "bwd_grad")[0]["DC"] == 32  # small widths: any block (interpreter tests)

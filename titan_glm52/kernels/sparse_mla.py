@@ -254,6 +254,10 @@ def _config(h: int, d_qk: int, d_v: int, part: str = "fwd"):
     num_warps = tune.pop("num_warps", num_warps)
     num_stages = tune.pop("num_stages", num_stages)
     cfg.update(tune)
+    if part == "bwd_grad" and big and cfg["DC"] not in (64, 128):
+        # DC = 32 at 64 heads x 576 faulted with an illegal memory access on one H200 under Triton 3.6 (every run,
+        # T = 512, 1024 and 32K; bench/results/kernels_h200.md, session 9); 64 and 128 are checked on the GPU
+        raise ValueError(f"sparse_mla TUNE['bwd_grad']['DC'] = {cfg['DC']}: at d_v >= 256 use 64 or 128")
     return cfg, num_warps, num_stages
 
 
