@@ -17,7 +17,7 @@ dKV[idx, cols] += dS^T Q_cols * scale + P^T dO_cols (heads are the GEMM reductio
 atomics, cast to kv's dtype at the end (non-deterministic summation order, fp32 accuracy), and
 dQ[:, cols] = dS KV[idx, cols]. Column blocks keep each program small, so several share an SM and one's atomics
 (what bounds the backward) overlap another's products; part 1 holds no dQ accumulator, so its 64 heads share one
-gather. Measured on one H200 (T = 32K, top-2048): 124 ms against 160 for the previous split (dQ in part 1, 32 heads
+gather. Measured on one H200 (T = 32K, top-2048): 122 ms against 160 for the previous split (dQ in part 1, 32 heads
 per program; bench/results/kernels_h200.md, session 9); a one-kernel backward needs Q and dO in two operand
 layouts each and was slower still.
 """
