@@ -5,7 +5,7 @@
         -o dsa python bench/profile_dsa.py --T 32768 --once     # hardware counters, one launch of each
 
 Shapes as bench/kernels.py (H = 64, D_qk = 576, d_v = 512, topk = 2048, H_I = 32, D_I = 128, bf16, one document
-of T tokens, random data). The split backward runs as one chunk (one launch per kernel). Prints one table: per
+of T tokens, random data). The backward runs as one chunk (one launch per kernel). Prints one table: per
 kernel, ms per call and TFLOP/s by the FLOP counts of bench/kernels.py split per kernel (backward part 1, ps:
 S, dP = 2*H*K_valid*(D_qk + d_v); part 2, grad: dK, dV, dQ = 2*H*K_valid*(2*D_qk + d_v)); JSON to --out.
 """

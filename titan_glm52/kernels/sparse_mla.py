@@ -42,14 +42,22 @@ _triton_env.load_tune("sparse_mla", TUNE)
 
 
 @triton.jit
-def _gather(kv_ptr, idx_ptr, k0, K, T, stride_kvt, DA: tl.constexpr, DB: tl.constexpr, DAP: tl.constexpr,
-            DBP: tl.constexpr, BK: tl.constexpr, HAS_B: tl.constexpr):
-    """Rows kv[idx[k0:k0+BK]] split into parts A [BK, DAP] and B [BK, DBP]; invalid slots read as 0.
-    Returns (valid [BK], clamped row ids [BK] int64, A, B)."""
+def _slots(idx_ptr, k0, K, T, BK: tl.constexpr):
+    """Slots k0..k0+BK of one row's indices: (slot offsets [BK], valid [BK], row ids clamped to 0 where invalid,
+    int64 [BK])."""
     offs_k = k0 + tl.arange(0, BK)
     idx = tl.load(idx_ptr + offs_k, mask=offs_k < K, other=-1)
     valid = (idx >= 0) & (idx < T)
     safe = tl.where(valid, idx, 0).to(tl.int64)  # clamp before addressing
+    return offs_k, valid, safe
+
+
+@triton.jit
+def _gather(kv_ptr, idx_ptr, k0, K, T, stride_kvt, DA: tl.constexpr, DB: tl.constexpr, DAP: tl.constexpr,
+            DBP: tl.constexpr, BK: tl.constexpr, HAS_B: tl.constexpr):
+    """Rows kv[idx[k0:k0+BK]] split into parts A [BK, DAP] and B [BK, DBP]; invalid slots read as 0.
+    Returns (valid [BK], clamped row ids [BK] int64, A, B)."""
+    _, valid, safe = _slots(idx_ptr, k0, K, T, BK)
     rows = safe * stride_kvt
     offs_a = tl.arange(0, DAP)
     ka = tl.load(kv_ptr + rows[:, None] + offs_a[None, :], mask=valid[:, None] & (offs_a < DA)[None, :], other=0.0)
@@ -68,6 +76,15 @@ def _dot(a, b, IEEE: tl.constexpr):
         return tl.dot(a, b, input_precision="ieee")
     else:
         return tl.dot(a, b)
+
+
+@triton.jit
+def _dot_acc(a, b, acc, IEEE: tl.constexpr):
+    """acc + a @ b, accumulated in place by the MMA."""
+    if IEEE:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
 
 
 @triton.jit
@@ -169,26 +186,17 @@ def _grad_block(kv_ptr, p_ptr, ds_ptr, dkv_ptr, dq_ptr, idx_row, kend, T, K, qro
         do_c = tl.load(dorow + offs_c[None, :], mask=hmask[:, None] & (offs_c < DA)[None, :], other=0.0)
     dq = tl.zeros([BH, DC], tl.float32)
     for k0 in range(0, kend, BK):
-        offs_k = k0 + tl.arange(0, BK)
-        idx = tl.load(idx_row + offs_k, mask=offs_k < K, other=-1)
-        valid = (idx >= 0) & (idx < T)
-        safe = tl.where(valid, idx, 0).to(tl.int64)  # clamp before addressing
+        offs_k, valid, safe = _slots(idx_row, k0, K, T, BK)
         lmask = valid[:, None] & hmask[None, :]
         dst = tl.load(ds_ptr + prow + offs_k[:, None] * stride_pk, mask=lmask, other=0.0)  # [BK, BH], heads contiguous
         acc = _dot(dst, q_c, IEEE)
         if WITH_P:
             pt = tl.load(p_ptr + prow + offs_k[:, None] * stride_pk, mask=lmask, other=0.0)
-            if IEEE:
-                acc = tl.dot(pt, do_c, acc, input_precision="ieee")
-            else:
-                acc = tl.dot(pt, do_c, acc)
+            acc = _dot_acc(pt, do_c, acc, IEEE)
         kmask = valid[:, None] & cmask[None, :]
         tl.atomic_add(dkv_ptr + safe[:, None] * stride_dkvt + offs_c[None, :], acc, mask=kmask, sem="relaxed")
         kv_c = tl.load(kv_ptr + safe[:, None] * stride_kvt + offs_c[None, :], mask=kmask, other=0.0)
-        if IEEE:
-            dq = tl.dot(tl.trans(dst), kv_c, dq, input_precision="ieee")
-        else:
-            dq = tl.dot(tl.trans(dst), kv_c, dq)
+        dq = _dot_acc(tl.trans(dst), kv_c, dq, IEEE)
     tl.store(dqrow + offs_c[None, :], dq.to(dq_ptr.dtype.element_ty), mask=hmask[:, None] & cmask[None, :])
 
 
