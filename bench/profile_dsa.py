@@ -8,6 +8,13 @@ Shapes as bench/kernels.py (H = 64, D_qk = 576, d_v = 512, topk = 2048, H_I = 32
 of T tokens, random data). The backward runs as one chunk (one launch per kernel). Prints one table: per
 kernel, ms per call and TFLOP/s by the FLOP counts of bench/kernels.py split per kernel (backward part 1, ps:
 S, dP = 2*H*K_valid*(D_qk + d_v); part 2, grad: dK, dV, dQ = 2*H*K_valid*(2*D_qk + d_v)); JSON to --out.
+
+    python bench/profile_dsa.py --T 32768 --chunked 1024:off,1024:on,2048:on   # the chunked backward
+
+``--chunked`` instead times the sparse MLA backward as training runs it, in chunks of queries, per variant
+``SCRATCH_MiB:OVERLAP[:SIDE_PRIORITY]`` (OVERLAP: part 1 of the next chunk beside part 2 of this one on a side
+stream; priority -1 high, 0 normal): CUDA-event ms per backward (median of --reps, after one warm-up), and the
+largest difference of dQ / dKV to the first variant (dKV sums with atomics, so only its order differs).
 """
 
 from __future__ import annotations
@@ -31,7 +38,10 @@ def main(argv: list[str]) -> int:
     p.add_argument("--once", action="store_true", help="one call of each op (for ncu), no timing")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--out", default=None)
+    p.add_argument("--chunked", default=None, help="variants SCRATCH_MiB:on|off[:priority],... (see above)")
     a = p.parse_args(argv)
+    if a.chunked:
+        return chunked(a)
     from titan_glm52.kernels import indexer_topk as it_mod, sparse_mla as sm_mod
     from titan_glm52.kernels.indexer_loss import indexer_kl_sparse
     sm_mod.SCRATCH_BYTES = 1 << 40  # one chunk: one launch of each backward kernel
@@ -86,6 +96,49 @@ def main(argv: list[str]) -> int:
     if a.out:
         with open(a.out, "w") as f:
             json.dump({"T": T, "device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+    return 0
+
+
+def chunked(a) -> int:
+    from titan_glm52.kernels import indexer_topk as it_mod, sparse_mla as sm_mod
+    T = a.T
+    cu, qi, ki, wi = make_inputs(T, [T])
+    g = torch.Generator(device="cuda").manual_seed(1)
+    q = torch.randn(T, H, D_QK, generator=g, device="cuda").to(torch.bfloat16).requires_grad_()
+    kv = torch.randn(T, D_QK, generator=g, device="cuda").to(torch.bfloat16).requires_grad_()
+    do = torch.randn(T, H, D_V, generator=g, device="cuda").to(torch.bfloat16)
+    idx = it_mod.indexer_topk(qi, ki, wi, cu, TOPK, D_I ** -0.5)
+    o, _ = sm_mod.sparse_mla(q, kv, idx, D_QK ** -0.5, D_V)
+    dev = q.device
+    rows, first = [], None
+    for spec in a.chunked.split(","):
+        mib, mode, *prio = spec.split(":")
+        sm_mod.SCRATCH_BYTES = int(mib) << 20
+        sm_mod.OVERLAP = mode == "on"
+        sm_mod._SIDE[dev] = torch.cuda.Stream(device=dev, priority=int(prio[0]) if prio else -1)
+        ms = []
+        for r in range(a.reps + 1):
+            t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            t0.record()
+            dq, dkv = torch.autograd.grad(o, (q, kv), do, retain_graph=True)
+            t1.record()
+            torch.cuda.synchronize()
+            if r:
+                ms.append(t0.elapsed_time(t1))
+        if first is None:
+            first = (dq, dkv)
+        diff = [float((x.float() - y.float()).abs().max()) for x, y in zip((dq, dkv), first)]
+        chunk_rows = sm_mod.SCRATCH_BYTES // ((2 if sm_mod.OVERLAP else 1) * 2 * H * TOPK * 2)
+        rows.append({"variant": spec, "chunk_rows": min(T, chunk_rows), "ms": sorted(ms)[len(ms) // 2],
+                     "ms_all": ms, "max_diff_dq": diff[0], "max_diff_dkv": diff[1],
+                     "peak_gib": torch.cuda.max_memory_allocated() / 2 ** 30})
+    print(f"\nT={T} (one document), sparse MLA backward, median of {a.reps}")
+    print(f"{'variant':<16} {'rows':>6} {'ms':>8} {'d dq':>9} {'d dkv':>9}")
+    for r in rows:
+        print(f"{r['variant']:<16} {r['chunk_rows']:>6} {r['ms']:>8.2f} {r['max_diff_dq']:>9.2e} {r['max_diff_dkv']:>9.2e}")
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump({"T": T, "device": torch.cuda.get_device_name(), "chunked": rows}, f, indent=1)
     return 0
 
 

@@ -24,6 +24,8 @@ layouts each and was slower still.
 
 from __future__ import annotations
 
+from contextlib import nullcontext as _nullcontext
+
 import torch
 
 from . import _triton_env  # noqa: F401  (interpreter switch before triton)
@@ -304,7 +306,19 @@ def _fwd(q, kv, indices, kend, sm_scale, d_v):
     return out, lse
 
 
-SCRATCH_BYTES = 1 << 30  # P and dS of one chunk of queries (backward)
+SCRATCH_BYTES = 1 << 30  # P and dS of the chunks of queries in flight (backward)
+# On CUDA with more than one chunk, part 1 of chunk i + 1 runs on a side stream beside part 2 of chunk i (two
+# scratch halves): part 2 is bound by the L2's fp32 atomics, part 1 by the tensor cores, so the two share the GPU
+OVERLAP = True
+_SIDE: dict = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """The stream part 1 runs on when chunks overlap, one per device; high priority, so that its programs take
+    SMs as part 2's drain instead of waiting for the whole of part 2."""
+    if device not in _SIDE:
+        _SIDE[device] = torch.cuda.Stream(device=device, priority=-1)
+    return _SIDE[device]
 
 
 def _bwd(q, kv, indices, kend, out, lse, grad_out, sm_scale, d_v):
@@ -317,22 +331,39 @@ def _bwd(q, kv, indices, kend, out, lse, grad_out, sm_scale, d_v):
         return dq, dkv.to(kv.dtype)
     c, nw, ns = _config(h, d_qk, d_v, "bwd_ps")
     c2, nw2, ns2 = _config(h, d_qk, d_v, "bwd_grad")
-    rows = max(1, min(total, SCRATCH_BYTES // max(1, 2 * h * n_k * q.element_size())))
-    p = torch.empty((rows, n_k, h), dtype=q.dtype, device=q.device)
-    ds = torch.empty_like(p)
+    row_bytes = max(1, 2 * h * n_k * q.element_size())
+    rows = max(1, min(total, SCRATCH_BYTES // row_bytes))
+    overlap = OVERLAP and q.is_cuda and rows < total
+    if overlap:
+        rows = max(1, min(total, SCRATCH_BYTES // (2 * row_bytes)))
+    scratch = [(torch.empty((rows, n_k, h), dtype=q.dtype, device=q.device),
+                torch.empty((rows, n_k, h), dtype=q.dtype, device=q.device)) for _ in range(1 + overlap)]
     ieee = q.dtype == torch.float32
-    for a in range(0, total, rows):
+    main = torch.cuda.current_stream(q.device) if overlap else None
+    side = _side_stream(q.device) if overlap else None
+    if overlap:
+        side.wait_stream(main)
+    freed = [None, None]  # per scratch half: the event after the last part 2 that read it
+    for i, a in enumerate(range(0, total, rows)):
         n = min(rows, total - a)
-        _bwd_ps_kernel[(n, triton.cdiv(h, c["BH"]))](
-            q, kv, indices, kend, out, grad_out, lse, p, ds, kv.shape[0], h, n_k, sm_scale, a,
-            q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), out.stride(0), out.stride(1),
-            grad_out.stride(0), grad_out.stride(1), lse.stride(0), p.stride(0), p.stride(1),
-            IEEE=ieee, num_warps=nw, num_stages=ns, **c)
+        p, ds = scratch[i % len(scratch)]
+        with torch.cuda.stream(side) if overlap else _nullcontext():
+            if overlap and freed[i % 2] is not None:
+                side.wait_event(freed[i % 2])
+            _bwd_ps_kernel[(n, triton.cdiv(h, c["BH"]))](
+                q, kv, indices, kend, out, grad_out, lse, p, ds, kv.shape[0], h, n_k, sm_scale, a,
+                q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), out.stride(0), out.stride(1),
+                grad_out.stride(0), grad_out.stride(1), lse.stride(0), p.stride(0), p.stride(1),
+                IEEE=ieee, num_warps=nw, num_stages=ns, **c)
+        if overlap:
+            main.wait_stream(side)
         _bwd_grad_kernel[(triton.cdiv(d_qk, c2["DC"]), n, triton.cdiv(h, c2["BH"]))](
             q, kv, indices, kend, grad_out, p, ds, dkv, dq, kv.shape[0], h, n_k, a,
             q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), grad_out.stride(0), grad_out.stride(1),
             p.stride(0), p.stride(1), dkv.stride(0), dq.stride(0), dq.stride(1), IEEE=ieee,
             num_warps=nw2, num_stages=ns2, **c2)
+        if overlap:
+            freed[i % 2] = main.record_event()
     return dq, dkv.to(kv.dtype)
 
 
