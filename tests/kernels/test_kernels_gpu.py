@@ -107,16 +107,12 @@ def _mla_inputs(lengths, seed, empty=(0, 1, 2)):
     return q, kv, idx, (qi, ki, wi), g
 
 
-# the backward's column block: default (64) and the other accepted; and a 64 MiB scratch, 64 chunks of 64 queries
-# whose part 1 runs on the side stream beside the previous chunk's part 2
-@pytest.mark.parametrize("dc,scratch_mib", [(None, None), (128, None), (None, 64)])
-def test_sparse_mla_real_size(dc, scratch_mib, monkeypatch):
+@pytest.mark.parametrize("dc", [None, 128])  # the backward's column block: default (64) and the other accepted
+def test_sparse_mla_real_size(dc, monkeypatch):
     from titan_glm52.kernels import sparse_mla as SM
     from titan_glm52.kernels.sparse_mla import sparse_mla
     if dc is not None:
         monkeypatch.setitem(SM.TUNE, "bwd_grad", {**SM.TUNE["bwd_grad"], "DC": dc})
-    if scratch_mib is not None:
-        monkeypatch.setattr(SM, "SCRATCH_BYTES", scratch_mib << 20)
     lengths = [1000, 3096]
     q, kv, idx, _, g = _mla_inputs(lengths, 1)
     total = q.shape[0]
@@ -152,16 +148,6 @@ def test_sparse_mla_real_size(dc, scratch_mib, monkeypatch):
         problems.append("non-finite")
     if not (torch.all(out[:3] == 0) and torch.all(qt.grad[:3] == 0) and torch.all(lse[:3] == float("-inf"))):
         problems.append("empty rows")
-    if scratch_mib is not None:
-        # the same chunks one after another on one stream: dQ has no atomics, so any race on the scratch halves
-        # would show as a bitwise difference; dKV differs only in its atomics' order
-        monkeypatch.setattr(SM, "OVERLAP", False)
-        qs, kvs = q.clone().requires_grad_(), kv.clone().requires_grad_()
-        sparse_mla(qs, kvs, idx, scale, D_V)[0].backward(go)
-        if not torch.equal(qs.grad, qt.grad):
-            problems.append("overlapped dq != sequential dq")
-        if cos_diff(kvs.grad, kvt.grad) > 1e-6:
-            problems.append("overlapped dkv != sequential dkv")
     assert not problems, (problems, metrics)
 
 

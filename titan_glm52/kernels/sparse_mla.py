@@ -24,8 +24,6 @@ layouts each and was slower still.
 
 from __future__ import annotations
 
-from contextlib import nullcontext as _nullcontext
-
 import torch
 
 from . import _triton_env  # noqa: F401  (interpreter switch before triton)
@@ -204,19 +202,21 @@ def _grad_block(kv_ptr, p_ptr, ds_ptr, dkv_ptr, dq_ptr, idx_row, kend, T, K, qro
 
 @triton.jit
 def _bwd_grad_kernel(q_ptr, kv_ptr, idx_ptr, kend_ptr, do_ptr, p_ptr, ds_ptr, dkv_ptr, dq_ptr,
-                     T, H, K, row0,
+                     T, H, K, row0, n_hb,
                      stride_qt, stride_qh, stride_kvt, stride_it, stride_dot, stride_doh, stride_pt, stride_pk,
                      stride_dkvt, stride_dqt, stride_dqh,
                      DA: tl.constexpr, DQK: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, DC: tl.constexpr,
-                     IEEE: tl.constexpr):
+                     CG: tl.constexpr, IEEE: tl.constexpr):
     """Backward, part 2: dKV[idx] += dS^T Q + P^T dO (fp32 atomics, once per (query, slot), head block and column
-    block; dS carries sm_scale) and dQ = dS KV[idx]. One program per (column block of DC, query, head block), the
-    column block fastest, so the programs of one query run side by side and share its P / dS tiles in L2. Small
+    block; dS carries sm_scale) and dQ = dS KV[idx]. One program per (column block of DC, query, head block).
+    Grid (CG, queries, column groups x head blocks): the CG column blocks of one group run side by side for each
+    query in turn (sharing its P / dS tiles in L2), group after group, so the dKV columns the atomics hit at a time
+    (T x CG x DC fp32) can stay in L2, whose atomic rate is about twice that of atomics that miss it. Small
     programs (a [BK, DC] tile, Q and dO of DC columns) let several run per SM, so one program's atomics overlap
     another's products: the atomics are what bound this kernel. Blocks past d_v only add dS^T Q."""
-    c0 = tl.program_id(0) * DC
+    c0 = ((tl.program_id(2) // n_hb) * CG + tl.program_id(0)) * DC
     t = row0 + tl.program_id(1)
-    offs_h = tl.program_id(2) * BH + tl.arange(0, BH)
+    offs_h = (tl.program_id(2) % n_hb) * BH + tl.arange(0, BH)
     hmask = offs_h < H
     t64 = t.to(tl.int64)
     qrow = q_ptr + t64 * stride_qt + offs_h[:, None] * stride_qh
@@ -229,13 +229,18 @@ def _bwd_grad_kernel(q_ptr, kv_ptr, idx_ptr, kend_ptr, do_ptr, p_ptr, ds_ptr, dk
     if c0 < DA:
         _grad_block(kv_ptr, p_ptr, ds_ptr, dkv_ptr, dq_ptr, idx_row, kend, T, K, qrow, dorow, prow, dqrow, stride_kvt,
                     stride_pk, stride_dkvt, hmask, offs_c, DA, DQK, BH, BK, DC, True, IEEE)
-    else:
+    elif c0 < DQK:  # (the last group may be short)
         _grad_block(kv_ptr, p_ptr, ds_ptr, dkv_ptr, dq_ptr, idx_row, kend, T, K, qrow, dorow, prow, dqrow, stride_kvt,
                     stride_pk, stride_dkvt, hmask, offs_c, DA, DQK, BH, BK, DC, False, IEEE)
 
 
-def _config(h: int, d_qk: int, d_v: int, part: str = "fwd"):
-    """Launch parameters of one kernel. part: "fwd", "bwd_ps" (backward part 1), "bwd_grad" (part 2)."""
+# dKV bytes (fp32, all rows) that part 2's atomics may target at a time: column groups keep them in L2 (50 MB)
+DKV_L2_BYTES = 24 << 20
+
+
+def _config(h: int, d_qk: int, d_v: int, part: str = "fwd", kv_rows: int = 0):
+    """Launch parameters of one kernel. part: "fwd", "bwd_ps" (backward part 1), "bwd_grad" (part 2, whose column
+    group CG depends on the kv rows the atomics target)."""
     dap = pow2(d_v)
     db = d_qk - d_v
     dbp = pow2(db) if db > 0 else 16
@@ -257,17 +262,23 @@ def _config(h: int, d_qk: int, d_v: int, part: str = "fwd"):
         # slower; 128 slots per step 11% slower)
         bk, num_stages = (64, 1) if big else (16, 2)
         num_warps = 4
-        cfg = dict(DA=d_v, DQK=d_qk, BH=bh, BK=bk, DC=64)
+        cfg = dict(DA=d_v, DQK=d_qk, BH=bh, BK=bk, DC=64, CG=None)
     else:
         raise ValueError(f"unknown kernel part {part!r}")
     tune = dict(TUNE[part])
     num_warps = tune.pop("num_warps", num_warps)
     num_stages = tune.pop("num_stages", num_stages)
     cfg.update(tune)
-    if part == "bwd_grad" and big and cfg["DC"] not in (64, 128):
-        # DC = 32 at 64 heads x 576 faulted with an illegal memory access on one H200 under Triton 3.6 (every run,
-        # T = 512, 1024 and 32K; bench/results/kernels_h200.md, session 9); 64 and 128 are checked on the GPU
-        raise ValueError(f"sparse_mla TUNE['bwd_grad']['DC'] = {cfg['DC']}: at d_v >= 256 use 64 or 128")
+    if part == "bwd_grad":
+        if big and cfg["DC"] not in (64, 128):
+            # DC = 32 at 64 heads x 576 faulted with an illegal memory access on one H200 under Triton 3.6 (every
+            # run, T = 512, 1024 and 32K; bench/results/kernels_h200.md, session 9); 64 and 128 are checked there
+            raise ValueError(f"sparse_mla TUNE['bwd_grad']['DC'] = {cfg['DC']}: at d_v >= 256 use 64 or 128")
+        n_cb = -(-d_qk // cfg["DC"])
+        if cfg["CG"] is None:
+            cfg["CG"] = max(1, min(n_cb, DKV_L2_BYTES // max(1, kv_rows * cfg["DC"] * 4)))
+        if not 1 <= cfg["CG"] <= n_cb:
+            raise ValueError(f"sparse_mla TUNE['bwd_grad']['CG'] = {cfg['CG']}: use 1 to {n_cb} column blocks")
     return cfg, num_warps, num_stages
 
 
@@ -306,19 +317,7 @@ def _fwd(q, kv, indices, kend, sm_scale, d_v):
     return out, lse
 
 
-SCRATCH_BYTES = 1 << 30  # P and dS of the chunks of queries in flight (backward)
-# On CUDA with more than one chunk, part 1 of chunk i + 1 runs on a side stream beside part 2 of chunk i (two
-# scratch halves): part 2 is bound by the L2's fp32 atomics, part 1 by the tensor cores, so the two share the GPU
-OVERLAP = True
-_SIDE: dict = {}
-
-
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    """The stream part 1 runs on when chunks overlap, one per device; high priority, so that its programs take
-    SMs as part 2's drain instead of waiting for the whole of part 2."""
-    if device not in _SIDE:
-        _SIDE[device] = torch.cuda.Stream(device=device, priority=-1)
-    return _SIDE[device]
+SCRATCH_BYTES = 1 << 30  # P and dS of one chunk of queries (backward)
 
 
 def _bwd(q, kv, indices, kend, out, lse, grad_out, sm_scale, d_v):
@@ -330,40 +329,24 @@ def _bwd(q, kv, indices, kend, out, lse, grad_out, sm_scale, d_v):
     if total == 0:
         return dq, dkv.to(kv.dtype)
     c, nw, ns = _config(h, d_qk, d_v, "bwd_ps")
-    c2, nw2, ns2 = _config(h, d_qk, d_v, "bwd_grad")
-    row_bytes = max(1, 2 * h * n_k * q.element_size())
-    rows = max(1, min(total, SCRATCH_BYTES // row_bytes))
-    overlap = OVERLAP and q.is_cuda and rows < total
-    if overlap:
-        rows = max(1, min(total, SCRATCH_BYTES // (2 * row_bytes)))
-    scratch = [(torch.empty((rows, n_k, h), dtype=q.dtype, device=q.device),
-                torch.empty((rows, n_k, h), dtype=q.dtype, device=q.device)) for _ in range(1 + overlap)]
+    c2, nw2, ns2 = _config(h, d_qk, d_v, "bwd_grad", kv_rows=kv.shape[0])
+    n_cb, n_hb = triton.cdiv(d_qk, c2["DC"]), triton.cdiv(h, c2["BH"])
+    rows = max(1, min(total, SCRATCH_BYTES // max(1, 2 * h * n_k * q.element_size())))
+    p = torch.empty((rows, n_k, h), dtype=q.dtype, device=q.device)
+    ds = torch.empty_like(p)
     ieee = q.dtype == torch.float32
-    main = torch.cuda.current_stream(q.device) if overlap else None
-    side = _side_stream(q.device) if overlap else None
-    if overlap:
-        side.wait_stream(main)
-    freed = [None, None]  # per scratch half: the event after the last part 2 that read it
-    for i, a in enumerate(range(0, total, rows)):
+    for a in range(0, total, rows):
         n = min(rows, total - a)
-        p, ds = scratch[i % len(scratch)]
-        with torch.cuda.stream(side) if overlap else _nullcontext():
-            if overlap and freed[i % 2] is not None:
-                side.wait_event(freed[i % 2])
-            _bwd_ps_kernel[(n, triton.cdiv(h, c["BH"]))](
-                q, kv, indices, kend, out, grad_out, lse, p, ds, kv.shape[0], h, n_k, sm_scale, a,
-                q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), out.stride(0), out.stride(1),
-                grad_out.stride(0), grad_out.stride(1), lse.stride(0), p.stride(0), p.stride(1),
-                IEEE=ieee, num_warps=nw, num_stages=ns, **c)
-        if overlap:
-            main.wait_stream(side)
-        _bwd_grad_kernel[(triton.cdiv(d_qk, c2["DC"]), n, triton.cdiv(h, c2["BH"]))](
-            q, kv, indices, kend, grad_out, p, ds, dkv, dq, kv.shape[0], h, n_k, a,
+        _bwd_ps_kernel[(n, triton.cdiv(h, c["BH"]))](
+            q, kv, indices, kend, out, grad_out, lse, p, ds, kv.shape[0], h, n_k, sm_scale, a,
+            q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), out.stride(0), out.stride(1),
+            grad_out.stride(0), grad_out.stride(1), lse.stride(0), p.stride(0), p.stride(1),
+            IEEE=ieee, num_warps=nw, num_stages=ns, **c)
+        _bwd_grad_kernel[(c2["CG"], n, triton.cdiv(n_cb, c2["CG"]) * n_hb)](
+            q, kv, indices, kend, grad_out, p, ds, dkv, dq, kv.shape[0], h, n_k, a, n_hb,
             q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), grad_out.stride(0), grad_out.stride(1),
             p.stride(0), p.stride(1), dkv.stride(0), dq.stride(0), dq.stride(1), IEEE=ieee,
             num_warps=nw2, num_stages=ns2, **c2)
-        if overlap:
-            freed[i % 2] = main.record_event()
     return dq, dkv.to(kv.dtype)
 
 
@@ -406,7 +389,7 @@ def compile_specs(small: bool = False):
                            ("sparse_mla_bwd_grad", _bwd_grad_kernel, "bwd_grad")):
         c, nw, ns = _config(h, d_qk, d_v, part)
         c["IEEE"] = False
-        sig = {n: "i32" for n in fn.arg_names if n.startswith("stride") or n in ("T", "H", "K", "row0")}
+        sig = {n: "i32" for n in fn.arg_names if n.startswith("stride") or n in ("T", "H", "K", "row0", "n_hb")}
         sig.update({n: "*bf16" for n in fn.arg_names if n.endswith("_ptr")})
         sig.update({"idx_ptr": "*i32", "kend_ptr": "*i32", "lse_ptr": "*fp32", "qk_scale": "fp32", "sm_scale": "fp32",
                     "dkv_ptr": "*fp32"})
