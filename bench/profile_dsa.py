@@ -9,12 +9,13 @@ of T tokens, random data). The backward runs as one chunk (one launch per kernel
 kernel, ms per call and TFLOP/s by the FLOP counts of bench/kernels.py split per kernel (backward part 1, ps:
 S, dP = 2*H*K_valid*(D_qk + d_v); part 2, grad: dK, dV, dQ = 2*H*K_valid*(2*D_qk + d_v)); JSON to --out.
 
-    python bench/profile_dsa.py --T 32768 --chunked 1024:auto,1024:9,1024:3   # the chunked backward
+    python bench/profile_dsa.py --T 32768 --chunked 1024,1024:none,1024:96   # the chunked backward
 
 ``--chunked`` instead times the sparse MLA backward as training runs it, in chunks of queries, per variant
-``SCRATCH_MiB:CG`` (the P / dS scratch, SCRATCH_BYTES; part 2's column blocks in flight, TUNE['bwd_grad']['CG'],
-``auto`` for the built-in choice): CUDA-event ms per backward (median of --reps, after one warm-up), and the
-largest difference of dQ / dKV to the first variant (dKV sums with atomics, so only its order differs).
+``SCRATCH_MiB[:MAXNREG]`` (the P / dS scratch, SCRATCH_BYTES; part 2's register cap, TUNE['bwd_grad']['maxnreg'],
+``none`` for the compiler's choice, left out for the built-in one): CUDA-event ms per backward (median of --reps,
+after one warm-up), and the largest difference of dQ / dKV to the first variant (dKV sums with atomics, so only
+its order differs).
 """
 
 from __future__ import annotations
@@ -111,15 +112,12 @@ def chunked(a) -> int:
     o, _ = sm_mod.sparse_mla(q, kv, idx, D_QK ** -0.5, D_V)
     rows, first = [], None
     for spec in a.chunked.split(","):
-        mib, cg, *reg = spec.split(":")
+        mib, *reg = spec.split(":")
         sm_mod.SCRATCH_BYTES = int(mib) << 20
-        sm_mod.TUNE["bwd_grad"].pop("CG", None)
         sm_mod.TUNE["bwd_grad"].pop("maxnreg", None)
-        if cg != "auto":
-            sm_mod.TUNE["bwd_grad"]["CG"] = int(cg)
         if reg:
-            sm_mod.TUNE["bwd_grad"]["maxnreg"] = int(reg[0])
-        cg_used = sm_mod._config(H, D_QK, D_V, "bwd_grad", kv_rows=T)[0]["CG"]
+            sm_mod.TUNE["bwd_grad"]["maxnreg"] = None if reg[0] == "none" else int(reg[0])
+        cap = sm_mod._config(H, D_QK, D_V, "bwd_grad")[0].get("maxnreg")
         ms = []
         for r in range(a.reps + 1):
             t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -133,13 +131,13 @@ def chunked(a) -> int:
             first = (dq, dkv)
         diff = [float((x.float() - y.float()).abs().max()) for x, y in zip((dq, dkv), first)]
         chunk_rows = sm_mod.SCRATCH_BYTES // (2 * H * TOPK * 2)
-        rows.append({"variant": spec, "cg": cg_used, "chunk_rows": min(T, chunk_rows), "ms": sorted(ms)[len(ms) // 2],
+        rows.append({"variant": spec, "maxnreg": cap, "chunk_rows": min(T, chunk_rows), "ms": sorted(ms)[len(ms) // 2],
                      "ms_all": ms, "max_diff_dq": diff[0], "max_diff_dkv": diff[1],
                      "peak_gib": torch.cuda.max_memory_allocated() / 2 ** 30})
     print(f"\nT={T} (one document), sparse MLA backward, median of {a.reps}")
-    print(f"{'variant':<16} {'CG':>3} {'rows':>6} {'ms':>8} {'d dq':>9} {'d dkv':>9}")
+    print(f"{'variant':<16} {'regs':>4} {'rows':>6} {'ms':>8} {'d dq':>9} {'d dkv':>9}")
     for r in rows:
-        print(f"{r['variant']:<16} {r['cg']:>3} {r['chunk_rows']:>6} {r['ms']:>8.2f} {r['max_diff_dq']:>9.2e} "
+        print(f"{r['variant']:<16} {str(r['maxnreg']):>4} {r['chunk_rows']:>6} {r['ms']:>8.2f} {r['max_diff_dq']:>9.2e} "
               f"{r['max_diff_dkv']:>9.2e}")
     if a.out:
         with open(a.out, "w") as f:

@@ -36,7 +36,8 @@ LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 
 # launch-parameter overrides for tuning (bench/kernels.py, $TITAN_DSA_TUNE_FILE), per kernel: keys BH, BK,
-# num_warps, num_stages (and DC, the column block of bwd_grad)
+# num_warps, num_stages, maxnreg (the register cap per thread; none = the compiler's choice) and DC (the column
+# block of bwd_grad)
 TUNE: dict[str, dict] = {"fwd": {}, "bwd_ps": {}, "bwd_grad": {}}
 _triton_env.load_tune("sparse_mla", TUNE)
 
@@ -202,21 +203,19 @@ def _grad_block(kv_ptr, p_ptr, ds_ptr, dkv_ptr, dq_ptr, idx_row, kend, T, K, qro
 
 @triton.jit
 def _bwd_grad_kernel(q_ptr, kv_ptr, idx_ptr, kend_ptr, do_ptr, p_ptr, ds_ptr, dkv_ptr, dq_ptr,
-                     T, H, K, row0, n_hb,
+                     T, H, K, row0,
                      stride_qt, stride_qh, stride_kvt, stride_it, stride_dot, stride_doh, stride_pt, stride_pk,
                      stride_dkvt, stride_dqt, stride_dqh,
                      DA: tl.constexpr, DQK: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, DC: tl.constexpr,
-                     CG: tl.constexpr, IEEE: tl.constexpr):
+                     IEEE: tl.constexpr):
     """Backward, part 2: dKV[idx] += dS^T Q + P^T dO (fp32 atomics, once per (query, slot), head block and column
-    block; dS carries sm_scale) and dQ = dS KV[idx]. One program per (column block of DC, query, head block).
-    Grid (CG, queries, column groups x head blocks): the CG column blocks of one group run side by side for each
-    query in turn (sharing its P / dS tiles in L2), group after group, so the dKV columns the atomics hit at a time
-    (T x CG x DC fp32) can stay in L2, whose atomic rate is about twice that of atomics that miss it. Small
+    block; dS carries sm_scale) and dQ = dS KV[idx]. One program per (column block of DC, query, head block), the
+    column block fastest, so the programs of one query run side by side and share its P / dS tiles in L2. Small
     programs (a [BK, DC] tile, Q and dO of DC columns) let several run per SM, so one program's atomics overlap
     another's products: the atomics are what bound this kernel. Blocks past d_v only add dS^T Q."""
-    c0 = ((tl.program_id(2) // n_hb) * CG + tl.program_id(0)) * DC
+    c0 = tl.program_id(0) * DC
     t = row0 + tl.program_id(1)
-    offs_h = (tl.program_id(2) % n_hb) * BH + tl.arange(0, BH)
+    offs_h = tl.program_id(2) * BH + tl.arange(0, BH)
     hmask = offs_h < H
     t64 = t.to(tl.int64)
     qrow = q_ptr + t64 * stride_qt + offs_h[:, None] * stride_qh
@@ -229,18 +228,13 @@ def _bwd_grad_kernel(q_ptr, kv_ptr, idx_ptr, kend_ptr, do_ptr, p_ptr, ds_ptr, dk
     if c0 < DA:
         _grad_block(kv_ptr, p_ptr, ds_ptr, dkv_ptr, dq_ptr, idx_row, kend, T, K, qrow, dorow, prow, dqrow, stride_kvt,
                     stride_pk, stride_dkvt, hmask, offs_c, DA, DQK, BH, BK, DC, True, IEEE)
-    elif c0 < DQK:  # (the last group may be short)
+    else:
         _grad_block(kv_ptr, p_ptr, ds_ptr, dkv_ptr, dq_ptr, idx_row, kend, T, K, qrow, dorow, prow, dqrow, stride_kvt,
                     stride_pk, stride_dkvt, hmask, offs_c, DA, DQK, BH, BK, DC, False, IEEE)
 
 
-# dKV bytes (fp32, all rows) that part 2's atomics may target at a time: column groups keep them in L2 (50 MB)
-DKV_L2_BYTES = 24 << 20
-
-
-def _config(h: int, d_qk: int, d_v: int, part: str = "fwd", kv_rows: int = 0):
-    """Launch parameters of one kernel. part: "fwd", "bwd_ps" (backward part 1), "bwd_grad" (part 2, whose column
-    group CG depends on the kv rows the atomics target)."""
+def _config(h: int, d_qk: int, d_v: int, part: str = "fwd"):
+    """Launch parameters of one kernel. part: "fwd", "bwd_ps" (backward part 1), "bwd_grad" (part 2)."""
     dap = pow2(d_v)
     db = d_qk - d_v
     dbp = pow2(db) if db > 0 else 16
@@ -257,28 +251,26 @@ def _config(h: int, d_qk: int, d_v: int, part: str = "fwd", kv_rows: int = 0):
         cfg = dict(DA=d_v, DB=db, DAP=dap, DBP=dbp, BH=bh, BK=bk, HAS_B=db > 0)
     elif part == "bwd_grad":
         # 64 slots per step: the dKV tile is the M side of the products (wgmma needs M >= 64); one warpgroup per
-        # [64, DC] tile. DC = 64 unpipelined (41 KB shared memory, 143 registers: 3 programs per SM) measured best
-        # on one H200 at T = 4K and 32K (DC = 128: 2 per SM, 3% slower with 1 stage, 50% slower with 2; 8 warps 50%
-        # slower; 128 slots per step 11% slower)
+        # [64, DC] tile. DC = 64 unpipelined (41 KB shared memory) measured best on one H200 at T = 4K and 32K
+        # (DC = 128: 3% slower with 1 stage, 50% slower with 2; 8 warps 50% slower; 128 slots per step 11% slower).
+        # The kernel is latency-bound (ncu: 3 warps per scheduler, half the stalls on global loads), so registers
+        # are capped at 128 (from 146): 4 programs per SM instead of 3, 5.6% less backward time at 32K, 4.5% at 4K
+        # (96: 4 -> 5 per SM, 21% slower; bench/results/kernels_h200.md, session 10)
         bk, num_stages = (64, 1) if big else (16, 2)
         num_warps = 4
-        cfg = dict(DA=d_v, DQK=d_qk, BH=bh, BK=bk, DC=64, CG=None)
+        cfg = dict(DA=d_v, DQK=d_qk, BH=bh, BK=bk, DC=64)
+        if big:
+            cfg["maxnreg"] = 128
     else:
         raise ValueError(f"unknown kernel part {part!r}")
     tune = dict(TUNE[part])
     num_warps = tune.pop("num_warps", num_warps)
     num_stages = tune.pop("num_stages", num_stages)
     cfg.update(tune)
-    if part == "bwd_grad":
-        if big and cfg["DC"] not in (64, 128):
-            # DC = 32 at 64 heads x 576 faulted with an illegal memory access on one H200 under Triton 3.6 (every
-            # run, T = 512, 1024 and 32K; bench/results/kernels_h200.md, session 9); 64 and 128 are checked there
-            raise ValueError(f"sparse_mla TUNE['bwd_grad']['DC'] = {cfg['DC']}: at d_v >= 256 use 64 or 128")
-        n_cb = -(-d_qk // cfg["DC"])
-        if cfg["CG"] is None:
-            cfg["CG"] = max(1, min(n_cb, DKV_L2_BYTES // max(1, kv_rows * cfg["DC"] * 4)))
-        if not 1 <= cfg["CG"] <= n_cb:
-            raise ValueError(f"sparse_mla TUNE['bwd_grad']['CG'] = {cfg['CG']}: use 1 to {n_cb} column blocks")
+    if part == "bwd_grad" and big and cfg["DC"] not in (64, 128):
+        # DC = 32 at 64 heads x 576 faulted with an illegal memory access on one H200 under Triton 3.6 (every run,
+        # T = 512, 1024 and 32K; bench/results/kernels_h200.md, session 9); 64 and 128 are checked on the GPU
+        raise ValueError(f"sparse_mla TUNE['bwd_grad']['DC'] = {cfg['DC']}: at d_v >= 256 use 64 or 128")
     return cfg, num_warps, num_stages
 
 
@@ -329,8 +321,7 @@ def _bwd(q, kv, indices, kend, out, lse, grad_out, sm_scale, d_v):
     if total == 0:
         return dq, dkv.to(kv.dtype)
     c, nw, ns = _config(h, d_qk, d_v, "bwd_ps")
-    c2, nw2, ns2 = _config(h, d_qk, d_v, "bwd_grad", kv_rows=kv.shape[0])
-    n_cb, n_hb = triton.cdiv(d_qk, c2["DC"]), triton.cdiv(h, c2["BH"])
+    c2, nw2, ns2 = _config(h, d_qk, d_v, "bwd_grad")
     rows = max(1, min(total, SCRATCH_BYTES // max(1, 2 * h * n_k * q.element_size())))
     p = torch.empty((rows, n_k, h), dtype=q.dtype, device=q.device)
     ds = torch.empty_like(p)
@@ -342,8 +333,8 @@ def _bwd(q, kv, indices, kend, out, lse, grad_out, sm_scale, d_v):
             q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), out.stride(0), out.stride(1),
             grad_out.stride(0), grad_out.stride(1), lse.stride(0), p.stride(0), p.stride(1),
             IEEE=ieee, num_warps=nw, num_stages=ns, **c)
-        _bwd_grad_kernel[(c2["CG"], n, triton.cdiv(n_cb, c2["CG"]) * n_hb)](
-            q, kv, indices, kend, grad_out, p, ds, dkv, dq, kv.shape[0], h, n_k, a, n_hb,
+        _bwd_grad_kernel[(triton.cdiv(d_qk, c2["DC"]), n, triton.cdiv(h, c2["BH"]))](
+            q, kv, indices, kend, grad_out, p, ds, dkv, dq, kv.shape[0], h, n_k, a,
             q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), grad_out.stride(0), grad_out.stride(1),
             p.stride(0), p.stride(1), dkv.stride(0), dq.stride(0), dq.stride(1), IEEE=ieee,
             num_warps=nw2, num_stages=ns2, **c2)
@@ -389,14 +380,15 @@ def compile_specs(small: bool = False):
                            ("sparse_mla_bwd_grad", _bwd_grad_kernel, "bwd_grad")):
         c, nw, ns = _config(h, d_qk, d_v, part)
         c["IEEE"] = False
-        sig = {n: "i32" for n in fn.arg_names if n.startswith("stride") or n in ("T", "H", "K", "row0", "n_hb")}
+        sig = {n: "i32" for n in fn.arg_names if n.startswith("stride") or n in ("T", "H", "K", "row0")}
         sig.update({n: "*bf16" for n in fn.arg_names if n.endswith("_ptr")})
         sig.update({"idx_ptr": "*i32", "kend_ptr": "*i32", "lse_ptr": "*fp32", "qk_scale": "fp32", "sm_scale": "fp32",
                     "dkv_ptr": "*fp32"})
         sig = {k: v for k, v in sig.items() if k in fn.arg_names}
         div = tuple(n for n in fn.arg_names if n.endswith("_ptr") or (n.startswith("stride") and not n.endswith("h")
                                                                        and n != "stride_lt"))
-        out.append((name, (fn, sig, {k: v for k, v in c.items() if k in fn.arg_names}, nw, ns, div)))
+        opts = {k: c[k] for k in ("maxnreg",) if k in c}
+        out.append((name, (fn, sig, {k: v for k, v in c.items() if k in fn.arg_names}, nw, ns, div, opts)))
     return out
 
 
