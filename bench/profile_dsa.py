@@ -9,13 +9,13 @@ of T tokens, random data). The backward runs as one chunk (one launch per kernel
 kernel, ms per call and TFLOP/s by the FLOP counts of bench/kernels.py split per kernel (backward part 1, ps:
 S, dP = 2*H*K_valid*(D_qk + d_v); part 2, grad: dK, dV, dQ = 2*H*K_valid*(2*D_qk + d_v)); JSON to --out.
 
-    python bench/profile_dsa.py --T 32768 --chunked 1024,1024:none,1024:96   # the chunked backward
+    python bench/profile_dsa.py --T 32768 --chunked 1024,1024:maxnreg=none,1024:maxnreg=96   # chunked backward
 
 ``--chunked`` instead times the sparse MLA backward as training runs it, in chunks of queries, per variant
-``SCRATCH_MiB[:MAXNREG]`` (the P / dS scratch, SCRATCH_BYTES; part 2's register cap, TUNE['bwd_grad']['maxnreg'],
-``none`` for the compiler's choice, left out for the built-in one): CUDA-event ms per backward (median of --reps,
-after one warm-up), and the largest difference of dQ / dKV to the first variant (dKV sums with atomics, so only
-its order differs).
+``SCRATCH_MiB[:KEY=VALUE...]`` (the P / dS scratch, SCRATCH_BYTES, and overrides of part 2's launch parameters,
+TUNE['bwd_grad'], e.g. maxnreg=none for the compiler's register choice): CUDA-event ms per backward (median of
+--reps, after one warm-up), and the largest difference of dQ / dKV to the first variant (dKV sums with atomics, so
+only its order differs).
 """
 
 from __future__ import annotations
@@ -112,11 +112,9 @@ def chunked(a) -> int:
     o, _ = sm_mod.sparse_mla(q, kv, idx, D_QK ** -0.5, D_V)
     rows, first = [], None
     for spec in a.chunked.split(","):
-        mib, *reg = spec.split(":")
+        mib, *kvs = spec.split(":")
         sm_mod.SCRATCH_BYTES = int(mib) << 20
-        sm_mod.TUNE["bwd_grad"].pop("maxnreg", None)
-        if reg:
-            sm_mod.TUNE["bwd_grad"]["maxnreg"] = None if reg[0] == "none" else int(reg[0])
+        sm_mod.TUNE["bwd_grad"] = {k: None if v == "none" else int(v) for k, v in (x.split("=") for x in kvs)}
         cap = sm_mod._config(H, D_QK, D_V, "bwd_grad")[0].get("maxnreg")
         ms = []
         for r in range(a.reps + 1):
