@@ -178,7 +178,7 @@ def _bwd_ps_kernel(q_ptr, kv_ptr, idx_ptr, kend_ptr, out_ptr, do_ptr, lse_ptr, p
 @triton.jit
 def _grad_block(kv_ptr, p_ptr, ds_ptr, dkv_ptr, dq_ptr, idx_row, kend, T, K, qrow, dorow, prow, dqrow, stride_kvt,
                 stride_pk, stride_dkvt, hmask, offs_c, DA: tl.constexpr, DQK: tl.constexpr, BH: tl.constexpr,
-                BK: tl.constexpr, DC: tl.constexpr, WITH_P: tl.constexpr, IEEE: tl.constexpr, EARLY: tl.constexpr):
+                BK: tl.constexpr, DC: tl.constexpr, WITH_P: tl.constexpr, IEEE: tl.constexpr):
     """Over one row's slots: dKV[idx, offs_c] += dS^T Q[:, offs_c] (+ P^T dO[:, offs_c] with WITH_P) and
     dQ[:, offs_c] = dS KV[idx, offs_c]."""
     cmask = offs_c < DQK
@@ -189,25 +189,15 @@ def _grad_block(kv_ptr, p_ptr, ds_ptr, dkv_ptr, dq_ptr, idx_row, kend, T, K, qro
     for k0 in range(0, kend, BK):
         offs_k, valid, safe = _slots(idx_row, k0, K, T, BK)
         lmask = valid[:, None] & hmask[None, :]
-        kmask = valid[:, None] & cmask[None, :]
         dst = tl.load(ds_ptr + prow + offs_k[:, None] * stride_pk, mask=lmask, other=0.0)  # [BK, BH], heads contiguous
-        if EARLY == 1 or EARLY == 2:
-            kv_c = tl.load(kv_ptr + safe[:, None] * stride_kvt + offs_c[None, :], mask=kmask, other=0.0)
-        if EARLY == 2 and WITH_P:
-            pt = tl.load(p_ptr + prow + offs_k[:, None] * stride_pk, mask=lmask, other=0.0)
         acc = _dot(dst, q_c, IEEE)
         if WITH_P:
-            if EARLY != 2:
-                pt = tl.load(p_ptr + prow + offs_k[:, None] * stride_pk, mask=lmask, other=0.0)
+            pt = tl.load(p_ptr + prow + offs_k[:, None] * stride_pk, mask=lmask, other=0.0)
             acc = _dot_acc(pt, do_c, acc, IEEE)
-        if EARLY == 3:
-            kv_c = tl.load(kv_ptr + safe[:, None] * stride_kvt + offs_c[None, :], mask=kmask, other=0.0)
-            dq = _dot_acc(tl.trans(dst), kv_c, dq, IEEE)
+        kmask = valid[:, None] & cmask[None, :]
         tl.atomic_add(dkv_ptr + safe[:, None] * stride_dkvt + offs_c[None, :], acc, mask=kmask, sem="relaxed")
-        if EARLY == 0:
-            kv_c = tl.load(kv_ptr + safe[:, None] * stride_kvt + offs_c[None, :], mask=kmask, other=0.0)
-        if EARLY != 3:
-            dq = _dot_acc(tl.trans(dst), kv_c, dq, IEEE)
+        kv_c = tl.load(kv_ptr + safe[:, None] * stride_kvt + offs_c[None, :], mask=kmask, other=0.0)
+        dq = _dot_acc(tl.trans(dst), kv_c, dq, IEEE)
     tl.store(dqrow + offs_c[None, :], dq.to(dq_ptr.dtype.element_ty), mask=hmask[:, None] & cmask[None, :])
 
 
@@ -217,7 +207,7 @@ def _bwd_grad_kernel(q_ptr, kv_ptr, idx_ptr, kend_ptr, do_ptr, p_ptr, ds_ptr, dk
                      stride_qt, stride_qh, stride_kvt, stride_it, stride_dot, stride_doh, stride_pt, stride_pk,
                      stride_dkvt, stride_dqt, stride_dqh,
                      DA: tl.constexpr, DQK: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, DC: tl.constexpr,
-                     IEEE: tl.constexpr, EARLY: tl.constexpr):
+                     IEEE: tl.constexpr):
     """Backward, part 2: dKV[idx] += dS^T Q + P^T dO (fp32 atomics, once per (query, slot), head block and column
     block; dS carries sm_scale) and dQ = dS KV[idx]. One program per (column block of DC, query, head block), the
     column block fastest, so the programs of one query run side by side and share its P / dS tiles in L2. Small
@@ -237,10 +227,10 @@ def _bwd_grad_kernel(q_ptr, kv_ptr, idx_ptr, kend_ptr, do_ptr, p_ptr, ds_ptr, dk
     offs_c = c0 + tl.arange(0, DC)
     if c0 < DA:
         _grad_block(kv_ptr, p_ptr, ds_ptr, dkv_ptr, dq_ptr, idx_row, kend, T, K, qrow, dorow, prow, dqrow, stride_kvt,
-                    stride_pk, stride_dkvt, hmask, offs_c, DA, DQK, BH, BK, DC, True, IEEE, EARLY)
+                    stride_pk, stride_dkvt, hmask, offs_c, DA, DQK, BH, BK, DC, True, IEEE)
     else:
         _grad_block(kv_ptr, p_ptr, ds_ptr, dkv_ptr, dq_ptr, idx_row, kend, T, K, qrow, dorow, prow, dqrow, stride_kvt,
-                    stride_pk, stride_dkvt, hmask, offs_c, DA, DQK, BH, BK, DC, False, IEEE, EARLY)
+                    stride_pk, stride_dkvt, hmask, offs_c, DA, DQK, BH, BK, DC, False, IEEE)
 
 
 def _config(h: int, d_qk: int, d_v: int, part: str = "fwd"):
@@ -268,7 +258,7 @@ def _config(h: int, d_qk: int, d_v: int, part: str = "fwd"):
         # (96: 4 -> 5 per SM, 21% slower; bench/results/kernels_h200.md, session 10)
         bk, num_stages = (64, 1) if big else (16, 2)
         num_warps = 4
-        cfg = dict(DA=d_v, DQK=d_qk, BH=bh, BK=bk, DC=64, EARLY=0)
+        cfg = dict(DA=d_v, DQK=d_qk, BH=bh, BK=bk, DC=64)
         if big:
             cfg["maxnreg"] = 128
     else:
