@@ -39,7 +39,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--once", action="store_true", help="one call of each op (for ncu), no timing")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--out", default=None)
-    p.add_argument("--chunked", default=None, help="variants SCRATCH_MiB:on|off[:priority],... (see above)")
+    p.add_argument("--chunked", default=None, help="variants SCRATCH_MiB[:KEY=VALUE...],... (see above)")
     a = p.parse_args(argv)
     if a.chunked:
         return chunked(a)
@@ -48,12 +48,8 @@ def main(argv: list[str]) -> int:
     sm_mod.SCRATCH_BYTES = 1 << 40  # one chunk: one launch of each backward kernel
     T = a.T
     pairs, kvalid = counts([T])
-    cu, qi, ki, wi = make_inputs(T, [T])
+    cu, qi, ki, wi, q, kv, do = _inputs(T)
     iscale, scale = D_I ** -0.5, D_QK ** -0.5
-    g = torch.Generator(device="cuda").manual_seed(1)
-    q = torch.randn(T, H, D_QK, generator=g, device="cuda").to(torch.bfloat16).requires_grad_()
-    kv = torch.randn(T, D_QK, generator=g, device="cuda").to(torch.bfloat16).requires_grad_()
-    do = torch.randn(T, H, D_V, generator=g, device="cuda").to(torch.bfloat16)
     qi_, ki_, wi_ = (x.clone().requires_grad_() for x in (qi, ki, wi))
     grow = torch.ones(T, device="cuda")
 
@@ -100,14 +96,20 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def chunked(a) -> int:
-    from titan_glm52.kernels import indexer_topk as it_mod, sparse_mla as sm_mod
-    T = a.T
+def _inputs(T: int):
+    """Indexer inputs (bench/kernels.py) and bf16 q, kv (with gradients) and dO of one document of T tokens."""
     cu, qi, ki, wi = make_inputs(T, [T])
     g = torch.Generator(device="cuda").manual_seed(1)
     q = torch.randn(T, H, D_QK, generator=g, device="cuda").to(torch.bfloat16).requires_grad_()
     kv = torch.randn(T, D_QK, generator=g, device="cuda").to(torch.bfloat16).requires_grad_()
     do = torch.randn(T, H, D_V, generator=g, device="cuda").to(torch.bfloat16)
+    return cu, qi, ki, wi, q, kv, do
+
+
+def chunked(a) -> int:
+    from titan_glm52.kernels import indexer_topk as it_mod, sparse_mla as sm_mod
+    T = a.T
+    cu, qi, ki, wi, q, kv, do = _inputs(T)
     idx = it_mod.indexer_topk(qi, ki, wi, cu, TOPK, D_I ** -0.5)
     o, _ = sm_mod.sparse_mla(q, kv, idx, D_QK ** -0.5, D_V)
     rows, first = [], None
@@ -135,8 +137,8 @@ def chunked(a) -> int:
     print(f"\nT={T} (one document), sparse MLA backward, median of {a.reps}")
     print(f"{'variant':<16} {'regs':>4} {'rows':>6} {'ms':>8} {'d dq':>9} {'d dkv':>9}")
     for r in rows:
-        print(f"{r['variant']:<16} {str(r['maxnreg']):>4} {r['chunk_rows']:>6} {r['ms']:>8.2f} {r['max_diff_dq']:>9.2e} "
-              f"{r['max_diff_dkv']:>9.2e}")
+        print(f"{r['variant']:<16} {str(r['maxnreg']):>4} {r['chunk_rows']:>6} {r['ms']:>8.2f} "
+              f"{r['max_diff_dq']:>9.2e} {r['max_diff_dkv']:>9.2e}")
     if a.out:
         with open(a.out, "w") as f:
             json.dump({"T": T, "device": torch.cuda.get_device_name(), "chunked": rows}, f, indent=1)

@@ -15,11 +15,12 @@ S and P = exp(S - lse) from the saved lse, dP = dO V^T, dS = P (dP - Delta) with
 P and dS ([chunk, K, H], q's dtype) to a scratch. Part 2 runs one program per (64-column block of D_qk, query):
 dKV[idx, cols] += dS^T Q_cols * scale + P^T dO_cols (heads are the GEMM reduction) into an fp32 buffer with
 atomics, cast to kv's dtype at the end (non-deterministic summation order, fp32 accuracy), and
-dQ[:, cols] = dS KV[idx, cols]. Column blocks keep each program small, so several share an SM and one's atomics
-(what bounds the backward) overlap another's products; part 1 holds no dQ accumulator, so its 64 heads share one
-gather. Measured on one H200 (T = 32K, top-2048): 122 ms against 160 for the previous split (dQ in part 1, 32 heads
-per program; bench/results/kernels_h200.md, session 9); a one-kernel backward needs Q and dO in two operand
-layouts each and was slower still.
+dQ[:, cols] = dS KV[idx, cols]. Column blocks keep each program small, so several share an SM and hide one
+another's load latency (what bounds part 2: ncu, session 10); part 1 holds no dQ accumulator, so its 64 heads
+share one gather. Measured on one H200 (T = 32K, top-2048): 122 ms against 160 for the previous split (dQ in
+part 1, 32 heads per program; bench/results/kernels_h200.md, session 9), 117 ms with part 2's registers capped at
+128 (session 10: a fourth program per SM); a one-kernel backward needs Q and dO in two operand layouts each and
+was slower still.
 """
 
 from __future__ import annotations
@@ -211,8 +212,9 @@ def _bwd_grad_kernel(q_ptr, kv_ptr, idx_ptr, kend_ptr, do_ptr, p_ptr, ds_ptr, dk
     """Backward, part 2: dKV[idx] += dS^T Q + P^T dO (fp32 atomics, once per (query, slot), head block and column
     block; dS carries sm_scale) and dQ = dS KV[idx]. One program per (column block of DC, query, head block), the
     column block fastest, so the programs of one query run side by side and share its P / dS tiles in L2. Small
-    programs (a [BK, DC] tile, Q and dO of DC columns) let several run per SM, so one program's atomics overlap
-    another's products: the atomics are what bound this kernel. Blocks past d_v only add dS^T Q."""
+    programs (a [BK, DC] tile, Q and dO of DC columns) let several run per SM (4 with the 128-register cap), so
+    their loads, products and atomics overlap: the latency of its loads is what bounds this kernel. Blocks past
+    d_v only add dS^T Q."""
     c0 = tl.program_id(0) * DC
     t = row0 + tl.program_id(1)
     offs_h = tl.program_id(2) * BH + tl.arange(0, BH)
@@ -254,8 +256,8 @@ def _config(h: int, d_qk: int, d_v: int, part: str = "fwd"):
         # [64, DC] tile. DC = 64 unpipelined (41 KB shared memory) measured best on one H200 at T = 4K and 32K
         # (DC = 128: 3% slower with 1 stage, 50% slower with 2; 8 warps 50% slower; 128 slots per step 11% slower).
         # The kernel is latency-bound (ncu: 3 warps per scheduler, half the stalls on global loads), so registers
-        # are capped at 128 (from 146): 4 programs per SM instead of 3, 5.6% less backward time at 32K, 4.5% at 4K
-        # (96: 4 -> 5 per SM, 21% slower; bench/results/kernels_h200.md, session 10)
+        # are capped at 128 (from 146): 4 programs per SM instead of 3, 4-7% less backward time at 32K, 3.5-4.5%
+        # at 4K in two calls (96: 5 per SM, 21% slower; bench/results/kernels_h200.md, session 10)
         bk, num_stages = (64, 1) if big else (16, 2)
         num_warps = 4
         cfg = dict(DA=d_v, DQK=d_qk, BH=bh, BK=bk, DC=64)
