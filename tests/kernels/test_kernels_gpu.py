@@ -107,12 +107,13 @@ def _mla_inputs(lengths, seed, empty=(0, 1, 2)):
     return q, kv, idx, (qi, ki, wi), g
 
 
-@pytest.mark.parametrize("dc", [None, 128])  # the backward's column block: default (64) and the other accepted
-def test_sparse_mla_real_size(dc, monkeypatch):
+# part 2 of the backward: the defaults, the other accepted column block (64 is the default), and its scratch reads
+# with and without TMA
+@pytest.mark.parametrize("tune", [{}, {"DC": 128}, {"TMA": 0}, {"TMA": 1}])
+def test_sparse_mla_real_size(tune, monkeypatch):
     from titan_glm52.kernels import sparse_mla as SM
     from titan_glm52.kernels.sparse_mla import sparse_mla
-    if dc is not None:
-        monkeypatch.setitem(SM.TUNE, "bwd_grad", {**SM.TUNE["bwd_grad"], "DC": dc})
+    monkeypatch.setitem(SM.TUNE, "bwd_grad", {**SM.TUNE["bwd_grad"], **tune})
     lengths = [1000, 3096]
     q, kv, idx, _, g = _mla_inputs(lengths, 1)
     total = q.shape[0]
