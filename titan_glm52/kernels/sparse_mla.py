@@ -177,14 +177,11 @@ def _bwd_ps_kernel(q_ptr, kv_ptr, idx_ptr, kend_ptr, out_ptr, do_ptr, lse_ptr, p
 
 
 @triton.jit
-def _grad_block(kv_ptr, p_ptr, ds_ptr, dkv_ptr, dq_ptr, idx_row, kend, T, K, qrow, dorow, prow, r, h0, dqrow,
-                stride_kvt, stride_pk, stride_dkvt, hmask, offs_c, DA: tl.constexpr, DQK: tl.constexpr,
-                BH: tl.constexpr, BK: tl.constexpr, DC: tl.constexpr, WITH_P: tl.constexpr, IEEE: tl.constexpr,
-                TMA: tl.constexpr):
+def _grad_block(kv_ptr, p_ptr, ds_ptr, dkv_ptr, dq_ptr, idx_row, kend, T, K, qrow, dorow, prow, dqrow, stride_kvt,
+                stride_pk, stride_dkvt, hmask, offs_c, DA: tl.constexpr, DQK: tl.constexpr, BH: tl.constexpr,
+                BK: tl.constexpr, DC: tl.constexpr, WITH_P: tl.constexpr, IEEE: tl.constexpr):
     """Over one row's slots: dKV[idx, offs_c] += dS^T Q[:, offs_c] (+ P^T dO[:, offs_c] with WITH_P) and
-    dQ[:, offs_c] = dS KV[idx, offs_c]. TMA: p_ptr / ds_ptr are descriptors of the [rows, K, H] scratch (block
-    [1, BK, BH]), read at (scratch row r, slot, head h0); slots past K and heads past H read 0, and part 1 wrote 0
-    for the invalid slots below the row's last block."""
+    dQ[:, offs_c] = dS KV[idx, offs_c]."""
     cmask = offs_c < DQK
     q_c = tl.load(qrow + offs_c[None, :], mask=hmask[:, None] & cmask[None, :], other=0.0)
     if WITH_P:
@@ -193,16 +190,10 @@ def _grad_block(kv_ptr, p_ptr, ds_ptr, dkv_ptr, dq_ptr, idx_row, kend, T, K, qro
     for k0 in range(0, kend, BK):
         offs_k, valid, safe = _slots(idx_row, k0, K, T, BK)
         lmask = valid[:, None] & hmask[None, :]
-        if TMA:
-            dst = tl.reshape(ds_ptr.load([r, k0, h0]), [BK, BH])
-        else:
-            dst = tl.load(ds_ptr + prow + offs_k[:, None] * stride_pk, mask=lmask, other=0.0)  # [BK, BH]
+        dst = tl.load(ds_ptr + prow + offs_k[:, None] * stride_pk, mask=lmask, other=0.0)  # [BK, BH], heads contiguous
         acc = _dot(dst, q_c, IEEE)
         if WITH_P:
-            if TMA:
-                pt = tl.reshape(p_ptr.load([r, k0, h0]), [BK, BH])
-            else:
-                pt = tl.load(p_ptr + prow + offs_k[:, None] * stride_pk, mask=lmask, other=0.0)
+            pt = tl.load(p_ptr + prow + offs_k[:, None] * stride_pk, mask=lmask, other=0.0)
             acc = _dot_acc(pt, do_c, acc, IEEE)
         kmask = valid[:, None] & cmask[None, :]
         tl.atomic_add(dkv_ptr + safe[:, None] * stride_dkvt + offs_c[None, :], acc, mask=kmask, sem="relaxed")
@@ -217,7 +208,7 @@ def _bwd_grad_kernel(q_ptr, kv_ptr, idx_ptr, kend_ptr, do_ptr, p_ptr, ds_ptr, dk
                      stride_qt, stride_qh, stride_kvt, stride_it, stride_dot, stride_doh, stride_pt, stride_pk,
                      stride_dkvt, stride_dqt, stride_dqh,
                      DA: tl.constexpr, DQK: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, DC: tl.constexpr,
-                     IEEE: tl.constexpr, TMA: tl.constexpr):
+                     IEEE: tl.constexpr):
     """Backward, part 2: dKV[idx] += dS^T Q + P^T dO (fp32 atomics, once per (query, slot), head block and column
     block; dS carries sm_scale) and dQ = dS KV[idx]. One program per (column block of DC, query, head block), the
     column block fastest, so the programs of one query run side by side and share its P / dS tiles in L2. Small
@@ -226,8 +217,7 @@ def _bwd_grad_kernel(q_ptr, kv_ptr, idx_ptr, kend_ptr, do_ptr, p_ptr, ds_ptr, dk
     d_v only add dS^T Q."""
     c0 = tl.program_id(0) * DC
     t = row0 + tl.program_id(1)
-    h0 = tl.program_id(2) * BH
-    offs_h = h0 + tl.arange(0, BH)
+    offs_h = tl.program_id(2) * BH + tl.arange(0, BH)
     hmask = offs_h < H
     t64 = t.to(tl.int64)
     qrow = q_ptr + t64 * stride_qt + offs_h[:, None] * stride_qh
@@ -237,13 +227,12 @@ def _bwd_grad_kernel(q_ptr, kv_ptr, idx_ptr, kend_ptr, do_ptr, p_ptr, ds_ptr, dk
     kend = tl.load(kend_ptr + t)
     prow = (t - row0).to(tl.int64) * stride_pt + offs_h[None, :]  # [1, BH]
     offs_c = c0 + tl.arange(0, DC)
-    r = t - row0
     if c0 < DA:
-        _grad_block(kv_ptr, p_ptr, ds_ptr, dkv_ptr, dq_ptr, idx_row, kend, T, K, qrow, dorow, prow, r, h0, dqrow,
-                    stride_kvt, stride_pk, stride_dkvt, hmask, offs_c, DA, DQK, BH, BK, DC, True, IEEE, TMA)
+        _grad_block(kv_ptr, p_ptr, ds_ptr, dkv_ptr, dq_ptr, idx_row, kend, T, K, qrow, dorow, prow, dqrow, stride_kvt,
+                    stride_pk, stride_dkvt, hmask, offs_c, DA, DQK, BH, BK, DC, True, IEEE)
     else:
-        _grad_block(kv_ptr, p_ptr, ds_ptr, dkv_ptr, dq_ptr, idx_row, kend, T, K, qrow, dorow, prow, r, h0, dqrow,
-                    stride_kvt, stride_pk, stride_dkvt, hmask, offs_c, DA, DQK, BH, BK, DC, False, IEEE, TMA)
+        _grad_block(kv_ptr, p_ptr, ds_ptr, dkv_ptr, dq_ptr, idx_row, kend, T, K, qrow, dorow, prow, dqrow, stride_kvt,
+                    stride_pk, stride_dkvt, hmask, offs_c, DA, DQK, BH, BK, DC, False, IEEE)
 
 
 def _config(h: int, d_qk: int, d_v: int, part: str = "fwd"):
@@ -271,7 +260,7 @@ def _config(h: int, d_qk: int, d_v: int, part: str = "fwd"):
         # at 4K in two calls (96: 5 per SM, 21% slower; bench/results/kernels_h200.md, session 10)
         bk, num_stages = (64, 1) if big else (16, 2)
         num_warps = 4
-        cfg = dict(DA=d_v, DQK=d_qk, BH=bh, BK=bk, DC=64, TMA=0)
+        cfg = dict(DA=d_v, DQK=d_qk, BH=bh, BK=bk, DC=64)
         if big:
             cfg["maxnreg"] = 128
     else:
@@ -339,13 +328,6 @@ def _bwd(q, kv, indices, kend, out, lse, grad_out, sm_scale, d_v):
     p = torch.empty((rows, n_k, h), dtype=q.dtype, device=q.device)
     ds = torch.empty_like(p)
     ieee = q.dtype == torch.float32
-    p2, ds2 = p, ds  # what part 2 reads the scratch through: the tensors, or TMA descriptors of them
-    if c2["TMA"]:
-        if (h * q.element_size()) % 16:
-            raise ValueError(f"sparse_mla TUNE['bwd_grad']['TMA']: TMA needs 16-byte scratch rows; {h} heads of "
-                             f"{q.dtype} are not (set TMA to 0)")
-        from triton.tools.tensor_descriptor import TensorDescriptor
-        p2, ds2 = (TensorDescriptor.from_tensor(x, [1, c2["BK"], c2["BH"]]) for x in (p, ds))
     for a in range(0, total, rows):
         n = min(rows, total - a)
         _bwd_ps_kernel[(n, triton.cdiv(h, c["BH"]))](
@@ -354,7 +336,7 @@ def _bwd(q, kv, indices, kend, out, lse, grad_out, sm_scale, d_v):
             grad_out.stride(0), grad_out.stride(1), lse.stride(0), p.stride(0), p.stride(1),
             IEEE=ieee, num_warps=nw, num_stages=ns, **c)
         _bwd_grad_kernel[(triton.cdiv(d_qk, c2["DC"]), n, triton.cdiv(h, c2["BH"]))](
-            q, kv, indices, kend, grad_out, p2, ds2, dkv, dq, kv.shape[0], h, n_k, a,
+            q, kv, indices, kend, grad_out, p, ds, dkv, dq, kv.shape[0], h, n_k, a,
             q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), grad_out.stride(0), grad_out.stride(1),
             p.stride(0), p.stride(1), dkv.stride(0), dq.stride(0), dq.stride(1), IEEE=ieee,
             num_warps=nw2, num_stages=ns2, **c2)
@@ -404,11 +386,9 @@ def compile_specs(small: bool = False):
         sig.update({n: "*bf16" for n in fn.arg_names if n.endswith("_ptr")})
         sig.update({"idx_ptr": "*i32", "kend_ptr": "*i32", "lse_ptr": "*fp32", "qk_scale": "fp32", "sm_scale": "fp32",
                     "dkv_ptr": "*fp32"})
-        if c.get("TMA"):  # part 2 reads the P / dS scratch through TMA descriptors
-            sig.update({n: f"tensordesc<bf16[1,{c['BK']},{c['BH']}]>" for n in ("p_ptr", "ds_ptr")})
         sig = {k: v for k, v in sig.items() if k in fn.arg_names}
-        div = tuple(n for n in fn.arg_names if (n.endswith("_ptr") and sig[n][0] == "*")
-                    or (n.startswith("stride") and not n.endswith("h") and n != "stride_lt"))
+        div = tuple(n for n in fn.arg_names if n.endswith("_ptr") or (n.startswith("stride") and not n.endswith("h")
+                                                                       and n != "stride_lt"))
         opts = {k: c[k] for k in ("maxnreg",) if k in c}
         out.append((name, (fn, sig, {k: v for k, v in c.items() if k in fn.arg_names}, nw, ns, div, opts)))
     return out
