@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from attn_paths import time_fn  # bench/attn_paths.py: CUDA-event ms per call
+
 
 @triton.jit
 def _red_kernel(dst_ptr, idx_ptr, n_per, T, BK: tl.constexpr, DC: tl.constexpr, NCB: tl.constexpr,
@@ -37,14 +39,7 @@ def rate(T: int, programs: int, per: int, dc: int, blocks: int, seq: bool, warps
     def launch():
         _red_kernel[(blocks, programs)](dst, idx, per, T, BK=64, DC=dc, NCB=blocks, SEQ=seq, num_warps=warps)
 
-    launch()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        launch()
-    end.record()
-    torch.cuda.synchronize()
-    ms = start.elapsed_time(end) / reps
+    ms = time_fn(launch, reps, warmup=1)
     return dict(T=T, n_prog=programs, DC=dc, NCB=blocks, seq=seq, warps=warps, ms=ms,
                 adds_per_s=programs * per * blocks * dc / ms * 1e3)
 

@@ -130,8 +130,8 @@ def chunked(a) -> int:
         if first is None:
             first = (dq, dkv)
         diff = [float((x.float() - y.float()).abs().max()) for x, y in zip((dq, dkv), first)]
-        chunk_rows = sm_mod.SCRATCH_BYTES // (2 * H * TOPK * 2)
-        rows.append({"variant": spec, "maxnreg": cap, "chunk_rows": min(T, chunk_rows), "ms": sorted(ms)[len(ms) // 2],
+        rows.append({"variant": spec, "maxnreg": cap, "chunk_rows": sm_mod.chunk_rows(T, H, TOPK, q.element_size()),
+                     "ms": sorted(ms)[len(ms) // 2],
                      "ms_all": ms, "max_diff_dq": diff[0], "max_diff_dkv": diff[1],
                      "peak_gib": torch.cuda.max_memory_allocated() / 2 ** 30})
     print(f"\nT={T} (one document), sparse MLA backward, median of {a.reps}")

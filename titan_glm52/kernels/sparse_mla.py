@@ -314,6 +314,11 @@ def _fwd(q, kv, indices, kend, sm_scale, d_v):
 SCRATCH_BYTES = 1 << 30  # P and dS of one chunk of queries (backward)
 
 
+def chunk_rows(total: int, h: int, n_k: int, element_size: int) -> int:
+    """Queries per backward chunk: as many as fit P and dS ([rows, n_k, h] each) in SCRATCH_BYTES, at least 1."""
+    return max(1, min(total, SCRATCH_BYTES // max(1, 2 * h * n_k * element_size)))
+
+
 def _bwd(q, kv, indices, kend, out, lse, grad_out, sm_scale, d_v):
     """Part 1 (P and dS, q's dtype, into a scratch) then part 2 (dKV, dQ), per chunk of queries."""
     total, h, d_qk = q.shape
@@ -324,7 +329,7 @@ def _bwd(q, kv, indices, kend, out, lse, grad_out, sm_scale, d_v):
         return dq, dkv.to(kv.dtype)
     c, nw, ns = _config(h, d_qk, d_v, "bwd_ps")
     c2, nw2, ns2 = _config(h, d_qk, d_v, "bwd_grad")
-    rows = max(1, min(total, SCRATCH_BYTES // max(1, 2 * h * n_k * q.element_size())))
+    rows = chunk_rows(total, h, n_k, q.element_size())
     p = torch.empty((rows, n_k, h), dtype=q.dtype, device=q.device)
     ds = torch.empty_like(p)
     ieee = q.dtype == torch.float32
