@@ -97,7 +97,8 @@ loss); an RMSNorm keeps its input, its fp32 rstd and the normalised copy its wei
                         + 32k (int64 routing indices, fp32 combine weights; + 16kL under EP: the permutations)
                         + L*a*(kD + 4kF) (routed token copies, expert intermediates) + a*kD + 12k (the
                         combine's token-ordered copy of the routed rows, its permutation and weights)
-                        + a*4Fs (shared expert)
+                        + a*4Fs (shared expert); with ``[moe] recompute_expert_inputs`` (default) L*a*2kF
+                        instead of L*a*(kD + 4kF), L*a*(kD + 2kF) under EP (the received rows are kept)
   full       the block input a*D, plus 4K on full layers (the top-k a checkpointed full block returns is kept
              by the shared blocks' checkpoints)
   selective  "op" (the policy of ``parallelize.py``): block input a*D, 4K on full layers, and the outputs of the
@@ -126,7 +127,8 @@ Backward bytes of a step (on top of what it saved):
                         gradient), n = qk_nope_head_dim, p = qk_rope_head_dim, v = v_head_dim
              MoE        (4 + a)kD (the combine's backward: the routed rows' gradient, a*kD, alive while the
                         combine weights' gradient forms its fp32 [kT, D] product before the sum over D) + 3aD, or
-                        L*a*k(2D + 2F) on the experts' side if larger
+                        L*a*k(2D + 2F) on the experts' side if larger (+ L*a*k(D + F), the rebuilt inputs, with
+                        ``recompute_expert_inputs`` in a block that is not checkpointed)
              dense MLP  a*(3Fd + 3D)
   head       the fused loss (model/head.py) forms each chunk's gradients at the end of forward, with every
              activation still held: one chunk of min(tokens, LOSS_CHUNK) tokens x vocab x 8 (the fp32 logits and
@@ -189,6 +191,7 @@ class MemoryRequest:
     expert_load_factor: float = 1.0
     dense_prefix: bool = True  # [dsa] dense_prefix
     dense_masked_ratio: float = 0.0  # [dsa] dense_masked_ratio (used with dense_prefix)
+    recompute_expert_inputs: bool = True  # [moe] recompute_expert_inputs
 
     @property
     def budget_bytes(self) -> float:
@@ -274,10 +277,12 @@ def _is_full(args: GLM52ModelArgs, layer_id: int) -> bool:
 
 
 def block_bytes_per_token(args: GLM52ModelArgs, layer_id: int, mode: str, act_bytes: int,
-                          load: float = 1.0, ep: bool = True, prefix_share: float = 0.0) -> float:
+                          load: float = 1.0, ep: bool = True, prefix_share: float = 0.0,
+                          recompute_experts: bool = False) -> float:
     """Saved activation bytes per token of one block under an AC mode ("none" | "full" | "op"); see the module
     docstring for the terms. ``layer_id == num_hidden_layers`` is the MTP block. ``prefix_share``: the share of
-    rows on the dense prefix (``[dsa] dense_prefix``)."""
+    rows on the dense prefix (``[dsa] dense_prefix``). ``recompute_experts``: ``[moe] recompute_expert_inputs``
+    (it acts in blocks that are not checkpointed, "none")."""
     a, d, h = act_bytes, args.hidden_size, args.num_attention_heads
     r, c, p = args.q_lora_rank, args.kv_lora_rank, args.qk_rope_head_dim
     n, v, kk = args.qk_nope_head_dim, args.v_head_dim, args.index_topk
@@ -292,8 +297,10 @@ def block_bytes_per_token(args: GLM52ModelArgs, layer_id: int, mode: str, act_by
                 + topk + prefix_share * (a * (h * (2 * (n + p) + 2 * v + n) + c) + 4 * h))
         if moe:
             ints = 32 * k + (16 * k * load if ep else 0)
-            mlp = (a * 3 * d + 4 + 4 * d + 4 * e + ints + load * a * (k * d + 4 * k * f) + a * k * d + 12 * k
-                   + a * 4 * fs)
+            # the routed token copies (kept under EP, regathered without it) and the experts' intermediates (gate
+            # and up outputs, and silu and the product unless recomputed)
+            routed = (k * d if ep or not recompute_experts else 0) + (2 if recompute_experts else 4) * k * f
+            mlp = a * 3 * d + 4 + 4 * d + 4 * e + ints + load * a * routed + a * k * d + 12 * k + a * 4 * fs
         else:
             mlp = a * (3 * d + 4 * fd) + 4
         return attn + mlp
@@ -331,7 +338,7 @@ DSA_SCRATCH_BYTES = 1 << 30
 
 
 def backward_workspace(args: GLM52ModelArgs, layer_id: int, tokens: int, act_bytes: int,
-                       load: float = 1.0, prefix_share: float = 0.0) -> float:
+                       load: float = 1.0, prefix_share: float = 0.0, recompute_experts: bool = False) -> float:
     """Bytes a block's backward allocates on top of the activations it saved (or recomputed), at its largest
     moment, for ``tokens`` tokens: the larger of the attention's and the MLP's (they run one after the other; see
     the module docstring for the terms). ``prefix_share``: the share of rows on the dense prefix."""
@@ -344,7 +351,8 @@ def backward_workspace(args: GLM52ModelArgs, layer_id: int, tokens: int, act_byt
     if prefix_share > 0:
         attn += tokens * a * h * (prefix_share * (2 * (n + p) + 3 * v + n) + n + p)
     if args.is_moe_layer(layer_id):
-        mlp = tokens * (max((4 + a) * k * d, load * a * k * (2 * d + 2 * f)) + 3 * a * d)
+        experts = load * a * k * (2 * d + 2 * f) + (load * a * k * (d + f) if recompute_experts else 0)
+        mlp = tokens * (max((4 + a) * k * d, experts) + 3 * a * d)
     else:
         mlp = tokens * a * (3 * fd + 3 * d)
     return max(attn, mlp)
@@ -380,7 +388,8 @@ class StageActivations:
 
 def stage_activations(args: GLM52ModelArgs, layer_ids: range, is_first: bool, is_last: bool, with_mtp: bool,
                       ac_mode: str, selective_option: str, act_bytes: int, load: float, ep: bool, tokens: int,
-                      prefix_share: float = 0.0, mask_per_token: float = 0.0) -> StageActivations:
+                      prefix_share: float = 0.0, mask_per_token: float = 0.0,
+                      recompute_experts: bool = False) -> StageActivations:
     """Activations of one pipeline stage for micro-batches of ``tokens`` tokens (module docstring).
     ``mask_per_token``: the masked dense rows' selection mask, bytes per token of every block (saved with its
     attention, or rebuilt by its recompute)."""
@@ -391,11 +400,13 @@ def stage_activations(args: GLM52ModelArgs, layer_ids: range, is_first: bool, is
     for b, m in zip(ids, modes):
         # A checkpointed block ("full", "op") rebuilds its "none" set in backward while its own saved tensors are
         # still held (for "op" the cached ones are shared: counted twice, an upper bound).
-        none = block_bytes_per_token(args, b, "none", a, load, ep, prefix_share) + mask_per_token
+        # (The experts' recompute acts only in blocks that are not checkpointed: see GroupedExperts.forward.)
+        lean = recompute_experts and m == "none"
+        none = block_bytes_per_token(args, b, "none", a, load, ep, prefix_share, lean) + mask_per_token
         saved = none if m == "none" else block_bytes_per_token(args, b, m, a, load, ep, prefix_share)
         recompute = none if m != "none" else 0.0
         blocks.append(BlockActivations(b, m, saved, tokens * recompute + backward_workspace(args, b, tokens, a, load,
-                                                                                            prefix_share)))
+                                                                                            prefix_share, lean)))
     extras = 8 + (a * d if with_mtp else 0)  # positions; next-token embeddings
     if is_first:
         extras += 8  # token ids (the embedding backward)
@@ -725,7 +736,7 @@ def plan_memory(req: MemoryRequest) -> MemoryReport:
         mask_per_token = 3.0 * (seq - kk)
     acts = [stage_activations(args, stage_layers[s], s == 0, s == pl.num_stages - 1, req.with_mtp, req.ac_mode,
                               req.selective_ac_option, act_bytes, req.expert_load_factor, req.ep > 1, tokens,
-                              prefix_share, mask_per_token)
+                              prefix_share, mask_per_token, req.recompute_expert_inputs)
             for s in range(pl.num_stages)]
     keep_all = pipelined or not _reshard_policy(req.reshard_after_forward, pipelined, deg.dp_shard)
     ranks_per_pp = deg.dp_replicate * deg.dp_shard
@@ -802,7 +813,7 @@ def request_from_job_config(cfg, gpus: int | None = None, *, gpu_memory_gib: flo
         reshard_after_forward=p.fsdp_reshard_after_forward,
         with_mtp=cfg.mtp.enable and args.num_nextn_predict_layers > 0, gpu_memory_gib=gpu_memory_gib,
         headroom=headroom, expert_load_factor=expert_load_factor, dense_prefix=cfg.dsa.dense_prefix,
-        dense_masked_ratio=cfg.dsa.dense_masked_ratio)
+        dense_masked_ratio=cfg.dsa.dense_masked_ratio, recompute_expert_inputs=cfg.moe.recompute_expert_inputs)
 
 
 # ===================================================================================== printing
@@ -835,7 +846,8 @@ def format_report(report: MemoryReport, model_name: str) -> str:
         f"precision: fp32 master weights, fp32 grads, AdamW 2 x fp32 states, {req.param_dtype} compute "
         f"(FSDP param_dtype), fp32 reduce; AC {req.ac_mode}"
         + (f" ({req.selective_ac_option})" if req.ac_mode == "selective" else "")
-        + f"; reshard_after_forward {req.reshard_after_forward}; expert load factor {req.expert_load_factor:g}",
+        + f"; reshard_after_forward {req.reshard_after_forward}; expert load factor {req.expert_load_factor:g}"
+        + f"; expert inputs {'recomputed' if req.recompute_expert_inputs else 'kept'}",
         "ranks: one representative per pipeline rank (data-parallel coordinate 0): FSDP pads every shard to the "
         "same size and EP splits the experts evenly, so all ranks of a pipeline rank hold the same bytes",
         "activations: estimated from the widths (formulas: titan_glm52/memory_plan.py docstring); the rest is "

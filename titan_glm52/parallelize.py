@@ -50,10 +50,11 @@ def transformer_blocks(model: nn.Module) -> list[nn.Module]:
 class ExpertParallel:
     """Hooks that turn a ``GroupedExperts`` into its expert-parallel shard.
 
-    ``MoE.forward`` calls ``experts(x_sorted, counts)`` with this rank's tokens sorted by GLOBAL expert id
-    (``counts[e]`` rows for expert e; ``MoE.tokens_per_expert`` has already counted them). The pre-hook
-    sends each row to the EP rank that owns its expert (all-to-all with uneven splits) and reorders the
-    received rows by local expert, so the unchanged ``GroupedExperts.forward`` runs on the local shard
+    ``MoE.forward`` calls ``experts(x_sorted, counts, gathered_from=...)`` with this rank's tokens sorted by GLOBAL
+    expert id (``counts[e]`` rows for expert e; ``MoE.tokens_per_expert`` has already counted them). The pre-hook
+    sends each row to the EP rank that owns its expert (all-to-all with uneven splits), reorders the received rows
+    by local expert and drops ``gathered_from`` (the rows no longer come from this rank's tokens), so the
+    unchanged ``GroupedExperts.forward`` runs on the local shard
     (``w1/w2/w3`` are DTensors ``Shard(0)`` on the EP mesh; ``forward`` uses ``to_local()``). The post-hook
     undoes the reordering and sends the outputs back, so ``MoE`` sees exactly what it would see without EP.
     """
@@ -66,8 +67,10 @@ class ExpertParallel:
         self.group = ep_mesh.get_group()
         self._pending: list[tuple[torch.Tensor, list[int], list[int]]] = []
 
-    def dispatch(self, module: nn.Module, args: tuple) -> tuple:
+    def dispatch(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         x, counts = args
+        # The rows sent on are received elsewhere: GroupedExperts cannot gather them again from MoE's tokens.
+        kwargs = {key: val for key, val in kwargs.items() if key != "gathered_from"}
         ep, n_local = self.ep, self.num_local
         # How many rows every source rank sends to each of my local experts: [src * n_local + local expert].
         recv_counts = funcol.wait_tensor(funcol.all_to_all_single(counts, None, None, self.group))
@@ -84,7 +87,7 @@ class ExpertParallel:
         perm = (torch.repeat_interleave(starts - first_e, sizes_e, output_size=total)
                 + torch.arange(total, device=x.device))
         self._pending.append((perm, in_splits, out_splits))
-        return x_recv[perm], per_src.sum(0)
+        return (x_recv[perm], per_src.sum(0)), kwargs
 
     def combine(self, module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
         perm, in_splits, out_splits = self._pending.pop()
@@ -114,7 +117,7 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> None:
             setattr(experts, name, _shard_dim0(getattr(experts, name), ep_mesh))
         experts._expert_parallel = ep
         # Never traced by torch.compile: host syncs (.tolist) and data-dependent splits; run eagerly.
-        experts.register_forward_pre_hook(torch.compiler.disable(ep.dispatch))
+        experts.register_forward_pre_hook(torch.compiler.disable(ep.dispatch), with_kwargs=True)
         experts.register_forward_hook(torch.compiler.disable(ep.combine))
 
 

@@ -139,6 +139,9 @@ def _add_memory_parser(sub: argparse._SubParsersAction) -> None:
                    help="train the MTP layer (mtp.enable; default on)")
     p.add_argument("--dense-prefix", action=argparse.BooleanOptionalAction, default=True,
                    help="dsa.dense_prefix (default on): the first index_topk rows of each sequence on SDPA")
+    p.add_argument("--recompute-expert-inputs", action=argparse.BooleanOptionalAction, default=True,
+                   help="moe.recompute_expert_inputs (default on): routed experts rebuild their GEMM inputs in "
+                        "backward instead of keeping them")
     p.add_argument("--dense-masked-ratio", type=float, default=0.0,
                    help="dsa.dense_masked_ratio (default 0 = off): sequences of index_topk < S <= ratio x "
                         "index_topk run their later rows on SDPA with a selection mask")
@@ -164,7 +167,8 @@ def memory_request(ns: argparse.Namespace, args: GLM52ModelArgs):
         ac_mode=ns.ac, selective_ac_option=ns.selective_ac_option, param_dtype=ns.param_dtype,
         reshard_after_forward=ns.reshard_after_forward, with_mtp=ns.mtp and args.num_nextn_predict_layers > 0,
         gpu_memory_gib=ns.gpu_memory_gib, headroom=ns.headroom, expert_load_factor=ns.expert_load_factor,
-        dense_prefix=ns.dense_prefix, dense_masked_ratio=ns.dense_masked_ratio)
+        dense_prefix=ns.dense_prefix, dense_masked_ratio=ns.dense_masked_ratio,
+        recompute_expert_inputs=ns.recompute_expert_inputs)
 
 
 def _cmd_memory(ns: argparse.Namespace) -> int:

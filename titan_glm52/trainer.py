@@ -312,6 +312,7 @@ class Trainer:
         grouped = {"auto": None, "on": True, "off": False}[cfg.moe.grouped_mm]
         for _, moe in moe_modules(model):
             moe.experts.use_grouped_mm = grouped
+            moe.experts.recompute_inputs = cfg.moe.recompute_expert_inputs
         self._freeze(model)
         # Under master_weights = "optimizer" the model stays fp32 here (no FSDP); MasterWeights adds the bf16 copies.
         fsdp_bf16 = self.bf16 and self.master_mode == "fsdp"

@@ -16,8 +16,8 @@ from tests.unit.test_plan import _main
 import torch.distributed as dist
 
 from titan_glm52 import plan
-from titan_glm52.memory_plan import (DSA_SCRATCH_BYTES, GIB, MemoryRequest, backward_workspace, loss_chunk_bytes,
-                                     plan_memory, request_from_job_config)
+from titan_glm52.memory_plan import (DSA_SCRATCH_BYTES, GIB, MemoryRequest, backward_workspace, block_bytes_per_token,
+                                     loss_chunk_bytes, plan_memory, request_from_job_config)
 from titan_glm52.model.args import _debug_args, _proxy_args
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -256,6 +256,7 @@ def test_too_small_gpu_does_not_fit():
 # bench/results/layouts_h200x2.md (session 2 code, before that MoE combine, which lowered the real peak since; the
 # plan must still bound them).
 # (Not here: the PP=2 run of layouts_h200x2.md, measured while the last stage still kept full logits.)
+# All of these ran before [moe] recompute_expert_inputs existed: the experts kept their GEMM inputs.
 MEASURED_H200 = {
     "1 GPU, 4K": (dict(gpus=1, with_mtp=False, seq_len=4096), 77.52),
     "1 GPU, 4K, AC none": (dict(gpus=1, with_mtp=False, seq_len=4096, ac_mode="none"), 81.12),
@@ -275,7 +276,8 @@ def test_estimate_bounds_the_measured_h200_peaks(case):
     """The plan must never promise less than was measured (a "fits" that runs out of memory is worse than a
     pessimistic plan), and on one GPU it must stay within 25% of it."""
     kw, measured = MEASURED_H200[case]
-    kw = {"ac_mode": "selective", "selective_ac_option": "2", "param_dtype": "bf16", **kw}
+    kw = {"ac_mode": "selective", "selective_ac_option": "2", "param_dtype": "bf16",
+          "recompute_expert_inputs": False, **kw}
     report = plan_memory(MemoryRequest(args=_proxy_args(), gpu_memory_gib=141.0, **kw))
     estimate = report.worst.total / GIB
     assert estimate >= measured, (case, estimate, measured)
@@ -316,3 +318,25 @@ def test_dsa_scratch_matches_the_kernels():
         with open(os.path.join(REPO, "titan_glm52", "kernels", path)) as f:
             value = re.search(rf"^{name} = 1 << (\d+)\b", f.read(), re.M)
         assert value is not None and 1 << int(value.group(1)) == DSA_SCRATCH_BYTES
+
+
+def test_recomputed_expert_inputs_leave_the_saved_set():
+    """[moe] recompute_expert_inputs: a MoE block without checkpointing keeps a*2kF per token of its experts instead
+    of a*(kD + 4kF) (a*(kD + 2kF) under EP, whose received rows stay); its backward workspace grows by the rebuilt
+    inputs a*k(D + F) where the experts' side is the larger; checkpointed blocks are unchanged."""
+    args, a = _proxy_args(), 2
+    d, k, f = args.hidden_size, args.num_experts_per_tok, args.moe_intermediate_size
+    kept = block_bytes_per_token(args, 1, "none", a, ep=False)
+    assert kept - block_bytes_per_token(args, 1, "none", a, ep=False, recompute_experts=True) == a * (k * d + 2 * k * f)
+    kept_ep = block_bytes_per_token(args, 1, "none", a, ep=True)
+    assert kept_ep - block_bytes_per_token(args, 1, "none", a, ep=True, recompute_experts=True) == a * 2 * k * f
+    assert block_bytes_per_token(args, 0, "none", a, recompute_experts=True) == block_bytes_per_token(args, 0, "none", a)
+    t = 4096
+    assert (backward_workspace(args, 1, t, a, load=4.0, recompute_experts=True)
+            - backward_workspace(args, 1, t, a, load=4.0)) == t * 4.0 * a * k * (d + f)
+    base = dict(args=args, gpus=1, with_mtp=False, seq_len=32768, gpu_memory_gib=141.0)
+    for mode, option in (("none", "op"), ("selective", "2"), ("full", "op")):
+        on = plan_memory(MemoryRequest(ac_mode=mode, selective_ac_option=option, **base)).worst.total
+        off = plan_memory(MemoryRequest(ac_mode=mode, selective_ac_option=option, recompute_expert_inputs=False,
+                                        **base)).worst.total
+        assert (on < off) if mode != "full" else (on == off), mode

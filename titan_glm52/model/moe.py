@@ -9,6 +9,7 @@ activation-checkpoint recomputes) for the aux-loss-free bias update.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
@@ -57,27 +58,115 @@ class GroupedExperts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden, dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden))
         self.use_grouped_mm: bool | None = None  # None = decide per call
+        # Backward recomputes the inputs of the three GEMMs instead of keeping them ([moe] recompute_expert_inputs).
+        self.recompute_inputs = True
 
-    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, counts: torch.Tensor,
+                gathered_from: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """``gathered_from = (src, rows)`` says ``x == src[rows]`` with ``src`` kept by the caller for its own
+        backward: with ``recompute_inputs`` the backward then gathers x again instead of keeping it."""
         w1, w2, w3 = self.w1, self.w2, self.w3
         if hasattr(w1, "to_local"):  # DTensor weights (FSDP/EP): compute on the local shard
             w1, w2, w3 = w1.to_local(), w2.to_local(), w3.to_local()
         use_gmm = _grouped_mm_usable(x) if self.use_grouped_mm is None else self.use_grouped_mm
-        if use_gmm:
-            offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
-            h = F.silu(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs))
-            h = h * torch._grouped_mm(x, w3.transpose(-2, -1), offs=offs)
-            return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs)
-        global _logged_loop_fallback
-        if not _logged_loop_fallback and x.is_cuda:
-            logger.warning("MoE experts: torch._grouped_mm is not usable here (%s, %s); using the per-expert loop",
-                           x.dtype, x.device)
-            _logged_loop_fallback = True
-        outs = []
-        for e, chunk in enumerate(torch.split(x, counts.tolist(), dim=0)):
-            h = F.silu(chunk @ w1[e].T) * (chunk @ w3[e].T)
-            outs.append(h @ w2[e].T)
-        return torch.cat(outs) if outs else x.new_zeros(0, w2.shape[1])
+        # Not under saved-tensor hooks someone else installed: activation checkpointing (its recompute covers
+        # these tensors, and a recipe would keep its sources alive) or CPU offloading (``save_on_cpu``).
+        saved = None
+        if (self.recompute_inputs and torch.is_grad_enabled()
+                and torch._C._autograd._top_saved_tensors_default_hooks(False) is None):
+            saved = _RecomputeSaved()
+        with saved if saved is not None else contextlib.nullcontext():
+            if use_gmm:
+                if saved is not None and gathered_from is not None:
+                    src, rows = gathered_from
+                    saved.recompute(x, lambda: src[rows], src, rows)
+                offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
+                h = self._swiglu(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs),
+                                 torch._grouped_mm(x, w3.transpose(-2, -1), offs=offs), saved)
+                return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs)
+            global _logged_loop_fallback
+            if not _logged_loop_fallback and x.is_cuda:
+                logger.warning("MoE experts: torch._grouped_mm is not usable here (%s, %s); using the per-expert "
+                               "loop", x.dtype, x.device)
+                _logged_loop_fallback = True
+            outs, start = [], 0
+            for e, chunk in enumerate(torch.split(x, counts.tolist(), dim=0)):
+                if saved is not None and gathered_from is not None:
+                    src, rows = gathered_from[0], gathered_from[1][start:start + chunk.shape[0]]
+                    saved.recompute(chunk, lambda src=src, rows=rows: src[rows], src, rows)
+                start += chunk.shape[0]
+                outs.append(self._swiglu(chunk @ w1[e].T, chunk @ w3[e].T, saved) @ w2[e].T)
+            return torch.cat(outs) if outs else x.new_zeros(0, w2.shape[1])
+
+    @staticmethod
+    def _swiglu(gate: torch.Tensor, up: torch.Tensor, saved: _RecomputeSaved | None) -> torch.Tensor:
+        """``silu(gate) * up``; with ``saved``, the two products autograd would keep (silu's output, for the
+        multiply, and the result, for the down projection) are recomputed from ``gate`` and ``up`` in backward."""
+        act = F.silu(gate)
+        if saved is not None:
+            saved.recompute(act, lambda: F.silu(gate), gate)
+        h = act * up
+        if saved is not None:
+            saved.recompute(h, lambda: F.silu(gate) * up, gate, up)
+        return h
+
+
+class _RecomputeSaved(torch.autograd.graph.saved_tensors_hooks):
+    """Saved-tensor hooks that keep a recipe instead of chosen tensors: ``recompute(t, fn, *sources)`` registers a
+    tensor that ops after it may save and the no-grad ``fn()`` that rebuilds it from ``sources`` (tensors held
+    anyway). Every other saved tensor is kept as usual. A recipe must rebuild the same bits (a gather or an
+    elementwise op rerun on the same inputs does); like autograd for the tensors it keeps, unpacking refuses a
+    source that was modified in place since the forward."""
+
+    def __init__(self) -> None:
+        self._rules: list[tuple[torch.Tensor, _Recipe]] = []
+        super().__init__(self._pack, self._unpack)
+
+    def recompute(self, t: torch.Tensor, fn, *sources: torch.Tensor) -> None:
+        self._rules.append((t, _Recipe(fn, sources)))
+
+    def __exit__(self, *exc) -> None:
+        super().__exit__(*exc)
+        self._rules.clear()  # autograd keeps the pack hook (so this object) with every tensor saved under it
+
+    def _pack(self, t: torch.Tensor):
+        for target, recipe in self._rules:
+            # Autograd may hand over another Python object for the same tensor: compare what fixes its values.
+            if (t.data_ptr() == target.data_ptr() and t.shape == target.shape and t.stride() == target.stride()
+                    and t.dtype == target.dtype and t.device == target.device):
+                recipe.saves += 1
+                return recipe
+        return t
+
+    @staticmethod
+    def _unpack(packed):
+        return packed.rebuild() if isinstance(packed, _Recipe) else packed
+
+
+class _Recipe:
+    """How to rebuild one tensor. Several saves of it (the gathered rows feed two GEMMs) share one rebuild: the
+    first unpack keeps the result until the last of them has taken it (again per backward pass)."""
+
+    __slots__ = ("fn", "sources", "versions", "saves", "_left", "_cached")
+
+    def __init__(self, fn, sources: tuple[torch.Tensor, ...]) -> None:
+        self.fn, self.sources, self.versions = fn, sources, tuple(s._version for s in sources)
+        self.saves, self._left, self._cached = 0, 0, None
+
+    def rebuild(self) -> torch.Tensor:
+        if self._cached is None:
+            if any(s._version != v for s, v in zip(self.sources, self.versions)):
+                raise RuntimeError("MoE experts: a tensor that their backward recomputes from was modified in "
+                                   "place after the forward ([moe] recompute_expert_inputs = false keeps the "
+                                   "tensors instead)")
+            with torch.no_grad():
+                self._cached = self.fn()
+            self._left = self.saves
+        out = self._cached
+        self._left -= 1
+        if self._left <= 0:
+            self._cached = None
+        return out
 
 
 class Router(nn.Module):
@@ -216,7 +305,8 @@ class MoE(nn.Module):
             with torch.no_grad():
                 self.tokens_per_expert += counts.to(self.tokens_per_expert.dtype)
         order = torch.argsort(flat, stable=True)
-        routed = self.experts(x[order // k], counts)
+        token_of = order // k
+        routed = self.experts(x[token_of], counts, gathered_from=(x, token_of))
         out = combine_routed(routed, weights, order, x.dtype) + self.shared_experts(x)
         if self.seq_aux_scale is not None and torch.is_grad_enabled():
             aux = self.seq_aux_loss(scores, idx, rows)
