@@ -268,6 +268,14 @@ MEASURED_H200 = {
     "2 GPUs FSDP 2, 4K": (dict(gpus=2, dp_shard=2, with_mtp=False, seq_len=4096), 44.12),
     "2 GPUs EP 2, 4K": (dict(gpus=2, ep=2, with_mtp=False, seq_len=4096), 42.44),
     "2 GPUs FSDP 2, 4K, MTP": (dict(gpus=2, dp_shard=2, with_mtp=True, seq_len=4096), 50.8),
+    # Session 11 (bench/results/e2e_h200.md, runs/s11_*.json): compiled, AC none, fp32 masters in the optimizer
+    # (one GPU), the routed experts rebuilding their GEMM inputs (the plan's FSDP model of one process bounds it).
+    "1 GPU, 32K, AC none, experts rebuilt": (dict(gpus=1, with_mtp=False, seq_len=32768, ac_mode="none",
+                                                  recompute_expert_inputs=True), 125.24),
+    "1 GPU, 4K, AC none, experts rebuilt": (dict(gpus=1, with_mtp=False, seq_len=4096, ac_mode="none",
+                                                 recompute_expert_inputs=True), 73.38),
+    "1 GPU, 4K, AC none, MTP, experts rebuilt": (dict(gpus=1, with_mtp=True, seq_len=4096, ac_mode="none",
+                                                      recompute_expert_inputs=True), 89.24),
 }
 
 
