@@ -53,7 +53,7 @@ def test_recompute_gives_the_same_bits(dtype, grouped):
 @pytest.mark.parametrize("grouped", [True, False], ids=["grouped_mm", "loop"])
 def test_recompute_frees_the_gemm_inputs(grouped, monkeypatch):
     """After forward nothing holds the gathered rows, silu(gate) or the SwiGLU product any more; without the option
-    the graph keeps all of them."""
+    nothing is registered for rebuilding and the graph keeps the gathered rows."""
     registered = []
     real = moe_mod._RecomputeSaved.recompute
 
@@ -69,8 +69,7 @@ def test_recompute_frees_the_gemm_inputs(grouped, monkeypatch):
     assert len(registered) >= 3 and all(r() is None for r in registered)
     out.sum().backward()
 
-    # Without the option the same tensors stay alive: the spy is not called, so probe them through the hooks' class
-    # being unused and the gathered rows through a weak reference from a direct call.
+    # Without the option: no rule is registered, and a weak reference to the rows of a direct call stays alive.
     registered.clear()
     block.experts.recompute_inputs = False
     rows = torch.arange(40).repeat_interleave(2)
