@@ -106,7 +106,7 @@ def test_each_tensor_is_rebuilt_once_per_backward(monkeypatch):
     assert sorted(calls) == sorted(first * 2)
 
 
-def test_recompute_is_skipped_under_checkpoint_and_other_hooks():
+def test_recompute_is_skipped_under_checkpoint_and_other_hooks(monkeypatch):
     """Inside activation checkpointing (or any saved-tensor hooks of someone else) the experts install none of
     their own: the checkpoint's recompute covers the tensors, and gradients stay the same bits."""
     block = _block(torch.bfloat16, grouped=True)
@@ -119,21 +119,18 @@ def test_recompute_is_skipped_under_checkpoint_and_other_hooks():
         calls.append(1)
         real_init(self)
 
-    moe_mod._RecomputeSaved.__init__ = counting_init
-    try:
-        plain = _grads(block, x, g, recompute=False)
-        ckpt = _grads(block, x, g, recompute=True,
-                      wrap=lambda f, t: checkpoint(f, t, use_reentrant=False, preserve_rng_state=False))
-        assert calls == []
-        for a, b in zip(plain, ckpt):
-            assert torch.equal(a, b)
-        with torch.autograd.graph.save_on_cpu():
-            offloaded = _grads(block, x, g, recompute=True)
-        assert calls == []
-        _grads(block, x, g, recompute=True)
-        assert calls == [1]
-    finally:
-        moe_mod._RecomputeSaved.__init__ = real_init
+    monkeypatch.setattr(moe_mod._RecomputeSaved, "__init__", counting_init)
+    plain = _grads(block, x, g, recompute=False)
+    ckpt = _grads(block, x, g, recompute=True,
+                  wrap=lambda f, t: checkpoint(f, t, use_reentrant=False, preserve_rng_state=False))
+    assert calls == []
+    for a, b in zip(plain, ckpt):
+        assert torch.equal(a, b)
+    with torch.autograd.graph.save_on_cpu():
+        offloaded = _grads(block, x, g, recompute=True)
+    assert calls == []
+    _grads(block, x, g, recompute=True)
+    assert calls == [1]
     for a, b in zip(plain, offloaded):
         assert torch.equal(a, b)
 
@@ -164,19 +161,18 @@ def test_cuda_same_bits_and_the_expected_saving():
     n, d, k, f = 4096, args.hidden_size, args.num_experts_per_tok, args.moe_intermediate_size
     x = torch.randn(n, d, device="cuda", dtype=torch.bfloat16)
     g = torch.randn_like(x)
-    results, kept = [], []
-    block(x).backward(g)  # first: cuBLAS allocates its workspace through the caching allocator
-    for recompute in (False, True):
-        block.experts.recompute_inputs = recompute
-        block.zero_grad(set_to_none=True)
-        xi = x.clone().requires_grad_()
+    kept = []
+
+    def measured(f, t):  # what the forward leaves allocated: its saved tensors and its output
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
-        out = block(xi)
+        out = f(t)
         torch.cuda.synchronize()
         kept.append(torch.cuda.memory_allocated() - before)
-        out.backward(g)
-        results.append([out, xi.grad] + [p.grad for _, p in sorted(block.named_parameters())])
+        return out
+
+    block(x).backward(g)  # first: cuBLAS allocates its workspace through the caching allocator
+    results = [_grads(block, x, g, recompute, wrap=measured) for recompute in (False, True)]
     for a, b in zip(*results):
         assert torch.equal(a, b)
     assert kept[0] - kept[1] == n * k * (d + 2 * f) * 2, (kept, n * k * (d + 2 * f) * 2)
