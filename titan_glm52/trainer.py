@@ -356,13 +356,7 @@ class Trainer:
 
     def train_step(self, batches: list[dict]) -> "StepLosses":
         dev = self.device
-        counts = torch.zeros(3, dtype=torch.float64, device=dev)  # valid tokens, valid MTP tokens, rows
-        for b in batches:
-            counts[0] += (b["labels"] != IGNORE_INDEX).sum()
-            counts[1] += (mtp_labels(b["labels"]) != IGNORE_INDEX).sum()
-            counts[2] += b["labels"].shape[0]
-        dist.all_reduce(counts, group=self.dp_group)
-        n_tok, n_mtp, n_rows = (max(float(c), 1.0) for c in counts)
+        n_tok, n_mtp, n_rows = self._global_counts(batches)
         self._set_aux_scales(n_tok, n_rows)
         parts = torch.zeros(6, dtype=torch.float64, device=dev)  # ce, mtp, indexer kl, moe aux, total, raw kl
         if self.pp:
@@ -374,12 +368,30 @@ class Trainer:
         if self.pp:  # the loss lives on the last stage: share it with every stage (each part counted once)
             dist.all_reduce(parts[:2], group=self.mesh["pp"].get_group())
             parts[4] = parts[0] + parts[1]
-        dist.all_reduce(parts, group=self.dp_group)
+        if self.dp_world > 1:
+            dist.all_reduce(parts, group=self.dp_group)
         if self.pp:  # aux terms live on the stage of their layer
             dist.all_reduce(parts[2:4], group=self.mesh["pp"].get_group())
             dist.all_reduce(parts[5:6], group=self.mesh["pp"].get_group())
         parts[4] += parts[2] + parts[3]
         return StepLosses(parts, n_tok, n_rows)
+
+    def _global_counts(self, batches: list[dict]) -> tuple[float, float, float]:
+        """The step's valid tokens, valid MTP tokens and rows, summed over the data-parallel ranks (each at least 1).
+        Counted on the host, where the loader's batches are: one rank needs no collective and no device sync, so the
+        GPU does not wait for the host at the start of the step; several ranks all-reduce the three numbers."""
+        local = [0, 0, 0]
+        for b in batches:
+            labels = b["labels"]
+            local[0] += int((labels != IGNORE_INDEX).sum())
+            local[1] += int((mtp_labels(labels) != IGNORE_INDEX).sum())
+            local[2] += labels.shape[0]
+        counts = [float(c) for c in local]
+        if self.dp_world > 1:
+            summed = torch.tensor(counts, dtype=torch.float64, device=self.device)
+            dist.all_reduce(summed, group=self.dp_group)
+            counts = summed.tolist()
+        return tuple(max(c, 1.0) for c in counts)
 
     def _micro_step(self, i: int, b: dict, parts: torch.Tensor, n_tok: float, n_mtp: float) -> None:
         """Forward and backward of micro-batch ``i``; adds its losses to ``parts``."""
@@ -482,7 +494,8 @@ class Trainer:
         rate = self.cfg.moe.bias_update_rate
         for name, moe in moe_modules(self.model_parts):
             load = moe.tokens_per_expert.clone()
-            dist.all_reduce(load, group=self.dp_group)
+            if self.dp_world > 1:
+                dist.all_reduce(load, group=self.dp_group)
             mean = load.mean()
             out[f"moe/imbalance/{name.removesuffix('.moe')}"] = load.max() / mean.clamp_min(1e-9)
             if rate > 0:
@@ -621,7 +634,8 @@ class Trainer:
         s.update(moe_stats)
         mem = memory_stats(self.device)
         peak = torch.tensor(list(mem.values()), dtype=torch.float64, device=self.device)
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX)  # the fullest rank (pipeline stages differ)
+        if self.env.world_size > 1:
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX)  # the fullest rank (pipeline stages differ)
         s.update(mem)
         s.update({f"{k}_max_over_ranks": float(v) for k, v in zip(mem, peak)})
         eta = avg_step_s * (self.cfg.training.steps - self.state.step)
