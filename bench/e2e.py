@@ -28,7 +28,8 @@ N``, the peer ``--dp-shard N``), ``--parallel ep`` = expert parallelism over the
 ``--parallelism.expert_parallel_degree N``, the peer ``--ep N``; the EP ranks are the FSDP ranks, dp_shard stays N).
 ``--batch`` stays the local batch per rank; every rank trains on different data.
 
-tokens/s is per GPU = local tokens per step / mean step time over the timed steps (rank 0's); ratio = ours / peer
+tokens/s is per GPU = local tokens per step / mean step time over the timed steps (rank 0's; ours: the trainer's
+``time/step_s``, on a GPU the time from one step's end to the next's as the GPU ran them); ratio = ours / peer
 tokens/s (the primary metric). Peak memory is the largest per-step ``torch.cuda.max_memory_allocated`` of the timed
 steps, the max over ranks when N > 1.
 Results: ``--out`` (JSON) and the markdown table beside it (``--md``), both copied into ``$OUT`` when it is set;

@@ -322,50 +322,74 @@ def run(a: argparse.Namespace) -> dict:
 
             amp = maybe_enable_amp(dims, "bfloat16", device.type) if device.type == "cuda" else amp
 
+        cuda = device.type == "cuda"
+
+        def mark():
+            """A CUDA event (GPU) or the host clock (CPU, where the work is done when the call returns)."""
+            if cuda:
+                ev = torch.cuda.Event(enable_timing=True)
+                ev.record()
+                return ev
+            return time.perf_counter()
+
+        def seconds(t0, t1) -> float:
+            return t0.elapsed_time(t1) / 1e3 if cuda else t1 - t0
+
         def one_step(step: int) -> dict:
-            if device.type == "cuda":
+            """Queues one step, as torchtitan's trainer does between log steps: no host sync (CUDA events time it).
+            The host runs ahead of the GPU as our trainer's does (its step N + 1 is queued before N is read)."""
+            if cuda:
                 torch.cuda.reset_peak_memory_stats(device)
-            sync()
-            t0 = time.perf_counter()
+            t0 = mark()
             seq = torch.randint(0, args.vocab_size, (a.batch, a.seq_len + 1), device=device, generator=data_gen)
             inputs, labels = seq[:, :-1], seq[:, 1:]
-            sync()
-            t_data = time.perf_counter()
+            t_data = mark()
             with amp:
                 loss = cross_entropy_loss(model(inputs), labels) / global_tokens
             loss.backward()
-            sync()
-            t_fb = time.perf_counter()
+            t_fb = mark()
             grad_norm = clip_grad_norm_(params, 1.0, foreach=True, ep_enabled=dims.ep_enabled)
             optimizers.step()
             optimizers.zero_grad()
-            sync()
-            t_opt = time.perf_counter()
-            # loss: rank 0's local mean (not all-reduced: no extra collective per step)
-            rec = {"step": step, "loss": float(loss.detach()) * world_size, "grad_norm": float(grad_norm),
-                   "step_s": t_opt - t0,
-                   "data_s": t_data - t0, "forward_backward_s": t_fb - t_data, "optimizer_s": t_opt - t_fb}
-            if device.type == "cuda":
+            t_opt = mark()
+            rec = {"step": step, "loss": loss.detach(), "grad_norm": grad_norm.detach(), "marks": (t0, t_data, t_fb, t_opt)}
+            if cuda:  # the allocator's host-side counters: no sync
                 rec["peak_allocated_gib"] = torch.cuda.max_memory_allocated(device) / 2 ** 30
                 rec["peak_reserved_gib"] = torch.cuda.max_memory_reserved(device) / 2 ** 30
-            if main_rank:
-                print(f"[peer] step {step}/{a.warmup + a.steps} loss {rec['loss']:.4f} step {rec['step_s']:.3f}s "
-                      f"mem {rec.get('peak_allocated_gib', 0):.1f}GiB", flush=True)
             return rec
 
-        for step in range(1, a.warmup + a.steps + 1):
-            records.append(one_step(step))
+        def settle(recs: list[dict]) -> None:
+            """After the steps: read their numbers. ``step_s`` runs from the previous step's end to this one's (the
+            first step from its start), as the GPU ran them, gaps included; the phases from their own marks."""
+            sync()
+            prev_end = None
+            for rec in recs:
+                t0, t_data, t_fb, t_opt = rec.pop("marks")
+                # loss: rank 0's local mean (not all-reduced: no extra collective per step)
+                rec.update(loss=float(rec["loss"]) * world_size, grad_norm=float(rec["grad_norm"]),
+                           step_s=seconds(prev_end if prev_end is not None else t0, t_opt),
+                           data_s=seconds(t0, t_data), forward_backward_s=seconds(t_data, t_fb),
+                           optimizer_s=seconds(t_fb, t_opt))
+                prev_end = t_opt
+                if main_rank:
+                    print(f"[peer] step {rec['step']}/{a.warmup + a.steps} loss {rec['loss']:.4f} step "
+                          f"{rec['step_s']:.3f}s mem {rec.get('peak_allocated_gib', 0):.1f}GiB", flush=True)
+
+        records.extend(one_step(step) for step in range(1, a.warmup + a.steps + 1))
+        settle(records)
         if a.trace:  # one more step under torch.profiler (not part of the timed steps), profiled on rank 0
             activities = [torch.profiler.ProfilerActivity.CPU]
             if device.type == "cuda":
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
             if main_rank:
                 with torch.profiler.profile(activities=activities) as prof:
-                    one_step(a.warmup + a.steps + 1)
+                    extra = one_step(a.warmup + a.steps + 1)
+                    sync()
                 prof.export_chrome_trace(a.trace)
                 result["trace"] = a.trace
             else:
-                one_step(a.warmup + a.steps + 1)
+                extra = one_step(a.warmup + a.steps + 1)
+            settle([extra])
     timed = records[a.warmup:]
     step_s = sum(r["step_s"] for r in timed) / len(timed)
     result.update(status="ok", records=records, tokens_per_step=tokens, flops_per_step=flops,

@@ -70,6 +70,12 @@ def mtp_labels(labels: torch.Tensor) -> torch.Tensor:
     return torch.where(labels == IGNORE_INDEX, torch.full_like(nxt, IGNORE_INDEX), nxt)
 
 
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device`` without a host sync (a pageable host-to-device copy waits for the stream; a
+    pinned one does not)."""
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
+
+
 def _modules_of(parts, cls) -> list:
     parts = parts if isinstance(parts, (list, tuple)) else [parts]
     return [(name, m) for part in parts for name, m in part.named_modules() if isinstance(m, cls)]
@@ -104,29 +110,45 @@ class TrainState:
         self.consecutive_skips = int(sd["consecutive_skips"])
 
 
+class _Readback:
+    """Device scalars read by the host without stalling it: one copy into pinned host memory, queued behind the work
+    that produces them, and an event after it. ``values()`` waits for that event only, not for work queued later
+    (the next step's forward and backward). On CPU the values are read at once."""
+
+    def __init__(self, scalars: dict[str, torch.Tensor], device: torch.device) -> None:
+        self.names = list(scalars)
+        flat = torch.cat([v.detach().reshape(1).to(device, torch.float64) for v in scalars.values()])
+        self.event = None
+        if device.type == "cuda":
+            self.host = torch.empty(flat.shape, dtype=torch.float64, pin_memory=True)
+            self.host.copy_(flat, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host = flat.cpu()
+
+    def values(self) -> dict[str, float]:
+        if self.event is not None:
+            self.event.synchronize()
+        return dict(zip(self.names, self.host.tolist()))
+
+
+LOSS_PARTS = ("ce", "mtp", "indexer_kl", "moe_aux", "total", "kl_per_token")  # StepLosses.parts, in order
+
+
 @dataclass
 class StepLosses:
-    """A step's summed losses, still on the device: ``parts`` = (ce, mtp, indexer KL x coeff, MoE aux, total, raw
-    indexer KL per token), and the host's global valid-token and row counts."""
+    """A step's summed losses, still on the device: ``parts`` = ``LOSS_PARTS``, and the global valid-token count
+    (an fp64 device scalar: several ranks sum it without a host sync) and row count."""
     parts: torch.Tensor
-    tokens: float
+    tokens: torch.Tensor
     rows: float
-
-    def read(self, grad_norm: torch.Tensor, extra: dict[str, torch.Tensor]):
-        """One device-to-host read of the parts, the gradient norm and ``extra``'s scalars: (the losses as a dict of
-        floats, the norm, ``extra`` as floats)."""
-        dev = self.parts.device
-        vals = torch.cat([self.parts.to(torch.float64), grad_norm.reshape(1).to(dev, torch.float64)]
-                         + [v.reshape(1).to(dev, torch.float64) for v in extra.values()]).tolist()
-        names = ("ce", "mtp", "indexer_kl", "moe_aux", "total", "kl_per_token")
-        losses = dict(zip(names, vals[:6]), tokens=self.tokens, rows=self.rows)
-        return losses, vals[6], dict(zip(extra, vals[7:]))
 
 
 class _GpuMarks:
     """CUDA events at the start of forward, the end of backward and the end of the optimizer step: the step's
-    forward+backward and optimizer times as the GPU ran them (the host runs ahead of the GPU: it syncs once per step,
-    after the optimizer is launched). Elsewhere (CPU) ``seconds()`` is None and host times are exact."""
+    forward+backward and optimizer times as the GPU ran them. Elsewhere (CPU) ``seconds()`` is None and host times
+    are exact."""
 
     def __init__(self, device: torch.device) -> None:
         self.events = []
@@ -149,6 +171,34 @@ class _GpuMarks:
             return None
         self.wait()
         return (self.events[0].elapsed_time(self.events[1]) / 1e3, self.events[1].elapsed_time(self.events[2]) / 1e3)
+
+    def since(self, earlier: "_GpuMarks") -> float | None:
+        """GPU seconds from ``earlier``'s last mark to this one's last (None on CPU)."""
+        if not (self.events and earlier.events):
+            return None
+        self.wait()
+        return earlier.events[-1].elapsed_time(self.events[-1]) / 1e3
+
+
+@dataclass
+class _Launched:
+    """A step whose work is queued on the device. Its host-side bookkeeping (``Trainer._finish``: counters, LR
+    schedule, logging, checkpoint) waits for its numbers; when it ``overlaps``, that happens after the next step's
+    forward and backward are queued, so the host never leaves the GPU without work between steps."""
+    step: int
+    batches: list[dict]
+    readback: _Readback
+    marks: _GpuMarks
+    after: _GpuMarks | None  # the step queued just before this one, still unfinished when this one was launched
+    overlaps: bool
+    log: bool
+    recall: float | None
+    memory: dict[str, float]
+    t0: float
+    t_data: float
+    t_fb: float
+    t_end: float = 0.0  # host time when the launch ended
+    host_other_s: float = 0.0  # host time in this launch spent finishing the step before
 
 
 class CheckpointManager(tt_checkpoint.CheckpointManager):
@@ -275,6 +325,7 @@ class Trainer:
             opt.master_weights = self.master  # (validate: master_weights = "optimizer" implies the Triton step)
         self.lr_schedulers = build_lr_schedulers(self.optimizers, cfg.lr_scheduler, cfg.training.steps)
         self.state = TrainState()
+        self._launching = 0  # the step being queued (``_launch``)
         # Initial HF loads and the final HF export are this trainer's (see _initial_load / export_hf).
         ckpt_cfg = dataclasses.replace(cfg.checkpoint, initial_load_path=None, initial_load_in_hf=False,
                                        last_save_in_hf=False)
@@ -346,7 +397,7 @@ class Trainer:
         self._stop = True
 
     # ----------------------------------------------------------------------------------------- one step
-    def _set_aux_scales(self, global_tokens: float, global_rows: float) -> None:
+    def _set_aux_scales(self, global_tokens: torch.Tensor | float, global_rows: float) -> None:
         coeff = self.cfg.dsa.indexer_loss_coeff
         for _, attn in attention_modules(self.model_parts):
             attn.indexer_loss_scale = coeff / global_tokens if coeff > 0 and attn.indexer is not None else None
@@ -354,11 +405,11 @@ class Trainer:
         for _, moe in moe_modules(self.model_parts):
             moe.seq_aux_scale = alpha / global_rows if alpha > 0 else None
 
-    def train_step(self, batches: list[dict]) -> "StepLosses":
+    def train_step(self, batches: list[dict]) -> StepLosses:
         dev = self.device
-        n_tok, n_mtp, n_rows = self._global_counts(batches)
+        n_tok, n_mtp, n_rows, tokens = self._global_counts(batches)
         self._set_aux_scales(n_tok, n_rows)
-        parts = torch.zeros(6, dtype=torch.float64, device=dev)  # ce, mtp, indexer kl, moe aux, total, raw kl
+        parts = torch.zeros(len(LOSS_PARTS), dtype=torch.float64, device=dev)
         if self.pp:
             self._pp_norm = (n_tok, n_mtp)
             self._pp_parts = []
@@ -374,29 +425,31 @@ class Trainer:
             dist.all_reduce(parts[2:4], group=self.mesh["pp"].get_group())
             dist.all_reduce(parts[5:6], group=self.mesh["pp"].get_group())
         parts[4] += parts[2] + parts[3]
-        return StepLosses(parts, n_tok, n_rows)
+        return StepLosses(parts, tokens, n_rows)
 
-    def _global_counts(self, batches: list[dict]) -> tuple[float, float, float]:
-        """The step's valid tokens, valid MTP tokens and rows, summed over the data-parallel ranks (each at least 1).
-        Counted on the host, where the loader's batches are: one rank needs no collective and no device sync, so the
-        GPU does not wait for the host at the start of the step; several ranks all-reduce the three numbers."""
-        local = [0, 0, 0]
+    def _global_counts(self, batches: list[dict]) -> tuple[torch.Tensor, torch.Tensor, float, torch.Tensor]:
+        """The step's valid tokens and valid MTP tokens summed over the data-parallel ranks (fp32 device scalars, at
+        least 1: the loss normalisers), its rows (every rank trains ``local_batch_size`` rows per micro-batch) and
+        the valid tokens again in fp64 (exact, for the count of tokens seen). Counted on the host,
+        where the loader's batches are, and sent to the device without a sync: several ranks sum them there, and no
+        rank waits for the device before queuing the step's forward."""
+        local = [0, 0]
         for b in batches:
             labels = b["labels"]
             local[0] += int((labels != IGNORE_INDEX).sum())
             local[1] += int((mtp_labels(labels) != IGNORE_INDEX).sum())
-            local[2] += labels.shape[0]
-        counts = [float(c) for c in local]
+        counts = _to_device(torch.tensor(local, dtype=torch.float64), self.device)
         if self.dp_world > 1:
-            summed = torch.tensor(counts, dtype=torch.float64, device=self.device)
-            dist.all_reduce(summed, group=self.dp_group)
-            counts = summed.tolist()
-        return tuple(max(c, 1.0) for c in counts)
+            dist.all_reduce(counts, group=self.dp_group)
+        counts = counts.clamp_min(1.0)
+        norm = counts.to(torch.float32)
+        rows = float(sum(b["labels"].shape[0] for b in batches) * self.dp_world)
+        return norm[0], norm[1], rows, counts[0]
 
-    def _micro_step(self, i: int, b: dict, parts: torch.Tensor, n_tok: float, n_mtp: float) -> None:
+    def _micro_step(self, i: int, b: dict, parts: torch.Tensor, n_tok: torch.Tensor, n_mtp: torch.Tensor) -> None:
         """Forward and backward of micro-batch ``i``; adds its losses to ``parts``."""
         cfg, dev = self.cfg, self.device
-        inject_nan = self.state.step + 1 in cfg.faults.inject_nan_at_steps and i == 0
+        inject_nan = self._launching in cfg.faults.inject_nan_at_steps and i == 0
         if self.pp:
             self._pp_step(b, parts, inject_nan=inject_nan)
             self._collect_aux(parts, n_tok)
@@ -419,7 +472,7 @@ class Trainer:
         parts[4] += loss.detach()
         self._collect_aux(parts, n_tok)
 
-    def _collect_aux(self, parts: torch.Tensor, n_tok: float) -> None:
+    def _collect_aux(self, parts: torch.Tensor, n_tok: torch.Tensor | float) -> None:
         """Adds this micro-batch's indexer KL and MoE balance terms (as logged) to ``parts``."""
         cfg, dev = self.cfg, self.device
         kl = sum((a.last_indexer_kl for _, a in attention_modules(self.model_parts)
@@ -505,78 +558,22 @@ class Trainer:
         return out
 
     def train(self) -> None:
+        """Steps until ``training.steps``. The host queues step N + 1's forward and backward before it reads step N's
+        numbers, where step N ``overlaps`` (see ``_launch``), so it stays a step ahead of the GPU."""
         cfg = self.cfg
         total = cfg.training.steps
-        t_start = time.perf_counter()
-        start_step = self.state.step
+        self._t_start, self._start_step = time.perf_counter(), self.state.step
         with profiling(cfg.profiling, cfg.job.dump_folder, self.env.rank, self.device,
-                       self.state.step) as (torch_profiler, memory_profiler):
-            while self.state.step < total and not self._stop:
-                t0 = time.perf_counter()
-                reset_peak_memory(self.device)
-                batches = [self._next_batch() for _ in range(self.accum)]
-                t_data = time.perf_counter()
-                marks = _GpuMarks(self.device)  # the fb / optimizer split without a host sync (host times lag)
-                self._probe_recall(on=self.state.step + 1 == 1 or (self.state.step + 1) % cfg.metrics.log_freq == 0)
-                step_losses = self.train_step(batches)
-                t_fb = time.perf_counter()
-                marks.record()
-                if self.master is not None:  # the gradients are the compute copies' (the Triton step clips)
-                    grad_norm = total_grad_norm([self.master.grads()], device=self.device)
+                       self.state.step) as self._profilers:
+            queued = None  # the launched step whose bookkeeping is still to do
+            while not self._stop and self.state.step + (queued is not None) < total:
+                if queued is not None and not queued.overlaps:
+                    self._finish(queued)
+                    queued = None
                 else:
-                    grad_norm = clip_grad_norm_(
-                        [p for part in self.model_parts for p in part.parameters() if p.requires_grad],
-                        cfg.training.max_norm, pp_mesh=self.mesh["pp"] if self.pp else None,
-                        scale_grads=not self.fold_clip)
-                finite_t = torch.isfinite(step_losses.parts[4]) & torch.isfinite(grad_norm).to(step_losses.parts.device)
-                moe_stats_t = self._moe_balance(apply_update=finite_t)
-                if self.fold_clip:
-                    # No host sync before the step: the fused kernel clips, and skips the update on a non-finite
-                    # loss or norm (found_inf); the host learns the outcome after the launch.
-                    with clip_in_fused_step(self.optimizers.optimizers, grad_norm, cfg.training.max_norm,
-                                            skip=~finite_t):
-                        self.optimizers.step()
-                losses, grad_norm_f, moe_stats = step_losses.read(grad_norm, moe_stats_t)  # the step's host sync
-                finite = math.isfinite(losses["total"]) and math.isfinite(grad_norm_f)
-                self.state.step += 1
-                self.state.tokens_seen += int(losses["tokens"])
-                if finite:
-                    if not self.fold_clip:
-                        self.optimizers.step()
-                    self.lr_schedulers.step()
-                    self.state.consecutive_skips = 0
-                else:
-                    self.state.skipped_steps += 1
-                    self.state.consecutive_skips += 1
-                    logger.warning("step %d: non-finite loss (%s) or grad norm (%s): step skipped (%d in a row, %d "
-                                   "total)", self.state.step, losses["total"], grad_norm_f,
-                                   self.state.consecutive_skips, self.state.skipped_steps)
-                marks.record()
-                self.optimizers.zero_grad()
-                if self.master is not None:
-                    self.master.zero_grad()
-                step = self.state.step
-                log_now = step == 1 or step % cfg.metrics.log_freq == 0 or step == total
-                if log_now:  # the logged step time covers the step's GPU work on every optimizer path (foreach and
-                    marks.wait()  # for-loop launch their updates after the step's read); the log syncs anyway
-                t_opt = time.perf_counter()
-                if self.state.consecutive_skips >= cfg.faults.max_consecutive_nonfinite:
-                    raise RuntimeError(
-                        f"stopping: {self.state.consecutive_skips} consecutive steps with a non-finite loss or "
-                        f"gradient (faults.max_consecutive_nonfinite = {cfg.faults.max_consecutive_nonfinite}); "
-                        "the last checkpoint was written before the fault and is intact")
-                if self._stop:  # SIGTERM: a full checkpoint of this step, then leave the loop
-                    self.checkpointer.save_now(self.state.step)
-                elif finite:  # a skipped (non-finite) step is never checkpointed
-                    self.checkpointer.save(self.state.step, last_step=self.state.step == total)
-                if torch_profiler is not None:
-                    torch_profiler.step()
-                if memory_profiler is not None:
-                    memory_profiler.step()
-                if log_now:
-                    fb_s, opt_s = marks.seconds() or (t_fb - t_data, t_opt - t_fb)
-                    self._log(losses, grad_norm_f, moe_stats, batches, t0, t_data, fb_s, opt_s, t_opt,
-                              (time.perf_counter() - t_start) / (self.state.step - start_step))
+                    queued = self._launch(self.state.step + 1 + (queued is not None), queued)
+            if queued is not None:
+                self._finish(queued)
         if cfg.checkpoint.last_save_in_hf and self.state.step == total:
             self.export_hf(os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder, f"step-{self.state.step}-hf"),
                            getattr(torch, cfg.checkpoint.export_dtype))
@@ -584,6 +581,125 @@ class Trainer:
         self.checkpointer.close()
         if isinstance(self.dataloader, Prefetcher):
             self.dataloader.close()
+
+    def _launch(self, step: int, prev: _Launched | None) -> _Launched:
+        """Queues step ``step``: its batches, forward and backward, the gradient norm, the MoE balance and, with the
+        fused step (``fold_clip``: it skips a non-finite step on the device), the update; then one copy of its
+        numbers to the host. ``prev``, launched and not finished, is finished after this step's forward and
+        backward are queued and before its update, which takes the learning rate that ``prev`` schedules."""
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        reset_peak_memory(self.device)
+        batches = [self._next_batch() for _ in range(self.accum)]
+        t_data = time.perf_counter()
+        marks = _GpuMarks(self.device)
+        log = step == 1 or step % cfg.metrics.log_freq == 0 or step == cfg.training.steps
+        self._probe_recall(on=step == 1 or step % cfg.metrics.log_freq == 0)
+        self._launching = step
+        losses = self.train_step(batches)
+        t_fb = time.perf_counter()
+        marks.record()
+        if self.master is not None:  # the gradients are the compute copies' (the Triton step clips)
+            grad_norm = total_grad_norm([self.master.grads()], device=self.device)
+        else:
+            grad_norm = clip_grad_norm_(
+                [p for part in self.model_parts for p in part.parameters() if p.requires_grad],
+                cfg.training.max_norm, pp_mesh=self.mesh["pp"] if self.pp else None, scale_grads=not self.fold_clip)
+        finite = torch.isfinite(losses.parts[4]) & torch.isfinite(grad_norm).to(losses.parts.device)
+        moe_stats = self._moe_balance(apply_update=finite)
+        recall = [a.last_recall for _, a in attention_modules(self.model_parts) if a.last_recall is not None]
+        t_other = time.perf_counter()
+        if prev is not None:
+            self._finish(prev, later_queued=True)
+        t_other = time.perf_counter() - t_other
+        memory = {}
+        if self.fold_clip:
+            with clip_in_fused_step(self.optimizers.optimizers, grad_norm, cfg.training.max_norm, skip=~finite):
+                self.optimizers.step()
+            marks.record()
+            self._zero_grads()
+            memory = self._memory(log)
+            self._profilers_step()
+        scalars = dict(zip(LOSS_PARTS, losses.parts.unbind()), tokens=losses.tokens, grad_norm=grad_norm,
+                       **moe_stats, **memory.pop("device", {}))
+        return _Launched(step, batches, _Readback(scalars, self.device), marks,
+                         after=prev.marks if prev is not None else None,
+                         overlaps=self._overlaps(step), log=log, recall=float(recall[0]) if recall else None,
+                         memory=memory, t0=t0, t_data=t_data, t_fb=t_fb, t_end=time.perf_counter(),
+                         host_other_s=t_other)
+
+    def _overlaps(self, step: int) -> bool:
+        """Whether step ``step + 1`` may be queued before ``step`` is finished: where the update does not wait for
+        the step's numbers (``fold_clip``), and not when ``step`` writes a checkpoint (it holds the data loader's
+        position, which the next step's batches move on) or is the last."""
+        total = self.cfg.training.steps
+        return self.fold_clip and step < total and not self.checkpointer._should_save(step, last_step=step == total)
+
+    def _profilers_step(self) -> None:
+        """Ends a step's profiler window once all of its work is queued (a trace then holds one step's kernels)."""
+        for profiler in self._profilers:
+            if profiler is not None:
+                profiler.step()
+
+    def _zero_grads(self) -> None:
+        self.optimizers.zero_grad()
+        if self.master is not None:
+            self.master.zero_grad()
+
+    def _memory(self, log: bool) -> dict:
+        """The peak memory since the step began (host-side counters: no sync), on log steps; with several ranks also
+        the peaks' maximum over the ranks, as device scalars (``"device"``) for the step's read-back."""
+        if not log:
+            return {}
+        mem = memory_stats(self.device)
+        if self.env.world_size > 1:
+            peak = _to_device(torch.tensor(list(mem.values()), dtype=torch.float64), self.device)
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX)  # the fullest rank (pipeline stages differ)
+            mem["device"] = {f"{k}_max_over_ranks": v for k, v in zip(mem, peak.unbind())}
+        return mem
+
+    def _finish(self, s: _Launched, later_queued: bool = False) -> None:
+        """Step ``s``'s host side, once its numbers are on the host: the step counters, the optimizer update where it
+        waits for them (foreach / for-loop: skipped on a non-finite loss or norm), the LR schedule, the log line and
+        the checkpoint. ``later_queued``: the next step is already queued (then no checkpoint is due here, see
+        ``_overlaps``, and a SIGTERM is served after that step)."""
+        cfg = self.cfg
+        t_start = time.perf_counter()
+        vals = s.readback.values()
+        losses = {k: vals[k] for k in LOSS_PARTS}
+        grad_norm = vals["grad_norm"]
+        finite = math.isfinite(losses["total"]) and math.isfinite(grad_norm)
+        self.state.step = s.step
+        self.state.tokens_seen += int(vals["tokens"])
+        if finite:
+            if not self.fold_clip:
+                self.optimizers.step()
+            self.lr_schedulers.step()
+            self.state.consecutive_skips = 0
+        else:
+            self.state.skipped_steps += 1
+            self.state.consecutive_skips += 1
+            logger.warning("step %d: non-finite loss (%s) or grad norm (%s): step skipped (%d in a row, %d total)",
+                           s.step, losses["total"], grad_norm, self.state.consecutive_skips,
+                           self.state.skipped_steps)
+        if not self.fold_clip:
+            s.marks.record()
+            self._zero_grads()
+            s.memory = self._memory(s.log)
+            vals.update({k: float(v) for k, v in s.memory.pop("device", {}).items()})
+            self._profilers_step()
+        t_host = (s.t_end - s.t0 - s.host_other_s) + (time.perf_counter() - t_start)
+        if self.state.consecutive_skips >= cfg.faults.max_consecutive_nonfinite:
+            raise RuntimeError(
+                f"stopping: {self.state.consecutive_skips} consecutive steps with a non-finite loss or "
+                f"gradient (faults.max_consecutive_nonfinite = {cfg.faults.max_consecutive_nonfinite}); "
+                "the last checkpoint was written before the fault and is intact")
+        if self._stop and not later_queued:  # SIGTERM: a full checkpoint of this step, then leave the loop
+            self.checkpointer.save_now(s.step)
+        elif finite and not later_queued:  # a skipped (non-finite) step is never checkpointed
+            self.checkpointer.save(s.step, last_step=s.step == cfg.training.steps)
+        if s.log:
+            self._log(s, losses, vals, t_host)
 
     def _next_batch(self) -> dict:
         batch = next(self.dataloader)
@@ -605,18 +721,29 @@ class Trainer:
             attn.last_recall = None
             first = first and attn.indexer is None
 
-    def _log(self, losses, grad_norm, moe_stats, batches, t0, t_data, fb_s, opt_s, t_opt, avg_step_s) -> None:
-        step_s = t_opt - t0
+    def _log(self, st: _Launched, losses: dict, vals: dict, host_s: float) -> None:
+        """One log record of step ``st``. ``time/step_s`` on a GPU: from the end of the step queued before it to its
+        own end, as the GPU ran them (idle gaps between them included), when that step was still queued; else its
+        data time plus its GPU forward, backward and update. On CPU: the host time of its work (``host_s``)."""
+        gpu = st.marks.seconds()
+        if gpu is None:
+            fb_s = st.t_fb - st.t_data
+            step_s = host_s
+            opt_s = step_s - (st.t_fb - st.t0)
+        else:
+            fb_s, opt_s = gpu
+            since = st.marks.since(st.after) if st.after is not None else None
+            step_s = since if since is not None else (st.t_data - st.t0) + fb_s + opt_s
         # This data-parallel rank's tokens and FLOPs are shared by its pipeline stages' devices.
         devices_per_replica = self.env.world_size // self.dp_world
-        doc_lengths = torch.cat([doc_lengths_of(b["cu_seqlens"]) for b in batches])
+        doc_lengths = torch.cat([doc_lengths_of(b["cu_seqlens"]) for b in st.batches])
         flops = step_flops(self.args, doc_lengths, self.with_mtp, sparse=self.cfg.dsa.mode == "sparse",
                            dense_prefix=self.cfg.dsa.dense_prefix, dense_masked_ratio=self.cfg.dsa.dense_masked_ratio)
         flops /= devices_per_replica
-        tokens_local = sum(b["input_ids"].numel() for b in batches) / devices_per_replica
+        tokens_local = sum(b["input_ids"].numel() for b in st.batches) / devices_per_replica
         s = {"loss/total": losses["total"], "loss/ce": losses["ce"], "lr": self.lr_schedulers.schedulers[0].get_last_lr()[0],
-             "grad_norm": grad_norm, "throughput/tokens_per_s_per_device": tokens_local / step_s,
-             "time/step_s": step_s, "time/data_s": t_data - t0, "time/forward_backward_s": fb_s,
+             "grad_norm": vals["grad_norm"], "throughput/tokens_per_s_per_device": tokens_local / step_s,
+             "time/step_s": step_s, "time/data_s": st.t_data - st.t0, "time/forward_backward_s": fb_s,
              "time/optimizer_s": opt_s, "faults/skipped_steps": self.state.skipped_steps}
         if self.with_mtp:
             s["loss/mtp"] = losses["mtp"]
@@ -628,16 +755,12 @@ class Trainer:
         if self.peak:
             s["throughput/mfu_pct"] = 100.0 * flops / step_s / self.peak
         s["throughput/tflops_per_device"] = flops / step_s / 1e12
-        recall = [a.last_recall for _, a in attention_modules(self.model_parts) if a.last_recall is not None]
-        if recall:
-            s["dsa/topk_recall"] = float(recall[0])
-        s.update(moe_stats)
-        mem = memory_stats(self.device)
-        peak = torch.tensor(list(mem.values()), dtype=torch.float64, device=self.device)
-        if self.env.world_size > 1:
-            dist.all_reduce(peak, op=dist.ReduceOp.MAX)  # the fullest rank (pipeline stages differ)
-        s.update(mem)
-        s.update({f"{k}_max_over_ranks": float(v) for k, v in zip(mem, peak)})
+        if st.recall is not None:
+            s["dsa/topk_recall"] = st.recall
+        s.update({k: v for k, v in vals.items() if k.startswith("moe/")})
+        s.update(st.memory)
+        s.update({f"{k}_max_over_ranks": vals.get(f"{k}_max_over_ranks", v) for k, v in st.memory.items()})
+        avg_step_s = (time.perf_counter() - self._t_start) / max(self.state.step - self._start_step, 1)
         eta = avg_step_s * (self.cfg.training.steps - self.state.step)
         self.metrics.log(self.state.step, s, format_line(self.state.step, self.cfg.training.steps, s, eta))
 
