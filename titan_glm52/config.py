@@ -254,6 +254,17 @@ def validate(cfg: JobConfig, world_size: int | None = None) -> None:
         _refuse("training.dataset_path", "put the path in training.dataset (\"embedded\" or a local path)")
     if cfg.data.prefetch < 0:
         _refuse("data.prefetch", "must be >= 0 (0 = make each batch on the training loop)")
+    if cfg.training.dtype != "float32":
+        _refuse("training.dtype", f"{cfg.training.dtype!r}: pure bf16 training (parameters, gradients and optimizer "
+                "states in bf16) is not implemented; keep 'float32' and set training.mixed_precision_param = "
+                "'bfloat16' (fp32 master weights, bf16 compute)")
+    if cfg.training.gc_freq < 1:
+        _refuse("training.gc_freq", "must be >= 1 (steps between Python garbage collections)")
+    loader_defaults = type(cfg.training.dataloader)()
+    for name in ("num_workers", "persistent_workers", "pin_memory", "prefetch_factor"):
+        if getattr(cfg.training.dataloader, name) != getattr(loader_defaults, name):
+            _refuse(f"training.dataloader.{name}", "the data loader is this project's: data.prefetch makes batches "
+                    "on a background thread and pins them on GPUs; remove this key")
     if cfg.training.enable_cpu_offload:
         _refuse("training.enable_cpu_offload", "CPU offload is not implemented; set it to false")
     if cfg.mtp.loss_weight < 0 or cfg.dsa.indexer_loss_coeff < 0 or cfg.moe.seq_aux_loss_coeff < 0:

@@ -43,6 +43,7 @@ from titan_glm52.parallelize import (clip_grad_norm_, clip_in_fused_step, folds_
 from titan_glm52.pipeline import build_pipeline_stages, cu_seqlens_from_positions, make_plan
 from titan_glm52.profiling import profiling
 from torchtitan.distributed.pipeline_parallel import build_pipeline_schedule
+from torchtitan.tools.utils import GarbageCollection
 
 logger = logging.getLogger("titan_glm52")
 
@@ -342,6 +343,9 @@ class Trainer:
             os.path.join(cfg.job.dump_folder, cfg.metrics.save_tb_folder) if cfg.metrics.enable_tensorboard else None,
             os.path.join(cfg.job.dump_folder, "metrics.jsonl"), enabled=self.env.rank == 0)
         self.peak = peak_flops(self.device)
+        # torchtitan's: automatic collection off (a full collection over the compiled graphs' objects stalls the
+        # host for milliseconds at random steps), generation 1 every training.gc_freq steps.
+        self.gc = GarbageCollection(gc_freq=cfg.training.gc_freq, debug=cfg.training.gc_debug)
         self._stop = False
         signal.signal(signal.SIGTERM, self._on_sigterm)
         logger.info("model %s: %s params (%s active/token), layers %d (IndexShare %s), MTP %s, DSA %s/%s, "
@@ -694,6 +698,7 @@ class Trainer:
                 f"stopping: {self.state.consecutive_skips} consecutive steps with a non-finite loss or "
                 f"gradient (faults.max_consecutive_nonfinite = {cfg.faults.max_consecutive_nonfinite}); "
                 "the last checkpoint was written before the fault and is intact")
+        self.gc.run(s.step)  # (after the next step's forward and backward are queued, where they are)
         if self._stop and not later_queued:  # SIGTERM: a full checkpoint of this step, then leave the loop
             self.checkpointer.save_now(s.step)
         elif finite and not later_queued:  # a skipped (non-finite) step is never checkpointed

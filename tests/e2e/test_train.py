@@ -244,23 +244,29 @@ def test_adamw_kernel_folds_the_clip_like_the_in_place_clip(tmp_path, layout, im
                 assert b[key] == pytest.approx(a[key], rel=1e-6), (a["step"], key)
 
 
-_ORDER_TRAIN = f"""import json, sys
+_ORDER_TRAIN = f"""import gc, json, sys
 sys.path.insert(0, {ROOT!r})
 import titan_glm52.trainer as trainer
-events = []
+events, collections, gc_on = [], [], []
 T = trainer.Trainer
 step_fb, finish, log = T.train_step, T._finish, T._log
+collect = trainer.GarbageCollection.collect
 def spy_fb(self, batches):
     events.append(("fb", self._launching))
+    gc_on.append(gc.isenabled())
     return step_fb(self, batches)
 def spy_finish(self, s, later_queued=False):
     events.append(("finish", s.step))
     finish(self, s, later_queued)
+def spy_collect(reason, generation=1):
+    collections.append((events[-1][1] if events else 0, reason))
+    collect(reason, generation)
 def spy_log(self, st, losses, vals, host_s):
     log(self, st, losses, vals, host_s)
     with open(self.cfg.job.dump_folder + "/order.json", "w") as f:  # main() leaves by os._exit
-        json.dump(events, f)
+        json.dump(dict(events=events, collections=collections, gc_on=gc_on), f)
 T.train_step, T._finish, T._log = spy_fb, spy_finish, spy_log
+trainer.GarbageCollection.collect = staticmethod(spy_collect)
 trainer.main(sys.argv[1:])
 """
 
@@ -269,14 +275,18 @@ trainer.main(sys.argv[1:])
 def test_host_queues_the_next_step_before_reading_this_one(tmp_path, impl):
     """With the fused step (the clip and the skip of a non-finite step happen on the device) the host queues step
     N + 1's forward and backward before it finishes step N, except after a checkpoint step (the checkpoint holds the
-    data loader's position) and the last step; foreach waits for each step's numbers before its update."""
+    data loader's position) and the last step; foreach waits for each step's numbers before its update. Python's
+    automatic garbage collection is off; generation 1 is collected every training.gc_freq steps (torchtitan's)."""
     script = tmp_path / "order_train.py"
     script.write_text(_ORDER_TRAIN)
     run_train(tmp_path, "--training.steps", "5", "--training.seq_len", "64", "--training.local_batch_size", "2",
               "--checkpoint.interval", "2", "--metrics.log_freq", "2", "--optimizer.implementation", impl,
-              nproc=1, script=str(script))
+              "--training.gc_freq", "2", nproc=1, script=str(script))
     with open(tmp_path / "order.json") as f:
-        events = [f"{kind}{step}" for kind, step in json.load(f)]
+        seen = json.load(f)
+    events = [f"{kind}{step}" for kind, step in seen["events"]]
+    periodic = [step for step, reason in seen["collections"] if "periodic" in reason]  # (the checkpointer's too)
+    assert periodic == [2, 4] and seen["collections"][0][0] == 0 and not any(seen["gc_on"])
     if impl == "fused":
         assert events == ["fb1", "fb2", "finish1", "finish2", "fb3", "fb4", "finish3", "finish4", "fb5", "finish5"]
     else:
