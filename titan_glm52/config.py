@@ -5,6 +5,7 @@ torchtitan's ConfigManager) and then ``validate`` refuses every combination this
 work, with a message that names the key and the fix. ``python train.py --help`` lists every option.
 """
 
+import dataclasses
 import re
 from dataclasses import dataclass, field
 from typing import Literal
@@ -226,9 +227,34 @@ def master_weights_blocker(cfg: JobConfig, world_size: int | None) -> str | None
     return None
 
 
+# torchtitan options this trainer does not implement ("*": the whole section). A value other than the default is
+# refused, naming the key, instead of being ignored.
+_NOT_IMPLEMENTED = {
+    "activation_checkpoint": ("per_op_sac_force_recompute_mm_shapes_by_fqns", "early_stop", "memory_budget",
+                              "visualize_memory_budget_pareto", "preserve_rng_state", "determinism_check", "debug"),
+    "comm": "*", "experimental": "*", "fault_tolerance": "*", "memory_estimation": "*", "quantize": "*",
+    "validation": "*",
+    "debug": ("deterministic", "deterministic_warn_only", "moe_force_load_balance"),
+    "job": ("print_config", "save_config_file", "custom_config_module"),
+    "metrics": ("disable_color_printing", "save_for_all_ranks", "enable_wandb"),
+    "model": ("converters", "print_after_conversion"),
+}
+
+
+def _refuse_not_implemented(cfg: JobConfig) -> None:
+    for section, names in _NOT_IMPLEMENTED.items():
+        value = getattr(cfg, section)
+        default = type(value)()
+        for name in (f.name for f in dataclasses.fields(value)) if names == "*" else names:
+            if getattr(value, name) != getattr(default, name):
+                _refuse(f"{section}.{name}", f"a torchtitan option that titan_glm52 does not implement; remove it "
+                        f"(default {getattr(default, name)!r})")
+
+
 def validate(cfg: JobConfig, world_size: int | None = None) -> None:
     """Refuses combinations this project cannot run; the message names the key and the fix."""
     p = cfg.parallelism
+    _refuse_not_implemented(cfg)
     if cfg.model.name != "glm52":
         _refuse("model.name", f"{cfg.model.name!r} is not supported; titan_glm52 trains 'glm52'")
     if p.tensor_parallel_degree != 1:
