@@ -140,10 +140,9 @@ LOSS_PARTS = ("ce", "mtp", "indexer_kl", "moe_aux", "total", "kl_per_token")  # 
 @dataclass
 class StepLosses:
     """A step's summed losses, still on the device: ``parts`` = ``LOSS_PARTS``, and the global valid-token count
-    (an fp64 device scalar: several ranks sum it without a host sync) and row count."""
+    (an fp64 device scalar: several ranks sum it without a host sync)."""
     parts: torch.Tensor
     tokens: torch.Tensor
-    rows: float
 
 
 class _GpuMarks:
@@ -429,7 +428,7 @@ class Trainer:
             dist.all_reduce(parts[2:4], group=self.mesh["pp"].get_group())
             dist.all_reduce(parts[5:6], group=self.mesh["pp"].get_group())
         parts[4] += parts[2] + parts[3]
-        return StepLosses(parts, tokens, n_rows)
+        return StepLosses(parts, tokens)
 
     def _global_counts(self, batches: list[dict]) -> tuple[torch.Tensor, torch.Tensor, float, torch.Tensor]:
         """The step's valid tokens and valid MTP tokens summed over the data-parallel ranks (fp32 device scalars, at
