@@ -192,7 +192,6 @@ class _Launched:
     after: _GpuMarks | None  # the step queued just before this one, still unfinished when this one was launched
     overlaps: bool
     log: bool
-    recall: float | None
     memory: dict[str, float]
     t0: float
     t_data: float
@@ -624,11 +623,10 @@ class Trainer:
             memory = self._memory(log)
             self._profilers_step()
         scalars = dict(zip(LOSS_PARTS, losses.parts.unbind()), tokens=losses.tokens, grad_norm=grad_norm,
-                       **moe_stats, **memory.pop("device", {}))
+                       **moe_stats, **memory.pop("device", {}), **({"dsa/topk_recall": recall[0]} if recall else {}))
         return _Launched(step, batches, _Readback(scalars, self.device), marks,
                          after=prev.marks if prev is not None else None,
-                         overlaps=self._overlaps(step), log=log, recall=float(recall[0]) if recall else None,
-                         memory=memory, t0=t0, t_data=t_data, t_fb=t_fb, t_end=time.perf_counter(),
+                         overlaps=self._overlaps(step), log=log, memory=memory, t0=t0, t_data=t_data, t_fb=t_fb, t_end=time.perf_counter(),
                          host_other_s=t_other)
 
     def _overlaps(self, step: int) -> bool:
@@ -759,9 +757,7 @@ class Trainer:
         if self.peak:
             s["throughput/mfu_pct"] = 100.0 * flops / step_s / self.peak
         s["throughput/tflops_per_device"] = flops / step_s / 1e12
-        if st.recall is not None:
-            s["dsa/topk_recall"] = st.recall
-        s.update({k: v for k, v in vals.items() if k.startswith("moe/")})
+        s.update({k: v for k, v in vals.items() if k.startswith(("moe/", "dsa/"))})
         s.update(st.memory)
         s.update({f"{k}_max_over_ranks": vals.get(f"{k}_max_over_ranks", v) for k, v in st.memory.items()})
         avg_step_s = (time.perf_counter() - self._t_start) / max(self.state.step - self._start_step, 1)

@@ -172,18 +172,32 @@ class PackedContext:
 
 @torch.no_grad()
 def topk_recall(q: torch.Tensor, kv: torch.Tensor, topk: torch.Tensor, rows: torch.Tensor, starts: torch.Tensor,
-                sm_scale: float) -> torch.Tensor:
-    """Mean over queries of |selected ∩ dense top-k| / |dense top-k|, where the dense top-k are the keys with the
-    largest head-summed attention probability over all visible keys (queries ``rows``, ``q [n, H, D]``)."""
-    recalls = []
-    for i in range(q.shape[0]):
-        lo, hi = int(starts[i]), int(rows[i]) + 1
-        probs = torch.softmax(torch.einsum("hd,kd->hk", q[i].float(), kv[lo:hi].float()) * sm_scale, -1).sum(0)
-        sel = topk[i][topk[i] >= 0].long()
-        k = sel.numel()
-        dense = set((probs.topk(k).indices + lo).tolist())
-        recalls.append(len(dense & set(sel.tolist())) / max(k, 1))
-    return torch.tensor(sum(recalls) / max(len(recalls), 1))
+                sm_scale: float, chunk: int | None = None) -> torch.Tensor:
+    """Mean over queries of |selected ∩ dense top-k| / |dense top-k|, where the dense top-k are the k keys with the
+    largest head-summed attention probability over all visible keys (k = the query's number of selected keys;
+    queries ``rows`` with document starts ``starts``, ``q [n, H, D]``). A 0-dim fp32 tensor on ``q``'s device,
+    computed without a host sync, so the host stays ahead of the GPU on the steps that probe it; ``chunk`` queries at
+    a time (default: as many as keep the fp32 scores within 64 MiB)."""
+    t = kv.shape[0]
+    chunk = chunk or max(1, (64 << 20) // (q.shape[1] * t * 4))
+    keys = torch.arange(t, device=q.device)
+    kv32 = kv.float()
+    selected = topk >= 0
+    counts = selected.sum(1)  # k per query
+    width = min(topk.shape[1], t)
+    ranks = torch.arange(width, device=q.device)
+    hits = []
+    for c in range(0, q.shape[0], chunk):
+        visible = (keys >= starts[c:c + chunk, None]) & (keys <= rows[c:c + chunk, None])  # [m, T]
+        scores = torch.einsum("mhd,kd->mhk", q[c:c + chunk].float(), kv32) * sm_scale
+        probs = torch.softmax(scores.masked_fill(~visible[:, None], float("-inf")), -1).sum(1)
+        dense = probs.masked_fill(~visible, -1.0).topk(width, dim=-1).indices  # [m, width], most probable first
+        # Membership of the selected keys (column t collects the -1 slots and is never a dense index).
+        member = torch.zeros(dense.shape[0], t + 1, dtype=torch.bool, device=q.device)
+        member.scatter_(1, torch.where(selected[c:c + chunk], topk[c:c + chunk].long(), t), True)
+        hit = member.gather(1, dense) & (ranks < counts[c:c + chunk, None])
+        hits.append(hit.sum(1).float() / counts[c:c + chunk].clamp_min(1))
+    return torch.cat(hits).mean() if hits else torch.zeros((), device=q.device)
 
 
 class Indexer(nn.Module):
