@@ -341,10 +341,11 @@ class Trainer:
             os.path.join(cfg.job.dump_folder, cfg.metrics.save_tb_folder) if cfg.metrics.enable_tensorboard else None,
             os.path.join(cfg.job.dump_folder, "metrics.jsonl"), enabled=self.env.rank == 0)
         self.peak = peak_flops(self.device)
-        # torchtitan's: automatic collection off (a full collection over the compiled graphs' objects stalls the
-        # host for milliseconds at random steps), generation 1 every training.gc_freq steps.
+        # torchtitan's: Python's automatic garbage collection off, generation 1 every training.gc_freq steps.
         self.gc = GarbageCollection(gc_freq=cfg.training.gc_freq, debug=cfg.training.gc_debug)
-        self._stop = False
+        # SIGTERM sets _sigterm on the ranks it reaches; every step carries the maximum over all ranks back with its
+        # numbers, and _stop (the loop's test) is set from that, so all ranks stop after the same step.
+        self._sigterm = self._stop = False
         signal.signal(signal.SIGTERM, self._on_sigterm)
         logger.info("model %s: %s params (%s active/token), layers %d (IndexShare %s), MTP %s, DSA %s/%s, "
                     "world %d (dp %d), accum %d, mixed precision: %s", cfg.model.hf_config or cfg.model.flavor,
@@ -395,8 +396,15 @@ class Trainer:
             load_hf_state(part, path, partial=self.pp)
 
     def _on_sigterm(self, signum, frame) -> None:
-        logger.warning("SIGTERM: saving a checkpoint after this step, then stopping")
-        self._stop = True
+        logger.warning("SIGTERM: saving a checkpoint within two steps (at the same step on every rank), then stopping")
+        self._sigterm = True
+
+    def _stop_flag(self) -> torch.Tensor:
+        """1.0 where SIGTERM has reached any rank (all ranks), as a device scalar; no host sync."""
+        flag = _to_device(torch.tensor([float(self._sigterm)]), self.device)
+        if self.env.world_size > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return flag[0]
 
     # ----------------------------------------------------------------------------------------- one step
     def _set_aux_scales(self, global_tokens: torch.Tensor | float, global_rows: float) -> None:
@@ -623,7 +631,7 @@ class Trainer:
             memory = self._memory(log)
             self._profilers_step()
         scalars = dict(zip(LOSS_PARTS, losses.parts.unbind()), tokens=losses.tokens, grad_norm=grad_norm,
-                       **moe_stats, **memory.pop("device", {}), **({"dsa/topk_recall": recall[0]} if recall else {}))
+                       stop=self._stop_flag(), **moe_stats, **memory.pop("device", {}), **({"dsa/topk_recall": recall[0]} if recall else {}))
         return _Launched(step, batches, _Readback(scalars, self.device), marks,
                          after=prev.marks if prev is not None else None,
                          overlaps=self._overlaps(step), log=log, memory=memory, t0=t0, t_data=t_data, t_fb=t_fb, t_end=time.perf_counter(),
@@ -696,6 +704,7 @@ class Trainer:
                 f"gradient (faults.max_consecutive_nonfinite = {cfg.faults.max_consecutive_nonfinite}); "
                 "the last checkpoint was written before the fault and is intact")
         self.gc.run(s.step)  # (after the next step's forward and backward are queued, where they are)
+        self._stop = self._stop or vals["stop"] > 0
         if self._stop and not later_queued:  # SIGTERM: a full checkpoint of this step, then leave the loop
             self.checkpointer.save_now(s.step)
         elif finite and not later_queued:  # a skipped (non-finite) step is never checkpointed

@@ -84,41 +84,81 @@ def test_resume_reproduces_uninterrupted_losses(tmp_path, impl):
         assert a[step]["grad_norm"] == b[step]["grad_norm"], step
 
 
-@pytest.mark.parametrize("impl", ["foreach", "fused"])
-def test_sigterm_saves_a_checkpoint_and_stops(tmp_path, impl):
-    """The checkpoint written on SIGTERM resumes exactly (with "fused" the host has the next step queued when the
-    signal comes: it finishes that step and saves after it, so the data loader's position matches)."""
+def _worker_pids(agent_pid: int) -> dict[int, int]:
+    """rank -> pid of the worker processes that torchrun's agent ``agent_pid`` started (from /proc)."""
+    pids = {}
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            if ppid != agent_pid:
+                continue
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                env = dict(e.split(b"=", 1) for e in f.read().split(b"\0") if b"=" in e)
+        except (OSError, ValueError, IndexError):
+            continue
+        if b"RANK" in env:
+            pids[int(env[b"RANK"])] = int(entry)
+    return pids
+
+
+def _sigterm_resumes_exactly(tmp_path, common: tuple[str, ...], nproc: int, signal_rank: int | None) -> None:
+    """Trains toward 1000 steps, sends SIGTERM after two logged steps (to the one process, or with torchrun to the
+    worker of ``signal_rank`` only), and checks: exit 0, one checkpoint at the last logged step, and two more steps
+    resumed from it equal to a run that was never stopped."""
     import signal
     import time
 
-    common = ("--checkpoint.interval", "500", "--lr_scheduler.total_steps", "1000", "--optimizer.implementation",
-              impl, *small())
     run = tmp_path / "run"
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "train.py"), "--job.config_file", DEBUG_TOML,
+    launch = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
+                                                  str(nproc), "--standalone"]
+    proc = subprocess.Popen([*launch, os.path.join(ROOT, "train.py"), "--job.config_file", DEBUG_TOML,
                              "--job.dump_folder", str(run), "--training.steps", "1000", *common], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     metrics = run / "metrics.jsonl"
     deadline = time.time() + 300
     while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
         time.sleep(0.5)
-    proc.send_signal(signal.SIGTERM)
-    out, _ = proc.communicate(timeout=300)
+    os.kill(proc.pid if signal_rank is None else _worker_pids(proc.pid)[signal_rank], signal.SIGTERM)
+    try:
+        out, _ = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:  # (ranks that disagree on the stop wait on each other's collectives)
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
     assert proc.returncode == 0, out[-3000:]
     steps = [int(d.split("-")[1]) for d in os.listdir(run / "checkpoint") if d.startswith("step-")]
     assert len(steps) == 1 and 2 <= steps[0] < 1000
     saved = steps[0]
     assert os.path.exists(run / "checkpoint" / f"step-{saved}" / ".metadata")
     assert max(r["step"] for r in read_metrics(run)) == saved
-    # Resumed for two more steps, it continues as a run that was never stopped.
-    run_train(run, "--training.steps", str(saved + 2), *common, nproc=1)
+    run_train(run, "--training.steps", str(saved + 2), *common, nproc=nproc)
     ref = tmp_path / "ref"
-    run_train(ref, "--training.steps", str(saved + 2), *common, nproc=1)
+    run_train(ref, "--training.steps", str(saved + 2), *common, nproc=nproc)
     a = {r["step"]: r for r in read_metrics(ref)}
     b = {r["step"]: r for r in read_metrics(run)}
     for step in (saved + 1, saved + 2):
         assert a[step]["loss/total"] == b[step]["loss/total"], step
         assert a[step]["grad_norm"] == b[step]["grad_norm"], step
+
+
+def _sigterm_args(impl: str) -> tuple[str, ...]:
+    return ("--checkpoint.interval", "500", "--lr_scheduler.total_steps", "1000", "--optimizer.implementation", impl,
+            *small())
+
+
+@pytest.mark.parametrize("impl", ["foreach", "fused"])
+def test_sigterm_saves_a_checkpoint_and_stops(tmp_path, impl):
+    """The checkpoint written on SIGTERM resumes exactly (with "fused" the host has the next step queued when the
+    signal comes: it finishes that step and saves after it, so the data loader's position matches)."""
+    _sigterm_resumes_exactly(tmp_path, _sigterm_args(impl), nproc=1, signal_rank=None)
+
+
+def test_sigterm_to_one_rank_stops_every_rank_after_the_same_step(tmp_path):
+    """A preemption signal that reaches one rank only: every rank learns it with a step's numbers (a maximum over
+    the ranks), so they stop after the same step and write one checkpoint together instead of waiting on each
+    other's collectives."""
+    _sigterm_resumes_exactly(tmp_path, _sigterm_args("fused"), nproc=2, signal_rank=1)
 
 
 def test_export_to_hf_loads_in_transformers_with_same_logits(tmp_path):
