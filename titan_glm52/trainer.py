@@ -184,7 +184,7 @@ class _GpuMarks:
 class _Launched:
     """A step whose work is queued on the device. Its host-side bookkeeping (``Trainer._finish``: counters, LR
     schedule, logging, checkpoint) waits for its numbers; when it ``overlaps``, that happens after the next step's
-    forward and backward are queued, so the host never leaves the GPU without work between steps."""
+    forward and backward are queued, so the GPU finds the next step's work queued when this one ends."""
     step: int
     batches: list[dict]
     readback: _Readback
