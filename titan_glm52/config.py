@@ -227,28 +227,33 @@ def master_weights_blocker(cfg: JobConfig, world_size: int | None) -> str | None
     return None
 
 
-# torchtitan options this trainer does not implement ("*": the whole section). A value other than the default is
-# refused, naming the key, instead of being ignored.
+# torchtitan options this trainer does not implement, by (dotted) section: "*" = every field. A value other than the
+# default is refused, naming the key (and what to use instead, where the section has a hint), instead of being
+# ignored.
 _NOT_IMPLEMENTED = {
     "activation_checkpoint": ("per_op_sac_force_recompute_mm_shapes_by_fqns", "early_stop", "memory_budget",
                               "visualize_memory_budget_pareto", "preserve_rng_state", "determinism_check", "debug"),
     "comm": "*", "experimental": "*", "fault_tolerance": "*", "memory_estimation": "*", "quantize": "*",
-    "validation": "*",
+    "validation": "*", "training.dataloader": "*",
     "debug": ("deterministic", "deterministic_warn_only", "moe_force_load_balance"),
     "job": ("print_config", "save_config_file", "custom_config_module"),
     "metrics": ("disable_color_printing", "save_for_all_ranks", "enable_wandb"),
     "model": ("converters", "print_after_conversion"),
 }
+_INSTEAD = {"training.dataloader": "the data loader is this project's: data.prefetch makes batches on a background "
+                                  "thread and pins them on GPUs"}
 
 
 def _refuse_not_implemented(cfg: JobConfig) -> None:
     for section, names in _NOT_IMPLEMENTED.items():
-        value = getattr(cfg, section)
+        value = cfg
+        for part in section.split("."):
+            value = getattr(value, part)
         default = type(value)()
         for name in (f.name for f in dataclasses.fields(value)) if names == "*" else names:
             if getattr(value, name) != getattr(default, name):
-                _refuse(f"{section}.{name}", f"a torchtitan option that titan_glm52 does not implement; remove it "
-                        f"(default {getattr(default, name)!r})")
+                why = _INSTEAD.get(section, "a torchtitan option that titan_glm52 does not implement")
+                _refuse(f"{section}.{name}", f"{why}; remove it (default {getattr(default, name)!r})")
 
 
 def validate(cfg: JobConfig, world_size: int | None = None) -> None:
@@ -286,11 +291,6 @@ def validate(cfg: JobConfig, world_size: int | None = None) -> None:
                 "'bfloat16' (fp32 master weights, bf16 compute)")
     if cfg.training.gc_freq < 1:
         _refuse("training.gc_freq", "must be >= 1 (steps between Python garbage collections)")
-    loader_defaults = type(cfg.training.dataloader)()
-    for name in ("num_workers", "persistent_workers", "pin_memory", "prefetch_factor"):
-        if getattr(cfg.training.dataloader, name) != getattr(loader_defaults, name):
-            _refuse(f"training.dataloader.{name}", "the data loader is this project's: data.prefetch makes batches "
-                    "on a background thread and pins them on GPUs; remove this key")
     if cfg.training.enable_cpu_offload:
         _refuse("training.enable_cpu_offload", "CPU offload is not implemented; set it to false")
     if cfg.mtp.loss_weight < 0 or cfg.dsa.indexer_loss_coeff < 0 or cfg.moe.seq_aux_loss_coeff < 0:

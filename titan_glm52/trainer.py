@@ -34,7 +34,7 @@ from titan_glm52.master_weights import MasterWeights
 from titan_glm52.metrics import (MetricsLogger, doc_lengths_of, format_line, memory_stats, peak_flops,
                                  reset_peak_memory, step_flops)
 from titan_glm52.model.args import GLM52ModelArgs, get_flavor
-from titan_glm52.model.attention import Attention
+from titan_glm52.model.attention import Attention, host_to_device
 from titan_glm52.model.model import GLM52Model
 from titan_glm52.model.moe import MoE
 from titan_glm52.optimizer import TritonAdam, TritonAdamW
@@ -69,12 +69,6 @@ def mtp_labels(labels: torch.Tensor) -> torch.Tensor:
     """Labels of the MTP head: position i predicts token i + 2, valid when i -> i+1 -> i+2 stay in one document."""
     nxt = torch.cat((labels[:, 1:], torch.full_like(labels[:, :1], IGNORE_INDEX)), dim=1)
     return torch.where(labels == IGNORE_INDEX, torch.full_like(nxt, IGNORE_INDEX), nxt)
-
-
-def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on ``device`` without a host sync (a pageable host-to-device copy waits for the stream; a
-    pinned one does not)."""
-    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
 
 
 def _modules_of(parts, cls) -> list:
@@ -401,7 +395,7 @@ class Trainer:
 
     def _stop_flag(self) -> torch.Tensor:
         """1.0 where SIGTERM has reached any rank (all ranks), as a device scalar; no host sync."""
-        flag = _to_device(torch.tensor([float(self._sigterm)]), self.device)
+        flag = host_to_device(torch.tensor([float(self._sigterm)]), self.device)
         if self.env.world_size > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return flag[0]
@@ -448,7 +442,7 @@ class Trainer:
             labels = b["labels"]
             local[0] += int((labels != IGNORE_INDEX).sum())
             local[1] += int((mtp_labels(labels) != IGNORE_INDEX).sum())
-        counts = _to_device(torch.tensor(local, dtype=torch.float64), self.device)
+        counts = host_to_device(torch.tensor(local, dtype=torch.float64), self.device)
         if self.dp_world > 1:
             dist.all_reduce(counts, group=self.dp_group)
         counts = counts.clamp_min(1.0)
@@ -662,7 +656,7 @@ class Trainer:
             return {}
         mem = memory_stats(self.device)
         if self.env.world_size > 1:
-            peak = _to_device(torch.tensor(list(mem.values()), dtype=torch.float64), self.device)
+            peak = host_to_device(torch.tensor(list(mem.values()), dtype=torch.float64), self.device)
             dist.all_reduce(peak, op=dist.ReduceOp.MAX)  # the fullest rank (pipeline stages differ)
             mem["device"] = {f"{k}_max_over_ranks": v for k, v in zip(mem, peak.unbind())}
         return mem

@@ -99,11 +99,14 @@ class DensePrefix:
         return DensePrefix(rows, is_prefix)
 
 
-def _host_ints(values: list[int], device: torch.device) -> torch.Tensor:
-    """int64 tensor of host ints on ``device`` without a host sync (a pageable host-to-device copy waits for the
-    stream; a pinned one does not)."""
-    t = torch.tensor(values, dtype=torch.int64)
+def host_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device`` without a host sync (a pageable host-to-device copy waits for the stream; a
+    pinned one does not)."""
     return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
+
+
+def _host_ints(values: list[int], device: torch.device) -> torch.Tensor:
+    return host_to_device(torch.tensor(values, dtype=torch.int64), device)
 
 
 @dataclass
