@@ -7,9 +7,8 @@ exactly as ``plan layout`` refuses it) -> ``GLM52Stage`` on the meta device for 
 ``parallelize_model`` (EP, AC, FSDP2). It then reads what FSDP2 really allocates (``FSDPParam`` padded shard
 sizes and all-gather sizes), adds activation estimates, and reports the PEAK of the bytes allocated over a
 training step (what ``torch.cuda.max_memory_allocated`` measures). ``python -m titan_glm52.plan memory`` prints it.
-One process under ``training.master_weights = "optimizer"`` (no FSDP; bf16 copies and bf16 gradients instead of
-FSDP's all-gather outputs and fp32 gradients) is planned as FSDP on one rank, an upper bound: on the proxy (H200)
-4K AC none peaked at 75.3 GiB against 78.1 under FSDP, and 32K selective (compiled) at 116.3 GiB.
+One process with ``training.master_weights = "optimizer"`` (``master_weights="optimizer"`` here) has no FSDP: the
+modules are walked for their sizes alone and the step is the master-weights one (below, "Masters in the optimizer").
 
 Why one rank per pipeline rank is enough: FSDP2 pads every shard to ``ceil(dim / shard degree)`` rows, and EP
 splits the experts evenly (``ep`` divides ``n_routed_experts``), so all ranks of one pipeline rank allocate the
@@ -59,6 +58,17 @@ backward together: a block's unit and, under EP, its experts' unit):
   end of backward   all sharded gradients + the last reduce-scatter input (the optimizer step allocates nothing)
 The forward never exceeds the first backward phase: it holds a subset of the same activations and parameters and
 no gradient, and a block's forward temporaries are a subset of its backward's.
+
+Masters in the optimizer (one process, ``master_weights.py``): held all step, the fp32 masters (4 bytes per element)
+and the bf16 compute copies the model trains on (2; ``params`` column), and AdamW's states. Nothing is all-gathered
+or reduce-scattered: a step's backward leaves its bf16 gradient in place (autograd's accumulation takes the tensor
+it formed), so the walk is the one above without FSDP's buffers:
+  backward X        the bf16 gradients of the steps already run; the activations saved for X and every step after
+                    it, plus the stage extras; transient: X's backward bytes and its bf16 gradient
+  end of backward   all bf16 gradients (the Triton step updates in place)
+The final norm's and the embedding's gradients form at their own backward (no FSDP final callback). With gradient
+accumulation (``grad_accumulation``) a hook adds each fresh bf16 gradient into an fp32 sum and frees it: the sums
+(4 bytes per trainable element) are held from the first micro-batch on, an upper bound for the first.
 
 Phases, with pipeline parallelism (per rank):
   backward X        all units unsharded + their fp32 accumulation; the activations of the in-flight micro-batches
@@ -141,6 +151,9 @@ Checked against ``torch.cuda.max_memory_allocated`` on H200s (bench/results/e2e_
 tests/unit/test_plan_memory.py): the estimate is above every measured peak, by 0.05-4.3% on one GPU without MTP
 (session 3 code) and 3.9-4.0% on two; the MTP runs (session 2 code, before the gather-based MoE combine lowered
 real peaks) by 6% on one GPU and 13% on two. Session 5's peaks (the Triton loss kernel) are at or below those.
+With the masters in the optimizer (sessions 7-12, mostly compiled, one GPU): 0.8-14.5% above the 19 measured
+peaks (4K: 3-5%, 16K: 1-9%, 32K: 10-15%), 29% above the 20th ("op" selective checkpointing at 32K); the same cells planned as FSDP
+on one rank are 3.5-7 GiB higher.
 
 Not modelled: CUDA context and NCCL buffers (~1-3 GiB, outside the caching allocator), allocator fragmentation
 (reserved over allocated), the indexer KL loss (``dsa.indexer_loss_coeff > 0`` saves the indexer's q/k/weights),
@@ -192,6 +205,8 @@ class MemoryRequest:
     dense_prefix: bool = True  # [dsa] dense_prefix
     dense_masked_ratio: float = 0.0  # [dsa] dense_masked_ratio (used with dense_prefix)
     recompute_expert_inputs: bool = True  # [moe] recompute_expert_inputs
+    master_weights: str = "fsdp"  # training.master_weights as resolved: "fsdp" or "optimizer" (one process)
+    grad_accumulation: bool = False  # more than one micro-batch per optimizer step (training.global_batch_size)
 
     @property
     def budget_bytes(self) -> float:
@@ -617,6 +632,23 @@ def _unpipelined_phases(steps: list[_Step], extras: float, tokens: int, a: int, 
     return phases
 
 
+def _master_phases(steps: list[_Step], extras: float, tokens: int, a: int, head_calls: int, loose_trainable: int,
+                   trainable: int, accumulate: bool) -> list[Phase]:
+    """Walks the backward of one process whose optimizer holds the masters (module docstring, "Masters in the
+    optimizer"): no FSDP buffers; each step's bf16 gradient stays in place, or goes into an fp32 sum when
+    accumulating."""
+    phases = []
+    grads = 4.0 * trainable if accumulate else a * loose_trainable
+    for i, st in enumerate(steps):
+        acts = tokens * (extras + sum(x.saved for x in steps[i:]))
+        work = _head_work(st, a, head_calls) if st.name == "head" else st.backward
+        phases.append(Phase(f"backward {st.name}", grads, 0.0, 0.0, acts, work + a * st.trainable))
+        if not accumulate:
+            grads += a * st.trainable
+    phases.append(Phase("end of backward", grads))
+    return phases
+
+
 def _pipelined_phases(steps: dict[int, list[_Step]], acts: list[StageActivations], alive: list[int], tokens: int,
                       a: int, units: list[_Unit], loose_grads: float, buffers: float, head_calls: int) -> list[Phase]:
     """The micro-batch backward of each stage in flight, the final gradient reduction and the end of backward
@@ -694,6 +726,11 @@ def _check_request(req: MemoryRequest) -> None:
         raise ValueError(f"headroom must be in [0, 1), got {req.headroom}")
     if req.gpu_memory_gib <= 0 or req.expert_load_factor <= 0:
         raise ValueError("gpu memory and expert load factor must be > 0")
+    if req.master_weights not in ("fsdp", "optimizer"):
+        raise ValueError(f"master weights {req.master_weights!r}: choose fsdp or optimizer (training.master_weights)")
+    if req.master_weights == "optimizer" and (req.gpus != 1 or req.param_dtype != "bf16"):
+        raise ValueError(f"master weights 'optimizer' is for one process with bf16 compute (gpus {req.gpus}, param "
+                         f"dtype {req.param_dtype}): plan it with master weights 'fsdp'")
 
 
 def plan_memory(req: MemoryRequest) -> MemoryReport:
@@ -739,6 +776,7 @@ def plan_memory(req: MemoryRequest) -> MemoryReport:
                               prefix_share, mask_per_token, req.recompute_expert_inputs)
             for s in range(pl.num_stages)]
     keep_all = pipelined or not _reshard_policy(req.reshard_after_forward, pipelined, deg.dp_shard)
+    master = req.master_weights == "optimizer"
     ranks_per_pp = deg.dp_replicate * deg.dp_shard
     # Calls of the head per micro-batch: one per loss (model/head.py), two with MTP.
     head_calls = 2 if req.with_mtp else 1
@@ -773,6 +811,10 @@ def plan_memory(req: MemoryRequest) -> MemoryReport:
                                                                           act_bytes) for s in stage_ids)
             phases = _pipelined_phases(steps, acts, alive, tokens, act_bytes, units, 4.0 * loose_trainable, buffers,
                                        head_calls)
+        elif master:
+            (s,) = stage_ids
+            phases = _master_phases(steps[s], acts[s].extras, tokens, act_bytes, head_calls, loose_trainable,
+                                    trainable, req.grad_accumulation)
         else:
             (s,) = stage_ids
             phases = _unpipelined_phases(steps[s], acts[s].extras, tokens, act_bytes, keep_all, head_calls,
@@ -780,7 +822,8 @@ def plan_memory(req: MemoryRequest) -> MemoryReport:
         peak = max(phases, key=lambda ph: ph.total)
         report.ranks.append(RankMemory(
             pp_rank=pp_rank, rank=rank, stages=stage_ids, layers=tuple(stage_layers[s] for s in stage_ids),
-            local_params=local, trainable_params=trainable, params=4.0 * local, grads=peak.grads,
+            local_params=local, trainable_params=trainable, params=(4.0 + act_bytes * master) * local,
+            grads=peak.grads,
             optimizer=8.0 * trainable, unsharded=peak.unsharded, grad_accum=peak.grad_accum,
             activations=peak.activations, transient=peak.transient, in_flight=len(alive), units=len(units),
             phase=peak.name, phases=tuple(phases)))
@@ -792,6 +835,7 @@ def request_from_job_config(cfg, gpus: int | None = None, *, gpu_memory_gib: flo
     """The ``MemoryRequest`` of a parsed job config (``config.parse_job_config``): its model (as the trainer
     builds it), degrees, schedule, layout, batch, AC mode, precision and MTP. ``gpus`` defaults to
     pp x dp_replicate x dp_shard, which needs an explicit ``data_parallel_shard_degree``."""
+    from titan_glm52.config import master_weights_blocker
     from titan_glm52.trainer import build_model_args
 
     p, t = cfg.parallelism, cfg.training
@@ -800,6 +844,10 @@ def request_from_job_config(cfg, gpus: int | None = None, *, gpu_memory_gib: flo
             raise ValueError("parallelism.data_parallel_shard_degree = -1: pass gpus (the world size)")
         gpus = p.pipeline_parallel_degree * p.data_parallel_replicate_degree * p.data_parallel_shard_degree
     args = build_model_args(cfg)
+    master = t.master_weights
+    if master == "auto":  # the trainer's rule on a GPU
+        master = "optimizer" if master_weights_blocker(cfg, gpus) is None else "fsdp"
+    per_step = t.local_batch_size * (gpus // p.pipeline_parallel_degree)  # samples per micro-batch, all ranks
     layout = (tuple(int(v) for v in p.pipeline_parallel_layout.split(","))
               if p.pipeline_parallel_layout else None)
     return MemoryRequest(
@@ -813,7 +861,8 @@ def request_from_job_config(cfg, gpus: int | None = None, *, gpu_memory_gib: flo
         reshard_after_forward=p.fsdp_reshard_after_forward,
         with_mtp=cfg.mtp.enable and args.num_nextn_predict_layers > 0, gpu_memory_gib=gpu_memory_gib,
         headroom=headroom, expert_load_factor=expert_load_factor, dense_prefix=cfg.dsa.dense_prefix,
-        dense_masked_ratio=cfg.dsa.dense_masked_ratio, recompute_expert_inputs=cfg.moe.recompute_expert_inputs)
+        dense_masked_ratio=cfg.dsa.dense_masked_ratio, recompute_expert_inputs=cfg.moe.recompute_expert_inputs,
+        master_weights=master, grad_accumulation=t.global_batch_size // per_step > 1)
 
 
 # ===================================================================================== printing
@@ -832,6 +881,7 @@ def format_report(report: MemoryReport, model_name: str) -> str:
     """The printout of ``plan memory``: setup lines, ``layers per stage:``, a table per pipeline rank, the
     budget and the verdict. Sizes in GiB (MiB when the largest rank is under 1 GiB)."""
     req, args = report.request, report.request.args
+    master = req.master_weights == "optimizer"
     unit, scale = ("GiB", GIB) if report.worst.total >= GIB else ("MiB", 1024 ** 2)
     lines = [
         f"model: {model_name}: {_count(args.num_params(req.with_mtp))} parameters, {args.num_hidden_layers} "
@@ -843,10 +893,14 @@ def format_report(report: MemoryReport, model_name: str) -> str:
         f"layers per stage: {','.join(str(n) for n in report.layers_per_stage)}",
         f"batch: seq_len {req.seq_len}, local_batch_size {req.local_batch_size}, microbatch_size "
         f"{req.microbatch_size} -> {report.n_microbatches} micro-batch(es) of {report.tokens_per_microbatch} tokens",
-        f"precision: fp32 master weights, fp32 grads, AdamW 2 x fp32 states, {req.param_dtype} compute "
-        f"(FSDP param_dtype), fp32 reduce; AC {req.ac_mode}"
+        (f"precision: fp32 master weights in the optimizer with bf16 compute copies (master_weights optimizer, no "
+         f"FSDP), bf16 grads{' (summed in fp32: gradient accumulation)' if req.grad_accumulation else ''}, AdamW "
+         f"2 x fp32 states; AC {req.ac_mode}" if master else
+         f"precision: fp32 master weights, fp32 grads, AdamW 2 x fp32 states, {req.param_dtype} compute "
+         f"(FSDP param_dtype), fp32 reduce; AC {req.ac_mode}")
         + (f" ({req.selective_ac_option})" if req.ac_mode == "selective" else "")
-        + f"; reshard_after_forward {req.reshard_after_forward}; expert load factor {req.expert_load_factor:g}"
+        + ("" if master else f"; reshard_after_forward {req.reshard_after_forward}")
+        + f"; expert load factor {req.expert_load_factor:g}"
         + f"; expert inputs {'recomputed' if req.recompute_expert_inputs else 'kept'}",
         "ranks: one representative per pipeline rank (data-parallel coordinate 0): FSDP pads every shard to the "
         "same size and EP splits the experts evenly, so all ranks of a pipeline rank hold the same bytes",
@@ -864,13 +918,16 @@ def format_report(report: MemoryReport, model_name: str) -> str:
         lines.append(f"{r.pp_rank:>3} {r.rank:>5} {','.join(map(str, r.stages)):>7} {layers:>11} "
                      + " ".join(f"{v / scale:7.2f}" for v in values)
                      + f" {r.in_flight:>3}  {'yes' if r.total <= report.budget else 'NO ':<3}  {r.phase}")
-    lines += [
+    lines.append(
+        "columns: what is alive at the peak, the phase named last (module docstring, \"Masters in the optimizer\"): "
+        "fp32 masters + bf16 compute copies, gradients formed so far (bf16; fp32 sums when accumulating), AdamW "
+        "states (2 x fp32), saved activations, transient (recompute, backward workspace, loss chunk, the gradient "
+        "being formed)" if master else
         "columns: what is alive at the rank's peak, the phase named last (module docstring, \"Peak\"): fp32 "
         "master params, fp32 sharded grads already reduced, AdamW states (2 x fp32), FSDP unsharded params "
         f"({req.param_dtype}), unsharded fp32 gradient accumulation (pipeline), saved activations of the in-flight "
         "micro-batches (mb) and the pipeline schedule's per-micro-batch buffers, transient (recompute, backward "
-        "workspace, loss chunk, FSDP gradient buffers)",
-    ]
+        "workspace, loss chunk, FSDP gradient buffers)")
     worst = report.worst
     lines += [
         "",

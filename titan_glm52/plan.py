@@ -7,6 +7,7 @@
                                       [--schedule 1F1B] [--stages-per-rank V] [--layers-per-stage ...]
                                       [--seq-len 4096] [--local-batch-size 1] [--microbatch-size 1]
                                       [--ac full|selective|none] [--gpu-memory-gib 141] [--param-dtype bf16]
+                                      [--master-weights fsdp|optimizer] [--grad-accumulation]
 
 ``layout`` prints the pipeline split (``pipeline_split.py`` decides it; this file only parses and prints): a line
 ``layers per stage: a,b,...``, then one line per stage (rank, layers, first layer, cost share, extra modules).
@@ -145,6 +146,15 @@ def _add_memory_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dense-masked-ratio", type=float, default=0.0,
                    help="dsa.dense_masked_ratio (default 0 = off): sequences of index_topk < S <= ratio x "
                         "index_topk run their later rows on SDPA with a selection mask")
+    p.add_argument("--master-weights", choices=("fsdp", "optimizer"), default="fsdp",
+                   help="training.master_weights as the trainer resolves it: 'optimizer' (one GPU, bf16: the "
+                        "Triton AdamW step holds the fp32 masters, the model trains on bf16 copies, no FSDP; what "
+                        "'auto' picks with optimizer.implementation = 'triton', as in glm52_proxy.toml) or 'fsdp' "
+                        "(default)")
+    p.add_argument("--grad-accumulation", action="store_true",
+                   help="several micro-batches per optimizer step (training.global_batch_size above the "
+                        "local batch x data-parallel ranks): with --master-weights optimizer the gradients are "
+                        "summed in fp32")
     p.add_argument("--gpu-memory-gib", type=float, default=141.0,
                    help="memory per GPU in GiB (default 141; an H200 reports 143771 MiB = 140.4 GiB)")
     p.add_argument("--headroom", type=float, default=0.10,
@@ -168,7 +178,8 @@ def memory_request(ns: argparse.Namespace, args: GLM52ModelArgs):
         reshard_after_forward=ns.reshard_after_forward, with_mtp=ns.mtp and args.num_nextn_predict_layers > 0,
         gpu_memory_gib=ns.gpu_memory_gib, headroom=ns.headroom, expert_load_factor=ns.expert_load_factor,
         dense_prefix=ns.dense_prefix, dense_masked_ratio=ns.dense_masked_ratio,
-        recompute_expert_inputs=ns.recompute_expert_inputs)
+        recompute_expert_inputs=ns.recompute_expert_inputs, master_weights=ns.master_weights,
+        grad_accumulation=ns.grad_accumulation)
 
 
 def _cmd_memory(ns: argparse.Namespace) -> int:

@@ -165,6 +165,55 @@ def test_unpipelined_backward_walk():
     assert r.total == pytest.approx(r.params + r.optimizer + max(p.total for p in r.phases))
 
 
+def test_master_weights_in_the_optimizer_walk():
+    """One process with the masters in the optimizer (module docstring, "Masters in the optimizer"): fp32 masters and
+    bf16 compute copies, no FSDP buffers, each step's bf16 gradient left in place (fp32 sums from the start with
+    gradient accumulation); everything else as under FSDP."""
+    args = _debug_args()
+    base = dict(args=args, gpus=1, seq_len=64, local_batch_size=2, ac_mode="full", with_mtp=False)
+    (r,) = plan_memory(MemoryRequest(master_weights="optimizer", **base)).ranks
+    (f,) = plan_memory(MemoryRequest(**base)).ranks
+    n, a, vd = args.num_params(include_mtp=False), 2, args.vocab_size * args.hidden_size
+    assert r.local_params == n and r.params == (4 + a) * n and r.optimizer == 8 * n
+    layers = [f"backward layer {i}" for i in reversed(range(args.num_hidden_layers))]
+    names = ["backward head", "backward final norm", *layers, "backward embedding", "end of backward"]
+    assert [ph.name for ph in r.phases] == names
+    ph = {p.name: p for p in r.phases}
+    fsdp = {p.name: p for p in f.phases}
+    assert all(p.unsharded == p.grad_accum == 0 for p in r.phases)
+    for name in names[:-1]:  # the same activations and work; the transient adds the step's bf16 gradient
+        assert ph[name].activations == fsdp[name].activations
+    head = ph["backward head"]
+    assert head.grads == 0 and head.transient == 8 * 128 * args.vocab_size + a * vd  # a loss chunk, the gradient
+    assert ph[layers[0]].grads == a * (vd + args.hidden_size)  # the head's and the final norm's
+    assert ph["end of backward"].grads == a * n and ph["end of backward"].transient == 0
+    assert r.total == pytest.approx(r.params + r.optimizer + max(p.total for p in r.phases))
+    assert r.total <= f.total  # (the bf16 copies take the place of FSDP's all-gather outputs; the grads are halved)
+    (acc,) = plan_memory(MemoryRequest(master_weights="optimizer", grad_accumulation=True, **base)).ranks
+    assert all(p.grads == 4 * n for p in acc.phases)
+    assert [p.transient for p in acc.phases] == [p.transient for p in r.phases]
+    for bad in (dict(gpus=2), dict(param_dtype="fp32")):
+        with pytest.raises(ValueError, match="one process with bf16 compute"):
+            plan_memory(MemoryRequest(**{**base, "master_weights": "optimizer", **bad}))
+    with pytest.raises(ValueError, match="choose fsdp or optimizer"):
+        plan_memory(MemoryRequest(master_weights="auto", **base))
+
+
+def test_job_config_resolves_master_weights_and_accumulation_like_the_trainer():
+    from titan_glm52.config import parse_job_config
+
+    proxy = ["--job.config_file", os.path.join(REPO, "train_configs", "glm52_proxy.toml")]
+    req = request_from_job_config(parse_job_config(proxy), gpus=1)
+    assert (req.master_weights, req.grad_accumulation) == ("optimizer", False)  # auto, Triton step, one GPU
+    for extra, gpus in ((["--optimizer.implementation", "fused"], 1), ([], 2),
+                        (["--training.master_weights", "fsdp"], 1)):
+        assert request_from_job_config(parse_job_config(proxy + extra), gpus=gpus).master_weights == "fsdp", extra
+    acc = request_from_job_config(parse_job_config(proxy + ["--training.global_batch_size", "2"]), gpus=1)
+    assert acc.grad_accumulation
+    assert not request_from_job_config(parse_job_config(proxy + ["--training.global_batch_size", "2"]),
+                                       gpus=2).grad_accumulation
+
+
 def test_no_pipeline_keeps_two_units_and_no_gradient_accumulation():
     args = _debug_args()
     report = plan_memory(MemoryRequest(args=args, gpus=4, ep=2, seq_len=64, local_batch_size=2, ac_mode="full"))
@@ -188,6 +237,11 @@ def test_cli_exit_codes_and_layout_line(capsys):
     assert rc == 2 and "DOES NOT FIT" in out
     rc, out, err = _main(capsys, *base, "--ep", "3")
     assert rc == 1 and "must divide" in err and out == ""
+    one = ["memory", "--flavor", "debug", "--gpus", "1", "--seq-len", "64", "--master-weights", "optimizer"]
+    rc, out, err = _main(capsys, *one)
+    assert rc == 0 and "fp32 master weights in the optimizer" in out and "reshard_after_forward" not in out
+    rc, out, err = _main(capsys, *one[:4], "2", *one[5:])
+    assert rc == 1 and "one process with bf16 compute" in err and out == ""
 
 
 def test_cli_refuses_an_invalid_layout_like_layout(capsys):
@@ -268,15 +322,46 @@ MEASURED_H200 = {
     "2 GPUs FSDP 2, 4K": (dict(gpus=2, dp_shard=2, with_mtp=False, seq_len=4096), 44.12),
     "2 GPUs EP 2, 4K": (dict(gpus=2, ep=2, with_mtp=False, seq_len=4096), 42.44),
     "2 GPUs FSDP 2, 4K, MTP": (dict(gpus=2, dp_shard=2, with_mtp=True, seq_len=4096), 50.8),
-    # Session 11 (bench/results/e2e_h200.md, runs/s11_*.json): compiled, AC none, fp32 masters in the optimizer
-    # (one GPU), the routed experts rebuilding their GEMM inputs (the plan's FSDP model of one process bounds it).
-    "1 GPU, 32K, AC none, experts rebuilt": (dict(gpus=1, with_mtp=False, seq_len=32768, ac_mode="none",
-                                                  recompute_expert_inputs=True), 125.24),
-    "1 GPU, 4K, AC none, experts rebuilt": (dict(gpus=1, with_mtp=False, seq_len=4096, ac_mode="none",
-                                                 recompute_expert_inputs=True), 73.38),
-    "1 GPU, 4K, AC none, MTP, experts rebuilt": (dict(gpus=1, with_mtp=True, seq_len=4096, ac_mode="none",
-                                                      recompute_expert_inputs=True), 89.24),
 }
+# Sessions 7-12 (bench/results/e2e_h200.md, runs/s7_* .. s12_*.json): one GPU with the fp32 masters in the optimizer
+# (master weights "optimizer"), the Triton AdamW step; compiled unless "eager"; the routed experts keep their GEMM
+# inputs unless "rebuilt" (session 11 on). Planned as what they are, and (the first three) as FSDP on one rank.
+_OPT = dict(gpus=1, with_mtp=False, master_weights="optimizer")
+_REBUILT = dict(_OPT, ac_mode="none", recompute_expert_inputs=True)
+MEASURED_H200.update({
+    "1 GPU, 32K, AC none, experts rebuilt, planned as FSDP": (dict(_REBUILT, master_weights="fsdp", seq_len=32768),
+                                                              125.24),
+    "1 GPU, 4K, AC none, experts rebuilt, planned as FSDP": (dict(_REBUILT, master_weights="fsdp", seq_len=4096),
+                                                             73.38),
+    "1 GPU, 4K, AC none, MTP, experts rebuilt, planned as FSDP": (
+        dict(_REBUILT, master_weights="fsdp", seq_len=4096, with_mtp=True), 89.24),
+    "masters in the optimizer, 4K, AC none, experts rebuilt": (dict(_REBUILT, seq_len=4096), 73.38),
+    "masters in the optimizer, 4K, AC none, MTP, experts rebuilt": (dict(_REBUILT, seq_len=4096, with_mtp=True),
+                                                                    89.24),
+    "masters in the optimizer, 16K, AC none, experts rebuilt": (dict(_REBUILT, seq_len=16384), 95.56),
+    "masters in the optimizer, 32K, AC none, experts rebuilt": (dict(_REBUILT, seq_len=32768), 125.24),
+    "masters in the optimizer, 4K, AC none, eager": (dict(_OPT, seq_len=4096, ac_mode="none"), 75.85),
+    "masters in the optimizer, 4K, eager": (dict(_OPT, seq_len=4096), 72.85),
+    "masters in the optimizer, 16K, eager": (dict(_OPT, seq_len=16384), 97.83),
+    "masters in the optimizer, 4K, AC none": (dict(_OPT, seq_len=4096, ac_mode="none"), 75.26),
+    "masters in the optimizer, 4K": (dict(_OPT, seq_len=4096), 72.10),
+    "masters in the optimizer, 4K, AC none, batch 2": (dict(_OPT, seq_len=4096, ac_mode="none", local_batch_size=2),
+                                                       85.86),
+    "masters in the optimizer, 4K, AC none, MTP": (dict(_OPT, seq_len=4096, ac_mode="none", with_mtp=True), 91.74),
+    "masters in the optimizer, 4K, MTP": (dict(_OPT, seq_len=4096, with_mtp=True), 86.43),
+    "masters in the optimizer, 16K, AC none": (dict(_OPT, seq_len=16384, ac_mode="none"), 102.29),
+    "masters in the optimizer, 16K": (dict(_OPT, seq_len=16384), 90.77),
+    "masters in the optimizer, 32K, AC none": (dict(_OPT, seq_len=32768, ac_mode="none"), 137.55),
+    "masters in the optimizer, 32K": (dict(_OPT, seq_len=32768), 116.29),
+    "masters in the optimizer, 32K, selective 3": (dict(_OPT, seq_len=32768, selective_ac_option="3"), 118.40),
+    "masters in the optimizer, 32K, selective 4": (dict(_OPT, seq_len=32768, selective_ac_option="4"), 135.44),
+    "masters in the optimizer, 32K, AC full": (dict(_OPT, seq_len=32768, ac_mode="full"), 88.64),
+    # "op" SAC: the plan counts the tensors the recompute shares with the saved set twice (module docstring)
+    "masters in the optimizer, 32K, selective op": (dict(_OPT, seq_len=32768, selective_ac_option="op"), 96.63),
+})
+# The one-GPU estimates stay within 25% of the measured peak, except where a case says otherwise (the plan's bound on
+# "op" SAC counts the shared tensors twice: +29% at 32K).
+WITHIN = {"masters in the optimizer, 32K, selective op": 1.30}
 
 
 @pytest.mark.parametrize("case", sorted(MEASURED_H200))
@@ -290,7 +375,7 @@ def test_estimate_bounds_the_measured_h200_peaks(case):
     estimate = report.worst.total / GIB
     assert estimate >= measured, (case, estimate, measured)
     if kw["gpus"] == 1:
-        assert estimate <= 1.25 * measured, (case, estimate, measured)
+        assert estimate <= WITHIN.get(case, 1.25) * measured, (case, estimate, measured)
 
 
 def test_backward_workspace_and_loss_chunk_follow_the_stated_formula():
