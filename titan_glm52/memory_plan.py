@@ -135,10 +135,10 @@ Backward bytes of a step (on top of what it saved):
                         with the dense prefix, per prefix row a*H(2(n+p) + 3v + n) (its output gradient, dQ, dK, dV,
                         the wkv_b output's gradient) and per token a*H(n+p) (the gathered queries' full-size
                         gradient), n = qk_nope_head_dim, p = qk_rope_head_dim, v = v_head_dim
-             MoE        (4 + a)kD (the combine's backward: the routed rows' gradient, a*kD, alive while the
-                        combine weights' gradient forms its fp32 [kT, D] product before the sum over D) + 3aD, or
-                        L*a*k(2D + 2F) on the experts' side if larger (+ L*a*k(D + F), the rebuilt inputs, with
-                        ``recompute_expert_inputs`` in a block that is not checkpointed)
+             MoE        2akD (the combine's backward: the routed rows' gradient in token order and its copy in
+                        expert order; the combine weights' gradient then forms one [T, D] fp32 product per slot,
+                        smaller) + 3aD, or L*a*k(2D + 2F) on the experts' side if larger (+ L*a*k(D + F), the
+                        rebuilt inputs, with ``recompute_expert_inputs`` in a block that is not checkpointed)
              dense MLP  a*(3Fd + 3D)
   head       the fused loss (model/head.py) forms each chunk's gradients at the end of forward, with every
              activation still held: one chunk of min(tokens, LOSS_CHUNK) tokens x vocab x 8 (the fp32 logits and
@@ -367,7 +367,7 @@ def backward_workspace(args: GLM52ModelArgs, layer_id: int, tokens: int, act_byt
         attn += tokens * a * h * (prefix_share * (2 * (n + p) + 3 * v + n) + n + p)
     if args.is_moe_layer(layer_id):
         experts = load * a * k * (2 * d + 2 * f) + (load * a * k * (d + f) if recompute_experts else 0)
-        mlp = tokens * (max((4 + a) * k * d, experts) + 3 * a * d)
+        mlp = tokens * (max(2 * a * k * d, experts) + 3 * a * d)
     else:
         mlp = tokens * a * (3 * fd + 3 * d)
     return max(attn, mlp)

@@ -381,8 +381,8 @@ def test_estimate_bounds_the_measured_h200_peaks(case):
 def test_backward_workspace_and_loss_chunk_follow_the_stated_formula():
     """At the proxy's widths and 4096 tokens every block's backward peaks in the attention (latent-output gradient,
     dQ, fp32 dKV, residual gradients + the 1 GiB DSA scratch); with 4x the experts' rows (load factor 4) a MoE
-    block's peaks in its experts, and at top-16 (no expert-side growth: load 1, smaller F) in the combine
-    ((4 + a)kD + 3aD per token). The head's chunk is 8 bytes per [4096, vocab] element whatever the token count."""
+    block's peaks in its experts, and with half the mean rows reaching the experts (load 0.5, top-16, 8192 tokens)
+    in the combine (2akD + 3aD per token). The head's chunk is 8 bytes per [4096, vocab] element whatever the token count."""
     args, a, t = _proxy_args(), 2, 4096
     d, h, k, f = args.hidden_size, args.num_attention_heads, args.num_experts_per_tok, args.moe_intermediate_size
     c, p = args.kv_lora_rank, args.qk_rope_head_dim
@@ -391,7 +391,7 @@ def test_backward_workspace_and_loss_chunk_follow_the_stated_formula():
     assert backward_workspace(args, 0, t, a) == backward_workspace(args, 1, t, a) == attn
     assert backward_workspace(args, 1, t, a, load=4.0) == t * (4.0 * a * k * (2 * d + 2 * f) + 3 * a * d)
     wide = args.replace(num_experts_per_tok=16, moe_intermediate_size=512)
-    assert backward_workspace(wide, 1, t, a) == t * ((4 + a) * 16 * d + 3 * a * d)
+    assert backward_workspace(wide, 1, 2 * t, a, load=0.5) == 2 * t * (2 * a * 16 * d + 3 * a * d)
     assert loss_chunk_bytes(args, 2 * t) == loss_chunk_bytes(args, t) == 8 * t * args.vocab_size
 
 
