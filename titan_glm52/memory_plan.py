@@ -56,8 +56,10 @@ backward together: a block's unit and, under EP, its experts' unit):
   reduce-scatter X  X resharded and its activations freed; transient: its ``param_dtype`` gradient + its fp32
                     reduce-scatter input
   end of backward   all sharded gradients + the last reduce-scatter input (the optimizer step allocates nothing)
-The forward never exceeds the first backward phase: it holds a subset of the same activations and parameters and
-no gradient, and a block's forward temporaries are a subset of its backward's.
+The forward never exceeds the first block's backward phase: it holds a subset of the same activations and
+parameters and no gradient, and a block's forward temporaries are a subset of its backward's. (It can exceed the
+head's phase: measured at 32K on the proxy, 127.3 GiB at the last block's forward against 125.9 in the head's and
+128.5 in the last block's backward; ``bench/memory_phases.py``.)
 
 Masters in the optimizer (one process, ``master_weights.py``): held all step, the fp32 masters (4 bytes per element)
 and the bf16 compute copies the model trains on (2; ``params`` column), and AdamW's states. Nothing is all-gathered
@@ -151,9 +153,10 @@ Checked against ``torch.cuda.max_memory_allocated`` on H200s (bench/results/e2e_
 tests/unit/test_plan_memory.py): the estimate is above every measured peak, by 0.05-4.3% on one GPU without MTP
 (session 3 code) and 3.9-4.0% on two; the MTP runs (session 2 code, before the gather-based MoE combine lowered
 real peaks) by 6% on one GPU and 13% on two. Session 5's peaks (the Triton loss kernel) are at or below those.
-With the masters in the optimizer (sessions 7-12, mostly compiled, one GPU): 0.8-14.5% above the 19 measured
-peaks (4K: 3-5%, 16K: 1-9%, 32K: 10-15%), 29% above the 20th ("op" selective checkpointing at 32K); the same cells planned as FSDP
-on one rank are 3.5-7 GiB higher.
+With the masters in the optimizer (sessions 7-13, one GPU, compiled and eager): 0.8-14.5% above 22 measured
+peaks (4K: 3-5%, 16K: 1-9%, 32K: 7-15%), 29% above the 23rd ("op" selective checkpointing at 32K); the same cells
+planned as FSDP on one rank are 3.5-7 GiB higher. By phase (``bench/memory_phases.py``, eager, 32K AC none): each
+phase planned 0.5-10.7 GiB above its measured peak, most in the MoE blocks' backward.
 
 Not modelled: CUDA context and NCCL buffers (~1-3 GiB, outside the caching allocator), allocator fragmentation
 (reserved over allocated), the indexer KL loss (``dsa.indexer_loss_coeff > 0`` saves the indexer's q/k/weights),

@@ -316,8 +316,10 @@ MEASURED_H200 = {
     "1 GPU, 4K, AC none": (dict(gpus=1, with_mtp=False, seq_len=4096, ac_mode="none"), 81.12),
     "1 GPU, 16K": (dict(gpus=1, with_mtp=False, seq_len=16384), 101.38),
     "1 GPU, 16K, AC none": (dict(gpus=1, with_mtp=False, seq_len=16384, ac_mode="none"), 111.49),
-    "1 GPU, 32K": (dict(gpus=1, with_mtp=False, seq_len=32768), 134.77),
-    "1 GPU, 32K, AC full": (dict(gpus=1, with_mtp=False, seq_len=32768, ac_mode="full"), 103.61),
+    # re-measured in session 13 after the MoE combine's backward stopped forming a [k, T, D] fp32 product
+    # (runs/s13_mem_32k_{sel2,full}_fsdp_keep.json, bench/memory_phases.py, the fused AdamW; session 3: 134.77, 103.61)
+    "1 GPU, 32K": (dict(gpus=1, with_mtp=False, seq_len=32768), 127.81),
+    "1 GPU, 32K, AC full": (dict(gpus=1, with_mtp=False, seq_len=32768, ac_mode="full"), 98.00),
     "1 GPU, 4K, MTP, batch 2": (dict(gpus=1, with_mtp=True, seq_len=4096, local_batch_size=2), 99.8),
     "2 GPUs FSDP 2, 4K": (dict(gpus=2, dp_shard=2, with_mtp=False, seq_len=4096), 44.12),
     "2 GPUs EP 2, 4K": (dict(gpus=2, ep=2, with_mtp=False, seq_len=4096), 42.44),
@@ -340,6 +342,12 @@ MEASURED_H200.update({
                                                                     89.24),
     "masters in the optimizer, 16K, AC none, experts rebuilt": (dict(_REBUILT, seq_len=16384), 95.56),
     "masters in the optimizer, 32K, AC none, experts rebuilt": (dict(_REBUILT, seq_len=32768), 125.24),
+    # session 13, eager, experts rebuilt (runs/s13_32k_off_none.json, the e2e cell; runs/s13_mem_*.json,
+    # bench/memory_phases.py): 32K ran out of memory before the combine change
+    "masters in the optimizer, 32K, AC none, experts rebuilt, eager": (dict(_REBUILT, seq_len=32768), 129.90),
+    "masters in the optimizer, 16K, AC none, experts rebuilt, eager": (dict(_REBUILT, seq_len=16384), 99.32),
+    "masters in the optimizer, 4K, AC none, MTP, experts rebuilt, eager": (
+        dict(_REBUILT, seq_len=4096, with_mtp=True), 88.45),
     "masters in the optimizer, 4K, AC none, eager": (dict(_OPT, seq_len=4096, ac_mode="none"), 75.85),
     "masters in the optimizer, 4K, eager": (dict(_OPT, seq_len=4096), 72.85),
     "masters in the optimizer, 16K, eager": (dict(_OPT, seq_len=16384), 97.83),
