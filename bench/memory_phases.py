@@ -9,7 +9,8 @@ final norm ends the forward (from there the head forms its loss gradients, "back
 decoder block's, the MTP layer's and the final norm's backward is a phase of its own. At each phase boundary it
 reads ``torch.cuda.memory_allocated`` and starts a new peak (``reset_peak_memory_stats``), so every phase gets the
 bytes allocated when it starts and the peak of ``max_memory_allocated`` within it; the step's peak is the largest.
-The embedding's backward (last) runs with the final hook-less stretch. The steps run as ``train.py`` runs them
+The embedding takes token ids (no backward hook fires for it): its backward, the gradient norm and the update
+are measured within the first block's phase, the last of a step. The steps run as ``train.py`` runs them
 (``--training.steps``, default 3); the table is the last step's, next to the plan's total at the phase of the same
 name (``memory_plan.request_from_job_config``: params, AdamW states and what that phase holds). Compile is refused:
 hooks on compiled blocks would be traced into them.
