@@ -19,8 +19,9 @@ an OOM or a crash loses only that cell, recorded as "OOM" / "error" with the las
   is averaged over the steps after the warm-up. MFU is the trainer's DSA-aware count (``titan_glm52.metrics``).
 * peer: ``bench/e2e_tt_dsv3.py`` (torchtitan's DeepSeekV3Model, its AC / compile / MoE / SDPA attention, FSDP2
   mixed precision on a 1-rank mesh, AdamW); MFU counts dense causal attention (see that file). On one GPU
-  ``--peer-args "--mp autocast"`` runs the peer's own one-device path (torch.autocast), which is faster than its
-  one-rank FSDP path (bench/results/e2e_h200.md, session 7).
+  ``--peer-mp autocast`` runs the peer's own one-device path (torch.autocast) instead, which is often faster than
+  its one-rank FSDP path (bench/results/e2e_h200.md, sessions 7 and 13); ``--peer-mp fsdp,autocast`` runs both
+  (the cell's "peer" and "peer_autocast") and reports ours against the faster ("ratio_best_peer").
 
 With ``--nproc N`` (N > 1) both sides run under ``python -m torch.distributed.run --standalone --nproc_per_node N``
 with the same mode: ``--parallel fsdp`` = FSDP over the N ranks (ours ``--parallelism.data_parallel_shard_degree
@@ -98,6 +99,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="only 4K and 32K, compile off, AC selective")
     p.add_argument("--peer", action=argparse.BooleanOptionalAction, default=True,
                    help="also run torchtitan's DeepSeek-V3 at the same widths")
+    p.add_argument("--peer-mp", type=_choices("fsdp", "autocast"), default=["fsdp"],
+                   help="the peer's mixed-precision paths, one run each per cell: 'fsdp' (FSDP2 "
+                        "MixedPrecisionPolicy, a 1-rank mesh on one GPU), 'autocast' (torchtitan's one-device "
+                        "torch.autocast path; one GPU only). The first listed is the cell's 'peer' (the ratio), "
+                        "another one 'peer_<path>'; with two, 'ratio_best_peer' is ours / the faster")
     p.add_argument("--peer-sdpa", choices=("tt", "flash", "cudnn"), default="tt",
                    help="the peer's SDPA backends: torchtitan's priority (cuDNN > flash > math) or pin one")
     p.add_argument("--our-mtp", choices=("on", "off"), default="on",
@@ -121,6 +127,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.error("--steps >= 1, --warmup >= 0, --warmup-compiled >= 0, --batch >= 1, --nproc >= 1")
     if a.parallel == "ep" and a.nproc < 2:
         p.error("--parallel ep needs --nproc >= 2 (EP degree = --nproc)")
+    if "autocast" in a.peer_mp and a.nproc > 1:
+        p.error("--peer-mp autocast is the peer's one-device path: with --nproc > 1 use --peer-mp fsdp")
+    if len(set(a.peer_mp)) != len(a.peer_mp):
+        p.error(f"--peer-mp {','.join(a.peer_mp)}: each path once")
     a.md = a.md or os.path.splitext(a.out)[0] + ".md"
     return a
 
@@ -294,13 +304,13 @@ def run_ours(a, runner: Runner, seq_len: int, compile_on: bool, ac: str, name: s
 
 
 # --------------------------------------------------------------------------------------------- the peer
-def run_peer(a, runner: Runner, seq_len: int, compile_on: bool, ac: str, name: str) -> dict:
+def run_peer(a, runner: Runner, seq_len: int, compile_on: bool, ac: str, name: str, mp: str = "fsdp") -> dict:
     out_json = os.path.join(runner.logs, name + ".json")
     cmd = launcher(a, os.path.join("bench", "e2e_tt_dsv3.py")) + [
         "--seq-len", str(seq_len), "--batch", str(a.batch), "--steps", str(a.steps),
         "--warmup", str(cell_warmup(a, compile_on)),
         "--ac", ac, "--sac-option", a.sac_option, "--compile", "on" if compile_on else "off", "--sdpa", a.peer_sdpa,
-        "--out", out_json]
+        "--mp", mp, "--out", out_json]
     if a.nproc > 1:
         cmd += ["--dp-shard", str(a.nproc), "--ep", str(a.nproc if a.parallel == "ep" else 1)]
     if a.trace:
@@ -359,9 +369,16 @@ def median_ratio(ours: dict, peer: dict) -> float:
     return (ours["tokens_per_step"] / ours["step_s_median"]) / (peer["tokens_per_step"] / peer["step_s_median"])
 
 
+def peer_keys(cell: dict) -> list[str]:
+    """The cell's peer runs: "peer" (the first ``--peer-mp`` path), then "peer_<path>" for the others."""
+    return [k for k in cell if k == "peer" or (k.startswith("peer_") and isinstance(cell[k], dict))]
+
+
 def table_rows(cells: list[dict]) -> tuple[list[str], list[list[str]]]:
     head = ["config", "ours tok/s", "ours MFU %", "ours peak GiB", "ours data/fwd+bwd/opt s", "peer tok/s",
             "peer MFU %", "peer peak GiB", "ratio ours/peer", "ratio of median steps"]
+    extra = sorted({k for c in cells for k in peer_keys(c) if k != "peer"})
+    head += [f"{k.replace('_', ' ')} tok/s" for k in extra] + (["ratio vs best peer"] if extra else [])
     rows = []
     for c in cells:
         o, p = c["ours"], c.get("peer")
@@ -374,7 +391,10 @@ def table_rows(cells: list[dict]) -> tuple[list[str], list[list[str]]]:
         mem_key = "peak_allocated_gib" if "peak_allocated_gib" in o or "peak_rss_gib" not in o else "peak_rss_gib"
         rows.append([c["config"], _fmt(o, "tokens_per_s", ".0f"), _fmt(o, "mfu_pct", ".1f"),
                      _fmt(o, mem_key, ".1f"), breakdown, _fmt(p, "tokens_per_s", ".0f"), _fmt(p, "mfu_pct", ".1f"),
-                     _fmt(p, "peak_allocated_gib", ".1f"), ratio, ratio_median])
+                     _fmt(p, "peak_allocated_gib", ".1f"), ratio, ratio_median]
+                    + [_fmt(c.get(k), "tokens_per_s", ".0f") for k in extra]
+                    + ([f"{c['ratio_best_peer']:.2f}" if c.get("ratio_best_peer") is not None else "-"]
+                       if extra else []))
     return head, rows
 
 
@@ -424,6 +444,9 @@ def markdown(report: dict) -> str:
             "(an integer N: every N-th block fully recomputed; 'op': each side's own per-op policy). Compile = "
             "per-block torch.compile on both sides (routed experts' dispatch eager; the loss eager).",
             f"- peer SDPA backends: {m['peer_sdpa']} ('tt' = torchtitan's priority cuDNN > flash > math).",
+            f"- peer mixed-precision paths: {', '.join(m.get('peer_mp', ['fsdp']))} (the first is 'peer tok/s' and "
+            "the ratio; 'fsdp' = FSDP2 MixedPrecisionPolicy, 'autocast' = torchtitan's one-device torch.autocast "
+            "path; 'ratio vs best peer' = ours / the faster).",
             ("- ours trains MTP (one more MoE layer and a second pass through the 154,880-row head: about +50% "
              "FLOPs per token at 4K) and the peer has none, so the tok/s ratio understates ours; "
              "`--our-mtp off` compares like for like." if m["our_mtp"] == "on" else
@@ -458,22 +481,27 @@ def main(argv: list[str]) -> int:
                 print(f"[e2e]   ours {ours['status']}" + (f" {ours['tokens_per_s']:.0f} tok/s"
                                                            if ours["status"] == "ok" else ""), flush=True)
                 cell = {"config": config, "seq_len": seq_len, "compile": compile_flag, "ac": ac, "ours": ours}
-                if a.peer:
-                    print(f"[e2e] {config}: peer ...", flush=True)
-                    peer = run_peer(a, runner, seq_len, compile_on, ac, "peer_" + tag)
-                    print(f"[e2e]   peer {peer['status']}" + (f" {peer['tokens_per_s']:.0f} tok/s"
-                                                               if peer["status"] == "ok" else ""), flush=True)
-                    cell["peer"] = peer
-                    if ours["status"] == "ok" and peer["status"] == "ok":
+                for i, mp in enumerate(a.peer_mp if a.peer else []):
+                    key = "peer" if i == 0 else f"peer_{mp}"
+                    print(f"[e2e] {config}: {key} ({mp}) ...", flush=True)
+                    peer = run_peer(a, runner, seq_len, compile_on, ac, key + "_" + tag, mp)
+                    print(f"[e2e]   {key} {peer['status']}" + (f" {peer['tokens_per_s']:.0f} tok/s"
+                                                                if peer["status"] == "ok" else ""), flush=True)
+                    cell[key] = peer
+                    if key == "peer" and ours["status"] == "ok" and peer["status"] == "ok":
                         cell["ratio"] = ours["tokens_per_s"] / peer["tokens_per_s"]
                         cell["ratio_median"] = median_ratio(ours, peer)
+                fast = [cell[k]["tokens_per_s"] for k in peer_keys(cell) if cell[k]["status"] == "ok"]
+                if len(a.peer_mp) > 1 and a.peer and ours["status"] == "ok" and fast:
+                    cell["ratio_best_peer"] = ours["tokens_per_s"] / max(fast)
                 cells.append(cell)
     report = {"meta": {"command": shlex.join(["python3", "bench/e2e.py", *argv]),
                        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                        "environment": env, "nproc": a.nproc, "parallel": a.parallel,
                        "steps": a.steps, "warmup": a.warmup, "warmup_compiled": cell_warmup(a, True),
                        "batch": a.batch,
-                       "sac_option": a.sac_option, "our_mtp": a.our_mtp, "peer_sdpa": a.peer_sdpa, "config": a.config,
+                       "sac_option": a.sac_option, "our_mtp": a.our_mtp, "peer_sdpa": a.peer_sdpa,
+                       "peer_mp": a.peer_mp, "config": a.config,
                        "peak_bf16_tflops": PEAK_BF16_TFLOPS, "wall_s": time.monotonic() - t_start},
               "cells": cells}
     for path, text in ((a.out, json.dumps(report, indent=1) + "\n"), (a.md, markdown(report))):
@@ -489,13 +517,13 @@ def main(argv: list[str]) -> int:
         if not a.logs:
             shutil.copytree(logs, os.path.join(os.environ["OUT"], "e2e_logs"), dirs_exist_ok=True)
     for c in cells:
-        for side in ("ours", "peer"):
+        for side in ("ours", *peer_keys(c)):
             s = c.get(side)
             if s and s.get("status") not in ("ok", None):
                 print(f"[e2e] {c['config']} {side}: {s['status']} {s.get('error', '')}\n{s.get('stderr_tail', '')}\n",
                       flush=True)
     for c in cells:
-        for side in ("ours", "peer"):
+        for side in ("ours", *peer_keys(c)):
             s = (c.get(side) or {}).get("trace_summary")
             if s and "kernels" in s:
                 print(trace_summary.text(s, f"[trace] {c['config']} {side}:"), flush=True)

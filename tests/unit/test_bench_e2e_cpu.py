@@ -159,3 +159,47 @@ def test_compiled_cells_get_the_longer_warmup():
     assert (e2e.cell_warmup(a, False), e2e.cell_warmup(a, True)) == (5, 5)
     cmd = e2e.our_command(e2e.parse_args(["--steps", "3"]), 4096, True, "selective", "/tmp/x")
     assert cmd[cmd.index("--training.steps") + 1] == "7"
+
+
+def test_both_peer_paths_per_cell(tmp_path, monkeypatch):
+    """--peer-mp fsdp,autocast: one peer run per path (``--mp`` passed on), the first as the cell's "peer" (the
+    ratio), the other as "peer_autocast", and ours against the faster as "ratio_best_peer"; a failed path is left
+    out of the best. The table gets a column per extra path and the best ratio."""
+    e2e = _load("e2e")
+    speeds = {("fsdp", 4096): 100.0, ("autocast", 4096): 125.0, ("fsdp", 8192): 90.0}
+    seen = []
+
+    def fake_peer(a, runner, seq_len, compile_on, ac, name, mp="fsdp"):
+        seen.append((name, mp))
+        if (mp, seq_len) not in speeds:
+            return {"status": "OOM"}
+        return {"status": "ok", "tokens_per_s": speeds[(mp, seq_len)], "tokens_per_step": seq_len,
+                "step_s_median": seq_len / speeds[(mp, seq_len)], "mfu_pct": 1.0, "peak_allocated_gib": 1.0}
+
+    def fake_ours(a, runner, seq_len, compile_on, ac, name):
+        return {"status": "ok", "tokens_per_s": 110.0, "tokens_per_step": seq_len, "step_s_median": seq_len / 110.0,
+                "mfu_pct": 1.0, "peak_allocated_gib": 1.0, "data_s": 0.0, "forward_backward_s": 1.0,
+                "optimizer_s": 0.1}
+
+    monkeypatch.setattr(e2e, "run_peer", fake_peer)
+    monkeypatch.setattr(e2e, "run_ours", fake_ours)
+    monkeypatch.setattr(e2e, "environment", lambda: {"gpu": "cpu"})
+    monkeypatch.delenv("OUT", raising=False)
+    out = tmp_path / "e2e.json"
+    assert e2e.main(["--seq-lens", "4096,8192", "--peer-mp", "fsdp,autocast", "--out", str(out),
+                     "--logs", str(tmp_path / "logs")]) == 0
+    assert [mp for _, mp in seen] == ["fsdp", "autocast"] * 2
+    assert [name.split("_s")[0] for name, _ in seen] == ["peer", "peer_autocast"] * 2
+    report = json.loads(out.read_text())
+    a, b = report["cells"]
+    assert a["ratio"] == pytest.approx(1.1) and a["ratio_best_peer"] == pytest.approx(110 / 125)
+    assert a["peer_autocast"]["tokens_per_s"] == 125.0 and report["meta"]["peer_mp"] == ["fsdp", "autocast"]
+    assert b["peer_autocast"]["status"] == "OOM" and b["ratio_best_peer"] == pytest.approx(110 / 90)
+    head, rows = e2e.table_rows(report["cells"])
+    assert head[-2:] == ["peer autocast tok/s", "ratio vs best peer"]
+    assert rows[0][-2:] == ["125", "0.88"] and rows[1][-2:] == ["OOM", "1.22"]
+    assert "peer mixed-precision paths: fsdp, autocast" in (tmp_path / "e2e.md").read_text()
+    # the peer's one-device path only on one GPU; one run per path
+    for bad in (["--peer-mp", "autocast", "--nproc", "2"], ["--peer-mp", "fsdp,fsdp"]):
+        with pytest.raises(SystemExit):
+            e2e.parse_args(bad)
