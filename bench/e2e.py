@@ -217,7 +217,8 @@ def launcher(a: argparse.Namespace, script: str) -> list[str]:
 def parallel_text(nproc: int, parallel: str) -> str:
     """The GPUs per side and the parallel mode, for the table's header."""
     if nproc == 1:
-        return "1 GPU per side (FSDP2 on a 1-rank mesh)"
+        return ("1 GPU per side (ours: the master weights where training.master_weights puts them, in the "
+                "optimizer with the proxy config; the peer: the --peer-mp paths)")
     if parallel == "fsdp":
         return f"{nproc} GPUs per side, FSDP (dp_shard {nproc})"
     return f"{nproc} GPUs per side, EP {nproc} + FSDP (dp_shard {nproc}; routed experts: ep {nproc} x efsdp 1)"
@@ -428,14 +429,15 @@ def markdown(report: dict) -> str:
             "ratio = ours / peer tok/s. MFU is per GPU likewise. 'ratio of median steps' uses each side's median "
             "timed step instead of the mean: where the two differ, one side had a slow step.",
             "- ours: `train.py` with the proxy config (4 layers: 1 dense + 3 MoE, 16 experts top-8 + 1 shared, "
-            "IndexShare FFFS, DSA top-2048, MTP as configured), bf16 compute with fp32 master weights (FSDP2 "
-            "MixedPrecisionPolicy), AdamW as the config sets it (optimizer.implementation; the proxy config's is "
+            "IndexShare FFFS, DSA top-2048, MTP as configured), bf16 compute with fp32 master weights (on one GPU in "
+            "the Triton optimizer, training.master_weights 'auto'; on several FSDP2's MixedPrecisionPolicy), AdamW as the config sets it (optimizer.implementation; the proxy config's is "
             "'triton' since session 6, 'fused' before), one sequence per sample (no document masking). "
             "MFU = the trainer's DSA-aware FLOPs (sparse MLA core over top-k keys, indexer over causal pairs, "
             "MTP layer and second head pass when MTP is on) / 989 TFLOP/s.",
             "- peer: torchtitan 0.2.2 `DeepSeekV3Model` at the same widths (no indexer, no MTP), SDPA causal "
             "attention, GroupedExperts with torch._grouped_mm, its parallelize_deepseekv3 (AC, per-block compile) "
-            "and apply_fsdp (bf16 / fp32 MixedPrecisionPolicy; at one GPU on a 1-rank mesh, else applied by "
+            "and apply_fsdp (bf16 / fp32 MixedPrecisionPolicy; at one GPU on a 1-rank mesh, or its torch.autocast "
+            "one-device path with --peer-mp autocast; else applied by "
             "parallelize_deepseekv3 over torchtitan's ParallelDims meshes, with its EP when EP > 1), "
             "build_optimizers_with_moe_load_balancing (fused AdamW). "
             "MFU = (6 N_active T + 3 L 2 H (d_qk + d_v) B S(S+1)/2) / step time / 989 TFLOP/s "
