@@ -430,8 +430,9 @@ def markdown(report: dict) -> str:
             "timed step instead of the mean: where the two differ, one side had a slow step.",
             "- ours: `train.py` with the proxy config (4 layers: 1 dense + 3 MoE, 16 experts top-8 + 1 shared, "
             "IndexShare FFFS, DSA top-2048, MTP as configured), bf16 compute with fp32 master weights (on one GPU in "
-            "the Triton optimizer, training.master_weights 'auto'; on several FSDP2's MixedPrecisionPolicy), AdamW as the config sets it (optimizer.implementation; the proxy config's is "
-            "'triton' since session 6, 'fused' before), one sequence per sample (no document masking). "
+            "the Triton optimizer, training.master_weights 'auto'; on several FSDP2's MixedPrecisionPolicy), AdamW "
+            "as the config sets it (optimizer.implementation; the proxy config's is 'triton' since session 6, "
+            "'fused' before), one sequence per sample (no document masking). "
             "MFU = the trainer's DSA-aware FLOPs (sparse MLA core over top-k keys, indexer over causal pairs, "
             "MTP layer and second head pass when MTP is on) / 989 TFLOP/s.",
             "- peer: torchtitan 0.2.2 `DeepSeekV3Model` at the same widths (no indexer, no MTP), SDPA causal "

@@ -317,7 +317,8 @@ MEASURED_H200 = {
     "1 GPU, 16K": (dict(gpus=1, with_mtp=False, seq_len=16384), 101.38),
     "1 GPU, 16K, AC none": (dict(gpus=1, with_mtp=False, seq_len=16384, ac_mode="none"), 111.49),
     # re-measured in session 13 after the MoE combine's backward stopped forming a [k, T, D] fp32 product
-    # (runs/s13_mem_32k_{sel2,full}_fsdp_keep.json, bench/memory_phases.py, the fused AdamW; session 3: 134.77, 103.61)
+    # (runs/s13_mem_32k_{sel2,full}_fsdp_keep.json, bench/memory_phases.py, the fused AdamW; session 3: 134.77,
+    # 103.61)
     "1 GPU, 32K": (dict(gpus=1, with_mtp=False, seq_len=32768), 127.81),
     "1 GPU, 32K, AC full": (dict(gpus=1, with_mtp=False, seq_len=32768, ac_mode="full"), 98.00),
     "1 GPU, 4K, MTP, batch 2": (dict(gpus=1, with_mtp=True, seq_len=4096, local_batch_size=2), 99.8),
@@ -390,7 +391,8 @@ def test_backward_workspace_and_loss_chunk_follow_the_stated_formula():
     """At the proxy's widths and 4096 tokens every block's backward peaks in the attention (latent-output gradient,
     dQ, fp32 dKV, residual gradients + the 1 GiB DSA scratch); with 4x the experts' rows (load factor 4) a MoE
     block's peaks in its experts, and with half the mean rows reaching the experts (load 0.5, top-16, 8192 tokens)
-    in the combine (2akD + 3aD per token). The head's chunk is 8 bytes per [4096, vocab] element whatever the token count."""
+    in the combine (2akD + 3aD per token). The head's chunk is 8 bytes per [4096, vocab] element whatever the token
+    count."""
     args, a, t = _proxy_args(), 2, 4096
     d, h, k, f = args.hidden_size, args.num_attention_heads, args.num_experts_per_tok, args.moe_intermediate_size
     c, p = args.kv_lora_rank, args.qk_rope_head_dim
