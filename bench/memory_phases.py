@@ -87,8 +87,7 @@ def main() -> int:
     if cfg.compile.enable:
         print("memory_phases.py measures eager steps: drop --compile.enable (hooks would be traced)", file=sys.stderr)
         return 1
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(trainer_mod._free_port()))
+    trainer_mod.one_process_env()
     plan = plan_memory(request_from_job_config(cfg, gpus=1))
     trainer = trainer_mod.Trainer(cfg)
     rec = PhaseRecorder()

@@ -227,6 +227,15 @@ def master_weights_blocker(cfg: JobConfig, world_size: int | None) -> str | None
     return None
 
 
+def resolve_master_weights(cfg: JobConfig, world_size: int | None, bf16_compute: bool = True) -> str:
+    """``training.master_weights`` as the trainer runs it: "auto" is "optimizer" where nothing blocks it and the model
+    computes in bf16 (``bf16_compute``: False on CPU without ``mixed_precision_on_cpu``), else "fsdp"."""
+    mode = cfg.training.master_weights
+    if mode == "auto":
+        mode = "optimizer" if bf16_compute and master_weights_blocker(cfg, world_size) is None else "fsdp"
+    return mode
+
+
 # torchtitan options this trainer does not implement, by (dotted) section: "*" = every field. A value other than the
 # default is refused, naming the key (and what to use instead, where the section has a hint), instead of being
 # ignored.

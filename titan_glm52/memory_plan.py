@@ -838,7 +838,7 @@ def request_from_job_config(cfg, gpus: int | None = None, *, gpu_memory_gib: flo
     """The ``MemoryRequest`` of a parsed job config (``config.parse_job_config``): its model (as the trainer
     builds it), degrees, schedule, layout, batch, AC mode, precision and MTP. ``gpus`` defaults to
     pp x dp_replicate x dp_shard, which needs an explicit ``data_parallel_shard_degree``."""
-    from titan_glm52.config import master_weights_blocker
+    from titan_glm52.config import resolve_master_weights
     from titan_glm52.trainer import build_model_args
 
     p, t = cfg.parallelism, cfg.training
@@ -847,9 +847,7 @@ def request_from_job_config(cfg, gpus: int | None = None, *, gpu_memory_gib: flo
             raise ValueError("parallelism.data_parallel_shard_degree = -1: pass gpus (the world size)")
         gpus = p.pipeline_parallel_degree * p.data_parallel_replicate_degree * p.data_parallel_shard_degree
     args = build_model_args(cfg)
-    master = t.master_weights
-    if master == "auto":  # the trainer's rule on a GPU
-        master = "optimizer" if master_weights_blocker(cfg, gpus) is None else "fsdp"
+    master = resolve_master_weights(cfg, gpus)  # the trainer's rule on a GPU
     per_step = t.local_batch_size * (gpus // p.pipeline_parallel_degree)  # samples per micro-batch, all ranks
     layout = (tuple(int(v) for v in p.pipeline_parallel_layout.split(","))
               if p.pipeline_parallel_layout else None)

@@ -26,7 +26,7 @@ from torchtitan.components.lr_scheduler import build_lr_schedulers
 from torchtitan.components.optimizer import OptimizersContainer
 
 from titan_glm52 import distributed as tdist
-from titan_glm52.config import ConfigError, JobConfig, master_weights_blocker, validate
+from titan_glm52.config import ConfigError, JobConfig, resolve_master_weights, validate
 from titan_glm52.data import IGNORE_INDEX, Prefetcher, build_dataloader, build_tokenizer
 from titan_glm52.hf_checkpoint import load_hf_state
 from titan_glm52.hf_export import save_hf_distributed
@@ -246,10 +246,7 @@ class Trainer:
         self.backend = backend
         self.bf16 = cfg.training.mixed_precision_param == "bfloat16" and (
             self.device.type == "cuda" or cfg.training.mixed_precision_on_cpu)
-        self.master_mode = cfg.training.master_weights
-        if self.master_mode == "auto":
-            applies = self.bf16 and master_weights_blocker(cfg, self.env.world_size) is None
-            self.master_mode = "optimizer" if applies else "fsdp"
+        self.master_mode = resolve_master_weights(cfg, self.env.world_size, self.bf16)
         self.pp = p.pipeline_parallel_degree > 1
         if self.pp:
             layout = ([int(v) for v in p.pipeline_parallel_layout.split(",")]
@@ -620,15 +617,13 @@ class Trainer:
         if self.fold_clip:
             with clip_in_fused_step(self.optimizers.optimizers, grad_norm, cfg.training.max_norm, skip=~finite):
                 self.optimizers.step()
-            marks.record()
-            self._zero_grads()
-            memory = self._memory(log)
-            self._profilers_step()
+            memory = self._after_update(marks, log)
         scalars = dict(zip(LOSS_PARTS, losses.parts.unbind()), tokens=losses.tokens, grad_norm=grad_norm,
-                       stop=self._stop_flag(), **moe_stats, **memory.pop("device", {}), **({"dsa/topk_recall": recall[0]} if recall else {}))
+                       stop=self._stop_flag(), **moe_stats, **memory.pop("device", {}),
+                       **({"dsa/topk_recall": recall[0]} if recall else {}))
         return _Launched(step, batches, _Readback(scalars, self.device), marks,
-                         after=prev.marks if prev is not None else None,
-                         overlaps=self._overlaps(step), log=log, memory=memory, t0=t0, t_data=t_data, t_fb=t_fb, t_end=time.perf_counter(),
+                         after=prev.marks if prev is not None else None, overlaps=self._overlaps(step), log=log,
+                         memory=memory, t0=t0, t_data=t_data, t_fb=t_fb, t_end=time.perf_counter(),
                          host_other_s=t_other)
 
     def _overlaps(self, step: int) -> bool:
@@ -644,10 +639,16 @@ class Trainer:
             if profiler is not None:
                 profiler.step()
 
-    def _zero_grads(self) -> None:
+    def _after_update(self, marks: _GpuMarks, log: bool) -> dict:
+        """Once a step's update is queued: its end mark, the gradients zeroed, its peak memory (``_memory``) and the
+        profilers' step boundary."""
+        marks.record()
         self.optimizers.zero_grad()
         if self.master is not None:
             self.master.zero_grad()
+        memory = self._memory(log)
+        self._profilers_step()
+        return memory
 
     def _memory(self, log: bool) -> dict:
         """The peak memory since the step began (host-side counters: no sync), on log steps; with several ranks also
@@ -686,11 +687,8 @@ class Trainer:
                            s.step, losses["total"], grad_norm, self.state.consecutive_skips,
                            self.state.skipped_steps)
         if not self.fold_clip:
-            s.marks.record()
-            self._zero_grads()
-            s.memory = self._memory(s.log)
+            s.memory = self._after_update(s.marks, s.log)
             vals.update({k: float(v) for k, v in s.memory.pop("device", {}).items()})
-            self._profilers_step()
         t_host = (s.t_end - s.t0 - s.host_other_s) + (time.perf_counter() - t_start)
         if self.state.consecutive_skips >= cfg.faults.max_consecutive_nonfinite:
             raise RuntimeError(
@@ -789,9 +787,7 @@ def main(argv: list[str]) -> None:
     for h in logging.getLogger().handlers:
         h.addFilter(lambda r: setattr(r, "rank", rank) or True)
     cfg = parse_job_config(argv)
-    if "RANK" not in os.environ:  # plain `python train.py`: a one-process group keeps one code path
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(_free_port()))
+    one_process_env()
     trainer = Trainer(cfg)
     try:
         trainer.train()
@@ -806,6 +802,14 @@ def main(argv: list[str]) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def one_process_env() -> None:
+    """Outside torchrun (plain ``python train.py``): the environment of a one-process group, which keeps one code
+    path."""
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(_free_port()))
 
 
 def _free_port() -> int:
