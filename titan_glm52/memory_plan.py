@@ -137,10 +137,18 @@ Backward bytes of a step (on top of what it saved):
                         with the dense prefix, per prefix row a*H(2(n+p) + 3v + n) (its output gradient, dQ, dK, dV,
                         the wkv_b output's gradient) and per token a*H(n+p) (the gathered queries' full-size
                         gradient), n = qk_nope_head_dim, p = qk_rope_head_dim, v = v_head_dim
-             MoE        2akD (the combine's backward: the routed rows' gradient in token order and its copy in
-                        expert order; the combine weights' gradient then forms one [T, D] fp32 product per slot,
-                        smaller) + 3aD, or L*a*k(2D + 2F) on the experts' side if larger (+ L*a*k(D + F), the
-                        rebuilt inputs, with ``recompute_expert_inputs`` in a block that is not checkpointed)
+             MoE        3aD + the largest moment of the routed path (``moe_backward_peak``), walked in the order
+                        autograd runs it with the saved tensors each step frees subtracted (u = a*k per token,
+                        l = L*a*k on the experts' side, R: silu and its product rebuilt, X: the gathered rows
+                        rebuilt, i.e. ``recompute_expert_inputs`` in a block that is not checkpointed, without EP):
+                        the shared expert 2aFs; the combine 2uD (the rows' gradient in slot and in expert order),
+                        uD + 8D (the weights' gradient, one [T, D] fp32 slot at a time), under EP lD (the
+                        all-to-all); then with h = lD - uD: the down projection h + 2lF (R) / h + lF, the product
+                        h + lF - lD + 3lF (R) / h - lD + 2lF, silu, the gate and up GEMMs' input gradients (+ lD
+                        rebuilt rows with X) and the [T, D] gradient back to the tokens (+ uD under EP).
+                        On an H200 (eager, bf16, grouped GEMMs, 8-16K tokens, five widths, rebuilt or kept;
+                        tests/unit/test_moe_backward_memory.py) a MoE block's backward peaked 0.22-0.76 of
+                        T x (this term + 3aD) + its gradients above its start (0.63-0.76 at the proxy's widths)
              dense MLP  a*(3Fd + 3D)
   head       the fused loss (model/head.py) forms each chunk's gradients at the end of forward, with every
              activation still held: one chunk of min(tokens, LOSS_CHUNK) tokens x vocab x 8 (the fp32 logits and
@@ -150,13 +158,14 @@ Backward bytes of a step (on top of what it saved):
              one's gradient is held. Counted in the head's backward step (the same tensors, all alive)
 
 Checked against ``torch.cuda.max_memory_allocated`` on H200s (bench/results/e2e_h200.md, layouts_h200x2.md;
-tests/unit/test_plan_memory.py): the estimate is above every measured peak, by 0.05-4.3% on one GPU without MTP
-(session 3 code) and 3.9-4.0% on two; the MTP runs (session 2 code, before the gather-based MoE combine lowered
-real peaks) by 6% on one GPU and 13% on two. Session 5's peaks (the Triton loss kernel) are at or below those.
-With the masters in the optimizer (sessions 7-13, one GPU, compiled and eager): 0.8-14.5% above 22 measured
-peaks (4K: 3-5%, 16K: 1-9%, 32K: 7-15%), 29% above the 23rd ("op" selective checkpointing at 32K); the same cells
-planned as FSDP on one rank are 3.5-7 GiB higher. By phase (``bench/memory_phases.py``, eager, 32K AC none): each
-phase planned 0.5-10.7 GiB above its measured peak, most in the MoE blocks' backward.
+tests/unit/test_plan_memory.py): the estimate is above every measured peak, by 0.3-4.3% on one GPU without MTP
+(session 3 code) and 5.0-5.1% on two; the MTP runs (session 2 code, before the gather-based MoE combine lowered
+real peaks) by 5% on one GPU and 12% on two. Session 5's peaks (the Triton loss kernel) are at or below those.
+With the masters in the optimizer (sessions 7-13, one GPU, compiled and eager): 0.4-11.9% above 22 measured
+peaks (4K: 3-5%, 16K: 0.4-8%, 32K: 3-12%), 26.5% above the 23rd ("op" selective checkpointing at 32K); the same
+cells planned as FSDP on one rank are 3.5-7 GiB higher. By phase (``bench/memory_phases.py``, eager, 32K AC
+none): each phase planned 0.5-8.1 GiB above its measured peak (the MoE blocks 4.8-5.3, the dense first block with
+the embedding 8.1).
 
 Not modelled: CUDA context and NCCL buffers (~1-3 GiB, outside the caching allocator), allocator fragmentation
 (reserved over allocated), the indexer KL loss (``dsa.indexer_loss_coeff > 0`` saves the indexer's q/k/weights),
@@ -355,22 +364,55 @@ def _block_modes(ac_mode: str, selective_option: str, n_blocks: int) -> list[str
 DSA_SCRATCH_BYTES = 1 << 30
 
 
+def moe_backward_peak(args: GLM52ModelArgs, act_bytes: int, load: float = 1.0, ep: bool = False,
+                      recompute_experts: bool = False) -> float:
+    """Bytes per token a MoE block's routed path holds at the largest moment of its backward beyond its saved set
+    at the start, in the order autograd runs it (module docstring, "MoE"): the saved tensors each step frees are
+    subtracted, the gradients and rebuilt inputs it forms added. ``recompute_experts``: the experts rebuild silu and
+    its product (and, without EP, their gathered input rows) in backward."""
+    a, d, k, f = act_bytes, args.hidden_size, args.num_experts_per_tok, args.moe_intermediate_size
+    u, el = a * k, load * a * k  # one value per routed row: on the token side, on the experts' side
+    rebuild_h, rebuild_x = recompute_experts, recompute_experts and not ep
+    # shared expert first (autograd runs the nodes formed last first): its product's two factor gradients
+    fs = f * args.n_shared_experts
+    # then the combine: the rows' gradient in slot order and in expert order (+ the inverse permutation), then the
+    # weights' gradient one slot at a time ([T, D] fp32 gradient and product); EP: the gradient's all-to-all
+    peaks = [2 * a * fs, 2 * u * d + 8 * k, u * d + 8 * d, el * d]
+    held = el * d - u * d  # the expert outputs' gradient; the combine's token-order rows freed
+    # down projection: its input gradient, with the rebuilt product (and silu's output while it forms it)
+    peaks.append(held + (2 if rebuild_h else 1) * el * f)
+    held += (el * f if rebuild_h else 0) - el * d
+    # the product: both factors' gradients (and silu's output, rebuilt); its output gradient and factors freed
+    peaks.append(held + (3 if rebuild_h else 2) * el * f)
+    held -= 0 if rebuild_h else el * f
+    # silu: the gate's gradient; the product's gradient and the gate freed
+    peaks.append(held + el * f)
+    held -= el * f
+    # the up and gate GEMMs (up first): each forms an input gradient (the gathered rows rebuilt once for both)
+    x = el * d if rebuild_x else 0
+    peaks += [held + x + el * d, held + x + 2 * el * d - el * f]
+    held += el * d - 2 * el * f - (0 if rebuild_x else el * d)
+    # back to the tokens: the gather's (or, under EP, the dispatch all-to-all's) [T, D] gradient
+    peaks.append(held + (u * d if ep else 0) + a * d)
+    return max(peaks)
+
+
 def backward_workspace(args: GLM52ModelArgs, layer_id: int, tokens: int, act_bytes: int,
-                       load: float = 1.0, prefix_share: float = 0.0, recompute_experts: bool = False) -> float:
+                       load: float = 1.0, prefix_share: float = 0.0, recompute_experts: bool = False,
+                       ep: bool = False) -> float:
     """Bytes a block's backward allocates on top of the activations it saved (or recomputed), at its largest
     moment, for ``tokens`` tokens: the larger of the attention's and the MLP's (they run one after the other; see
     the module docstring for the terms). ``prefix_share``: the share of rows on the dense prefix."""
     a, d, h = act_bytes, args.hidden_size, args.num_attention_heads
     c, p, kk = args.kv_lora_rank, args.qk_rope_head_dim, args.index_topk
     n, v = args.qk_nope_head_dim, args.v_head_dim
-    k, f, fd = args.num_experts_per_tok, args.moe_intermediate_size, args.intermediate_size
+    fd = args.intermediate_size
     attn = (tokens * (a * h * (2 * c + p) + 4 * (c + p) + 3 * a * d)
             + min(DSA_SCRATCH_BYTES, tokens * 2 * h * kk * a))
     if prefix_share > 0:
         attn += tokens * a * h * (prefix_share * (2 * (n + p) + 3 * v + n) + n + p)
     if args.is_moe_layer(layer_id):
-        experts = load * a * k * (2 * d + 2 * f) + (load * a * k * (d + f) if recompute_experts else 0)
-        mlp = tokens * (max(2 * a * k * d, experts) + 3 * a * d)
+        mlp = tokens * (moe_backward_peak(args, a, load, ep, recompute_experts) + 3 * a * d)
     else:
         mlp = tokens * a * (3 * fd + 3 * d)
     return max(attn, mlp)
@@ -424,7 +466,7 @@ def stage_activations(args: GLM52ModelArgs, layer_ids: range, is_first: bool, is
         saved = none if m == "none" else block_bytes_per_token(args, b, m, a, load, ep, prefix_share)
         recompute = none if m != "none" else 0.0
         blocks.append(BlockActivations(b, m, saved, tokens * recompute + backward_workspace(args, b, tokens, a, load,
-                                                                                            prefix_share, lean)))
+                                                                                            prefix_share, lean, ep)))
     extras = 8 + (a * d if with_mtp else 0)  # positions; next-token embeddings
     if is_first:
         extras += 8  # token ids (the embedding backward)

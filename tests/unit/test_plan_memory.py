@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from titan_glm52 import plan
 from titan_glm52.memory_plan import (DSA_SCRATCH_BYTES, GIB, MemoryRequest, backward_workspace, block_bytes_per_token,
-                                     loss_chunk_bytes, plan_memory, request_from_job_config)
+                                     loss_chunk_bytes, moe_backward_peak, plan_memory, request_from_job_config)
 from titan_glm52.model.args import _debug_args, _proxy_args
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -389,20 +389,47 @@ def test_estimate_bounds_the_measured_h200_peaks(case):
 
 def test_backward_workspace_and_loss_chunk_follow_the_stated_formula():
     """At the proxy's widths and 4096 tokens every block's backward peaks in the attention (latent-output gradient,
-    dQ, fp32 dKV, residual gradients + the 1 GiB DSA scratch); with 4x the experts' rows (load factor 4) a MoE
-    block's peaks in its experts, and with half the mean rows reaching the experts (load 0.5, top-16, 8192 tokens)
-    in the combine (2akD + 3aD per token). The head's chunk is 8 bytes per [4096, vocab] element whatever the token
-    count."""
+    dQ, fp32 dKV, residual gradients + the 1 GiB DSA scratch); a MoE block's own largest moment is its combine
+    (2uD, u = a*k, + the int64 inverse permutation). With 4x the experts' rows (load factor 4) a MoE block's
+    backward peaks in its experts, at the down projection (the experts' output gradient 4uD, the combine's
+    token-order rows uD freed, + the product's gradient 4uF); with half the mean rows reaching the experts (load
+    0.5, top-16, 8192 tokens) in the combine. The head's chunk is 8 bytes per [4096, vocab] element whatever the
+    token count."""
     args, a, t = _proxy_args(), 2, 4096
     d, h, k, f = args.hidden_size, args.num_attention_heads, args.num_experts_per_tok, args.moe_intermediate_size
-    c, p = args.kv_lora_rank, args.qk_rope_head_dim
+    c, p, u = args.kv_lora_rank, args.qk_rope_head_dim, a * args.num_experts_per_tok
     assert args.is_moe_layer(1) and not args.is_moe_layer(0)
     attn = t * (a * h * (2 * c + p) + 4 * (c + p) + 3 * a * d) + DSA_SCRATCH_BYTES
     assert backward_workspace(args, 0, t, a) == backward_workspace(args, 1, t, a) == attn
-    assert backward_workspace(args, 1, t, a, load=4.0) == t * (4.0 * a * k * (2 * d + 2 * f) + 3 * a * d)
+    assert moe_backward_peak(args, a) == 2 * u * d + 8 * k
+    assert backward_workspace(args, 1, t, a, load=4.0) == t * ((4 - 1) * u * d + 4 * u * f + 3 * a * d) > attn
     wide = args.replace(num_experts_per_tok=16, moe_intermediate_size=512)
-    assert backward_workspace(wide, 1, 2 * t, a, load=0.5) == 2 * t * (2 * a * 16 * d + 3 * a * d)
+    assert backward_workspace(wide, 1, 2 * t, a, load=0.5) == 2 * t * (2 * a * 16 * d + 8 * 16 + 3 * a * d)
     assert loss_chunk_bytes(args, 2 * t) == loss_chunk_bytes(args, t) == 8 * t * args.vocab_size
+
+
+def test_moe_backward_peak_walks_the_steps():
+    """Where F is much wider than D the SwiGLU product's backward is the largest moment: with silu and the product
+    rebuilt it holds the down projection's input gradient and forms both factors' gradients next to the rebuilt silu
+    output (4lF, l = L*a*k) while the combine's token-order rows (uD) and the expert outputs' gradient (lD) are gone;
+    with them kept it forms two and frees the kept product (2lF - uD). With top-2 at F = D the combine weights'
+    gradient (one [T, D] fp32 slot and its fp32 gradient copy, 8D, next to the rows' gradient uD) is the largest.
+    Rebuilding the gathered rows at 4x load makes the second input gradient of the gate/up GEMMs the largest
+    (held -uD, + the rebuilt rows and two input gradients 3lD, - the freed gate gradient lF); under EP the rows stay
+    kept and only silu and the product are rebuilt."""
+    a = 2
+    narrow = _proxy_args().replace(hidden_size=512, moe_intermediate_size=2048, num_experts_per_tok=4)
+    u, d, f = a * 4, 512, 2048
+    assert moe_backward_peak(narrow, a, recompute_experts=True) == 4 * u * f - u * d
+    assert moe_backward_peak(narrow, a) == 2 * u * f - u * d
+    top2 = _proxy_args().replace(hidden_size=1024, moe_intermediate_size=1024, num_experts_per_tok=2)
+    assert moe_backward_peak(top2, a) == a * 2 * 1024 + 8 * 1024
+    args = _proxy_args()
+    u, d, f = a * args.num_experts_per_tok, args.hidden_size, args.moe_intermediate_size
+    assert moe_backward_peak(args, a, load=4.0, recompute_experts=True) == -u * d + 3 * 4 * u * d - 4 * u * f
+    # under EP: the down projection's moment (3uD + 8uF: its input gradient and the rebuilt product; at the proxy's
+    # D = 3F it ties with the GEMMs' second input gradient without rebuilt rows, 7uD - 4uF)
+    assert moe_backward_peak(args, a, load=4.0, ep=True, recompute_experts=True) == (4 - 1) * u * d + 2 * 4 * u * f
 
 
 def test_masked_dense_rows_add_their_keys_and_mask():
@@ -425,8 +452,8 @@ def test_dsa_scratch_matches_the_kernels():
 
 def test_recomputed_expert_inputs_leave_the_saved_set():
     """[moe] recompute_expert_inputs: a MoE block without checkpointing keeps a*2kF per token of its experts instead
-    of a*(kD + 4kF) (a*(kD + 2kF) under EP, whose received rows stay); its backward workspace grows by the rebuilt
-    inputs a*k(D + F) where the experts' side is the larger; checkpointed blocks are unchanged."""
+    of a*(kD + 4kF) (a*(kD + 2kF) under EP, whose received rows stay); its backward holds the rebuilt inputs while
+    it uses them, which at 4x load makes the gate/up GEMMs' moment the largest; checkpointed blocks are unchanged."""
     args, a = _proxy_args(), 2
     d, k, f = args.hidden_size, args.num_experts_per_tok, args.moe_intermediate_size
     kept = block_bytes_per_token(args, 1, "none", a, ep=False)
@@ -435,8 +462,10 @@ def test_recomputed_expert_inputs_leave_the_saved_set():
     assert kept_ep - block_bytes_per_token(args, 1, "none", a, ep=True, recompute_experts=True) == a * 2 * k * f
     assert block_bytes_per_token(args, 0, "none", a, recompute_experts=True) == block_bytes_per_token(args, 0, "none", a)
     t = 4096
+    # at 4x load the rebuilt rows and both input gradients of the gate/up GEMMs (11uD - 4uF, u = a*k) replace the
+    # down projection's moment (3uD + 4uF) as the largest
     assert (backward_workspace(args, 1, t, a, load=4.0, recompute_experts=True)
-            - backward_workspace(args, 1, t, a, load=4.0)) == t * 4.0 * a * k * (d + f)
+            - backward_workspace(args, 1, t, a, load=4.0)) == t * 8 * a * k * (d - f)
     base = dict(args=args, gpus=1, with_mtp=False, seq_len=32768, gpu_memory_gib=141.0)
     for mode, option in (("none", "op"), ("selective", "2"), ("full", "op")):
         on = plan_memory(MemoryRequest(ac_mode=mode, selective_ac_option=option, **base)).worst.total
