@@ -10,6 +10,7 @@ streams are added, so the total can exceed the step's wall time when communicati
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import re
 import sys
@@ -113,6 +114,46 @@ def idle_gaps(kernels: list[tuple[str, float, float]], host: list[tuple[str, flo
     return out
 
 
+def idle_profile(kernels: list[tuple[str, float, float]], host: list[tuple[str, float, float]], steps: int = 1,
+                 bins: int = 10, min_us: float = 20.0, top: int = 12) -> dict:
+    """Where in the step the GPU idles and what the host did meanwhile, over every stretch of at least ``min_us``
+    without a kernel: idle ms per tenth of the span (start to end), and the host ops that overlapped those
+    stretches, summed (every nesting level: an outer span such as an FSDP hook or a compiled region and the op
+    inside it both appear), longest first. Per step."""
+    order = sorted(kernels, key=lambda k: k[1])
+    if not order:
+        return {}
+    t0 = order[0][1]
+    span = max(t + d for _, t, d in order) - t0
+    per_bin = [0.0] * bins
+    gaps, end = [], None
+    for _, t, d in order:
+        if end is not None and t - end >= min_us:
+            gaps.append((end, t))
+        end = t + d if end is None else max(end, t + d)
+    for a, b in gaps:  # split each stretch over the bins it covers
+        for i in range(bins):
+            lo, hi = t0 + span * i / bins, t0 + span * (i + 1) / bins
+            ov = min(b, hi) - max(a, lo)
+            if ov > 0:
+                per_bin[i] += ov
+    ops: dict[str, float] = defaultdict(float)
+    starts = [a for a, _ in gaps]
+    for name, t, d in host:
+        if name.startswith("ProfilerStep"):
+            continue
+        i = bisect.bisect_right(starts, t + d) - 1
+        while i >= 0 and gaps[i][1] > t:  # gaps that start before the op ends and end after it starts
+            ov = min(gaps[i][1], t + d) - max(gaps[i][0], t)
+            if ov > 0:
+                ops[name] += ov
+            i -= 1
+    busiest = sorted(ops.items(), key=lambda kv: -kv[1])[:top]
+    return {"min_us": min_us, "idle_ms": sum(b - a for a, b in gaps) / 1e3 / steps,
+            "idle_ms_by_tenth": [round(v / 1e3 / steps, 3) for v in per_bin],
+            "host_ops": [[n[:100], round(v / 1e3 / steps, 3)] for n, v in busiest]}
+
+
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
 
 
@@ -161,6 +202,7 @@ def summarize(path: str, steps: int = 1, top: int = 25) -> dict:
     return {
         "trace": path, "steps": steps, "gpu_ms_per_step": total / steps, "timeline": timeline(kernels, steps),
         "idle_gaps": idle_gaps(kernels, host),
+        "idle_profile": idle_profile(kernels, host, steps),
         "host_syncs": host_syncs([h + (tid,) for h, tid in zip(host, threads)], steps),
         "categories": [{"category": c, "ms_per_step": ms / steps, "pct": 100.0 * ms / max(total, 1e-9)}
                        for c, ms in sorted(by_cat.items(), key=lambda kv: -kv[1])],
@@ -177,6 +219,11 @@ def text(summary: dict, title: str = "") -> str:
     for g in summary.get("idle_gaps") or []:
         lines.append(f"  idle {g['ms']:.2f} ms before {g['before_kernel'][:40]}; host: "
                      + ", ".join(f"{n} {v:.2f}" for n, v in g["host_ops"][:4]))
+    ip = summary.get("idle_profile") or {}
+    if ip:
+        lines.append(f"  idle in stretches >= {ip['min_us']:g} us: {ip['idle_ms']:.1f} ms; by tenth of the span: "
+                     + " ".join(f"{v:.1f}" for v in ip["idle_ms_by_tenth"]))
+        lines.append("  host meanwhile: " + ", ".join(f"{n[:50]} {v:.1f}" for n, v in ip["host_ops"][:8]))
     for h in summary.get("host_syncs") or []:
         lines.append(f"  host sync x{h['calls_per_step']:g} {h['ms_per_step']:.2f} ms: {h['site'][:110]}")
     for c in summary["categories"]:

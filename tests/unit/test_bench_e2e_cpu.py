@@ -129,6 +129,22 @@ def test_trace_timeline_exposed_communication():
     assert gaps[0]["host_ops"] == [["aten::item", 7.0]] and gaps[1]["host_ops"] == []
 
 
+def test_trace_idle_profile_over_the_span_and_the_host():
+    """Idle stretches of at least min_us: their total, split over tenths of the span, and the host ops (every
+    nesting level, ProfilerStep left out) that overlapped them, per step."""
+    ts = _load("trace_summary")
+    kernels = [("a", 0.0, 1000.0), ("b", 1010.0, 3990.0), ("c", 7000.0, 2000.0), ("d", 9500.0, 500.0)]
+    # span 10 ms; stretches: [1000, 1010] (10 us, below min_us), [5000, 7000], [9000, 9500]
+    host = [("ProfilerStep#1", 0.0, 10000.0), ("FSDP::pre_forward", 4500.0, 1000.0), ("aten::copy_", 4900.0, 400.0),
+            ("Torch-Compiled Region: 1/0", 6000.0, 3200.0), ("aten::mm", 100.0, 50.0)]
+    got = ts.idle_profile(kernels, host, steps=2, min_us=20.0)
+    assert got["idle_ms"] == pytest.approx(1.25)
+    assert got["idle_ms_by_tenth"] == pytest.approx([0, 0, 0, 0, 0, 0.5, 0.5, 0, 0, 0.25])
+    assert got["host_ops"] == [["Torch-Compiled Region: 1/0", pytest.approx(0.6)],
+                               ["FSDP::pre_forward", pytest.approx(0.25)], ["aten::copy_", pytest.approx(0.15)]]
+    assert ts.idle_profile([], host) == {}
+
+
 def test_trace_host_syncs_by_enclosing_ops():
     """Blocking CUDA runtime calls, per step, under the chain of host ops around them (per thread)."""
     ts = _load("trace_summary")
