@@ -146,9 +146,9 @@ Backward bytes of a step (on top of what it saved):
                         all-to-all); then with h = lD - uD: the down projection h + 2lF (R) / h + lF, the product
                         h + lF - lD + 3lF (R) / h - lD + 2lF, silu, the gate and up GEMMs' input gradients (+ lD
                         rebuilt rows with X) and the [T, D] gradient back to the tokens (+ uD under EP).
-                        On an H200 (eager, bf16, grouped GEMMs, 8-16K tokens, five widths, rebuilt or kept;
-                        tests/unit/test_moe_backward_memory.py) a MoE block's backward peaked 0.22-0.76 of
-                        T x (this term + 3aD) + its gradients above its start (0.63-0.76 at the proxy's widths)
+                        On an H200 (eager, bf16, grouped GEMMs, 8192 tokens, three widths, rebuilt or kept;
+                        tests/unit/test_moe_backward_memory.py) a MoE block's backward peaked 0.22-0.81 of
+                        T x (this term + 3aD) + its gradients above its start (0.52 / 0.81 at the proxy's widths)
              dense MLP  a*(3Fd + 3D)
   head       the fused loss (model/head.py) forms each chunk's gradients at the end of forward, with every
              activation still held: one chunk of min(tokens, LOSS_CHUNK) tokens x vocab x 8 (the fp32 logits and

@@ -2,7 +2,8 @@
 allocator on a Hopper GPU: eager, bf16, ``torch._grouped_mm``, with and without the experts rebuilding their inputs,
 at widths where the combine (the proxy's), the SwiGLU product (F much wider than D) or the weights' gradient (top-2)
 is the largest moment. The plan's MoE term (that peak + 3aD per token) plus the block's gradients must bound the
-measured peak above the backward's start; at the proxy's widths it must also not be loose by more than 2x."""
+measured peak above the backward's start; at the proxy's widths it must also not be loose by more than 2.5x
+(on an H200, torch 2.11: 0.52 with the inputs kept, 0.81 rebuilt)."""
 
 import pytest
 import torch
@@ -51,6 +52,8 @@ def _measured(d: int, f: int, k: int, recompute: bool, tokens: int) -> tuple[int
 @pytest.mark.parametrize("widths", WIDTHS, ids=lambda w: "D%d-F%d-k%d" % w)
 def test_the_plan_bounds_a_moe_blocks_backward(widths, recompute):
     extra, planned = _measured(*widths, recompute, tokens=8192)
+    print(f"\nD {widths[0]} F {widths[1]} k {widths[2]} {'rebuilt' if recompute else 'kept'}: measured "
+          f"{extra / 2**20:.0f} MiB, planned {planned / 2**20:.0f} MiB ({extra / planned:.2f})")
     assert extra <= planned, (extra, planned)
     if widths == WIDTHS[-1]:
-        assert extra >= planned / 2, (extra, planned)
+        assert extra >= 0.4 * planned, (extra, planned)
