@@ -66,6 +66,12 @@ class Training(tt.Training):
     """On CPU the model computes in fp32 whatever ``mixed_precision_param`` says (bf16 matmuls are slow there);
     True applies it on CPU too (tests of the bf16 paths)."""
 
+    memory_check: bool = True
+    """On CUDA, before the process group starts, the first process of each node plans the job's peak memory per GPU
+    (``memory_plan.py``, as ``python -m titan_glm52.plan memory`` does; a few seconds), logs it beside the GPU's
+    size, and warns when the plan exceeds the GPU (the plan is an upper bound: a warning, not an error). False skips
+    it."""
+
 
 @dataclass
 class Parallelism(tt.Parallelism):

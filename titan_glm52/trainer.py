@@ -214,6 +214,8 @@ class CheckpointManager(tt_checkpoint.CheckpointManager):
 class Trainer:
     def __init__(self, cfg: JobConfig) -> None:
         self.cfg = cfg
+        if cfg.training.memory_check:
+            log_memory_plan(cfg)  # before the process group: the plan builds a fake world of its own
         self.env = tdist.init_distributed()
         self.device = self.env.device
         validate(cfg, self.env.world_size)
@@ -802,6 +804,22 @@ def main(argv: list[str]) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def log_memory_plan(cfg: JobConfig) -> None:
+    """``training.memory_check``: on CUDA, the first process of each node logs the job's planned peak memory per GPU
+    beside its GPU's size, as a warning where the plan exceeds it (``memory_plan.job_memory_check``)."""
+    if not torch.cuda.is_available() or os.environ.get("LOCAL_RANK", "0") != "0":
+        return
+    from titan_glm52.memory_plan import GIB, job_memory_check
+
+    gib = torch.cuda.get_device_properties(0).total_memory / GIB
+    try:
+        fits, line = job_memory_check(cfg, int(os.environ.get("WORLD_SIZE", "1")), gib)
+    except ValueError as e:
+        logger.warning("memory plan: not available for this job (%s); training.memory_check = false skips it", e)
+        return
+    (logger.info if fits else logger.warning)(line)
 
 
 def one_process_env() -> None:

@@ -214,6 +214,49 @@ def test_job_config_resolves_master_weights_and_accumulation_like_the_trainer():
                                        gpus=2).grad_accumulation
 
 
+def test_trainer_start_up_check_logs_the_plan_and_warns_past_the_gpu(monkeypatch, caplog):
+    """training.memory_check: on CUDA the node's first process logs the plan beside the GPU's size (info), warns when
+    the plan exceeds it (the proxy at 32K with MTP and no checkpointing on a 139.8 GiB H200), says so where the job
+    cannot be planned, and leaves no process group behind (the trainer's own starts next); off, or on another
+    local rank, or without CUDA, it does nothing."""
+    import logging
+    import types
+
+    import torch
+
+    from titan_glm52 import trainer
+    from titan_glm52.config import parse_job_config
+
+    proxy = ["--job.config_file", os.path.join(REPO, "train_configs", "glm52_proxy.toml")]
+    h200 = types.SimpleNamespace(total_memory=int(139.8 * GIB))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: h200)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    caplog.set_level(logging.INFO, logger="titan_glm52")
+
+    def run(*extra):
+        caplog.clear()
+        trainer.log_memory_plan(parse_job_config(proxy + list(extra)))
+        assert not dist.is_initialized()
+        return [(r.levelname, r.getMessage()) for r in caplog.records]
+
+    (rec,) = run()
+    assert rec[0] == "INFO" and re.match(r"memory plan: [\d.]+ GiB per GPU at its peak \(backward .*\) of this GPU's "
+                                         r"139.8 GiB", rec[1]), rec
+    (rec,) = run("--training.seq_len", "32768")
+    assert rec[0] == "WARNING" and "likely run out of memory" in rec[1] and "activation_checkpoint.mode" in rec[1]
+    (rec,) = run("--parallelism.expert_parallel_degree", "3")
+    assert rec[0] == "WARNING" and rec[1].startswith("memory plan: not available for this job")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert run() == []
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert run() == []
+    assert parse_job_config(proxy).training.memory_check and not parse_job_config(
+        proxy + ["--training.no-memory-check"]).training.memory_check
+
+
 def test_no_pipeline_keeps_two_units_and_no_gradient_accumulation():
     args = _debug_args()
     report = plan_memory(MemoryRequest(args=args, gpus=4, ep=2, seq_len=64, local_batch_size=2, ac_mode="full"))
