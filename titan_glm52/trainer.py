@@ -816,8 +816,9 @@ def log_memory_plan(cfg: JobConfig) -> None:
     gib = torch.cuda.get_device_properties(0).total_memory / GIB
     try:
         fits, line = job_memory_check(cfg, int(os.environ.get("WORLD_SIZE", "1")), gib)
-    except ValueError as e:
-        logger.warning("memory plan: not available for this job (%s); training.memory_check = false skips it", e)
+    except Exception as e:  # a job the plan cannot model must still train: say why, and go on
+        logger.warning("memory plan: not available for this job (%s: %s); training.memory_check = false skips it",
+                       type(e).__name__, e)
         return
     (logger.info if fits else logger.warning)(line)
 
