@@ -1,0 +1,44 @@
+"""On a GPU the forward is bitwise reproducible: the proxy's widths (4 layers, IndexShare FFFS, really sparse: top-2048
+of 4096 keys; a 4096-row vocabulary), bf16, the Triton DSA kernels and grouped GEMMs, the same weights and batch run
+twice give the same summed loss and the same hidden states after every block. The backward is not bitwise
+reproducible (the sparse attention's backward sums its key gradients with fp32 atomics in arrival order)."""
+
+import pytest
+import torch
+
+from titan_glm52 import get_flavor
+from titan_glm52.model.init import init_weights_
+from titan_glm52.model.model import GLM52Model
+
+hopper = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                            reason="needs a Hopper-class GPU (the Triton DSA kernels, torch._grouped_mm)")
+
+
+@hopper
+def test_the_forward_gives_the_same_bits_twice():
+    args = get_flavor("glm52_proxy").replace(vocab_size=4096)
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = GLM52Model(args)
+    model = model.to_empty(device="cuda")
+    init_weights_(model, 0.02)
+    model = model.to(torch.bfloat16)
+    model.set_dsa_backend("triton")
+    model.set_sparse_attention(True)
+    tokens = torch.randint(0, args.vocab_size, (1, 4096), device="cuda")
+    labels = torch.roll(tokens, -1, dims=1)
+    blocks = []
+    hooks = [b.register_forward_hook(lambda m, i, o: blocks.append(o[0].clone())) for b in model.layers.values()]
+    runs = []
+    with torch.no_grad():
+        for _ in range(2):
+            blocks.clear()
+            loss = model(tokens, labels=labels)
+            runs.append((loss.clone(), list(blocks)))
+    for h in hooks:
+        h.remove()
+    (loss0, h0), (loss1, h1) = runs
+    assert torch.isfinite(loss0) and torch.equal(loss0, loss1)
+    assert len(h0) == len(h1) == args.num_hidden_layers
+    for a, b in zip(h0, h1):
+        assert torch.equal(a, b)
