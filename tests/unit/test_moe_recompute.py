@@ -8,7 +8,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from titan_glm52 import get_flavor
-from titan_glm52.model import moe as moe_mod
+from titan_glm52.model import recompute as recompute_mod
 from titan_glm52.model.init import init_weights_
 from titan_glm52.model.moe import MoE
 
@@ -55,13 +55,13 @@ def test_recompute_frees_the_gemm_inputs(grouped, monkeypatch):
     """After forward nothing holds the gathered rows, silu(gate) or the SwiGLU product any more; without the option
     nothing is registered for rebuilding and the graph keeps the gathered rows."""
     registered = []
-    real = moe_mod._RecomputeSaved.recompute
+    real = recompute_mod.RecomputeSaved.recompute
 
     def spy(self, t, fn, *sources):
         registered.append(weakref.ref(t))
         return real(self, t, fn, *sources)
 
-    monkeypatch.setattr(moe_mod._RecomputeSaved, "recompute", spy)
+    monkeypatch.setattr(recompute_mod.RecomputeSaved, "recompute", spy)
     block = _block(torch.bfloat16, grouped)
     x = torch.randn(40, block.router.weight.shape[1]).to(torch.bfloat16).requires_grad_()
     out = block(x)
@@ -85,7 +85,7 @@ def test_each_tensor_is_rebuilt_once_per_backward(monkeypatch):
     """The gathered rows are saved by both the gate and the up GEMM but gathered once per backward pass (also in
     a second pass over a retained graph)."""
     calls = []
-    real = moe_mod._RecomputeSaved.recompute
+    real = recompute_mod.RecomputeSaved.recompute
 
     def counting(self, t, fn, *sources):
         def wrapped():
@@ -93,7 +93,7 @@ def test_each_tensor_is_rebuilt_once_per_backward(monkeypatch):
             return fn()
         return real(self, t, wrapped, *sources)
 
-    monkeypatch.setattr(moe_mod._RecomputeSaved, "recompute", counting)
+    monkeypatch.setattr(recompute_mod.RecomputeSaved, "recompute", counting)
     block = _block(torch.float32, grouped=True)
     x = torch.randn(40, block.router.weight.shape[1]).requires_grad_()
     out = block(x)
@@ -113,13 +113,13 @@ def test_recompute_is_skipped_under_checkpoint_and_other_hooks(monkeypatch):
     x = torch.randn(40, block.router.weight.shape[1]).to(torch.bfloat16)
     g = torch.randn_like(x)
     calls = []
-    real_init = moe_mod._RecomputeSaved.__init__
+    real_init = recompute_mod.RecomputeSaved.__init__
 
-    def counting_init(self):
+    def counting_init(self, *args):
         calls.append(1)
-        real_init(self)
+        real_init(self, *args)
 
-    monkeypatch.setattr(moe_mod._RecomputeSaved, "__init__", counting_init)
+    monkeypatch.setattr(recompute_mod.RecomputeSaved, "__init__", counting_init)
     plain = _grads(block, x, g, recompute=False)
     ckpt = _grads(block, x, g, recompute=True,
                   wrap=lambda f, t: checkpoint(f, t, use_reentrant=False, preserve_rng_state=False))

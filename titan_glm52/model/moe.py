@@ -18,6 +18,7 @@ from torch import nn
 
 from titan_glm52.model.args import GLM52ModelArgs
 from titan_glm52.model.aux_loss import AuxLoss, in_backward
+from titan_glm52.model.recompute import RecomputeSaved, can_recompute
 
 logger = logging.getLogger(__name__)
 
@@ -69,12 +70,8 @@ class GroupedExperts(nn.Module):
         if hasattr(w1, "to_local"):  # DTensor weights (FSDP/EP): compute on the local shard
             w1, w2, w3 = w1.to_local(), w2.to_local(), w3.to_local()
         use_gmm = _grouped_mm_usable(x) if self.use_grouped_mm is None else self.use_grouped_mm
-        # Not under saved-tensor hooks someone else installed: activation checkpointing (its recompute covers
-        # these tensors, and a recipe would keep its sources alive) or CPU offloading (``save_on_cpu``).
-        saved = None
-        if (self.recompute_inputs and torch.is_grad_enabled()
-                and torch._C._autograd._top_saved_tensors_default_hooks(False) is None):
-            saved = _RecomputeSaved()
+        saved = (RecomputeSaved("MoE experts", "[moe] recompute_expert_inputs")
+                 if self.recompute_inputs and can_recompute() else None)
         with saved if saved is not None else contextlib.nullcontext():
             if use_gmm:
                 if saved is not None and gathered_from is not None:
@@ -99,7 +96,7 @@ class GroupedExperts(nn.Module):
             return torch.cat(outs) if outs else x.new_zeros(0, w2.shape[1])
 
     @staticmethod
-    def _swiglu(gate: torch.Tensor, up: torch.Tensor, saved: _RecomputeSaved | None) -> torch.Tensor:
+    def _swiglu(gate: torch.Tensor, up: torch.Tensor, saved: RecomputeSaved | None) -> torch.Tensor:
         """``silu(gate) * up``; with ``saved``, the two products autograd would keep (silu's output, for the
         multiply, and the result, for the down projection) are recomputed from ``gate`` and ``up`` in backward."""
         act = F.silu(gate)
@@ -109,64 +106,6 @@ class GroupedExperts(nn.Module):
         if saved is not None:
             saved.recompute(h, lambda: F.silu(gate) * up, gate, up)
         return h
-
-
-class _RecomputeSaved(torch.autograd.graph.saved_tensors_hooks):
-    """Saved-tensor hooks that keep a recipe instead of chosen tensors: ``recompute(t, fn, *sources)`` registers a
-    tensor that ops after it may save and the no-grad ``fn()`` that rebuilds it from ``sources`` (tensors held
-    anyway). Every other saved tensor is kept as usual. A recipe must rebuild the same bits (a gather or an
-    elementwise op rerun on the same inputs does); like autograd for the tensors it keeps, unpacking refuses a
-    source that was modified in place since the forward."""
-
-    def __init__(self) -> None:
-        self._rules: list[tuple[torch.Tensor, _Recipe]] = []
-        super().__init__(self._pack, self._unpack)
-
-    def recompute(self, t: torch.Tensor, fn, *sources: torch.Tensor) -> None:
-        self._rules.append((t, _Recipe(fn, sources)))
-
-    def __exit__(self, *exc) -> None:
-        super().__exit__(*exc)
-        self._rules.clear()  # autograd keeps the pack hook (so this object) with every tensor saved under it
-
-    def _pack(self, t: torch.Tensor):
-        for target, recipe in self._rules:
-            # Autograd may hand over another Python object for the same tensor: compare what fixes its values.
-            if (t.data_ptr() == target.data_ptr() and t.shape == target.shape and t.stride() == target.stride()
-                    and t.dtype == target.dtype and t.device == target.device):
-                recipe.saves += 1
-                return recipe
-        return t
-
-    @staticmethod
-    def _unpack(packed):
-        return packed.rebuild() if isinstance(packed, _Recipe) else packed
-
-
-class _Recipe:
-    """How to rebuild one tensor. Several saves of it (the gathered rows feed two GEMMs) share one rebuild: the
-    first unpack keeps the result until the last of them has taken it (again per backward pass)."""
-
-    __slots__ = ("fn", "sources", "versions", "saves", "_left", "_cached")
-
-    def __init__(self, fn, sources: tuple[torch.Tensor, ...]) -> None:
-        self.fn, self.sources, self.versions = fn, sources, tuple(s._version for s in sources)
-        self.saves, self._left, self._cached = 0, 0, None
-
-    def rebuild(self) -> torch.Tensor:
-        if self._cached is None:
-            if any(s._version != v for s, v in zip(self.sources, self.versions)):
-                raise RuntimeError("MoE experts: a tensor that their backward recomputes from was modified in "
-                                   "place after the forward ([moe] recompute_expert_inputs = false keeps the "
-                                   "tensors instead)")
-            with torch.no_grad():
-                self._cached = self.fn()
-            self._left = self.saves
-        out = self._cached
-        self._left -= 1
-        if self._left <= 0:
-            self._cached = None
-        return out
 
 
 class Router(nn.Module):
