@@ -157,6 +157,13 @@ class DSA:
     kernel time falls from 62 to 47 ms per step, but the step gains only 2.9% with AC none, and it loses 4.5%
     with selective AC (every second block recomputed; not explained yet). Hence off by default."""
 
+    recompute_latent_query: bool = True
+    """The sparse attention's backward forms the latent query ``[q_nope W_uk, q_rope]`` again instead of keeping it
+    from forward, with the same bits (the same eager ops on the same inputs): H x kv_rank values per token and layer
+    fewer held (64 KB at GLM-5.2's widths in bf16; its rope part stays), for one batched GEMM of 2 H nope kv_rank
+    FLOPs per token in backward. Inactive in activation-checkpointed blocks, under other saved-tensor hooks and
+    where the indexer KL loss keeps the latent query anyway. false: autograd keeps it."""
+
     recall_queries: int = 64
     """Queries per step (from the first sequence, one full layer) for the logged top-k recall against dense
     attention; 0 disables the metric."""

@@ -104,7 +104,9 @@ loss); an RMSNorm keeps its input, its fp32 rstd and the normalised copy its wei
                         sequence of S tokens: one document per row assumed; packed documents of K to 2K tokens
                         put a larger share of rows there) a*(H(2(n+p) + 2v + n) + c) + 4H (SDPA's q and k, v
                         inside the wkv_b output, out, lse; the gathered latents)
-                        (3D: norm input, normalised copy, output; 3r: the q_norm's; (c+p) + c: the kv_norm's)
+                        (3D: norm input, normalised copy, output; 3r: the q_norm's; (c+p) + c: the kv_norm's;
+                        H(c+p): the latent query, a*Hp instead with ``recompute_latent_query``, the default, in a
+                        block that is not checkpointed: rebuilt in backward, its rope part kept)
              dense MLP  a*(3D + 4Fd) + 4;  MoE  a*3D + 4 + 4D + 4E (fp32 router input, scores)
                         + 32k (int64 routing indices, fp32 combine weights; + 16kL under EP: the permutations)
                         + L*a*(kD + 4kF) (routed token copies, expert intermediates) + a*kD + 12k (the
@@ -132,7 +134,8 @@ Backward bytes of a step (on top of what it saved):
              held (for "op" the cached ones are shared: counted twice, an upper bound), plus the larger of the
              attention's and the MLP's backward workspace (they run one after the other):
              attention  a*H(2c+p) (gradient of the latent output, dQ) + 4(c+p) (fp32 dKV) + 3aD (residual and
-                        input gradients), plus the DSA kernels' scratch: min(1 GiB, 2HKa per token) (P and dS of
+                        input gradients) + a*H(c+p) where the latent query is rebuilt, plus the DSA kernels'
+                        scratch: min(1 GiB, 2HKa per token) (P and dS of
                         the split backward; the indexer's 1 GiB score scratch of a recompute comes before them);
                         with the dense prefix, per prefix row a*H(2(n+p) + 3v + n) (its output gradient, dQ, dK, dV,
                         the wkv_b output's gradient) and per token a*H(n+p) (the gathered queries' full-size
@@ -217,6 +220,7 @@ class MemoryRequest:
     dense_prefix: bool = True  # [dsa] dense_prefix
     dense_masked_ratio: float = 0.0  # [dsa] dense_masked_ratio (used with dense_prefix)
     recompute_expert_inputs: bool = True  # [moe] recompute_expert_inputs
+    recompute_latent_query: bool = True  # [dsa] recompute_latent_query
     master_weights: str = "fsdp"  # training.master_weights as resolved: "fsdp" or "optimizer" (one process)
     grad_accumulation: bool = False  # more than one micro-batch per optimizer step (training.global_batch_size)
 
@@ -305,11 +309,11 @@ def _is_full(args: GLM52ModelArgs, layer_id: int) -> bool:
 
 def block_bytes_per_token(args: GLM52ModelArgs, layer_id: int, mode: str, act_bytes: int,
                           load: float = 1.0, ep: bool = True, prefix_share: float = 0.0,
-                          recompute_experts: bool = False) -> float:
+                          recompute_experts: bool = False, recompute_query: bool = False) -> float:
     """Saved activation bytes per token of one block under an AC mode ("none" | "full" | "op"); see the module
     docstring for the terms. ``layer_id == num_hidden_layers`` is the MTP block. ``prefix_share``: the share of
-    rows on the dense prefix (``[dsa] dense_prefix``). ``recompute_experts``: ``[moe] recompute_expert_inputs``
-    (it acts in blocks that are not checkpointed, "none")."""
+    rows on the dense prefix (``[dsa] dense_prefix``). ``recompute_experts``: ``[moe] recompute_expert_inputs``,
+    ``recompute_query``: ``[dsa] recompute_latent_query`` (both act in blocks that are not checkpointed, "none")."""
     a, d, h = act_bytes, args.hidden_size, args.num_attention_heads
     r, c, p = args.q_lora_rank, args.kv_lora_rank, args.qk_rope_head_dim
     n, v, kk = args.qk_nope_head_dim, args.v_head_dim, args.index_topk
@@ -320,7 +324,8 @@ def block_bytes_per_token(args: GLM52ModelArgs, layer_id: int, mode: str, act_by
     if mode == "full":
         return a * d + topk
     if mode == "none":
-        attn = (a * (3 * d + 3 * r + h * (n + p) + 2 * (c + p) + c + h * (c + p) + h * c + h * v) + 4 * h + 16 + 8 * p
+        latent_q = h * p if recompute_query else h * (c + p)  # rebuilt: its rope part stays
+        attn = (a * (3 * d + 3 * r + h * (n + p) + 2 * (c + p) + c + latent_q + h * c + h * v) + 4 * h + 16 + 8 * p
                 + topk + prefix_share * (a * (h * (2 * (n + p) + 2 * v + n) + c) + 4 * h))
         if moe:
             ints = 32 * k + (16 * k * load if ep else 0)
@@ -399,7 +404,7 @@ def moe_backward_peak(args: GLM52ModelArgs, act_bytes: int, load: float = 1.0, e
 
 def backward_workspace(args: GLM52ModelArgs, layer_id: int, tokens: int, act_bytes: int,
                        load: float = 1.0, prefix_share: float = 0.0, recompute_experts: bool = False,
-                       ep: bool = False) -> float:
+                       ep: bool = False, recompute_query: bool = False) -> float:
     """Bytes a block's backward allocates on top of the activations it saved (or recomputed), at its largest
     moment, for ``tokens`` tokens: the larger of the attention's and the MLP's (they run one after the other; see
     the module docstring for the terms). ``prefix_share``: the share of rows on the dense prefix."""
@@ -407,7 +412,7 @@ def backward_workspace(args: GLM52ModelArgs, layer_id: int, tokens: int, act_byt
     c, p, kk = args.kv_lora_rank, args.qk_rope_head_dim, args.index_topk
     n, v = args.qk_nope_head_dim, args.v_head_dim
     fd = args.intermediate_size
-    attn = (tokens * (a * h * (2 * c + p) + 4 * (c + p) + 3 * a * d)
+    attn = (tokens * (a * h * (2 * c + p) + 4 * (c + p) + 3 * a * d + (a * h * (c + p) if recompute_query else 0))
             + min(DSA_SCRATCH_BYTES, tokens * 2 * h * kk * a))
     if prefix_share > 0:
         attn += tokens * a * h * (prefix_share * (2 * (n + p) + 3 * v + n) + n + p)
@@ -449,7 +454,7 @@ class StageActivations:
 def stage_activations(args: GLM52ModelArgs, layer_ids: range, is_first: bool, is_last: bool, with_mtp: bool,
                       ac_mode: str, selective_option: str, act_bytes: int, load: float, ep: bool, tokens: int,
                       prefix_share: float = 0.0, mask_per_token: float = 0.0,
-                      recompute_experts: bool = False) -> StageActivations:
+                      recompute_experts: bool = False, recompute_query: bool = False) -> StageActivations:
     """Activations of one pipeline stage for micro-batches of ``tokens`` tokens (module docstring).
     ``mask_per_token``: the masked dense rows' selection mask, bytes per token of every block (saved with its
     attention, or rebuilt by its recompute)."""
@@ -460,13 +465,14 @@ def stage_activations(args: GLM52ModelArgs, layer_ids: range, is_first: bool, is
     for b, m in zip(ids, modes):
         # A checkpointed block ("full", "op") rebuilds its "none" set in backward while its own saved tensors are
         # still held (for "op" the cached ones are shared: counted twice, an upper bound).
-        # (The experts' recompute acts only in blocks that are not checkpointed: see GroupedExperts.forward.)
-        lean = recompute_experts and m == "none"
-        none = block_bytes_per_token(args, b, "none", a, load, ep, prefix_share, lean) + mask_per_token
+        # (The experts' and the latent query's rebuilds act only in blocks that are not checkpointed:
+        # model/recompute.py, can_recompute.)
+        lean, lean_q = recompute_experts and m == "none", recompute_query and m == "none"
+        none = block_bytes_per_token(args, b, "none", a, load, ep, prefix_share, lean, lean_q) + mask_per_token
         saved = none if m == "none" else block_bytes_per_token(args, b, m, a, load, ep, prefix_share)
         recompute = none if m != "none" else 0.0
-        blocks.append(BlockActivations(b, m, saved, tokens * recompute + backward_workspace(args, b, tokens, a, load,
-                                                                                            prefix_share, lean, ep)))
+        work = backward_workspace(args, b, tokens, a, load, prefix_share, lean, ep, lean_q)
+        blocks.append(BlockActivations(b, m, saved, tokens * recompute + work))
     extras = 8 + (a * d if with_mtp else 0)  # positions; next-token embeddings
     if is_first:
         extras += 8  # token ids (the embedding backward)
@@ -818,7 +824,7 @@ def plan_memory(req: MemoryRequest) -> MemoryReport:
         mask_per_token = 3.0 * (seq - kk)
     acts = [stage_activations(args, stage_layers[s], s == 0, s == pl.num_stages - 1, req.with_mtp, req.ac_mode,
                               req.selective_ac_option, act_bytes, req.expert_load_factor, req.ep > 1, tokens,
-                              prefix_share, mask_per_token, req.recompute_expert_inputs)
+                              prefix_share, mask_per_token, req.recompute_expert_inputs, req.recompute_latent_query)
             for s in range(pl.num_stages)]
     keep_all = pipelined or not _reshard_policy(req.reshard_after_forward, pipelined, deg.dp_shard)
     master = req.master_weights == "optimizer"
@@ -905,6 +911,7 @@ def request_from_job_config(cfg, gpus: int | None = None, *, gpu_memory_gib: flo
         with_mtp=cfg.mtp.enable and args.num_nextn_predict_layers > 0, gpu_memory_gib=gpu_memory_gib,
         headroom=headroom, expert_load_factor=expert_load_factor, dense_prefix=cfg.dsa.dense_prefix,
         dense_masked_ratio=cfg.dsa.dense_masked_ratio, recompute_expert_inputs=cfg.moe.recompute_expert_inputs,
+        recompute_latent_query=cfg.dsa.recompute_latent_query,
         master_weights=master, grad_accumulation=t.global_batch_size // per_step > 1)
 
 
@@ -962,7 +969,8 @@ def format_report(report: MemoryReport, model_name: str) -> str:
         + (f" ({req.selective_ac_option})" if req.ac_mode == "selective" else "")
         + ("" if master else f"; reshard_after_forward {req.reshard_after_forward}")
         + f"; expert load factor {req.expert_load_factor:g}"
-        + f"; expert inputs {'recomputed' if req.recompute_expert_inputs else 'kept'}",
+        + f"; expert inputs {'recomputed' if req.recompute_expert_inputs else 'kept'}"
+        + f"; latent query {'recomputed' if req.recompute_latent_query else 'kept'}",
         "ranks: one representative per pipeline rank (data-parallel coordinate 0): FSDP pads every shard to the "
         "same size and EP splits the experts evenly, so all ranks of a pipeline rank hold the same bytes",
         "activations: estimated from the widths (formulas: titan_glm52/memory_plan.py docstring); the rest is "

@@ -143,6 +143,9 @@ def _add_memory_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--recompute-expert-inputs", action=argparse.BooleanOptionalAction, default=True,
                    help="moe.recompute_expert_inputs (default on): routed experts rebuild their GEMM inputs in "
                         "backward instead of keeping them")
+    p.add_argument("--recompute-latent-query", action=argparse.BooleanOptionalAction, default=True,
+                   help="dsa.recompute_latent_query (default on): the sparse attention's backward rebuilds its latent "
+                        "query instead of keeping it")
     p.add_argument("--dense-masked-ratio", type=float, default=0.0,
                    help="dsa.dense_masked_ratio (default 0 = off): sequences of index_topk < S <= ratio x "
                         "index_topk run their later rows on SDPA with a selection mask")
@@ -178,7 +181,8 @@ def memory_request(ns: argparse.Namespace, args: GLM52ModelArgs):
         reshard_after_forward=ns.reshard_after_forward, with_mtp=ns.mtp and args.num_nextn_predict_layers > 0,
         gpu_memory_gib=ns.gpu_memory_gib, headroom=ns.headroom, expert_load_factor=ns.expert_load_factor,
         dense_prefix=ns.dense_prefix, dense_masked_ratio=ns.dense_masked_ratio,
-        recompute_expert_inputs=ns.recompute_expert_inputs, master_weights=ns.master_weights,
+        recompute_expert_inputs=ns.recompute_expert_inputs,
+        recompute_latent_query=ns.recompute_latent_query, master_weights=ns.master_weights,
         grad_accumulation=ns.grad_accumulation)
 
 

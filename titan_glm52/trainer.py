@@ -360,6 +360,8 @@ class Trainer:
         for _, moe in moe_modules(model):
             moe.experts.use_grouped_mm = grouped
             moe.experts.recompute_inputs = cfg.moe.recompute_expert_inputs
+        for _, attn in attention_modules([model]):
+            attn.recompute_latent_query = cfg.dsa.recompute_latent_query
         self._freeze(model)
         # Under master_weights = "optimizer" the model stays fp32 here (no FSDP); MasterWeights adds the bf16 copies.
         fsdp_bf16 = self.bf16 and self.master_mode == "fsdp"

@@ -353,7 +353,8 @@ def test_too_small_gpu_does_not_fit():
 # bench/results/layouts_h200x2.md (session 2 code, before that MoE combine, which lowered the real peak since; the
 # plan must still bound them).
 # (Not here: the PP=2 run of layouts_h200x2.md, measured while the last stage still kept full logits.)
-# All of these ran before [moe] recompute_expert_inputs existed: the experts kept their GEMM inputs.
+# All of these ran before [moe] recompute_expert_inputs existed: the experts kept their GEMM inputs. (None of
+# the cases below rebuilt the latent query unless they say so: [dsa] recompute_latent_query came in session 14.)
 MEASURED_H200 = {
     "1 GPU, 4K": (dict(gpus=1, with_mtp=False, seq_len=4096), 77.52),
     "1 GPU, 4K, AC none": (dict(gpus=1, with_mtp=False, seq_len=4096, ac_mode="none"), 81.12),
@@ -422,7 +423,7 @@ def test_estimate_bounds_the_measured_h200_peaks(case):
     pessimistic plan), and on one GPU it must stay within 25% of it."""
     kw, measured = MEASURED_H200[case]
     kw = {"ac_mode": "selective", "selective_ac_option": "2", "param_dtype": "bf16",
-          "recompute_expert_inputs": False, **kw}
+          "recompute_expert_inputs": False, "recompute_latent_query": False, **kw}
     report = plan_memory(MemoryRequest(args=_proxy_args(), gpu_memory_gib=141.0, **kw))
     estimate = report.worst.total / GIB
     assert estimate >= measured, (case, estimate, measured)
@@ -491,6 +492,25 @@ def test_dsa_scratch_matches_the_kernels():
         with open(os.path.join(REPO, "titan_glm52", "kernels", path)) as f:
             value = re.search(rf"^{name} = 1 << (\d+)\b", f.read(), re.M)
         assert value is not None and 1 << int(value.group(1)) == DSA_SCRATCH_BYTES
+
+
+def test_rebuilt_latent_query_leaves_the_saved_set():
+    """[dsa] recompute_latent_query: a block without checkpointing keeps the latent query's rope part a*Hp instead of
+    all of it, a*H(c+p), per token; its attention backward holds the rebuilt one (a*H(c+p)); checkpointed blocks and
+    the plan of a job that turns it off are unchanged."""
+    args, a, t = _proxy_args(), 2, 32768
+    h, c, p = args.num_attention_heads, args.kv_lora_rank, args.qk_rope_head_dim
+    for layer in (0, 1):
+        kept = block_bytes_per_token(args, layer, "none", a, ep=False)
+        assert kept - block_bytes_per_token(args, layer, "none", a, ep=False, recompute_query=True) == a * h * c
+    attn = backward_workspace(args, 0, t, a)  # the dense block: the attention's backward is its largest
+    assert backward_workspace(args, 0, t, a, recompute_query=True) - attn == t * a * h * (c + p)
+    base = dict(args=args, gpus=1, with_mtp=False, seq_len=t, ac_mode="none", master_weights="optimizer")
+    on, off = (plan_memory(MemoryRequest(recompute_latent_query=r, **base)).worst.total for r in (True, False))
+    assert on < off - 4 * GIB  # four blocks of 2 GiB saved, one rebuilt query of 2.25 GiB held at a time
+    full = dict(base, ac_mode="full")
+    assert (plan_memory(MemoryRequest(recompute_latent_query=True, **full)).worst.total
+            == plan_memory(MemoryRequest(recompute_latent_query=False, **full)).worst.total)
 
 
 def test_recomputed_expert_inputs_leave_the_saved_set():

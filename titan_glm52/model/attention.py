@@ -27,6 +27,7 @@ under activation checkpointing selects the same keys); a shared layer passes its
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass
 
@@ -38,6 +39,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from titan_glm52.kernels import reference, triton_kernels
 from titan_glm52.model.args import GLM52ModelArgs
 from titan_glm52.model.aux_loss import AuxLoss, in_backward
+from titan_glm52.model.recompute import RecomputeSaved, can_recompute
 from titan_glm52.model.norms import RMSNorm
 from titan_glm52.model.rope import apply_rope
 
@@ -254,6 +256,9 @@ class Attention(nn.Module):
         self.indexer = Indexer(args) if has_indexer else None
         self.backend = "torch"
         self.sparse = True
+        # The sparse attention's backward rebuilds its latent query instead of keeping it ([dsa]
+        # recompute_latent_query).
+        self.recompute_latent_query = True
         # Indexer KL loss (DeepSeek-V3.2): None = off; else coefficient / normaliser, set per step by the trainer.
         self.indexer_loss_scale = None  # property: also sets indexer_loss_on
         self.recall_queries = 0  # > 0: measure the top-k recall of the last that many queries of row 0
@@ -282,11 +287,8 @@ class Attention(nn.Module):
         q_rope = apply_rope(q_rope, ctx.cos, ctx.sin, self.interleave)
         k_rope = apply_rope(k_rope, ctx.cos, ctx.sin, self.interleave)
 
-        # Absorb W_uk into the queries: q_lat[t, h] = q_nope[t, h] @ W_uk[h]  (W_uk[h]: [nope, kv_rank]).
         w_kv_b = self.wkv_b.weight.view(self.n_heads, self.nope + self.v_dim, self.kv_rank)
         w_uk, w_uv = w_kv_b[:, : self.nope], w_kv_b[:, self.nope:]
-        q_lat = torch.einsum("thn,hnr->thr", q_nope, w_uk)
-        q_abs = torch.cat((q_lat, q_rope), dim=-1)  # [T, H, kv_rank + rope]
         kv = torch.cat((c_kv, k_rope), dim=-1)  # [T, kv_rank + rope]
 
         indexer_topk, sparse_mla, _ = dsa_ops(self.backend)
@@ -311,7 +313,8 @@ class Attention(nn.Module):
             dense_rows = [d for d in (prefix and prefix.is_prefix, masked and masked.is_masked) if d is not None]
             skip = functools.reduce(torch.logical_or, dense_rows) if dense_rows else None
             idx = topk if skip is None else topk.masked_fill(skip[:, None], -1)
-            o_lat, lse = sparse_mla(q_abs, kv, idx, self.softmax_scale, self.kv_rank)
+            q_abs, o_lat, lse = _absorbed_sparse_mla(sparse_mla, q_nope, q_rope, w_uk, kv, idx, self.softmax_scale,
+                                                     self.kv_rank, self.recompute_latent_query)
             if dense_rows and train_indexer:  # the KL needs every row's LSE: the dense rows' sparse forward
                 flat = torch.cat([r for r in (prefix and prefix.rows.reshape(-1), masked and masked.rows)
                                   if r is not None])
@@ -319,6 +322,7 @@ class Attention(nn.Module):
                     _, lse_dense = sparse_mla(q_abs[flat], kv, topk[flat], self.softmax_scale, self.kv_rank)
                 lse = lse.index_copy(0, flat, lse_dense)
         else:
+            q_abs = _absorb(q_nope, q_rope, w_uk)
             o_lat = reference.dense_causal_attention(q_abs, kv, ctx.cu_seqlens, self.softmax_scale, self.kv_rank)
         o = torch.einsum("thr,hvr->thv", o_lat, w_uv)
         if prefix is not None:  # those rows' sparse output is 0 (no key); put the dense result there
@@ -345,6 +349,28 @@ class Attention(nn.Module):
         v = kvb[..., self.nope:]
         o = _eager("_causal_sdpa")(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), self.softmax_scale)
         return o.transpose(1, 2).reshape(n * length, h, self.v_dim)
+
+
+def _absorb(q_nope: torch.Tensor, q_rope: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
+    """The latent query ``[q_nope W_uk, q_rope]`` ``[T, H, kv_rank + rope]``: W_uk absorbed into the queries,
+    ``q_lat[t, h] = q_nope[t, h] @ W_uk[h]`` (``W_uk[h]: [nope, kv_rank]``)."""
+    return torch.cat((torch.einsum("thn,hnr->thr", q_nope, w_uk), q_rope), dim=-1)
+
+
+@torch.compiler.disable
+def _absorbed_sparse_mla(sparse_mla, q_nope, q_rope, w_uk, kv, idx, scale: float, kv_rank: int, rebuild: bool):
+    """(latent query, latent output, lse): the latent query formed here, eagerly, and the sparse attention over it.
+    With ``rebuild`` (``[dsa] recompute_latent_query``) the attention's backward forms the latent query again, by
+    the same eager ops on the same inputs (the same bits), instead of keeping it: H (kv_rank + rope) values per token
+    fewer held from forward to backward (64 KB per token and layer at GLM-5.2's widths, bf16), for the rope part kept
+    and one batched GEMM of 2 H nope kv_rank FLOPs per token in backward."""
+    q_abs = _absorb(q_nope, q_rope, w_uk)
+    saved = RecomputeSaved("sparse attention", "[dsa] recompute_latent_query") if rebuild and can_recompute() else None
+    with saved if saved is not None else contextlib.nullcontext():
+        if saved is not None:
+            saved.recompute(q_abs, lambda: _absorb(q_nope, q_rope, w_uk), q_nope, q_rope, w_uk)
+        o_lat, lse = sparse_mla(q_abs, kv, idx, scale, kv_rank)
+    return q_abs, o_lat, lse
 
 
 def _plain_masked(attn: Attention, masked: DenseMasked, topk: torch.Tensor, q_nope, q_rope, c_kv, k_rope):

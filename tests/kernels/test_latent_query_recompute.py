@@ -1,0 +1,93 @@
+"""[dsa] recompute_latent_query: the sparse attention's backward forms the latent query [q_nope W_uk, q_rope] again
+instead of keeping it, with the same bits (the same eager ops on the same inputs), so every gradient is the same;
+after forward nothing holds the latent queries; activation checkpointing (its own recompute) turns it off. On the
+Triton backend (the interpreter without a GPU), whose sparse attention keeps exactly that tensor, and on torch's."""
+
+import gc
+import weakref
+
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from titan_glm52 import GLM52Model, get_flavor
+from titan_glm52.model import attention as attention_mod
+from titan_glm52.model import recompute as recompute_mod
+from titan_glm52.model.attention import Attention
+from titan_glm52.model.model import cross_entropy_sum
+from titan_glm52.parallelize import apply_compile
+
+TOKENS = torch.randint(0, 2048, (2, 32), generator=torch.Generator().manual_seed(0))
+CU = torch.tensor([0, 20, 32, 64], dtype=torch.int32)  # 3 documents, one shorter than index_topk
+
+
+def _model(backend: str, rebuild: bool) -> GLM52Model:
+    model = GLM52Model(get_flavor("debug").replace(index_topk=8))  # sparse at 32 tokens
+    model.init_weights(seed=3)
+    model.set_dsa_backend(backend)
+    for m in model.modules():
+        if isinstance(m, Attention):
+            m.recompute_latent_query = rebuild
+    return model
+
+
+def _step(model: GLM52Model, wrap=None):
+    if wrap is not None:
+        for block in list(model.layers.values()) + [model.mtp.block]:
+            block.forward = (lambda f: lambda *a: wrap(f, *a))(block.forward)
+    logits, mtp = model(TOKENS, CU, with_mtp=True)
+    loss = cross_entropy_sum(logits[:, :-1], TOKENS[:, 1:]) + cross_entropy_sum(mtp[:, :-2], TOKENS[:, 2:])
+    loss.backward()
+    return [loss.detach()] + [p.grad for _, p in sorted(model.named_parameters()) if p.grad is not None]
+
+
+@pytest.mark.parametrize("backend,compile", [("triton", False), ("triton", True), ("torch", False)])
+def test_rebuilt_latent_query_gives_the_same_bits(backend, compile):
+    runs = []
+    for rebuild in (False, True):
+        model = _model(backend, rebuild)
+        if compile:
+            apply_compile(model, backend="aot_eager")
+        runs.append(_step(model))
+    assert len(runs[0]) == len(runs[1]) > 10
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("rebuild", [True, False])
+def test_the_latent_queries_are_not_kept(rebuild, monkeypatch):
+    refs = []
+    real = attention_mod._absorb
+
+    def spy(*args):
+        out = real(*args)
+        if torch.is_grad_enabled():  # the forward's (the rebuild runs without grad)
+            refs.append(weakref.ref(out))
+        return out
+
+    monkeypatch.setattr(attention_mod, "_absorb", spy)
+    model = _model("triton", rebuild)
+    logits = model(TOKENS, CU)
+    gc.collect()
+    n_attn = sum(isinstance(m, Attention) for m in model.layers.modules())
+    assert len(refs) == n_attn
+    alive = [r() is not None for r in refs]
+    assert alive == [not rebuild] * n_attn
+    logits.float().pow(2).mean().backward()  # the rebuilt queries serve the backward
+    assert all(p.grad is not None for n, p in model.layers.named_parameters() if "wkv_b" in n)
+
+
+def test_checkpointed_blocks_install_no_rebuild(monkeypatch):
+    calls = []
+    real_init = recompute_mod.RecomputeSaved.__init__
+
+    def counting_init(self, *args):
+        calls.append(args[0])
+        real_init(self, *args)
+
+    monkeypatch.setattr(recompute_mod.RecomputeSaved, "__init__", counting_init)
+    plain = _step(_model("triton", False))
+    ckpt = _step(_model("triton", True), wrap=lambda f, *a: checkpoint(f, *a, use_reentrant=False))
+    assert "sparse attention" not in calls
+    for a, b in zip(plain, ckpt):
+        assert torch.equal(a, b)
