@@ -409,6 +409,11 @@ MEASURED_H200.update({
     "masters in the optimizer, 32K, selective 3": (dict(_OPT, seq_len=32768, selective_ac_option="3"), 118.40),
     "masters in the optimizer, 32K, selective 4": (dict(_OPT, seq_len=32768, selective_ac_option="4"), 135.44),
     "masters in the optimizer, 32K, AC full": (dict(_OPT, seq_len=32768, ac_mode="full"), 88.64),
+    # session 14, [dsa] recompute_latent_query on (runs/s14_32k_on_none_latentq.json, s14_4k_latentq_on_a.json)
+    "masters in the optimizer, 32K, AC none, experts and latent query rebuilt": (
+        dict(_REBUILT, seq_len=32768, recompute_latent_query=True), 117.24),
+    "masters in the optimizer, 4K, AC none, experts and latent query rebuilt": (
+        dict(_REBUILT, seq_len=4096, recompute_latent_query=True), 72.57),
     # "op" SAC: the plan counts the tensors the recompute shares with the saved set twice (module docstring)
     "masters in the optimizer, 32K, selective op": (dict(_OPT, seq_len=32768, selective_ac_option="op"), 96.63),
 })
