@@ -164,8 +164,8 @@ Checked against ``torch.cuda.max_memory_allocated`` on H200s (bench/results/e2e_
 tests/unit/test_plan_memory.py): the estimate is above every measured peak, by 0.3-4.3% on one GPU without MTP
 (session 3 code) and 5.0-5.1% on two; the MTP runs (session 2 code, before the gather-based MoE combine lowered
 real peaks) by 5% on one GPU and 12% on two. Session 5's peaks (the Triton loss kernel) are at or below those.
-With the masters in the optimizer (sessions 7-13, one GPU, compiled and eager): 0.4-11.9% above 22 measured
-peaks (4K: 3-5%, 16K: 0.4-8%, 32K: 3-12%), 26.5% above the 23rd ("op" selective checkpointing at 32K); the same
+With the masters in the optimizer (sessions 7-14, one GPU, compiled and eager): 0.4-11.9% above 24 measured
+peaks (4K: 3-5%, 16K: 0.4-8%, 32K: 3-12%), 26.5% above the 25th ("op" selective checkpointing at 32K); the same
 cells planned as FSDP on one rank are 3.5-7 GiB higher. By phase (``bench/memory_phases.py``, eager, 32K AC
 none): each phase planned 0.5-8.1 GiB above its measured peak (the MoE blocks 4.8-5.3, the dense first block with
 the embedding 8.1).

@@ -12,6 +12,7 @@ from titan_glm52 import get_flavor
 from titan_glm52.memory_plan import moe_backward_peak
 from titan_glm52.model.init import init_weights_
 from titan_glm52.model.moe import MoE
+from tests.unit._cuda_memory import backward_peak
 
 hopper = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
                             reason="needs a Hopper-class GPU (torch._grouped_mm, the caching allocator's peak)")
@@ -35,12 +36,7 @@ def _measured(d: int, f: int, k: int, recompute: bool, tokens: int) -> tuple[int
         x.grad = None
         out = block(x)
         g = torch.randn_like(out)
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        out.backward(g)
-        torch.cuda.synchronize()
-        extra = torch.cuda.max_memory_allocated() - base
+        extra = backward_peak(out, g)
         del out, g
     grads = sum(p.numel() * p.element_size() for p in block.parameters())
     planned = tokens * (moe_backward_peak(args, 2, recompute_experts=recompute) + 3 * 2 * d) + grads

@@ -7,6 +7,7 @@ from titan_glm52 import get_flavor
 from titan_glm52.model import moe as moe_mod
 from titan_glm52.model.init import init_weights_
 from titan_glm52.model.moe import MoE, combine_routed
+from tests.unit._cuda_memory import backward_peak
 
 
 def index_add_combine(routed, weights, order, dtype):
@@ -85,12 +86,7 @@ def test_combine_routed_eager_backward_keeps_one_slot_of_fp32_products():
     routed, weights, order, grad = (t.cuda() for t in _case(n, e, k, d, torch.bfloat16, seed=1))
     r, w = routed.clone().requires_grad_(), weights.clone().requires_grad_()
     out = combine_routed(r, w, order.cuda(), torch.bfloat16)
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    out.backward(grad)
-    torch.cuda.synchronize()
-    extra = torch.cuda.max_memory_allocated() - base
+    extra = backward_peak(out, grad)
     one_slot = n * d * 4
     # The peak is the rows' gradient being permuted (two bf16 [k n, D] tensors); later the permuted one, grad.float()
     # and one slot's fp32 product. The [k, n, D] product (k x one_slot) next to both bf16 tensors took twice that.

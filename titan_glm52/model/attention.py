@@ -361,9 +361,9 @@ def _absorb(q_nope: torch.Tensor, q_rope: torch.Tensor, w_uk: torch.Tensor) -> t
 def _absorbed_sparse_mla(sparse_mla, q_nope, q_rope, w_uk, kv, idx, scale: float, kv_rank: int, rebuild: bool):
     """(latent query, latent output, lse): the latent query formed here, eagerly, and the sparse attention over it.
     With ``rebuild`` (``[dsa] recompute_latent_query``) the attention's backward forms the latent query again, by
-    the same eager ops on the same inputs (the same bits), instead of keeping it: H (kv_rank + rope) values per token
-    fewer held from forward to backward (64 KB per token and layer at GLM-5.2's widths, bf16), for the rope part kept
-    and one batched GEMM of 2 H nope kv_rank FLOPs per token in backward."""
+    the same eager ops on the same inputs (the same bits), instead of keeping it: H x kv_rank values per token fewer
+    held from forward to backward (64 KB per token and layer at GLM-5.2's widths, bf16; the rope part, a source of
+    the rebuild, stays), for one batched GEMM of 2 H nope kv_rank FLOPs per token in backward."""
     q_abs = _absorb(q_nope, q_rope, w_uk)
     saved = RecomputeSaved("sparse attention", "[dsa] recompute_latent_query") if rebuild and can_recompute() else None
     with saved if saved is not None else contextlib.nullcontext():
