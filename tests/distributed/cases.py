@@ -17,6 +17,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from titan_glm52.distributed import build_mesh, init_distributed
 from titan_glm52.model.args import get_flavor
+from titan_glm52.model import attention as attention_mod
+from titan_glm52.model.attention import Attention
 from titan_glm52.model.model import GLM52Model, cross_entropy_sum
 from titan_glm52.model.moe import MoE
 from titan_glm52.optimizer import TritonAdamW
@@ -64,7 +66,7 @@ def check_train_step(dp_replicate: int = 1, dp_shard: int = -1, ep: int = 1, ac_
                      selective_ac_option: str = "op", compile: bool = False, compile_backend: str = "aot_eager",
                      reshard_after_forward: str = "default", meta_init: bool = False,
                      route_to_first_experts: bool = False, clip_in_step: str | None = None,
-                     **arg_overrides) -> None:
+                     dsa_backend: str = "torch", **arg_overrides) -> None:
     """Loss, gradients, grad norm (after clipping), one AdamW step (parameters, both moments, clipped
     gradients) and MoE loads equal single-process.
 
@@ -73,12 +75,17 @@ def check_train_step(dp_replicate: int = 1, dp_shard: int = -1, ep: int = 1, ac_
     ``clip_in_step``: ``"fused"`` / ``"triton"``: the parallel run uses torch's fused AdamW / this project's
     TritonAdamW on the DTensor parameters with the clip folded into its step (the trainer's paths for
     ``optimizer.implementation = "fused"`` / ``"triton"``); the reference still clips in place.
+    ``dsa_backend``: "triton" runs the DSA kernels (in the interpreter on CPU) on both sides, whose sparse
+    attention keeps the latent query that ``[dsa] recompute_latent_query`` (on) rebuilds in backward.
     """
+    if dsa_backend == "triton" and DEVICE_TYPE == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are imported (lazily, below)
     env = init_distributed(device_type=DEVICE_TYPE)
     args = debug_args().replace(**arg_overrides)
     torch.manual_seed(0)
     ref = GLM52Model(args)
     ref.init_weights()
+    ref.set_dsa_backend(dsa_backend)
     if route_to_first_experts:
         with torch.no_grad():
             for m in ref.modules():
@@ -115,8 +122,16 @@ def check_train_step(dp_replicate: int = 1, dp_shard: int = -1, ep: int = 1, ac_
         assert w1.placements[-1] == Shard(0) and (w1.placements[-2] == Shard(1)) == too_few, w1.placements
     dp = mesh["dp"]
     local = tokens.chunk(dp.size())[dp.get_local_rank()]
+    absorbed = []  # with the Triton DSA kernels: grad mode of each latent query formed (False: a rebuild)
+    if dsa_backend == "triton":
+        real_absorb = attention_mod._absorb
+        attention_mod._absorb = lambda *a: absorbed.append(torch.is_grad_enabled()) or real_absorb(*a)
     loss = loss_on(model, local, n_main, n_mtp)
     loss.backward()
+    if dsa_backend == "triton":
+        attention_mod._absorb = real_absorb
+        n_attn = sum(isinstance(m, Attention) for m in model.modules())
+        assert absorbed.count(True) == absorbed.count(False) == n_attn, absorbed  # every query rebuilt once
 
     total = loss.detach().clone()
     dist.all_reduce(total, group=dp.get_group())

@@ -16,8 +16,8 @@ def can_recompute() -> bool:
 class RecomputeSaved(torch.autograd.graph.saved_tensors_hooks):
     """Saved-tensor hooks that keep a recipe instead of chosen tensors: ``recompute(t, fn, *sources)`` registers a
     tensor that ops after it may save and the no-grad ``fn()`` that rebuilds it from ``sources`` (tensors held
-    anyway). Every other saved tensor is kept as usual. A recipe must rebuild the same bits (a gather or an
-    elementwise op rerun on the same inputs does); like autograd for the tensors it keeps, unpacking refuses a
+    anyway). Every other saved tensor is kept as usual. A recipe must rebuild the same bits (a gather, an
+    elementwise op or a GEMM rerun eagerly on the same inputs does); like autograd for the tensors it keeps, unpacking refuses a
     source that was modified in place since the forward."""
 
     def __init__(self, owner: str, option: str) -> None:
