@@ -313,8 +313,9 @@ class Attention(nn.Module):
             dense_rows = [d for d in (prefix and prefix.is_prefix, masked and masked.is_masked) if d is not None]
             skip = functools.reduce(torch.logical_or, dense_rows) if dense_rows else None
             idx = topk if skip is None else topk.masked_fill(skip[:, None], -1)
-            q_abs, o_lat, lse = _absorbed_sparse_mla(sparse_mla, q_nope, q_rope, w_uk, kv, idx, self.softmax_scale,
-                                                     self.kv_rank, self.recompute_latent_query)
+            q_abs, o_lat, lse = _eager("_absorbed_sparse_mla")(sparse_mla, q_nope, q_rope, w_uk, kv, idx,
+                                                                self.softmax_scale, self.kv_rank,
+                                                                self.recompute_latent_query)
             if dense_rows and train_indexer:  # the KL needs every row's LSE: the dense rows' sparse forward
                 flat = torch.cat([r for r in (prefix and prefix.rows.reshape(-1), masked and masked.rows)
                                   if r is not None])
@@ -357,9 +358,9 @@ def _absorb(q_nope: torch.Tensor, q_rope: torch.Tensor, w_uk: torch.Tensor) -> t
     return torch.cat((torch.einsum("thn,hnr->thr", q_nope, w_uk), q_rope), dim=-1)
 
 
-@torch.compiler.disable
 def _absorbed_sparse_mla(sparse_mla, q_nope, q_rope, w_uk, kv, idx, scale: float, kv_rank: int, rebuild: bool):
-    """(latent query, latent output, lse): the latent query formed here, eagerly, and the sparse attention over it.
+    """(latent query, latent output, lse): the latent query formed here and the sparse attention over it, eagerly
+    (called through ``_eager``).
     With ``rebuild`` (``[dsa] recompute_latent_query``) the attention's backward forms the latent query again, by
     the same eager ops on the same inputs (the same bits), instead of keeping it: H x kv_rank values per token fewer
     held from forward to backward (64 KB per token and layer at GLM-5.2's widths, bf16; the rope part, a source of
