@@ -22,7 +22,8 @@ CU = torch.tensor([0, 20, 32, 64], dtype=torch.int32)  # 3 documents, one shorte
 
 
 def _model(backend: str, rebuild: bool) -> GLM52Model:
-    model = GLM52Model(get_flavor("debug").replace(index_topk=8))  # sparse at 32 tokens
+    # sparse at 32 tokens; 2 layers (IndexShare FF) + MTP keep the interpreter's runs short
+    model = GLM52Model(get_flavor("debug").replace(index_topk=8, num_hidden_layers=2))
     model.init_weights(seed=3)
     model.set_dsa_backend(backend)
     for m in model.modules():
