@@ -89,6 +89,7 @@ def main() -> int:
         return 1
     trainer_mod.one_process_env()
     plan = plan_memory(request_from_job_config(cfg, gpus=1))
+    cfg.training.memory_check = False  # the trainer's start-up check would plan the same job again
     trainer = trainer_mod.Trainer(cfg)
     rec = PhaseRecorder()
     hook_model(trainer.model, rec)

@@ -89,20 +89,26 @@ def timeline(kernels: list[tuple[str, float, float]], steps: int = 1) -> dict:
             "nccl_ms": comm_ms / steps, "nccl_exposed_ms": _uncovered_ms(comm_m, compute_m) / steps}
 
 
+def _stretches(kernels: list[tuple[str, float, float]], min_us: float) -> list[tuple[float, float, str, str]]:
+    """The stretches of at least ``min_us`` in which no kernel runs, in time order: (start, end, the kernel that
+    ended last before it, the kernel after it)."""
+    gaps, end, prev = [], None, None
+    for name, t, d in sorted(kernels, key=lambda k: k[1]):
+        if end is not None and t - end >= min_us:
+            gaps.append((end, t, prev, name))
+        if end is None or t + d > end:
+            end, prev = t + d, name
+    return gaps
+
+
 def idle_gaps(kernels: list[tuple[str, float, float]], host: list[tuple[str, float, float]], top: int = 8,
               min_us: float = 200.0) -> list[dict]:
     """The ``top`` longest stretches (>= ``min_us``) in which no kernel runs: their length, the kernels around them
     and the host ops (name, us of overlap) that ran meanwhile, longest overlap first (what the host was doing while
     the GPU waited)."""
-    order = sorted(kernels, key=lambda k: k[1])
-    gaps, end, prev = [], None, None
-    for name, t, d in order:
-        if end is not None and t - end >= min_us:
-            gaps.append((t - end, end, t, prev, name))
-        if end is None or t + d > end:
-            end, prev = t + d, name
     out = []
-    for length, a, b, before, after in sorted(gaps, reverse=True)[:top]:
+    gaps = sorted(((b - a, a, b, before, after) for a, b, before, after in _stretches(kernels, min_us)), reverse=True)
+    for length, a, b, before, after in gaps[:top]:
         ops: dict[str, float] = defaultdict(float)
         for name, t, d in host:
             ov = min(b, t + d) - max(a, t)
@@ -120,17 +126,12 @@ def idle_profile(kernels: list[tuple[str, float, float]], host: list[tuple[str, 
     without a kernel: idle ms per tenth of the span (start to end), and the host ops that overlapped those
     stretches, summed (every nesting level: an outer span such as an FSDP hook or a compiled region and the op
     inside it both appear), longest first. Per step."""
-    order = sorted(kernels, key=lambda k: k[1])
-    if not order:
+    if not kernels:
         return {}
-    t0 = order[0][1]
-    span = max(t + d for _, t, d in order) - t0
+    t0 = min(t for _, t, _ in kernels)
+    span = max(t + d for _, t, d in kernels) - t0
     per_bin = [0.0] * bins
-    gaps, end = [], None
-    for _, t, d in order:
-        if end is not None and t - end >= min_us:
-            gaps.append((end, t))
-        end = t + d if end is None else max(end, t + d)
+    gaps = [(a, b) for a, b, _, _ in _stretches(kernels, min_us)]
     for a, b in gaps:  # split each stretch over the bins it covers
         for i in range(bins):
             lo, hi = t0 + span * i / bins, t0 + span * (i + 1) / bins
