@@ -460,8 +460,9 @@ class Trainer:
             self._collect_aux(parts, n_tok)
             return
         tokens, labels = b["input_ids"].to(dev, non_blocking=True), b["labels"].to(dev, non_blocking=True)
-        # cu_seqlens stays on the host: the model reads its bounds there and copies it over itself.
-        out = self.model(tokens, b["cu_seqlens"], with_mtp=self.with_mtp, labels=labels,
+        # cu_seqlens goes as a host list (a tensor argument would be copied to the GPU by FSDP's root, blocking):
+        # the model reads its bounds on the host and copies it over itself without a sync.
+        out = self.model(tokens, b["cu_seqlens"].tolist(), with_mtp=self.with_mtp, labels=labels,
                          mtp_labels=mtp_labels(labels) if self.with_mtp else None)
         ce_sum, mtp_sum = out if self.with_mtp else (out, None)
         ce = ce_sum / n_tok

@@ -86,4 +86,11 @@ def test_cu_seqlens_checks():
         R.check_cu_seqlens(torch.tensor([0, 5], dtype=torch.int32), 6)
     with pytest.raises(ValueError, match="non-decreasing"):
         R.check_cu_seqlens(torch.tensor([0, 4, 3, 6], dtype=torch.int32), 6)
+    assert R.check_cu_seqlens([0, 4, 6], 6) == R.check_cu_seqlens(torch.tensor([0, 4, 6]), 6) == [0, 4, 6]
+    with pytest.raises(ValueError, match=">= 2 entries"):
+        R.check_cu_seqlens([6], 6)
+    with pytest.raises(ValueError, match="non-decreasing"):
+        R.check_cu_seqlens((0, 4, 3, 6), 6)
+    with pytest.raises(TypeError):
+        R.check_cu_seqlens([0, 2.5, 6], 6)
     assert R.doc_positions(torch.tensor([0, 3, 5], dtype=torch.int32), 5).tolist() == [0, 1, 2, 0, 1]

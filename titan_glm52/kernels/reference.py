@@ -10,6 +10,9 @@ sparse attention (each chunk is recomputed in backward instead of keeping its ``
 
 from __future__ import annotations
 
+import operator
+from collections.abc import Sequence
+
 import torch
 from torch.utils.checkpoint import checkpoint
 
@@ -29,11 +32,17 @@ def doc_positions(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
     return torch.arange(total, device=cu_seqlens.device) - doc_starts(cu_seqlens, total)
 
 
-def check_cu_seqlens(cu_seqlens: torch.Tensor, total: int) -> list[int]:
-    """Validates ``cu_seqlens`` and returns it as a host list (one device-to-host copy)."""
-    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
-        raise ValueError(f"cu_seqlens must be 1-D with >= 2 entries, got shape {tuple(cu_seqlens.shape)}")
-    bounds = cu_seqlens.tolist()
+def check_cu_seqlens(cu_seqlens: torch.Tensor | Sequence[int], total: int) -> list[int]:
+    """Validates ``cu_seqlens`` (a tensor, or a host sequence of ints) and returns it as a host list (a tensor on
+    the GPU costs one device-to-host copy)."""
+    if isinstance(cu_seqlens, torch.Tensor):
+        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+            raise ValueError(f"cu_seqlens must be 1-D with >= 2 entries, got shape {tuple(cu_seqlens.shape)}")
+        bounds = cu_seqlens.tolist()
+    else:
+        bounds = [operator.index(b) for b in cu_seqlens]
+        if len(bounds) < 2:
+            raise ValueError(f"cu_seqlens must have >= 2 entries, got {len(bounds)}")
     if bounds[0] != 0 or bounds[-1] != total:
         raise ValueError(f"cu_seqlens must start at 0 and end at T={total}, got {bounds[:4]}...")
     if any(b < a for a, b in zip(bounds[:-1], bounds[1:])):

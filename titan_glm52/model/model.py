@@ -10,6 +10,8 @@ set to None and layers deleted from ``layers``); ``forward`` then takes / return
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -18,7 +20,7 @@ from titan_glm52.kernels.reference import check_cu_seqlens, doc_positions
 from titan_glm52.model.args import GLM52ModelArgs
 from titan_glm52.model.head import OutputHead
 from titan_glm52.model.init import init_weights_
-from titan_glm52.model.attention import Attention, DenseMasked, DensePrefix, PackedContext
+from titan_glm52.model.attention import Attention, DenseMasked, DensePrefix, PackedContext, host_to_device
 from titan_glm52.model.moe import MoE, FeedForward
 from titan_glm52.model.norms import RMSNorm
 from titan_glm52.model.rope import rope_cos_sin
@@ -116,17 +118,20 @@ class GLM52Model(nn.Module):
                 m.sparse = sparse
 
     # ------------------------------------------------------------------------------------- forward
-    def packed_context(self, batch: int, seq: int, cu_seqlens: torch.Tensor | None,
+    def packed_context(self, batch: int, seq: int, cu_seqlens: torch.Tensor | Sequence[int] | None,
                        device: torch.device) -> PackedContext:
         total = batch * seq
         if cu_seqlens is None:
             cu_seqlens = torch.arange(0, total + 1, seq, dtype=torch.int32, device=device)
             lengths = [seq] * batch
         else:
-            # Validated where it arrives: a host tensor (the trainer's, pinned) gives its bounds without a
-            # device-to-host sync and then goes to the device without blocking.
+            # Validated where it arrives: host bounds (a list, or a host tensor) are read without a device-to-host
+            # sync and go to the device pinned, without blocking; a tensor on the GPU is read back (one sync).
             bounds = check_cu_seqlens(cu_seqlens, total)
-            cu_seqlens = cu_seqlens.to(device=device, dtype=torch.int32, non_blocking=True)
+            if not isinstance(cu_seqlens, torch.Tensor):
+                cu_seqlens = torch.tensor(bounds, dtype=torch.int32)
+            cu_seqlens = (host_to_device(cu_seqlens.to(torch.int32), device) if cu_seqlens.device.type == "cpu"
+                          else cu_seqlens.to(device=device, dtype=torch.int32))
             lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
         cos, sin = rope_cos_sin(doc_positions(cu_seqlens, total), self.args.qk_rope_head_dim, self.args.rope_theta)
         k = self.args.index_topk
@@ -142,11 +147,15 @@ class GLM52Model(nn.Module):
             h, topk = block(h, ctx, topk)
         return h
 
-    def forward(self, tokens: torch.Tensor, cu_seqlens: torch.Tensor | None = None, *,
+    def forward(self, tokens: torch.Tensor, cu_seqlens: torch.Tensor | Sequence[int] | None = None, *,
                 with_mtp: bool = False, labels: torch.Tensor | None = None,
                 mtp_labels: torch.Tensor | None = None):
         """Main-head logits ``[B, S, vocab]``; with ``with_mtp`` also the MTP head's ``[B, S, vocab]``
         (position i predicts token i + 2).
+
+        ``cu_seqlens``: a tensor or a host sequence of ints. Under FSDP pass a list (as the trainer does): FSDP's
+        root moves tensor arguments to the GPU with a blocking copy, and their bounds would then be read back,
+        two host syncs per forward that stop the host from queuing ahead of the GPU.
 
         With ``labels`` (and ``mtp_labels`` when ``with_mtp``) it returns the summed token cross-entropies instead
         of logits (``OutputHead``: ``LOSS_CHUNK`` tokens at a time, the gradients formed in forward; the
