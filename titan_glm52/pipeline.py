@@ -19,14 +19,17 @@ next-token embeddings are copied.
 every pipeline rank has the batch, and the schedule hands it to every stage as a keyword argument
 (``schedule.step(..., positions=positions)``, split into micro-batches like the inputs); each stage rebuilds
 ``cu_seqlens`` from it. (torch 2.11's stages mark every received tensor as requiring grad, which integer
-tensors cannot.) With MTP, the first stage also sends the embeddings of the next tokens down the pipeline, so
-the MTP layer on the last stage uses the one embedding table of stage 0 and its gradient flows back through the
-pipeline (no tied copy to synchronise). IndexShare top-k never crosses a stage: the splitter only cuts before
-full layers, and each stage starts with no top-k.
+tensors cannot.) Reading the bounds from device positions would sync the host with the GPU in every stage's
+forward, so the trainer also hands the stages each micro-batch's bounds read on the host (``micro_batch_bounds``),
+keyed by the device chunk the schedule passes. With MTP, the first stage also sends the embeddings of the next
+tokens down the pipeline, so the MTP layer on the last stage uses the one embedding table of stage 0 and its
+gradient flows back through the pipeline (no tied copy to synchronise). IndexShare top-k never crosses a stage:
+the splitter only cuts before full layers, and each stage starts with no top-k.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
@@ -37,6 +40,8 @@ from titan_glm52.model.args import GLM52ModelArgs
 from titan_glm52.model.model import GLM52Model, next_token_embeddings
 from titan_glm52.pipeline_split import PipelinePlan, plan_pipeline
 
+logger = logging.getLogger(__name__)
+
 
 def cu_seqlens_from_positions(positions: torch.Tensor) -> torch.Tensor:
     """int32 ``cu_seqlens`` of the flattened ``[B, S]`` stream: a document starts wherever position == 0
@@ -46,6 +51,20 @@ def cu_seqlens_from_positions(positions: torch.Tensor) -> torch.Tensor:
     row_starts = torch.arange(0, flat.numel(), positions.shape[-1], device=flat.device)
     starts = torch.unique(torch.cat((starts, row_starts)))
     return torch.cat((starts, starts.new_tensor([flat.numel()]))).to(torch.int32)
+
+
+def micro_batch_bounds(positions: torch.Tensor, host_positions: torch.Tensor, n_microbatches: int
+                       ) -> dict[tuple[int, tuple[int, ...]], list[int]]:
+    """For ``GLM52Stage.host_bounds``: each micro-batch's ``cu_seqlens``, read from ``host_positions`` on the host,
+    keyed by the storage and shape of the chunk of ``positions`` (the same values, on the device) that the
+    schedule hands the stage. The schedule chunks keyword tensors with ``torch.tensor_split`` along dim 0, into
+    views of ``positions``; a chunk never seen here is read from the device instead (one sync)."""
+    if host_positions.device.type != "cpu" or host_positions.shape != positions.shape:
+        raise ValueError(f"host_positions must be the host copy of positions {tuple(positions.shape)}, got "
+                         f"{tuple(host_positions.shape)} on {host_positions.device}")
+    return {(d.data_ptr(), tuple(d.shape)): cu_seqlens_from_positions(h).tolist()
+            for d, h in zip(torch.tensor_split(positions, n_microbatches), torch.tensor_split(host_positions,
+                                                                                            n_microbatches))}
 
 
 class GLM52Stage(GLM52Model):
@@ -63,10 +82,20 @@ class GLM52Stage(GLM52Model):
         if not is_last:
             self.norm, self.output = None, None
         self.is_first, self.is_last, self.with_mtp = is_first, is_last, with_mtp
+        # Set by the trainer for one schedule step (``micro_batch_bounds``): the forward then reads no bounds back.
+        self.host_bounds: dict[tuple[int, tuple[int, ...]], list[int]] = {}
+        self._missed_bounds = False
 
     def forward(self, x: torch.Tensor, emb_next: torch.Tensor | None = None, *, positions: torch.Tensor):
         mb, s = positions.shape
-        ctx = self.packed_context(mb, s, cu_seqlens_from_positions(positions), positions.device)
+        bounds = self.host_bounds.get((positions.data_ptr(), tuple(positions.shape)))
+        if bounds is None and self.host_bounds and not self._missed_bounds:
+            self._missed_bounds = True  # (the same values either way; only the sync differs)
+            logger.warning("pipeline stage with layers %s: the schedule passed positions that are not a chunk of "
+                           "the step's (micro_batch_bounds); their document bounds are read from the GPU, a host "
+                           "sync per forward", list(self.layers.keys()))
+        ctx = self.packed_context(mb, s, bounds if bounds is not None else cu_seqlens_from_positions(positions),
+                                  positions.device)
         if self.is_first:
             h = self.tok_embeddings(x).view(mb * s, -1)
             if self.with_mtp:

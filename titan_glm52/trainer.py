@@ -40,7 +40,7 @@ from titan_glm52.model.moe import MoE
 from titan_glm52.optimizer import TritonAdam, TritonAdamW
 from titan_glm52.parallelize import (clip_grad_norm_, clip_in_fused_step, folds_clip, parallelize_model,
                                      total_grad_norm)
-from titan_glm52.pipeline import build_pipeline_stages, cu_seqlens_from_positions, make_plan
+from titan_glm52.pipeline import build_pipeline_stages, cu_seqlens_from_positions, make_plan, micro_batch_bounds
 from titan_glm52.profiling import profiling
 from torchtitan.distributed.pipeline_parallel import build_pipeline_schedule
 from torchtitan.tools.utils import GarbageCollection
@@ -532,14 +532,21 @@ class Trainer:
     def _pp_step(self, batch: dict, parts: torch.Tensor, inject_nan: bool) -> None:
         dev = self.device
         tokens, labels = batch["input_ids"].to(dev, non_blocking=True), batch["labels"].to(dev, non_blocking=True)
-        positions = batch["positions"].to(dev, non_blocking=True)
+        positions = host_to_device(batch["positions"], dev)  # (pinned first: made on the host when not packed)
         self._pp_inject_nan = inject_nan
         self._pp_parts = []
         target = labels if self.has_last else None
-        if self.has_first:
-            self.schedule.step(tokens, target=target, positions=positions, return_outputs=False)
-        else:  # (return_outputs=False: the last stage keeps no micro-batch outputs; the losses are collected above)
-            self.schedule.step(target=target, positions=positions, return_outputs=False)
+        bounds = micro_batch_bounds(positions, batch["positions"], self.schedule._n_microbatches)
+        for part in self.model_parts:  # (the stages would otherwise read every micro-batch's bounds off the GPU)
+            part.host_bounds = bounds
+        try:
+            if self.has_first:
+                self.schedule.step(tokens, target=target, positions=positions, return_outputs=False)
+            else:  # (return_outputs=False: the last stage keeps no micro-batch outputs; the losses are collected above)
+                self.schedule.step(target=target, positions=positions, return_outputs=False)
+        finally:  # keyed by device addresses, valid while this step's positions are alive
+            for part in self.model_parts:
+                part.host_bounds = {}
         if self._pp_parts:
             summed = torch.stack(self._pp_parts).sum(0).to(parts.dtype)
             parts[0] += summed[0]

@@ -1,14 +1,18 @@
 """A training step queues its work without waiting for the GPU: no host-device synchronisation from the batch's
 arrival to the optimizer step (``torch.cuda.set_sync_debug_mode("error")`` raises on any), on the one-GPU path
 (masters in the optimizer) and on FSDP2's path, whose root copies tensor arguments to the GPU with a blocking copy
-(the model's ``cu_seqlens`` therefore goes as a host list). A sync there stops the host from queuing ahead, and
-on several GPUs it delays FSDP's all-gathers. The model's own contract is checked on the CPU: a list and a tensor
-give the same result."""
+(the model's ``cu_seqlens`` therefore goes as a host list); nor in a pipeline stage's forward and backward, which
+takes its micro-batch's document bounds from the host (``pipeline.micro_batch_bounds``) instead of reading the
+device positions back. A sync there stops the host from queuing ahead, and on several GPUs it delays FSDP's
+all-gathers and the pipeline's sends. On the CPU: a list and a tensor give the model the same result, and the
+stage finds the bounds of every chunk that torch's pipelining splitter hands it."""
 
 import pytest
 import torch
 
-from titan_glm52 import get_flavor, trainer as trainer_mod
+from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
+
+from titan_glm52 import get_flavor, pipeline, trainer as trainer_mod
 from titan_glm52.config import parse_job_config
 from titan_glm52.model.init import init_weights_
 from titan_glm52.model.model import GLM52Model
@@ -61,3 +65,51 @@ def test_cu_seqlens_as_a_host_list_gives_the_tensor_result():
     assert torch.equal(as_tensor, as_list) and torch.equal(as_tensor, as_tuple)
     with pytest.raises(ValueError, match="end at T"):
         model(tokens, [0, 13, 79])
+
+
+def _stage_and_batch(device: str):
+    args = get_flavor("debug")
+    torch.manual_seed(0)
+    stage = pipeline.GLM52Stage(args, range(args.num_hidden_layers), True, True, with_mtp=False).to(device)
+    init_weights_(stage, 0.02)
+    stage.set_dsa_backend("torch" if device == "cpu" else "triton")
+    tokens = torch.randint(0, args.vocab_size, (4, 48), device=device)
+    positions = torch.cat([torch.arange(n) for n in (48, 20, 28, 48, 5, 30, 13)]).view(4, 48).to(device)
+    return stage, tokens, positions
+
+
+def _refuse(positions):
+    raise AssertionError("a stage read its bounds from the device positions")
+
+
+def test_pipeline_stages_find_the_host_bounds_of_every_chunk(monkeypatch):
+    stage, tokens, positions = _stage_and_batch("cpu")
+    n = 2
+    t_chunks, kw_chunks = split_args_kwargs_into_chunks((tokens,), {"positions": positions}, n)
+    with torch.no_grad():
+        expected = [stage(t, **kw) for (t,), kw in zip(t_chunks, kw_chunks)]  # bounds read from the positions
+        stage.host_bounds = pipeline.micro_batch_bounds(positions, positions.clone(), n)
+        monkeypatch.setattr(pipeline, "cu_seqlens_from_positions", _refuse)
+        got = [stage(t, **kw) for (t,), kw in zip(t_chunks, kw_chunks)]
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))
+    assert sorted(len(b) for b in stage.host_bounds.values()) == [4, 5]  # 3 and 4 documents in the two halves
+    assert not stage._missed_bounds
+    with torch.no_grad():  # positions the trainer did not announce: read from them, with a warning
+        monkeypatch.undo()
+        assert torch.equal(stage(t_chunks[0][0], positions=kw_chunks[0]["positions"].clone()), expected[0])
+    assert stage._missed_bounds
+    with pytest.raises(ValueError, match="host copy"):
+        pipeline.micro_batch_bounds(positions, positions[:2], n)
+
+
+@cuda
+def test_a_pipeline_stage_makes_no_host_sync():
+    stage, tokens, positions = _stage_and_batch("cuda")
+    stage.host_bounds = pipeline.micro_batch_bounds(positions, positions.cpu(), 1)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        stage(tokens, positions=positions).float().square().mean().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert all(p.grad is not None for p in stage.layers.parameters() if p.requires_grad)
