@@ -1,0 +1,232 @@
+"""Warp-specialised sparse MLA forward for Hopper (sm_90), written in Triton's Gluon dialect.
+
+Same math and outputs as ``sparse_mla._fwd_kernel`` (out = softmax(q kv[idx]^T * scale) kv[idx][:, :d_v] per head,
+lse in natural log units, -1 / out-of-range slots skipped, rows without a valid slot give 0 and -inf), for the shape
+GLM-5.2 has: 64 heads, d_qk = 576 = 512 latent + 64 rope, d_v = 512, bf16.
+
+One program per query row, three warpgroups with their own register budgets:
+
+* a loader (4 warps) gathers the 64 rows of the next step, kv[idx[k0:k0+64]], with ``cp.async`` into a two-stage
+  ring of shared memory and signals each stage on an mbarrier when its copies have landed;
+* the softmax warpgroup (the default partition) computes S = Q K^T [64 heads, 64 slots] with ``wgmma`` from shared
+  memory, the online softmax, hands P (bf16) and the rescale factor to the other consumer through shared memory,
+  and accumulates the left half of the output, O[:, :256] += P V[:, :256];
+* the second consumer accumulates O[:, 256:] += P V[:, 256:] for the same step while the softmax warpgroup already
+  waits for the next stage.
+
+The gather thus never blocks the tensor cores, and the second half of P V overlaps the next step's S (the design
+of FlashMLA's and TileLang's pipelined sparse forward; this is an independent implementation).
+
+Gluon has no interpreter mode: this kernel runs on the GPU only (``tests/kernels/test_kernels_gpu.py`` checks it
+against the fp32 reference and against the Triton kernel). ``sparse_mla`` uses it where ``supported`` holds and
+the Triton kernel everywhere else.
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_async_shared, mbarrier,
+                                                               warpgroup_mma, warpgroup_mma_wait)
+
+H = 64          # heads (the M side of every wgmma)
+DA = 512        # latent part of a kv row (= d_v)
+DB = 64         # rope part
+DH = 256        # output columns per consumer warpgroup
+BK = 64         # gathered rows per step
+STAGES = 2
+LOADER_ARRIVALS = 128  # every loader thread arrives (cp.async.mbarrier.arrive.noinc) on the stage's barrier
+
+
+@gluon.jit
+def _loader(kv_a, kv_b, kv_full, kv_empty, kv_ptr, idx_ptr, kend_ptr, T, K, stride_kvt, stride_it,
+            BK: gl.constexpr, DA: gl.constexpr, DB: gl.constexpr, STAGES: gl.constexpr):
+    la: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
+    lb: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    t = gl.program_id(0)
+    idx_row = idx_ptr + t.to(gl.int64) * stride_it
+    kend = gl.load(kend_ptr + t)
+    cols_a = gl.arange(0, DA, layout=gl.SliceLayout(0, la))
+    cols_b = DA + gl.arange(0, DB, layout=gl.SliceLayout(0, lb))
+    for i in range(gl.cdiv(kend, BK)):
+        s = i % STAGES
+        mbarrier.wait(kv_empty.index(s), ((i // STAGES) & 1) ^ 1)
+        offs_a = i * BK + gl.arange(0, BK, layout=gl.SliceLayout(1, la))
+        idx_a = gl.load(idx_row + offs_a, mask=offs_a < K, other=-1)
+        # invalid slots read row 0 (finite); the softmax gives them probability 0
+        row_a = gl.where((idx_a >= 0) & (idx_a < T), idx_a, 0).to(gl.int64) * stride_kvt
+        async_copy.async_copy_global_to_shared(kv_a.index(s), kv_ptr + row_a[:, None] + cols_a[None, :])
+        offs_b = i * BK + gl.arange(0, BK, layout=gl.SliceLayout(1, lb))
+        idx_b = gl.load(idx_row + offs_b, mask=offs_b < K, other=-1)
+        row_b = gl.where((idx_b >= 0) & (idx_b < T), idx_b, 0).to(gl.int64) * stride_kvt
+        async_copy.async_copy_global_to_shared(kv_b.index(s), kv_ptr + row_b[:, None] + cols_b[None, :])
+        async_copy.mbarrier_arrive(kv_full.index(s), increment_count=False)
+
+
+@gluon.jit
+def _pv_right(kv_a, p_smem, a_smem, l_smem, kv_full, kv_empty, p_full, p_empty, l_ready, out_ptr, kend_ptr,
+              stride_ot, stride_oh, BK: gl.constexpr, DH: gl.constexpr, H: gl.constexpr, STAGES: gl.constexpr):
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, DH, 16])
+    row_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
+    t = gl.program_id(0)
+    kend = gl.load(kend_ptr + t)
+    acc = gl.zeros([H, DH], gl.float32, o_layout)
+    for i in range(gl.cdiv(kend, BK)):
+        s = i % STAGES
+        mbarrier.wait(kv_full.index(s), (i // STAGES) & 1)
+        mbarrier.wait(p_full, i & 1)
+        fence_async_shared()
+        alpha = a_smem.load(row_layout)
+        acc = acc * alpha[:, None]
+        acc = warpgroup_mma(p_smem, kv_a.index(s).slice(DH, DH, dim=1), acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=[acc])
+        mbarrier.arrive(p_empty, count=1)
+        mbarrier.arrive(kv_empty.index(s), count=1)
+    mbarrier.wait(l_ready, 0)
+    linv = l_smem.load(row_layout)
+    out = (acc * linv[:, None]).to(out_ptr.dtype.element_ty)
+    rows = gl.arange(0, H, layout=row_layout)
+    cols = DH + gl.arange(0, DH, layout=gl.SliceLayout(0, o_layout))
+    gl.store(out_ptr + t.to(gl.int64) * stride_ot + rows[:, None] * stride_oh + cols[None, :], out)
+
+
+@gluon.jit
+def _softmax_left(q_a, q_b, kv_a, kv_b, p_smem, a_smem, l_smem, kv_full, kv_empty, p_full, p_empty, l_ready,
+                  idx_ptr, kend_ptr, out_ptr, lse_ptr, T, K, qk_scale, stride_it, stride_ot, stride_oh, stride_lt,
+                  BK: gl.constexpr, DH: gl.constexpr, H: gl.constexpr, STAGES: gl.constexpr):
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BK, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, DH, 16])
+    srow: gl.constexpr = gl.SliceLayout(1, s_layout)
+    orow: gl.constexpr = gl.SliceLayout(1, o_layout)
+    t = gl.program_id(0)
+    idx_row = idx_ptr + t.to(gl.int64) * stride_it
+    kend = gl.load(kend_ptr + t)
+    m_i = gl.full([H], float("-inf"), gl.float32, srow)
+    l_i = gl.zeros([H], gl.float32, srow)
+    acc = gl.zeros([H, DH], gl.float32, o_layout)
+    s_zero = gl.zeros([H, BK], gl.float32, s_layout)
+    for i in range(gl.cdiv(kend, BK)):
+        s = i % STAGES
+        ka = kv_a.index(s)
+        mbarrier.wait(kv_full.index(s), (i // STAGES) & 1)
+        fence_async_shared()
+        sc = warpgroup_mma(q_a, ka.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        sc = warpgroup_mma(q_b, kv_b.index(s).permute((1, 0)), sc, is_async=True)
+        offs = i * BK + gl.arange(0, BK, layout=gl.SliceLayout(0, s_layout))
+        idx = gl.load(idx_row + offs, mask=offs < K, other=-1)
+        valid = (idx >= 0) & (idx < T)
+        sc = warpgroup_mma_wait(0, deps=[sc])
+        sc = gl.where(valid[None, :], sc * qk_scale, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(sc, axis=1))
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # no valid key yet: keep exp2 finite (= 0)
+        alpha = gl.exp2(m_i - m_use)
+        p = gl.exp2(sc - m_use[:, None])
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        m_i = m_new
+        # hand P and alpha to the other consumer (it has finished with the previous ones)
+        mbarrier.wait(p_empty, (i & 1) ^ 1)
+        p_smem.store(p.to(gl.bfloat16))
+        a_smem.store(alpha)
+        fence_async_shared()
+        gl.thread_barrier()
+        mbarrier.arrive(p_full, count=1)
+        acc = acc * gl.convert_layout(alpha, orow)[:, None]
+        acc = warpgroup_mma(p_smem, ka.slice(0, DH, dim=1), acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=[acc])
+        mbarrier.arrive(kv_empty.index(s), count=1)
+    has = l_i > 0.0
+    linv = gl.where(has, 1.0 / gl.where(has, l_i, 1.0), 0.0)
+    l_smem.store(linv)
+    gl.thread_barrier()
+    mbarrier.arrive(l_ready, count=1)
+    lse = gl.where(has, (m_i + gl.log2(gl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    rows = gl.arange(0, H, layout=srow)
+    gl.store(lse_ptr + t.to(gl.int64) * stride_lt + rows, lse)
+    out = (acc * gl.convert_layout(linv, orow)[:, None]).to(out_ptr.dtype.element_ty)
+    orows = gl.arange(0, H, layout=orow)
+    cols = gl.arange(0, DH, layout=gl.SliceLayout(0, o_layout))
+    gl.store(out_ptr + t.to(gl.int64) * stride_ot + orows[:, None] * stride_oh + cols[None, :], out)
+
+
+@gluon.jit
+def _fwd_ws_kernel(q_ptr, kv_ptr, idx_ptr, kend_ptr, out_ptr, lse_ptr, T, K, qk_scale,
+                   stride_qt, stride_qh, stride_kvt, stride_it, stride_ot, stride_oh, stride_lt,
+                   H: gl.constexpr, DA: gl.constexpr, DB: gl.constexpr, DH: gl.constexpr, BK: gl.constexpr,
+                   STAGES: gl.constexpr, LOADER_ARRIVALS: gl.constexpr, PV_REGS: gl.constexpr,
+                   LOADER_REGS: gl.constexpr):
+    dtype: gl.constexpr = q_ptr.dtype.element_ty
+    la: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BK, DA], dtype)
+    lb: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BK, DB], dtype)
+    q_a = gl.allocate_shared_memory(dtype, [H, DA], la)
+    q_b = gl.allocate_shared_memory(dtype, [H, DB], lb)
+    kv_a = gl.allocate_shared_memory(dtype, [STAGES, BK, DA], la)
+    kv_b = gl.allocate_shared_memory(dtype, [STAGES, BK, DB], lb)
+    p_smem = gl.allocate_shared_memory(dtype, [H, BK], gl.NVMMASharedLayout.get_default_for([H, BK], dtype))
+    vec: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    a_smem = gl.allocate_shared_memory(gl.float32, [H], vec)
+    l_smem = gl.allocate_shared_memory(gl.float32, [H], vec)
+    kv_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    p_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    p_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    l_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(kv_full.index(s), count=LOADER_ARRIVALS)
+        mbarrier.init(kv_empty.index(s), count=2)  # both consumers release a stage
+    mbarrier.init(p_full, count=1)
+    mbarrier.init(p_empty, count=1)
+    mbarrier.init(l_ready, count=1)
+
+    # this row's queries into shared memory (all partitions start after this)
+    t = gl.program_id(0)
+    ql_a: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
+    ql_b: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    qrow = q_ptr + t.to(gl.int64) * stride_qt
+    ha = gl.arange(0, H, layout=gl.SliceLayout(1, ql_a))
+    ca = gl.arange(0, DA, layout=gl.SliceLayout(0, ql_a))
+    async_copy.async_copy_global_to_shared(q_a, qrow + ha[:, None] * stride_qh + ca[None, :])
+    hb = gl.arange(0, H, layout=gl.SliceLayout(1, ql_b))
+    cb = DA + gl.arange(0, DB, layout=gl.SliceLayout(0, ql_b))
+    async_copy.async_copy_global_to_shared(q_b, qrow + hb[:, None] * stride_qh + cb[None, :])
+    async_copy.commit_group()
+    async_copy.wait_group(0)
+    fence_async_shared()
+    gl.thread_barrier()
+
+    gl.warp_specialize([
+        (_softmax_left, (q_a, q_b, kv_a, kv_b, p_smem, a_smem, l_smem, kv_full, kv_empty, p_full, p_empty, l_ready,
+                         idx_ptr, kend_ptr, out_ptr, lse_ptr, T, K, qk_scale, stride_it, stride_ot, stride_oh,
+                         stride_lt, BK, DH, H, STAGES)),
+        (_pv_right, (kv_a, p_smem, a_smem, l_smem, kv_full, kv_empty, p_full, p_empty, l_ready, out_ptr, kend_ptr,
+                     stride_ot, stride_oh, BK, DH, H, STAGES)),
+        (_loader, (kv_a, kv_b, kv_full, kv_empty, kv_ptr, idx_ptr, kend_ptr, T, K, stride_kvt, stride_it,
+                   BK, DA, DB, STAGES)),
+    ], [4, 4], [PV_REGS, LOADER_REGS])
+
+
+TUNE = {"maxnreg": 168, "pv_regs": 192, "loader_regs": 80}
+
+
+def supported(q: torch.Tensor, kv: torch.Tensor, d_v: int) -> bool:
+    """Whether ``fwd`` takes this call: CUDA sm_90, bf16, 64 heads, d_qk = 576, d_v = 512, unit inner strides."""
+    return (q.is_cuda and q.dtype == torch.bfloat16 and kv.dtype == torch.bfloat16
+            and torch.cuda.get_device_capability(q.device) == (9, 0)
+            and q.dim() == 3 and q.shape[1] == H and q.shape[2] == DA + DB and kv.shape[1] == DA + DB
+            and d_v == DA and q.stride(2) == 1 and kv.stride(1) == 1)
+
+
+def fwd(q, kv, indices, kend, qk_scale_log2, out, lse):
+    """Fill out [T, 64, 512] and lse [T, 64] (fp32); qk_scale_log2 = sm_scale * log2(e); kend from
+    ``sparse_mla.valid_extent``."""
+    total = q.shape[0]
+    if total == 0:
+        return
+    _fwd_ws_kernel[(total,)](
+        q, kv, indices, kend, out, lse, kv.shape[0], indices.shape[1], qk_scale_log2,
+        q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), out.stride(0), out.stride(1), lse.stride(0),
+        H=H, DA=DA, DB=DB, DH=DH, BK=BK, STAGES=STAGES, LOADER_ARRIVALS=LOADER_ARRIVALS,
+        PV_REGS=TUNE["pv_regs"], LOADER_REGS=TUNE["loader_regs"], num_warps=4, maxnreg=TUNE["maxnreg"])
