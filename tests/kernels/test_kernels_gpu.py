@@ -151,6 +151,44 @@ def test_sparse_mla_real_size(tune, monkeypatch):
     assert not problems, (problems, metrics)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                    reason="the warp-specialised forward is for sm_90")
+@pytest.mark.parametrize("tune", [{}, {"bk": 32, "stages": 4}])
+def test_sparse_mla_ws_forward(tune, monkeypatch):
+    """The Gluon forward (sparse_mla_ws) against the fp32 reference and the Triton kernel: short documents (rows
+    with a -1 tail), rows without a valid index, -1 holes inside rows, a kv row count other than q's."""
+    from titan_glm52.kernels import sparse_mla as SM
+    from titan_glm52.kernels import sparse_mla_ws as WS
+    monkeypatch.setitem(WS.TUNE, "fwd", {**WS.TUNE["fwd"], **tune})
+    lengths = [37, 2100, 1959]
+    q, kv, idx, _, _ = _mla_inputs(lengths, 5, empty=(0, 40, 41))
+    idx[100, 3] = -1
+    idx[2500, :700] = -1
+    idx[3000, 1::2] = -1
+    idx = idx.contiguous()
+    kv = torch.cat([kv, torch.randn(5, D_QK, device=DEV).to(kv.dtype)])  # rows never selected
+    assert WS.supported(q, kv, D_V)
+    scale = D_QK ** -0.5
+    kend = SM.valid_extent(idx)
+    out, lse = SM._fwd(q, kv, idx, kend, scale, D_V)
+    monkeypatch.setitem(WS.TUNE, "fwd", {**WS.TUNE["fwd"], "enable": False})
+    t_out, t_lse = SM._fwd(q, kv, idx, kend, scale, D_V)
+    r_out, r_lse = R.sparse_mla(q.float(), kv.float(), idx, scale, D_V)
+    d_out = (out.float() - r_out).abs()
+    fin = torch.isfinite(r_lse)
+    metrics = {"out_max_abs": float(d_out.max()), "out_cos": cos_diff(out, r_out),
+               "out_bad": int((d_out > 1e-2 + 0.024 * r_out.abs()).sum()),
+               "lse_max_abs": float((lse[fin] - r_lse[fin]).abs().max()),
+               "vs_triton_out_max_abs": float((out.float() - t_out.float()).abs().max()),
+               "vs_triton_lse_max_abs": float((lse[fin] - t_lse[fin]).abs().max())}
+    print("sparse_mla_ws forward:", tune, metrics)
+    assert metrics["out_bad"] == 0 and metrics["out_cos"] < 1e-5, metrics
+    assert metrics["lse_max_abs"] < 1e-4 and torch.equal(fin, torch.isfinite(lse)), metrics
+    assert metrics["vs_triton_out_max_abs"] <= 2 ** -6 and metrics["vs_triton_lse_max_abs"] < 1e-4, metrics
+    for r in (0, 40, 41):
+        assert torch.all(out[r] == 0) and torch.all(lse[r] == float("-inf"))
+
+
 def test_indexer_kl_real_size():
     from titan_glm52.kernels.indexer_loss import indexer_kl_sparse
     from titan_glm52.kernels.sparse_mla import sparse_mla

@@ -25,6 +25,8 @@ the Triton kernel everywhere else.
 from __future__ import annotations
 
 import torch
+
+from . import _triton_env
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_async_shared, mbarrier,
@@ -34,8 +36,6 @@ H = 64          # heads (the M side of every wgmma)
 DA = 512        # latent part of a kv row (= d_v)
 DB = 64         # rope part
 DH = 256        # output columns per consumer warpgroup
-BK = 64         # gathered rows per step
-STAGES = 2
 LOADER_ARRIVALS = 128  # every loader thread arrives (cp.async.mbarrier.arrive.noinc) on the stage's barrier
 
 
@@ -93,6 +93,41 @@ def _pv_right(kv_a, p_smem, a_smem, l_smem, kv_full, kv_empty, p_full, p_empty, 
 
 
 @gluon.jit
+def _issue_scores(q_a, q_b, kv_a, kv_b, kv_full, i, s_zero, STAGES: gl.constexpr):
+    """S = Q K^T of step i, issued asynchronously once its stage has landed."""
+    s = i % STAGES
+    mbarrier.wait(kv_full.index(s), (i // STAGES) & 1)
+    fence_async_shared()
+    sc = warpgroup_mma(q_a, kv_a.index(s).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    return warpgroup_mma(q_b, kv_b.index(s).permute((1, 0)), sc, is_async=True)
+
+
+@gluon.jit
+def _softmax_step(sc, i, m_i, l_i, idx_row, K, T, qk_scale, BK: gl.constexpr, s_layout: gl.constexpr):
+    """Online softmax (base 2) over step i's scores: (P, rescale of the running output, new max, new sum)."""
+    offs = i * BK + gl.arange(0, BK, layout=gl.SliceLayout(0, s_layout))
+    idx = gl.load(idx_row + offs, mask=offs < K, other=-1)
+    sc = gl.where(((idx >= 0) & (idx < T))[None, :], sc * qk_scale, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(sc, axis=1))
+    m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # no valid key yet: keep exp2 finite (= 0)
+    alpha = gl.exp2(m_i - m_use)
+    p = gl.exp2(sc - m_use[:, None])
+    return p, alpha, m_new, l_i * alpha + gl.sum(p, axis=1)
+
+
+@gluon.jit
+def _hand_off(p, alpha, i, p_smem, a_smem, p_full, p_empty):
+    """P (bf16) and the rescale of step i to shared memory for both P V products, once the other consumer has
+    finished with the previous ones."""
+    mbarrier.wait(p_empty, (i & 1) ^ 1)
+    p_smem.store(p.to(gl.bfloat16))
+    a_smem.store(alpha)
+    fence_async_shared()
+    gl.thread_barrier()
+    mbarrier.arrive(p_full, count=1)
+
+
+@gluon.jit
 def _softmax_left(q_a, q_b, kv_a, kv_b, p_smem, a_smem, l_smem, kv_full, kv_empty, p_full, p_empty, l_ready,
                   idx_ptr, kend_ptr, out_ptr, lse_ptr, T, K, qk_scale, stride_it, stride_ot, stride_oh, stride_lt,
                   BK: gl.constexpr, DH: gl.constexpr, H: gl.constexpr, STAGES: gl.constexpr):
@@ -109,33 +144,15 @@ def _softmax_left(q_a, q_b, kv_a, kv_b, p_smem, a_smem, l_smem, kv_full, kv_empt
     l_i = gl.zeros([H], gl.float32, srow)
     acc = gl.zeros([H, DH], gl.float32, o_layout)
     s_zero = gl.zeros([H, BK], gl.float32, s_layout)
-    for i in range(gl.cdiv(kend, BK)):
+    n = gl.cdiv(kend, BK)
+    for i in range(n):
         s = i % STAGES
-        ka = kv_a.index(s)
-        mbarrier.wait(kv_full.index(s), (i // STAGES) & 1)
-        fence_async_shared()
-        sc = warpgroup_mma(q_a, ka.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        sc = warpgroup_mma(q_b, kv_b.index(s).permute((1, 0)), sc, is_async=True)
-        offs = i * BK + gl.arange(0, BK, layout=gl.SliceLayout(0, s_layout))
-        idx = gl.load(idx_row + offs, mask=offs < K, other=-1)
-        valid = (idx >= 0) & (idx < T)
+        sc = _issue_scores(q_a, q_b, kv_a, kv_b, kv_full, i, s_zero, STAGES)
         sc = warpgroup_mma_wait(0, deps=[sc])
-        sc = gl.where(valid[None, :], sc * qk_scale, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(sc, axis=1))
-        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # no valid key yet: keep exp2 finite (= 0)
-        alpha = gl.exp2(m_i - m_use)
-        p = gl.exp2(sc - m_use[:, None])
-        l_i = l_i * alpha + gl.sum(p, axis=1)
-        m_i = m_new
-        # hand P and alpha to the other consumer (it has finished with the previous ones)
-        mbarrier.wait(p_empty, (i & 1) ^ 1)
-        p_smem.store(p.to(gl.bfloat16))
-        a_smem.store(alpha)
-        fence_async_shared()
-        gl.thread_barrier()
-        mbarrier.arrive(p_full, count=1)
+        p, alpha, m_i, l_i = _softmax_step(sc, i, m_i, l_i, idx_row, K, T, qk_scale, BK, s_layout)
+        _hand_off(p, alpha, i, p_smem, a_smem, p_full, p_empty)
         acc = acc * gl.convert_layout(alpha, orow)[:, None]
-        acc = warpgroup_mma(p_smem, ka.slice(0, DH, dim=1), acc, is_async=True)
+        acc = warpgroup_mma(p_smem, kv_a.index(s).slice(0, DH, dim=1), acc, is_async=True)
         acc = warpgroup_mma_wait(0, deps=[acc])
         mbarrier.arrive(kv_empty.index(s), count=1)
     has = l_i > 0.0
@@ -208,7 +225,15 @@ def _fwd_ws_kernel(q_ptr, kv_ptr, idx_ptr, kend_ptr, out_ptr, lse_ptr, T, K, qk_
     ], [4, 4], [PV_REGS, LOADER_REGS])
 
 
-TUNE = {"maxnreg": 168, "pv_regs": 192, "loader_regs": 80}
+# enable: sparse_mla's forward takes this kernel where ``supported`` holds (False: the Triton kernel everywhere, for
+# comparisons); maxnreg: the launch's register cap (12 warps x 168 fill the register file); pv_regs / loader_regs: the
+# two workers' budgets (the softmax warpgroup gets the rest: 12 x 168 - 4 x (192 + 80) = 4 x 232); bk / stages:
+# gathered rows per step and the depth of the ring (shared memory: Q 72 KB + stages x bk x 1152 B).
+# Overrides: $TITAN_DSA_TUNE_FILE, {"sparse_mla_ws": {"fwd": {...}}} (bench/kernels.py's file).
+DEFAULTS = {"enable": True, "maxnreg": 168, "pv_regs": 192, "loader_regs": 80, "bk": 64, "stages": 2}
+TUNE = {"fwd": dict(DEFAULTS)}
+_triton_env.load_tune("sparse_mla_ws", TUNE)
+TUNE["fwd"] = {**DEFAULTS, **TUNE["fwd"]}
 
 
 def supported(q: torch.Tensor, kv: torch.Tensor, d_v: int) -> bool:
@@ -225,8 +250,9 @@ def fwd(q, kv, indices, kend, qk_scale_log2, out, lse):
     total = q.shape[0]
     if total == 0:
         return
+    c = TUNE["fwd"]
     _fwd_ws_kernel[(total,)](
         q, kv, indices, kend, out, lse, kv.shape[0], indices.shape[1], qk_scale_log2,
         q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), out.stride(0), out.stride(1), lse.stride(0),
-        H=H, DA=DA, DB=DB, DH=DH, BK=BK, STAGES=STAGES, LOADER_ARRIVALS=LOADER_ARRIVALS,
-        PV_REGS=TUNE["pv_regs"], LOADER_REGS=TUNE["loader_regs"], num_warps=4, maxnreg=TUNE["maxnreg"])
+        H=H, DA=DA, DB=DB, DH=DH, BK=c["bk"], STAGES=c["stages"], LOADER_ARRIVALS=LOADER_ARRIVALS,
+        PV_REGS=c["pv_regs"], LOADER_REGS=c["loader_regs"], num_warps=4, maxnreg=c["maxnreg"])
