@@ -189,6 +189,37 @@ def test_sparse_mla_ws_forward(tune, monkeypatch):
         assert torch.all(out[r] == 0) and torch.all(lse[r] == float("-inf"))
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                    reason="the warp-specialised backward part 1 is for sm_90")
+def test_sparse_mla_ws_backward_part1(monkeypatch):
+    """The Gluon part 1 of the backward (P, dS into the scratch) against the Triton kernel, on a chunk that starts
+    mid-pack (row0 > 0); the whole backward through it is checked against the reference above."""
+    from titan_glm52.kernels import sparse_mla as SM
+    from titan_glm52.kernels import sparse_mla_ws as WS
+    lengths = [37, 2100, 1959]
+    q, kv, idx, _, g = _mla_inputs(lengths, 6, empty=(0, 40, 41))
+    idx[2500, :700] = -1
+    idx = idx.contiguous()
+    assert WS.supported(q, kv, D_V)
+    scale = D_QK ** -0.5
+    kend = SM.valid_extent(idx)
+    out, lse = SM._fwd(q, kv, idx, kend, scale, D_V)
+    go = torch.randn(q.shape[0], H, D_V, generator=g, device=DEV).to(torch.bfloat16)
+    row0, n = 30, 3000
+    got = [torch.full((n, TOPK, H), 7.0, dtype=q.dtype, device=DEV) for _ in range(2)]
+    WS.bwd_ps(q, kv, idx, kend, out, go, lse, got[0], got[1], scale, row0, n)
+    want = [torch.full_like(got[0], 7.0) for _ in range(2)]
+    c, nw, ns = SM._config(H, D_QK, D_V, "bwd_ps")
+    SM._bwd_ps_kernel[(n, 1)](q, kv, idx, kend, out, go, lse, want[0], want[1], kv.shape[0], H, TOPK, scale, row0,
+                              q.stride(0), q.stride(1), kv.stride(0), idx.stride(0), out.stride(0), out.stride(1),
+                              go.stride(0), go.stride(1), lse.stride(0), want[0].stride(0), want[0].stride(1),
+                              IEEE=False, num_warps=nw, num_stages=ns, **c)
+    for name, a, b in (("P", got[0], want[0]), ("dS", got[1], want[1])):
+        diff = float((a.float() - b.float()).abs().max())
+        print(f"sparse_mla_ws part 1 {name}: max abs diff {diff}, scale {float(b.float().abs().max())}")
+        assert diff <= 1e-3 * float(b.float().abs().max()), (name, diff)
+
+
 def test_indexer_kl_real_size():
     from titan_glm52.kernels.indexer_loss import indexer_kl_sparse
     from titan_glm52.kernels.sparse_mla import sparse_mla

@@ -40,11 +40,12 @@ LOADER_ARRIVALS = 128  # every loader thread arrives (cp.async.mbarrier.arrive.n
 
 
 @gluon.jit
-def _loader(kv_a, kv_b, kv_full, kv_empty, kv_ptr, idx_ptr, kend_ptr, T, K, stride_kvt, stride_it,
+def _loader(kv_a, kv_b, kv_full, kv_empty, kv_ptr, idx_ptr, kend_ptr, T, K, stride_kvt, stride_it, row0,
             BK: gl.constexpr, DA: gl.constexpr, DB: gl.constexpr, STAGES: gl.constexpr):
+    """Gathers kv[idx[t, i*BK : (i+1)*BK]] of every step i of row t = row0 + program id into stage i % STAGES."""
     la: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
     lb: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-    t = gl.program_id(0)
+    t = row0 + gl.program_id(0)
     idx_row = idx_ptr + t.to(gl.int64) * stride_it
     kend = gl.load(kend_ptr + t)
     cols_a = gl.arange(0, DA, layout=gl.SliceLayout(0, la))
@@ -170,6 +171,16 @@ def _softmax_left(q_a, q_b, kv_a, kv_b, p_smem, a_smem, l_smem, kv_full, kv_empt
 
 
 @gluon.jit
+def _copy_rows(smem, base, stride_h, col0, H: gl.constexpr, D: gl.constexpr):
+    """cp.async of base[h * stride_h + col0 + (0..D)] for the H heads into smem [H, D] (4 warps)."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // D, D // 8], [4, 1], [1, 0]) if D < 256 else \
+        gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
+    h = gl.arange(0, H, layout=gl.SliceLayout(1, layout))
+    c = col0 + gl.arange(0, D, layout=gl.SliceLayout(0, layout))
+    async_copy.async_copy_global_to_shared(smem, base + h[:, None] * stride_h + c[None, :])
+
+
+@gluon.jit
 def _fwd_ws_kernel(q_ptr, kv_ptr, idx_ptr, kend_ptr, out_ptr, lse_ptr, T, K, qk_scale,
                    stride_qt, stride_qh, stride_kvt, stride_it, stride_ot, stride_oh, stride_lt,
                    H: gl.constexpr, DA: gl.constexpr, DB: gl.constexpr, DH: gl.constexpr, BK: gl.constexpr,
@@ -200,15 +211,8 @@ def _fwd_ws_kernel(q_ptr, kv_ptr, idx_ptr, kend_ptr, out_ptr, lse_ptr, T, K, qk_
 
     # this row's queries into shared memory (all partitions start after this)
     t = gl.program_id(0)
-    ql_a: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
-    ql_b: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-    qrow = q_ptr + t.to(gl.int64) * stride_qt
-    ha = gl.arange(0, H, layout=gl.SliceLayout(1, ql_a))
-    ca = gl.arange(0, DA, layout=gl.SliceLayout(0, ql_a))
-    async_copy.async_copy_global_to_shared(q_a, qrow + ha[:, None] * stride_qh + ca[None, :])
-    hb = gl.arange(0, H, layout=gl.SliceLayout(1, ql_b))
-    cb = DA + gl.arange(0, DB, layout=gl.SliceLayout(0, ql_b))
-    async_copy.async_copy_global_to_shared(q_b, qrow + hb[:, None] * stride_qh + cb[None, :])
+    _copy_rows(q_a, q_ptr + t.to(gl.int64) * stride_qt, stride_qh, 0, H, DA)
+    _copy_rows(q_b, q_ptr + t.to(gl.int64) * stride_qt, stride_qh, DA, H, DB)
     async_copy.commit_group()
     async_copy.wait_group(0)
     fence_async_shared()
@@ -220,9 +224,104 @@ def _fwd_ws_kernel(q_ptr, kv_ptr, idx_ptr, kend_ptr, out_ptr, lse_ptr, T, K, qk_
                          stride_lt, BK, DH, H, STAGES)),
         (_pv_right, (kv_a, p_smem, a_smem, l_smem, kv_full, kv_empty, p_full, p_empty, l_ready, out_ptr, kend_ptr,
                      stride_ot, stride_oh, BK, DH, H, STAGES)),
-        (_loader, (kv_a, kv_b, kv_full, kv_empty, kv_ptr, idx_ptr, kend_ptr, T, K, stride_kvt, stride_it,
+        (_loader, (kv_a, kv_b, kv_full, kv_empty, kv_ptr, idx_ptr, kend_ptr, T, K, stride_kvt, stride_it, 0,
                    BK, DA, DB, STAGES)),
     ], [4, 4], [PV_REGS, LOADER_REGS])
+
+
+@gluon.jit
+def _ps_consumer(q_a, q_b, do_smem, d_smem, kv_a, kv_b, kv_full, kv_empty, idx_ptr, kend_ptr, lse_ptr, p_ptr,
+                 ds_ptr, T, K, sm_scale, row0, stride_it, stride_lt, stride_pt, stride_pk,
+                 C: gl.constexpr, BK: gl.constexpr, H: gl.constexpr, STAGES: gl.constexpr):
+    """Steps C, C + STAGES, ... of one row (this consumer owns stage C of the ring): S = Q K^T, dP = dO V^T by
+    wgmma, then P = exp(S - lse), dS = P (dP - Delta) sm_scale into the scratch [rows, K, H] (heads innermost)."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BK, 16])
+    row: gl.constexpr = gl.SliceLayout(1, s_layout)
+    # stores: 8 consecutive heads of one slot per thread (16-byte stores into the heads-innermost scratch)
+    st: gl.constexpr = gl.BlockedLayout([8, 1], [8, 4], [1, 4], [0, 1])
+    t = row0 + gl.program_id(0)
+    t64 = t.to(gl.int64)
+    kend = gl.load(kend_ptr + t)
+    lse = gl.load(lse_ptr + t64 * stride_lt + gl.arange(0, H, layout=row))
+    lse2 = gl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)  # empty row -> P = 0
+    delta = d_smem.load(row)
+    qk_scale = sm_scale * 1.4426950408889634
+    zero = gl.zeros([H, BK], gl.float32, s_layout)
+    heads = gl.arange(0, H, layout=gl.SliceLayout(1, st))
+    prow = (t - row0).to(gl.int64) * stride_pt
+    idx_row = idx_ptr + t64 * stride_it
+    for j in range(C, gl.cdiv(kend, BK), STAGES):
+        mbarrier.wait(kv_full.index(C), (j // STAGES) & 1)
+        fence_async_shared()
+        ka = kv_a.index(C).permute((1, 0))
+        sc = warpgroup_mma(q_a, ka, zero, use_acc=False, is_async=True)
+        sc = warpgroup_mma(q_b, kv_b.index(C).permute((1, 0)), sc, is_async=True)
+        dp = warpgroup_mma(do_smem, ka, zero, use_acc=False, is_async=True)
+        offs = j * BK + gl.arange(0, BK, layout=gl.SliceLayout(0, s_layout))
+        idx = gl.load(idx_row + offs, mask=offs < K, other=-1)
+        sc, dp = warpgroup_mma_wait(0, deps=[sc, dp])
+        mbarrier.arrive(kv_empty.index(C), count=1)
+        p = gl.where(((idx >= 0) & (idx < T))[None, :], gl.exp2(sc * qk_scale - lse2[:, None]), 0.0)
+        ds = p * (dp - delta[:, None]) * sm_scale  # gradient w.r.t. q.k
+        slots = j * BK + gl.arange(0, BK, layout=gl.SliceLayout(0, st))
+        offs_p = prow + slots[None, :] * stride_pk + heads[:, None]
+        smask = (slots < K)[None, :] & (heads < H)[:, None]
+        gl.store(p_ptr + offs_p, gl.convert_layout(p.to(p_ptr.dtype.element_ty), st), mask=smask)
+        gl.store(ds_ptr + offs_p, gl.convert_layout(ds.to(ds_ptr.dtype.element_ty), st), mask=smask)
+
+
+@gluon.jit
+def _bwd_ps_ws_kernel(q_ptr, kv_ptr, idx_ptr, kend_ptr, out_ptr, do_ptr, lse_ptr, p_ptr, ds_ptr, T, K, sm_scale, row0,
+                      stride_qt, stride_qh, stride_kvt, stride_it, stride_ot, stride_oh, stride_dot, stride_doh,
+                      stride_lt, stride_pt, stride_pk,
+                      H: gl.constexpr, DA: gl.constexpr, DB: gl.constexpr, BK: gl.constexpr,
+                      LOADER_ARRIVALS: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
+    """Backward part 1 (see ``sparse_mla._bwd_ps_kernel``), one program per query row of a chunk: a loader
+    warpgroup gathers BK rows per step into a two-stage ring, two consumer warpgroups take alternate steps, so one
+    consumer's exponentials and scratch stores overlap the other's products."""
+    STAGES: gl.constexpr = 2
+    dtype: gl.constexpr = q_ptr.dtype.element_ty
+    la: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BK, DA], dtype)
+    lb: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BK, DB], dtype)
+    q_a = gl.allocate_shared_memory(dtype, [H, DA], la)
+    q_b = gl.allocate_shared_memory(dtype, [H, DB], lb)
+    do_smem = gl.allocate_shared_memory(dtype, [H, DA], la)
+    kv_a = gl.allocate_shared_memory(dtype, [STAGES, BK, DA], la)
+    kv_b = gl.allocate_shared_memory(dtype, [STAGES, BK, DB], lb)
+    d_smem = gl.allocate_shared_memory(gl.float32, [H], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    kv_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(kv_full.index(s), count=LOADER_ARRIVALS)
+        mbarrier.init(kv_empty.index(s), count=1)
+
+    t64 = (row0 + gl.program_id(0)).to(gl.int64)
+    _copy_rows(q_a, q_ptr + t64 * stride_qt, stride_qh, 0, H, DA)
+    _copy_rows(q_b, q_ptr + t64 * stride_qt, stride_qh, DA, H, DB)
+    _copy_rows(do_smem, do_ptr + t64 * stride_dot, stride_doh, 0, H, DA)
+    async_copy.commit_group()
+    # Delta = rowsum(O dO) per head, in two halves of the columns, while the copies land
+    half: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
+    h = gl.arange(0, H, layout=gl.SliceLayout(1, half))
+    c = gl.arange(0, DA // 2, layout=gl.SliceLayout(0, half))
+    o_base = out_ptr + t64 * stride_ot + h[:, None] * stride_oh + c[None, :]
+    d_base = do_ptr + t64 * stride_dot + h[:, None] * stride_doh + c[None, :]
+    delta = gl.sum(gl.load(o_base).to(gl.float32) * gl.load(d_base).to(gl.float32), axis=1)
+    delta += gl.sum(gl.load(o_base + DA // 2).to(gl.float32) * gl.load(d_base + DA // 2).to(gl.float32), axis=1)
+    d_smem.store(delta)
+    async_copy.wait_group(0)
+    fence_async_shared()
+    gl.thread_barrier()
+
+    gl.warp_specialize([
+        (_ps_consumer, (q_a, q_b, do_smem, d_smem, kv_a, kv_b, kv_full, kv_empty, idx_ptr, kend_ptr, lse_ptr, p_ptr,
+                        ds_ptr, T, K, sm_scale, row0, stride_it, stride_lt, stride_pt, stride_pk, 0, BK, H, STAGES)),
+        (_ps_consumer, (q_a, q_b, do_smem, d_smem, kv_a, kv_b, kv_full, kv_empty, idx_ptr, kend_ptr, lse_ptr, p_ptr,
+                        ds_ptr, T, K, sm_scale, row0, stride_it, stride_lt, stride_pt, stride_pk, 1, BK, H, STAGES)),
+        (_loader, (kv_a, kv_b, kv_full, kv_empty, kv_ptr, idx_ptr, kend_ptr, T, K, stride_kvt, stride_it, row0,
+                   BK, DA, DB, STAGES)),
+    ], [4, 4], [CONSUMER_REGS, LOADER_REGS])
 
 
 # enable: sparse_mla's forward takes this kernel where ``supported`` holds (False: the Triton kernel everywhere, for
@@ -230,10 +329,12 @@ def _fwd_ws_kernel(q_ptr, kv_ptr, idx_ptr, kend_ptr, out_ptr, lse_ptr, T, K, qk_
 # two workers' budgets (the softmax warpgroup gets the rest: 12 x 168 - 4 x (192 + 80) = 4 x 232); bk / stages:
 # gathered rows per step and the depth of the ring (shared memory: Q 72 KB + stages x bk x 1152 B).
 # Overrides: $TITAN_DSA_TUNE_FILE, {"sparse_mla_ws": {"fwd": {...}}} (bench/kernels.py's file).
-DEFAULTS = {"enable": True, "maxnreg": 168, "pv_regs": 192, "loader_regs": 80, "bk": 64, "stages": 2}
-TUNE = {"fwd": dict(DEFAULTS)}
+# bwd_ps: the backward's part 1 (two consumers, each owning one stage of bk rows: Q, dO 136 KB + 2 x bk x 1152 B).
+DEFAULTS = {"fwd": {"enable": True, "maxnreg": 168, "pv_regs": 192, "loader_regs": 80, "bk": 64, "stages": 2},
+            "bwd_ps": {"enable": True, "maxnreg": 168, "consumer_regs": 208, "loader_regs": 80, "bk": 32}}
+TUNE = {k: dict(v) for k, v in DEFAULTS.items()}
 _triton_env.load_tune("sparse_mla_ws", TUNE)
-TUNE["fwd"] = {**DEFAULTS, **TUNE["fwd"]}
+TUNE = {k: {**v, **TUNE[k]} for k, v in DEFAULTS.items()}
 
 
 def supported(q: torch.Tensor, kv: torch.Tensor, d_v: int) -> bool:
@@ -256,3 +357,14 @@ def fwd(q, kv, indices, kend, qk_scale_log2, out, lse):
         q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), out.stride(0), out.stride(1), lse.stride(0),
         H=H, DA=DA, DB=DB, DH=DH, BK=c["bk"], STAGES=c["stages"], LOADER_ARRIVALS=LOADER_ARRIVALS,
         PV_REGS=c["pv_regs"], LOADER_REGS=c["loader_regs"], num_warps=4, maxnreg=c["maxnreg"])
+
+
+def bwd_ps(q, kv, indices, kend, out, grad_out, lse, p, ds, sm_scale, row0, n):
+    """Part 1 of the backward for rows row0 .. row0 + n - 1 into the scratches p, ds [>= n, K, 64]."""
+    c = TUNE["bwd_ps"]
+    _bwd_ps_ws_kernel[(n,)](
+        q, kv, indices, kend, out, grad_out, lse, p, ds, kv.shape[0], indices.shape[1], sm_scale, row0,
+        q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), out.stride(0), out.stride(1), grad_out.stride(0),
+        grad_out.stride(1), lse.stride(0), p.stride(0), p.stride(1),
+        H=H, DA=DA, DB=DB, BK=c["bk"], LOADER_ARRIVALS=LOADER_ARRIVALS, CONSUMER_REGS=c["consumer_regs"],
+        LOADER_REGS=c["loader_regs"], num_warps=4, maxnreg=c["maxnreg"])

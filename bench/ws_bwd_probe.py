@@ -1,0 +1,79 @@
+"""The Gluon part 1 of the sparse MLA backward (P, dS; titan_glm52/kernels/sparse_mla_ws.py) against the Triton
+kernel on one GPU: P / dS equality and the whole backward's gradients against the fp32 reference, then part 1 alone
+(the first 4096 rows) and the whole backward at T = 4K and 32K with either part 1.
+
+    python3 bench/ws_bwd_probe.py base
+    python3 bench/ws_bwd_probe.py '{"consumer_regs": 200, "loader_regs": 96}'   # a TUNE["bwd_ps"] variant
+
+Writes $OUT/ws_bwd_<variant>.json; lines starting RESULT summarise.
+"""
+import json, os, sys
+sys.path.insert(0, os.getcwd())
+import torch, triton
+from titan_glm52.kernels import reference as R
+from titan_glm52.kernels import sparse_mla as SM
+from titan_glm52.kernels import sparse_mla_ws as W
+sys.path.insert(0, os.path.dirname(__file__))
+from ws_inputs import DEV, H, D_QK, D_V, TOPK, inputs  # noqa: E402
+VAR = json.loads(sys.argv[1]) if len(sys.argv) > 1 and sys.argv[1] != "base" else {}
+W.TUNE["bwd_ps"].update(VAR)
+res = {"variant": VAR}
+scale = D_QK ** -0.5
+def cos(a, b):
+    a, b = a.float().flatten(), b.float().flatten()
+    return float(1 - (a @ b) / (a.norm() * b.norm()))
+def part1(q, kv, idx, out, lse, go, ws, rows=None):
+    kend = SM.valid_extent(idx)
+    n = rows or q.shape[0]
+    p = torch.zeros((n, idx.shape[1], H), dtype=q.dtype, device=DEV); ds = torch.zeros_like(p)
+    if ws:
+        W.bwd_ps(q, kv, idx, kend, out, go, lse, p, ds, scale, 0, n)
+    else:
+        c, nw, ns = SM._config(H, D_QK, D_V, "bwd_ps")
+        SM._bwd_ps_kernel[(n, 1)](q, kv, idx, kend, out, go, lse, p, ds, kv.shape[0], H, idx.shape[1], scale, 0,
+            q.stride(0), q.stride(1), kv.stride(0), idx.stride(0), out.stride(0), out.stride(1), go.stride(0), go.stride(1),
+            lse.stride(0), p.stride(0), p.stride(1), IEEE=False, num_warps=nw, num_stages=ns, **c)
+    return p, ds
+q, kv, idx = inputs([1000, 3096], 1, empty=(0, 1, 2))
+idx[5, 7] = -1; idx[6, :100] = -1; idx = idx.contiguous()
+g = torch.Generator(device=DEV).manual_seed(3)
+go = torch.randn(q.shape[0], H, D_V, generator=g, device=DEV).to(torch.bfloat16)
+kend = SM.valid_extent(idx)
+out, lse = SM._fwd(q, kv, idx, kend, scale, D_V)
+p1, d1 = part1(q, kv, idx, out, lse, go, True)
+p2, d2 = part1(q, kv, idx, out, lse, go, False)
+m = {"p_max_abs": float((p1.float() - p2.float()).abs().max()), "ds_max_abs": float((d1.float() - d2.float()).abs().max()),
+     "ds_scale": float(d2.float().abs().max()), "p_equal": bool(torch.equal(p1, p2)), "ds_equal": bool(torch.equal(d1, d2))}
+qt, kvt = q.clone().requires_grad_(), kv.clone().requires_grad_()
+o, _ = SM.sparse_mla(qt, kvt, idx, scale, D_V); o.backward(go)
+qr, kvr = q.float().requires_grad_(), kv.float().requires_grad_()
+ro, _ = R.sparse_mla(qr, kvr, idx, scale, D_V); ro.backward(go.float())
+m.update(dq_cos=cos(qt.grad, qr.grad), dkv_cos=cos(kvt.grad, kvr.grad), empty_ok=bool(torch.all(qt.grad[:3] == 0)),
+         finite=bool(torch.isfinite(qt.grad).all() and torch.isfinite(kvt.grad).all()))
+print("correct", json.dumps(m), flush=True)
+res["correct"] = m
+del qt, kvt, qr, kvr, ro, o
+for T in [4096, 32768]:
+    q, kv, idx = inputs([T], 2)
+    go = torch.randn(T, H, D_V, generator=g, device=DEV).to(torch.bfloat16)
+    kend = SM.valid_extent(idx)
+    out, lse = SM._fwd(q, kv, idx, kend, scale, D_V)
+    kvalid = sum(min(TOPK, i + 1) for i in range(T))
+    rows = min(T, 4096)
+    kv_rows = sum(min(TOPK, i + 1) for i in range(rows))
+    f1 = 2 * H * kv_rows * (D_QK + D_V)
+    row = {}
+    for name, ws in (("triton", False), ("ws", True)):
+        ms = triton.testing.do_bench(lambda: part1(q, kv, idx, out, lse, go, ws, rows), warmup=30, rep=300)
+        row[f"part1_{name}"] = dict(ms=ms, tflops=f1 / ms / 1e9)
+        W.TUNE["bwd_ps"]["enable"] = ws
+        ms = triton.testing.do_bench(lambda: SM._bwd(q, kv, idx, kend, out, lse, go, scale, D_V), warmup=5, rep=300)
+        row[f"bwd_{name}"] = dict(ms=ms)
+    W.TUNE["bwd_ps"]["enable"] = True
+    res[f"T{T}"] = row
+    print(T, json.dumps(row), flush=True)
+tag = "_".join(f"{k}{v}" for k, v in VAR.items()) or "base"
+json.dump(res, open(os.path.join(os.environ.get("OUT", "/tmp"), f"ws_bwd_{tag}.json"), "w"), indent=1)
+for T in [4096, 32768]:
+    r = res[f"T{T}"]
+    print(f"RESULT | {tag} | {T} | part1 (first {min(T,4096)} rows) triton {r['part1_triton']['ms']:.2f} ms {r['part1_triton']['tflops']:.0f} TF/s, ws {r['part1_ws']['ms']:.2f} ms {r['part1_ws']['tflops']:.0f} TF/s | bwd triton-part1 {r['bwd_triton']['ms']:.2f} ms, ws-part1 {r['bwd_ws']['ms']:.2f} ms |")
