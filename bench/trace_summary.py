@@ -18,8 +18,8 @@ from collections import defaultdict
 
 # first match wins; names are matched lower-cased
 CATEGORIES = (
-    ("dsa: sparse mla fwd", r"^_fwd_kernel"),
-    ("dsa: sparse mla bwd", r"^_bwd_(dq_|dkv_|ps_|grad_)?kernel"),
+    ("dsa: sparse mla fwd", r"^_fwd_(ws_)?kernel"),
+    ("dsa: sparse mla bwd", r"^_bwd_(dq_|dkv_|ps_|ps_ws_|grad_)?kernel"),
     ("dsa: indexer top-k", r"^_(score|select)_kernel"),
     ("dsa: indexer kl", r"^_kl_(fwd|bwd)_kernel"),
     ("dense attention (flash/cudnn/efficient)", r"flash|fmha|cudnn|attention|sdpa|efficient"),

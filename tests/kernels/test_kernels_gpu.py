@@ -214,8 +214,10 @@ def test_sparse_mla_ws_backward_part1(monkeypatch):
                               q.stride(0), q.stride(1), kv.stride(0), idx.stride(0), out.stride(0), out.stride(1),
                               go.stride(0), go.stride(1), lse.stride(0), want[0].stride(0), want[0].stride(1),
                               IEEE=False, num_warps=nw, num_stages=ns, **c)
+    # only the slots part 2 reads (below each row's valid extent); past it each kernel leaves its own step's tail
+    used = (torch.arange(TOPK, device=DEV)[None, :] < kend[row0:row0 + n, None])[:, :, None]
     for name, a, b in (("P", got[0], want[0]), ("dS", got[1], want[1])):
-        diff = float((a.float() - b.float()).abs().max())
+        diff = float(torch.where(used, a.float() - b.float(), 0.0).abs().max())
         print(f"sparse_mla_ws part 1 {name}: max abs diff {diff}, scale {float(b.float().abs().max())}")
         assert diff <= 1e-3 * float(b.float().abs().max()), (name, diff)
 
