@@ -14,9 +14,8 @@ from titan_glm52.kernels import reference as R
 from titan_glm52.kernels import sparse_mla as SM
 from titan_glm52.kernels import sparse_mla_ws as W
 sys.path.insert(0, os.path.dirname(__file__))
-from ws_inputs import DEV, H, D_QK, D_V, TOPK, inputs  # noqa: E402
-VAR = json.loads(sys.argv[1]) if len(sys.argv) > 1 and sys.argv[1] != "base" else {}
-W.TUNE["bwd_ps"].update(VAR)
+from ws_inputs import DEV, H, D_QK, D_V, TOPK, inputs, save, variant  # noqa: E402
+VAR = variant(W.TUNE["bwd_ps"])
 res = {"variant": VAR}
 scale = D_QK ** -0.5
 def cos(a, b):
@@ -72,8 +71,7 @@ for T in [4096, 32768]:
     W.TUNE["bwd_ps"]["enable"] = True
     res[f"T{T}"] = row
     print(T, json.dumps(row), flush=True)
-tag = "_".join(f"{k}{v}" for k, v in VAR.items()) or "base"
-json.dump(res, open(os.path.join(os.environ.get("OUT", "/tmp"), f"ws_bwd_{tag}.json"), "w"), indent=1)
+tag = save(res, "ws_bwd", VAR)
 for T in [4096, 32768]:
     r = res[f"T{T}"]
     print(f"RESULT | {tag} | {T} | part1 (first {min(T,4096)} rows) triton {r['part1_triton']['ms']:.2f} ms {r['part1_triton']['tflops']:.0f} TF/s, ws {r['part1_ws']['ms']:.2f} ms {r['part1_ws']['tflops']:.0f} TF/s | bwd triton-part1 {r['bwd_triton']['ms']:.2f} ms, ws-part1 {r['bwd_ws']['ms']:.2f} ms |")

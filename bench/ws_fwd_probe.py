@@ -14,13 +14,10 @@ from titan_glm52.kernels import reference as R
 from titan_glm52.kernels import sparse_mla as SM
 from titan_glm52.kernels import sparse_mla_ws as W
 sys.path.insert(0, os.path.dirname(__file__))
-from ws_inputs import DEV, H, D_QK, D_V, TOPK, inputs  # noqa: E402
+from ws_inputs import DEV, H, D_QK, D_V, TOPK, inputs, save, variant  # noqa: E402
 
-res = {}
-VAR = json.loads(sys.argv[1]) if len(sys.argv) > 1 and sys.argv[1] != "base" else {}
-W.TUNE["fwd"].update(VAR)
-res["variant"] = VAR
-print("variant", VAR, flush=True)
+VAR = variant(W.TUNE["fwd"])
+res = {"variant": VAR}
 BASE = len(sys.argv) > 2  # time the Triton kernel too
 
 
@@ -77,8 +74,7 @@ for T in [4096, 32768]:
     row["ws_vs_triton_lse_max_abs"] = float((l1 - l2).abs().max())
     res[f"T{T}"] = row
     print(T, json.dumps(row), flush=True)
-tag = "_".join(f"{k}{v}" for k, v in VAR.items()) or "base"
-json.dump(res, open(os.path.join(os.environ.get("OUT", "/tmp"), f"ws_probe_{tag}.json"), "w"), indent=1)
+tag = save(res, "ws_probe", VAR)
 for T in [4096, 32768]:
     r = res[f"T{T}"]
     print(f"RESULT | {tag} | {T} | {r['ws']['ms']:.2f} ms | {r['ws']['tflops']:.0f} TF/s | ok={m['ws']['out_bad'] == 0 and m['ws']['empty_ok']} | vs triton {r['ws_vs_triton_out_max_abs']:.3g} |"

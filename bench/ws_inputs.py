@@ -1,4 +1,8 @@
 """Inputs of the warp-specialised kernel probes: q, kv (bf16) and the indexer's top-2048 of random indexer inputs."""
+import json
+import os
+import sys
+
 import torch
 
 from titan_glm52.kernels.indexer_topk import indexer_topk
@@ -16,3 +20,19 @@ def inputs(lengths, seed, empty=()):
     for r in empty:
         idx[r] = -1
     return q, kv, idx.to(torch.int32).contiguous()
+
+
+def variant(tune: dict) -> dict:
+    """The TUNE variant given as the first argument (JSON; "base" = the defaults), applied to ``tune``."""
+    var = json.loads(sys.argv[1]) if len(sys.argv) > 1 and sys.argv[1] != "base" else {}
+    tune.update(var)
+    print("variant", var, flush=True)
+    return var
+
+
+def save(res: dict, prefix: str, var: dict) -> str:
+    """Writes $OUT/<prefix>_<variant>.json; returns the variant's tag."""
+    tag = "_".join(f"{k}{v}" for k, v in var.items()) or "base"
+    with open(os.path.join(os.environ.get("OUT", "/tmp"), f"{prefix}_{tag}.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    return tag
