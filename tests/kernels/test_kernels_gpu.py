@@ -222,6 +222,49 @@ def test_sparse_mla_ws_backward_part1(monkeypatch):
         assert diff <= 1e-3 * float(b.float().abs().max()), (name, diff)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                    reason="the warp-specialised backward part 2 is for sm_90")
+def test_sparse_mla_ws_backward_part2():
+    """The Gluon part 2 (dKV by atomics, dQ) against the Triton kernel from the same P / dS scratch, on a chunk that
+    starts mid-pack; dKV in fp32 before the cast (the atomics' order differs, so not bit for bit)."""
+    from titan_glm52.kernels import sparse_mla as SM
+    from titan_glm52.kernels import sparse_mla_ws as WS
+    lengths = [37, 2100, 1959]
+    q, kv, idx, _, g = _mla_inputs(lengths, 7, empty=(0, 40, 41))
+    idx[2500, :700] = -1
+    idx[3000, 1::2] = -1
+    idx = idx.contiguous()
+    scale = D_QK ** -0.5
+    kend = SM.valid_extent(idx)
+    out, lse = SM._fwd(q, kv, idx, kend, scale, D_V)
+    go = torch.randn(q.shape[0], H, D_V, generator=g, device=DEV).to(torch.bfloat16)
+    row0, n = 30, 3000
+    p = torch.full((n, TOPK, H), float("nan"), dtype=q.dtype, device=DEV)  # slots part 1 leaves must not be read
+    ds = p.clone()
+    WS.bwd_ps(q, kv, idx, kend, out, go, lse, p, ds, scale, row0, n)
+    grads = []
+    for ws in (True, False):
+        dq = torch.zeros_like(q)
+        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=DEV)
+        if ws:
+            WS.bwd_grad(q, kv, idx, kend, go, p, ds, dkv, dq, row0, n)
+        else:
+            c, nw, ns = SM._config(H, D_QK, D_V, "bwd_grad")
+            SM._bwd_grad_kernel[(D_QK // c["DC"], n, 1)](
+                q, kv, idx, kend, go, p, ds, dkv, dq, kv.shape[0], H, TOPK, row0, q.stride(0), q.stride(1),
+                kv.stride(0), idx.stride(0), go.stride(0), go.stride(1), p.stride(0), p.stride(1), dkv.stride(0),
+                dq.stride(0), dq.stride(1), IEEE=False, num_warps=nw, num_stages=ns, **c)
+        grads.append((dq, dkv))
+    (dq, dkv), (t_dq, t_dkv) = grads
+    d_dq = float((dq.float() - t_dq.float()).abs().max())
+    d_dkv = float((dkv - t_dkv).abs().max())
+    print(f"sparse_mla_ws part 2: dq max abs diff {d_dq}, dkv {d_dkv} (scale {float(t_dkv.abs().max())})")
+    assert torch.isfinite(dkv).all() and torch.isfinite(dq).all()
+    assert d_dq <= 1e-2 * float(t_dq.float().abs().max()), d_dq
+    assert d_dkv <= 1e-5 * float(t_dkv.abs().max()), d_dkv
+    assert torch.all(dq[:row0] == 0) and torch.all(dq[row0 + n:] == 0)
+
+
 def test_indexer_kl_real_size():
     from titan_glm52.kernels.indexer_loss import indexer_kl_sparse
     from titan_glm52.kernels.sparse_mla import sparse_mla

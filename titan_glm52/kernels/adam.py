@@ -25,7 +25,7 @@ import struct
 
 import torch
 
-from ._triton_env import check_device  # (first: the interpreter switch before triton)
+from ._triton_env import check_device, elementwise_block  # (first: the interpreter switch before triton)
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
@@ -139,7 +139,8 @@ def adam_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, e
     n = param.numel()
     if n == 0:
         return
-    _adam_kernel[(triton.cdiv(n, BLOCK),)](
+    block = elementwise_block(BLOCK)
+    _adam_kernel[(triton.cdiv(n, block),)](
         param, grad, exp_avg, exp_avg_sq, step,
         grad_coef if grad_coef is not None else step, skip if skip is not None else step,
         copy_to if copy_to is not None else param, n,
@@ -148,7 +149,7 @@ def adam_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, e
                              math.log2(beta2) if beta2 > 0 else -math.inf)],
         HAS_COEF=grad_coef is not None, HAS_SKIP=skip is not None, HAS_COPY=copy_to is not None,
         DECOUPLED=bool(decoupled),
-        BLOCK=BLOCK, num_warps=NUM_WARPS, enable_fp_fusion=False)
+        BLOCK=block, num_warps=NUM_WARPS, enable_fp_fusion=False)
 
 
 def compile_specs(small: bool = False):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ._triton_env import check_device  # (first: the interpreter switch before triton)
+from ._triton_env import check_device, elementwise_block  # (first: the interpreter switch before triton)
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
@@ -36,7 +36,8 @@ def scaled(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     out = torch.empty_like(x)
     n = x.numel()
     if n:
-        _scale_kernel[(triton.cdiv(n, BLOCK),)](x, g, out, n, BLOCK=BLOCK, num_warps=8)
+        block = elementwise_block(BLOCK)
+        _scale_kernel[(triton.cdiv(n, block),)](x, g, out, n, BLOCK=block, num_warps=8)
     return out
 
 

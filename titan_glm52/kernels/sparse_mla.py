@@ -340,7 +340,9 @@ def _bwd(q, kv, indices, kend, out, lse, grad_out, sm_scale, d_v):
     p = torch.empty((rows, n_k, h), dtype=q.dtype, device=q.device)
     ds = torch.empty_like(p)
     ieee = q.dtype == torch.float32
-    ws = _ws.TUNE["bwd_ps"]["enable"] and not _triton_env.interpreting() and _ws.supported(q, kv, d_v)
+    gluon = not _triton_env.interpreting() and _ws.supported(q, kv, d_v)
+    ws = gluon and _ws.TUNE["bwd_ps"]["enable"]
+    ws2 = gluon and _ws.TUNE["bwd_grad"]["enable"]
     for a in range(0, total, rows):
         n = min(rows, total - a)
         if ws:
@@ -351,11 +353,14 @@ def _bwd(q, kv, indices, kend, out, lse, grad_out, sm_scale, d_v):
                 q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), out.stride(0), out.stride(1),
                 grad_out.stride(0), grad_out.stride(1), lse.stride(0), p.stride(0), p.stride(1),
                 IEEE=ieee, num_warps=nw, num_stages=ns, **c)
-        _bwd_grad_kernel[(triton.cdiv(d_qk, c2["DC"]), n, triton.cdiv(h, c2["BH"]))](
-            q, kv, indices, kend, grad_out, p, ds, dkv, dq, kv.shape[0], h, n_k, a,
-            q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), grad_out.stride(0), grad_out.stride(1),
-            p.stride(0), p.stride(1), dkv.stride(0), dq.stride(0), dq.stride(1), IEEE=ieee,
-            num_warps=nw2, num_stages=ns2, **c2)
+        if ws2:
+            _ws.bwd_grad(q, kv, indices, kend, grad_out, p, ds, dkv, dq, a, n)
+        else:
+            _bwd_grad_kernel[(triton.cdiv(d_qk, c2["DC"]), n, triton.cdiv(h, c2["BH"]))](
+                q, kv, indices, kend, grad_out, p, ds, dkv, dq, kv.shape[0], h, n_k, a,
+                q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), grad_out.stride(0), grad_out.stride(1),
+                p.stride(0), p.stride(1), dkv.stride(0), dq.stride(0), dq.stride(1), IEEE=ieee,
+                num_warps=nw2, num_stages=ns2, **c2)
     return dq, dkv.to(kv.dtype)
 
 

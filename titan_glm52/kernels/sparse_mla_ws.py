@@ -324,14 +324,137 @@ def _bwd_ps_ws_kernel(q_ptr, kv_ptr, idx_ptr, kend_ptr, out_ptr, do_ptr, lse_ptr
     ], [4, 4], [CONSUMER_REGS, LOADER_REGS])
 
 
+@gluon.jit
+def _grad_loader(kv_c, p_s, ds_s, full, empty, kv_ptr, idx_ptr, kend_ptr, p_ptr, ds_ptr, T, K, stride_kvt, stride_it,
+                 row0, stride_pt, stride_pk, BK: gl.constexpr, H: gl.constexpr, DC: gl.constexpr,
+                 NC: gl.constexpr, STAGES: gl.constexpr):
+    """Step i of row t: the P and dS tiles [BK slots, H] of the scratch and the NC column chunks [BK, DC] of the
+    gathered kv rows (this program's column group) into stage i % STAGES; invalid slots read as zeros."""
+    lt: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # [BK, 64] tiles, 16-byte copies
+    t = row0 + gl.program_id(1)
+    c0 = gl.program_id(0) * (NC * DC)
+    idx_row = idx_ptr + t.to(gl.int64) * stride_it
+    kend = gl.load(kend_ptr + t)
+    prow = (t - row0).to(gl.int64) * stride_pt
+    heads = gl.arange(0, H, layout=gl.SliceLayout(0, lt))
+    cols = gl.arange(0, DC, layout=gl.SliceLayout(0, lt))
+    for i in range(gl.cdiv(kend, BK)):
+        s = i % STAGES
+        mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
+        slots = i * BK + gl.arange(0, BK, layout=gl.SliceLayout(1, lt))
+        idx = gl.load(idx_row + slots, mask=slots < K, other=-1)
+        valid = ((idx >= 0) & (idx < T))[:, None]
+        offs = prow + slots.to(gl.int64)[:, None] * stride_pk + heads[None, :]
+        async_copy.async_copy_global_to_shared(p_s.index(s), p_ptr + offs, mask=valid)
+        async_copy.async_copy_global_to_shared(ds_s.index(s), ds_ptr + offs, mask=valid)
+        rows = gl.where(idx >= 0, idx, 0).to(gl.int64)[:, None] * stride_kvt + c0
+        for c in gl.static_range(NC):
+            async_copy.async_copy_global_to_shared(kv_c.index(s * NC + c), kv_ptr + rows + c * DC + cols[None, :],
+                                                   mask=valid)
+        async_copy.mbarrier_arrive(full.index(s), increment_count=False)
+
+
+@gluon.jit
+def _grad_consumer(q_c, do_c, kv_c, p_s, ds_s, full, empty, idx_ptr, kend_ptr, dkv_ptr, dq_ptr, T, K, row0, stride_it,
+                   stride_dkvt, stride_dqt, stride_dqh, C: gl.constexpr, BK: gl.constexpr, H: gl.constexpr,
+                   DC: gl.constexpr, NC: gl.constexpr, STAGES: gl.constexpr):
+    """Column chunk C of this program's group over every step: dKV[idx, cols] += dS^T Q_C + P^T dO_C (fp32 atomics,
+    16 bytes each) and dQ[:, cols] = sum over steps of dS KV[idx, cols]."""
+    acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DC, 16])
+    red_l: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [4, 1], [1, 0])
+    t = row0 + gl.program_id(1)
+    col0 = gl.program_id(0) * (NC * DC) + C * DC
+    t64 = t.to(gl.int64)
+    idx_row = idx_ptr + t64 * stride_it
+    kend = gl.load(kend_ptr + t)
+    zero = gl.zeros([BK, DC], gl.float32, acc_l)
+    dq = gl.zeros([H, DC], gl.float32, acc_l)
+    cols = col0 + gl.arange(0, DC, layout=gl.SliceLayout(0, red_l))
+    for i in range(gl.cdiv(kend, BK)):
+        s = i % STAGES
+        mbarrier.wait(full.index(s), (i // STAGES) & 1)
+        fence_async_shared()
+        ds_t = ds_s.index(s)
+        kv = kv_c.index(s * NC + C)
+        acc = warpgroup_mma(ds_t, q_c.index(C), zero, use_acc=False, is_async=True)
+        acc = warpgroup_mma(p_s.index(s), do_c.index(C), acc, is_async=True)
+        dq = warpgroup_mma(ds_t.permute((1, 0)), kv, dq, is_async=True)
+        slots = i * BK + gl.arange(0, BK, layout=gl.SliceLayout(1, red_l))
+        idx = gl.load(idx_row + slots, mask=slots < K, other=-1)
+        acc, dq = warpgroup_mma_wait(0, deps=[acc, dq])
+        mbarrier.arrive(empty.index(s), count=1)
+        valid = (idx >= 0) & (idx < T)
+        rows = gl.where(valid, idx, 0).to(gl.int64)
+        gl.atomic_add(dkv_ptr + rows[:, None] * stride_dkvt + cols[None, :], gl.convert_layout(acc, red_l),
+                      mask=valid[:, None], sem="relaxed")
+    heads = gl.arange(0, H, layout=gl.SliceLayout(1, acc_l))
+    dcols = col0 + gl.arange(0, DC, layout=gl.SliceLayout(0, acc_l))
+    gl.store(dq_ptr + t64 * stride_dqt + heads[:, None] * stride_dqh + dcols[None, :], dq.to(dq_ptr.dtype.element_ty))
+
+
+@gluon.jit
+def _bwd_grad_ws_kernel(q_ptr, kv_ptr, idx_ptr, kend_ptr, do_ptr, p_ptr, ds_ptr, dkv_ptr, dq_ptr, T, K, row0,
+                        stride_qt, stride_qh, stride_kvt, stride_it, stride_dot, stride_doh, stride_pt, stride_pk,
+                        stride_dkvt, stride_dqt, stride_dqh,
+                        H: gl.constexpr, DA: gl.constexpr, BK: gl.constexpr, DC: gl.constexpr, NC: gl.constexpr,
+                        STAGES: gl.constexpr, LOADER_ARRIVALS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                        LOADER_REGS: gl.constexpr):
+    """Backward part 2 (see ``sparse_mla._bwd_grad_kernel``): one program per (group of NC column chunks of DC,
+    query row of the chunk), the group fastest. A loader warpgroup streams the P / dS tiles and the group's gathered
+    kv columns through a ring of STAGES; NC consumer warpgroups, one per column chunk, run the products and the
+    atomics of every step, so loads, products and atomics of different steps overlap."""
+    dtype: gl.constexpr = q_ptr.dtype.element_ty
+    tile: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BK, DC], dtype)
+    q_c = gl.allocate_shared_memory(dtype, [NC, H, DC], tile)
+    do_c = gl.allocate_shared_memory(dtype, [NC, H, DC], tile)
+    kv_c = gl.allocate_shared_memory(dtype, [STAGES * NC, BK, DC], tile)
+    p_s = gl.allocate_shared_memory(dtype, [STAGES, BK, H], tile)
+    ds_s = gl.allocate_shared_memory(dtype, [STAGES, BK, H], tile)
+    full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(full.index(s), count=LOADER_ARRIVALS)
+        mbarrier.init(empty.index(s), count=NC)
+
+    # this row's Q and dO columns of the group (dO is zero past d_v: those chunks add dS^T Q only)
+    lt: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    t64 = (row0 + gl.program_id(1)).to(gl.int64)
+    c0 = gl.program_id(0) * (NC * DC)
+    h = gl.arange(0, H, layout=gl.SliceLayout(1, lt))
+    cc = gl.arange(0, DC, layout=gl.SliceLayout(0, lt))
+    for c in gl.static_range(NC):
+        col = c0 + c * DC + cc
+        async_copy.async_copy_global_to_shared(q_c.index(c), q_ptr + t64 * stride_qt + h[:, None] * stride_qh
+                                               + col[None, :])
+        async_copy.async_copy_global_to_shared(do_c.index(c), do_ptr + t64 * stride_dot + h[:, None] * stride_doh
+                                               + col[None, :], mask=(col < DA)[None, :])
+    async_copy.commit_group()
+    async_copy.wait_group(0)
+    fence_async_shared()
+    gl.thread_barrier()
+
+    gl.warp_specialize([
+        (_grad_consumer, (q_c, do_c, kv_c, p_s, ds_s, full, empty, idx_ptr, kend_ptr, dkv_ptr, dq_ptr, T, K, row0,
+                          stride_it, stride_dkvt, stride_dqt, stride_dqh, 0, BK, H, DC, NC, STAGES)),
+        (_grad_consumer, (q_c, do_c, kv_c, p_s, ds_s, full, empty, idx_ptr, kend_ptr, dkv_ptr, dq_ptr, T, K, row0,
+                          stride_it, stride_dkvt, stride_dqt, stride_dqh, 1, BK, H, DC, NC, STAGES)),
+        (_grad_consumer, (q_c, do_c, kv_c, p_s, ds_s, full, empty, idx_ptr, kend_ptr, dkv_ptr, dq_ptr, T, K, row0,
+                          stride_it, stride_dkvt, stride_dqt, stride_dqh, 2, BK, H, DC, NC, STAGES)),
+        (_grad_loader, (kv_c, p_s, ds_s, full, empty, kv_ptr, idx_ptr, kend_ptr, p_ptr, ds_ptr, T, K, stride_kvt,
+                        stride_it, row0, stride_pt, stride_pk, BK, H, DC, NC, STAGES)),
+    ], [4, 4, 4], [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS])
+
+
 # enable: sparse_mla's forward takes this kernel where ``supported`` holds (False: the Triton kernel everywhere, for
 # comparisons); maxnreg: the launch's register cap (12 warps x 168 fill the register file); pv_regs / loader_regs: the
 # two workers' budgets (the softmax warpgroup gets the rest: 12 x 168 - 4 x (192 + 80) = 4 x 232); bk / stages:
 # gathered rows per step and the depth of the ring (shared memory: Q 72 KB + stages x bk x 1152 B).
 # Overrides: $TITAN_DSA_TUNE_FILE, {"sparse_mla_ws": {"fwd": {...}}} (bench/kernels.py's file).
 # bwd_ps: the backward's part 1 (two consumers, each owning one stage of bk rows: Q, dO 136 KB + 2 x bk x 1152 B).
+# bwd_grad: part 2 (16 warps x 128 registers: three consumers at 152, the loader 56; a ring of `stages` steps).
 DEFAULTS = {"fwd": {"enable": True, "maxnreg": 168, "pv_regs": 192, "loader_regs": 80, "bk": 64, "stages": 2},
-            "bwd_ps": {"enable": True, "maxnreg": 168, "consumer_regs": 208, "loader_regs": 80, "bk": 32}}
+            "bwd_ps": {"enable": True, "maxnreg": 168, "consumer_regs": 208, "loader_regs": 80, "bk": 32},
+            "bwd_grad": {"enable": True, "maxnreg": 128, "consumer_regs": 152, "loader_regs": 56, "stages": 3}}
 TUNE = {k: dict(v) for k, v in DEFAULTS.items()}
 _triton_env.load_tune("sparse_mla_ws", TUNE)
 TUNE = {k: {**v, **TUNE[k]} for k, v in DEFAULTS.items()}
@@ -368,3 +491,15 @@ def bwd_ps(q, kv, indices, kend, out, grad_out, lse, p, ds, sm_scale, row0, n):
         grad_out.stride(1), lse.stride(0), p.stride(0), p.stride(1),
         H=H, DA=DA, DB=DB, BK=c["bk"], LOADER_ARRIVALS=LOADER_ARRIVALS, CONSUMER_REGS=c["consumer_regs"],
         LOADER_REGS=c["loader_regs"], num_warps=4, maxnreg=c["maxnreg"])
+
+
+def bwd_grad(q, kv, indices, kend, grad_out, p, ds, dkv, dq, row0, n):
+    """Part 2 of the backward for rows row0 .. row0 + n - 1: dKV (fp32, atomics) and dQ from the scratches."""
+    c = TUNE["bwd_grad"]
+    nc, dc = 3, 64
+    _bwd_grad_ws_kernel[((DA + DB) // (nc * dc), n)](
+        q, kv, indices, kend, grad_out, p, ds, dkv, dq, kv.shape[0], indices.shape[1], row0,
+        q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), grad_out.stride(0), grad_out.stride(1),
+        p.stride(0), p.stride(1), dkv.stride(0), dq.stride(0), dq.stride(1),
+        H=H, DA=DA, BK=64, DC=dc, NC=nc, STAGES=c["stages"], LOADER_ARRIVALS=LOADER_ARRIVALS,
+        CONSUMER_REGS=c["consumer_regs"], LOADER_REGS=c["loader_regs"], num_warps=4, maxnreg=c["maxnreg"])
