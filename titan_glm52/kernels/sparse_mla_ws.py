@@ -1,25 +1,27 @@
-"""Warp-specialised sparse MLA forward for Hopper (sm_90), written in Triton's Gluon dialect.
+"""Warp-specialised sparse MLA kernels for Hopper (sm_90), written in Triton's Gluon dialect: the forward and
+both parts of the backward.
 
-Same math and outputs as ``sparse_mla._fwd_kernel`` (out = softmax(q kv[idx]^T * scale) kv[idx][:, :d_v] per head,
-lse in natural log units, -1 / out-of-range slots skipped, rows without a valid slot give 0 and -inf), for the shape
-GLM-5.2 has: 64 heads, d_qk = 576 = 512 latent + 64 rope, d_v = 512, bf16.
+Same math and outputs as the Triton kernels of ``sparse_mla`` (``_fwd_kernel``, ``_bwd_ps_kernel``,
+``_bwd_grad_kernel``), for the shape GLM-5.2 has: 64 heads, d_qk = 576 = 512 latent + 64 rope, d_v = 512, bf16.
+Each kernel has a loader warpgroup that gathers the selected kv rows (``cp.async``, invalid slots clamped or
+zero-filled) into a ring of shared memory and signals each stage on an mbarrier
+(``cp.async.mbarrier.arrive.noinc``, every loader thread), and consumer warpgroups that run ``wgmma`` from shared
+memory and release each stage when their products are done; each warpgroup gets its own register budget.
 
-One program per query row, three warpgroups with their own register budgets:
+* forward, one program per query row: the softmax warpgroup (the default partition) computes S = Q K^T
+  [64 heads, 64 slots], the online softmax, hands P (bf16) and the rescale to the other consumer through shared
+  memory and accumulates O[:, :256] += P V[:, :256]; the second consumer accumulates O[:, 256:] for the same step
+  while the softmax warpgroup already waits for the next stage (the schedule of FlashMLA's and TileLang's pipelined
+  sparse forward; an independent implementation);
+* backward part 1 (P, dS into the scratch), one program per query row: two consumers take alternate steps of 32
+  rows, so one's exponentials and scratch stores overlap the other's products;
+* backward part 2 (dKV by fp32 atomics, dQ), one program per (192-column group, query row): the loader streams the
+  P / dS tiles and the group's kv columns, three consumers (one per 64-column chunk) run the products and the
+  atomics of every step.
 
-* a loader (4 warps) gathers the 64 rows of the next step, kv[idx[k0:k0+64]], with ``cp.async`` into a two-stage
-  ring of shared memory and signals each stage on an mbarrier when its copies have landed;
-* the softmax warpgroup (the default partition) computes S = Q K^T [64 heads, 64 slots] with ``wgmma`` from shared
-  memory, the online softmax, hands P (bf16) and the rescale factor to the other consumer through shared memory,
-  and accumulates the left half of the output, O[:, :256] += P V[:, :256];
-* the second consumer accumulates O[:, 256:] += P V[:, 256:] for the same step while the softmax warpgroup already
-  waits for the next stage.
-
-The gather thus never blocks the tensor cores, and the second half of P V overlaps the next step's S (the design
-of FlashMLA's and TileLang's pipelined sparse forward; this is an independent implementation).
-
-Gluon has no interpreter mode: this kernel runs on the GPU only (``tests/kernels/test_kernels_gpu.py`` checks it
-against the fp32 reference and against the Triton kernel). ``sparse_mla`` uses it where ``supported`` holds and
-the Triton kernel everywhere else.
+Gluon has no interpreter mode: these kernels run on the GPU only (``tests/kernels/test_kernels_gpu.py`` checks
+them against the fp32 reference and the Triton kernels). ``sparse_mla`` uses them where ``supported`` holds and
+``TUNE[part]["enable"]`` is set, and the Triton kernels everywhere else.
 """
 
 from __future__ import annotations
