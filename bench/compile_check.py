@@ -55,7 +55,11 @@ def compile_one(fn, sig: dict, consts: dict, num_warps: int, num_stages: int, di
     # of 16, which enables the widest vector copies and pipelining (and the most shared memory)
     div16 = tuple(n for n in fn.arg_names if n not in consts and (sig[n].startswith("*") or sig[n] == "i32"))
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in div16}
-    src = ASTSource(fn, signature, constexprs=consts, attrs=attrs)
+    if getattr(fn, "is_gluon", lambda: False)():  # a Gluon kernel (kernels/sparse_mla_ws.py)
+        from triton.experimental.gluon._runtime import GluonASTSource
+        src = GluonASTSource(fn, signature, constexprs=consts, attrs=attrs)
+    else:
+        src = ASTSource(fn, signature, constexprs=consts, attrs=attrs)
     t0 = time.time()
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps,
                                                                          "num_stages": num_stages, **(options or {})})
@@ -69,9 +73,10 @@ def main() -> None:
     ap.add_argument("--small", action="store_true")
     ap.add_argument("--only", default="")
     args = ap.parse_args()
-    from titan_glm52.kernels import adam, cross_entropy, indexer_loss, indexer_topk, sparse_mla
+    from titan_glm52.kernels import adam, cross_entropy, indexer_loss, indexer_topk, sparse_mla, sparse_mla_ws
     failed = False
-    for line in collect(args.small, args.only, indexer_topk, sparse_mla, indexer_loss, cross_entropy, adam):
+    for line in collect(args.small, args.only, indexer_topk, sparse_mla, sparse_mla_ws, indexer_loss, cross_entropy,
+                        adam):
         failed |= "FAILED" in line
         print(line, flush=True)
     sys.exit(1 if failed else 0)

@@ -505,3 +505,27 @@ def bwd_grad(q, kv, indices, kend, grad_out, p, ds, dkv, dq, row0, n):
         p.stride(0), p.stride(1), dkv.stride(0), dq.stride(0), dq.stride(1),
         H=H, DA=DA, BK=64, DC=dc, NC=nc, STAGES=c["stages"], LOADER_ARRIVALS=LOADER_ARRIVALS,
         CONSUMER_REGS=c["consumer_regs"], LOADER_REGS=c["loader_regs"], num_warps=4, maxnreg=c["maxnreg"])
+
+
+def compile_specs(small: bool = False):
+    """Launch configurations for ``bench/compile_check.py`` (offline sm_90 compile: registers, spills, shared
+    memory). These kernels exist at GLM-5.2's shape only, so ``small`` gives the same ones."""
+    ptr = {n: "*bf16" for n in ("q_ptr", "kv_ptr", "out_ptr", "do_ptr", "p_ptr", "ds_ptr", "dq_ptr")}
+    ptr.update(idx_ptr="*i32", kend_ptr="*i32", lse_ptr="*fp32", dkv_ptr="*fp32", qk_scale="fp32", sm_scale="fp32")
+    f, p1, p2 = TUNE["fwd"], TUNE["bwd_ps"], TUNE["bwd_grad"]
+    kernels = (
+        ("sparse_mla_ws_fwd", _fwd_ws_kernel, f, dict(H=H, DA=DA, DB=DB, DH=DH, BK=f["bk"], STAGES=f["stages"],
+                                                      PV_REGS=f["pv_regs"], LOADER_REGS=f["loader_regs"])),
+        ("sparse_mla_ws_bwd_ps", _bwd_ps_ws_kernel, p1, dict(H=H, DA=DA, DB=DB, BK=p1["bk"],
+                                                             CONSUMER_REGS=p1["consumer_regs"],
+                                                             LOADER_REGS=p1["loader_regs"])),
+        ("sparse_mla_ws_bwd_grad", _bwd_grad_ws_kernel, p2, dict(H=H, DA=DA, BK=64, DC=64, NC=3, STAGES=p2["stages"],
+                                                                 CONSUMER_REGS=p2["consumer_regs"],
+                                                                 LOADER_REGS=p2["loader_regs"])),
+    )
+    out = []
+    for name, fn, c, consts in kernels:
+        consts["LOADER_ARRIVALS"] = LOADER_ARRIVALS
+        sig = {n: ptr.get(n, "i32") for n in fn.arg_names if n not in consts}
+        out.append((name, (fn, sig, consts, 4, 1, (), {"maxnreg": c["maxnreg"]})))
+    return out
