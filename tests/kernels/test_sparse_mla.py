@@ -100,3 +100,12 @@ def test_grad_column_block_is_checked(monkeypatch):
     with pytest.raises(ValueError, match="bwd_grad.*DC.*64 or 128"):
         SM._config(64, 576, 512, "bwd_grad")
     assert SM._config(2, 40, 32, "bwd_grad")[0]["DC"] == 32  # small widths: any block (interpreter tests)
+
+
+def test_backward_chunks_fit_the_grid():
+    """Part 2 puts a chunk's rows on the grid's second dimension (at most 65,535): a small top-k at many tokens
+    would fit more rows in the scratch than that."""
+    from titan_glm52.kernels import sparse_mla as SM
+    assert SM.chunk_rows(10, 64, 2048, 2) == 10
+    assert SM.chunk_rows(1 << 20, 64, 2048, 2) == 4096  # GLM-5.2: 1 GiB of P and dS
+    assert SM.chunk_rows(1 << 20, 64, 64, 2) == SM.MAX_GRID_Y == 65535

@@ -322,9 +322,13 @@ def _fwd(q, kv, indices, kend, sm_scale, d_v):
 SCRATCH_BYTES = 1 << 30  # P and dS of one chunk of queries (backward)
 
 
+MAX_GRID_Y = 65535  # CUDA's limit on a grid's second dimension, where part 2 puts a chunk's rows
+
+
 def chunk_rows(total: int, h: int, n_k: int, element_size: int) -> int:
-    """Queries per backward chunk: as many as fit P and dS ([rows, n_k, h] each) in SCRATCH_BYTES, at least 1."""
-    return max(1, min(total, SCRATCH_BYTES // max(1, 2 * h * n_k * element_size)))
+    """Queries per backward chunk: as many as fit P and dS ([rows, n_k, h] each) in SCRATCH_BYTES, at least 1, and
+    at most MAX_GRID_Y (reached with a small top-k: 64 slots at 64 heads would fit 65,536 rows)."""
+    return max(1, min(total, MAX_GRID_Y, SCRATCH_BYTES // max(1, 2 * h * n_k * element_size)))
 
 
 def _bwd(q, kv, indices, kend, out, lse, grad_out, sm_scale, d_v):
