@@ -345,11 +345,12 @@ def _grad_loader(kv_c, p_s, ds_s, full, empty, kv_ptr, idx_ptr, kend_ptr, p_ptr,
         mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
         slots = i * BK + gl.arange(0, BK, layout=gl.SliceLayout(1, lt))
         idx = gl.load(idx_row + slots, mask=slots < K, other=-1)
-        valid = ((idx >= 0) & (idx < T))[:, None]
+        ok = (idx >= 0) & (idx < T)
+        valid = ok[:, None]
         offs = prow + slots.to(gl.int64)[:, None] * stride_pk + heads[None, :]
         async_copy.async_copy_global_to_shared(p_s.index(s), p_ptr + offs, mask=valid)
         async_copy.async_copy_global_to_shared(ds_s.index(s), ds_ptr + offs, mask=valid)
-        rows = gl.where(idx >= 0, idx, 0).to(gl.int64)[:, None] * stride_kvt + c0
+        rows = gl.where(ok, idx, 0).to(gl.int64)[:, None] * stride_kvt + c0  # clamped before addressing
         for c in gl.static_range(NC):
             async_copy.async_copy_global_to_shared(kv_c.index(s * NC + c), kv_ptr + rows + c * DC + cols[None, :],
                                                    mask=valid)
