@@ -16,24 +16,15 @@ from titan_glm52.kernels import reference as R
 from titan_glm52.kernels import sparse_mla as SM
 from titan_glm52.kernels import sparse_mla_ws as W
 sys.path.insert(0, os.path.dirname(__file__))
-from ws_inputs import DEV, H, D_QK, D_V, TOPK, inputs, save, variant  # noqa: E402
+from ws_inputs import DEV, H, D_QK, D_V, TOPK, cos, inputs, save, variant  # noqa: E402
 VAR = variant(W.TUNE[sys.argv[2]] if len(sys.argv) > 2 else W.TUNE["bwd_ps"])
 res = {"variant": VAR}
 scale = D_QK ** -0.5
-def cos(a, b):
-    a, b = a.float().flatten(), b.float().flatten()
-    return float(1 - (a @ b) / (a.norm() * b.norm()))
 def part1(q, kv, idx, out, lse, go, ws, rows=None):
     kend = SM.valid_extent(idx)
     n = rows or q.shape[0]
     p = torch.zeros((n, idx.shape[1], H), dtype=q.dtype, device=DEV); ds = torch.zeros_like(p)
-    if ws:
-        W.bwd_ps(q, kv, idx, kend, out, go, lse, p, ds, scale, 0, n)
-    else:
-        c, nw, ns = SM._config(H, D_QK, D_V, "bwd_ps")
-        SM._bwd_ps_kernel[(n, 1)](q, kv, idx, kend, out, go, lse, p, ds, kv.shape[0], H, idx.shape[1], scale, 0,
-            q.stride(0), q.stride(1), kv.stride(0), idx.stride(0), out.stride(0), out.stride(1), go.stride(0), go.stride(1),
-            lse.stride(0), p.stride(0), p.stride(1), IEEE=False, num_warps=nw, num_stages=ns, **c)
+    (W.bwd_ps if ws else SM._triton_bwd_ps)(q, kv, idx, kend, out, go, lse, p, ds, scale, 0, n)
     return p, ds
 q, kv, idx = inputs([1000, 3096], 1, empty=(0, 1, 2))
 idx[5, 7] = -1; idx[6, :100] = -1; idx = idx.contiguous()

@@ -14,7 +14,7 @@ from titan_glm52.kernels import reference as R
 from titan_glm52.kernels import sparse_mla as SM
 from titan_glm52.kernels import sparse_mla_ws as W
 sys.path.insert(0, os.path.dirname(__file__))
-from ws_inputs import DEV, H, D_QK, D_V, TOPK, inputs, save, variant  # noqa: E402
+from ws_inputs import DEV, H, D_QK, D_V, TOPK, cos, inputs, save, variant  # noqa: E402
 
 VAR = variant(W.TUNE["fwd"])
 res = {"variant": VAR}
@@ -25,7 +25,7 @@ def ws(q, kv, idx, scale):
     kend = SM.valid_extent(idx)
     out = torch.empty(q.shape[0], H, D_V, dtype=q.dtype, device=DEV)
     lse = torch.empty(q.shape[0], H, dtype=torch.float32, device=DEV)
-    W.fwd(q, kv, idx, kend, scale * 1.4426950408889634, out, lse)
+    W.fwd(q, kv, idx, kend, scale * SM.LOG2E, out, lse)
     return out, lse
 def tri(q, kv, idx, scale):
     W.TUNE["fwd"]["enable"] = False  # the Triton kernel
@@ -41,9 +41,6 @@ t0 = time.time(); o1, l1 = ws(q, kv, idx, scale); torch.cuda.synchronize(); prin
 o2, l2 = tri(q, kv, idx, scale)
 ro, rl = R.sparse_mla(q.float(), kv.float(), idx, scale, D_V)
 fin = torch.isfinite(rl)
-def cos(a, b):
-    a, b = a.float().flatten(), b.float().flatten()
-    return float(1 - (a @ b) / (a.norm() * b.norm()))
 m = {}
 for name, (o, l) in {"ws": (o1, l1), "triton": (o2, l2)}.items():
     d = (o.float() - ro).abs()

@@ -22,6 +22,12 @@ def inputs(lengths, seed, empty=()):
     return q, kv, idx.to(torch.int32).contiguous()
 
 
+def cos(a, b) -> float:
+    """1 - cosine similarity of two tensors, in fp32."""
+    a, b = a.float().flatten(), b.float().flatten()
+    return float(1 - (a @ b) / (a.norm() * b.norm()))
+
+
 def variant(tune: dict) -> dict:
     """The TUNE variant given as the first argument (JSON; "base" = the defaults), applied to ``tune``."""
     var = json.loads(sys.argv[1]) if len(sys.argv) > 1 and sys.argv[1] != "base" else {}

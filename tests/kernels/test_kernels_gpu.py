@@ -209,11 +209,7 @@ def test_sparse_mla_ws_backward_part1(monkeypatch):
     got = [torch.full((n, TOPK, H), 7.0, dtype=q.dtype, device=DEV) for _ in range(2)]
     WS.bwd_ps(q, kv, idx, kend, out, go, lse, got[0], got[1], scale, row0, n)
     want = [torch.full_like(got[0], 7.0) for _ in range(2)]
-    c, nw, ns = SM._config(H, D_QK, D_V, "bwd_ps")
-    SM._bwd_ps_kernel[(n, 1)](q, kv, idx, kend, out, go, lse, want[0], want[1], kv.shape[0], H, TOPK, scale, row0,
-                              q.stride(0), q.stride(1), kv.stride(0), idx.stride(0), out.stride(0), out.stride(1),
-                              go.stride(0), go.stride(1), lse.stride(0), want[0].stride(0), want[0].stride(1),
-                              IEEE=False, num_warps=nw, num_stages=ns, **c)
+    SM._triton_bwd_ps(q, kv, idx, kend, out, go, lse, want[0], want[1], scale, row0, n)
     # only the slots part 2 reads (below each row's valid extent); past it each kernel leaves its own step's tail
     used = (torch.arange(TOPK, device=DEV)[None, :] < kend[row0:row0 + n, None])[:, :, None]
     for name, a, b in (("P", got[0], want[0]), ("dS", got[1], want[1])):
@@ -246,14 +242,7 @@ def test_sparse_mla_ws_backward_part2():
     for ws in (True, False):
         dq = torch.zeros_like(q)
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=DEV)
-        if ws:
-            WS.bwd_grad(q, kv, idx, kend, go, p, ds, dkv, dq, row0, n)
-        else:
-            c, nw, ns = SM._config(H, D_QK, D_V, "bwd_grad")
-            SM._bwd_grad_kernel[(D_QK // c["DC"], n, 1)](
-                q, kv, idx, kend, go, p, ds, dkv, dq, kv.shape[0], H, TOPK, row0, q.stride(0), q.stride(1),
-                kv.stride(0), idx.stride(0), go.stride(0), go.stride(1), p.stride(0), p.stride(1), dkv.stride(0),
-                dq.stride(0), dq.stride(1), IEEE=False, num_warps=nw, num_stages=ns, **c)
+        (WS.bwd_grad if ws else SM._triton_bwd_grad)(q, kv, idx, kend, go, p, ds, dkv, dq, row0, n)
         grads.append((dq, dkv))
     (dq, dkv), (t_dq, t_dkv) = grads
     d_dq = float((dq.float() - t_dq.float()).abs().max())

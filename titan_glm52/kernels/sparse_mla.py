@@ -331,6 +331,30 @@ def chunk_rows(total: int, h: int, n_k: int, element_size: int) -> int:
     return max(1, min(total, MAX_GRID_Y, SCRATCH_BYTES // max(1, 2 * h * n_k * element_size)))
 
 
+def _triton_bwd_ps(q, kv, indices, kend, out, grad_out, lse, p, ds, sm_scale, row0, n, cfg=None):
+    """The Triton part 1 for rows row0 .. row0 + n - 1 into the scratches p, ds (same contract as
+    ``sparse_mla_ws.bwd_ps``); cfg: ``_config(..., "bwd_ps")`` when the caller has it."""
+    h, d_qk = q.shape[1:]
+    c, nw, ns = cfg or _config(h, d_qk, out.shape[2], "bwd_ps")
+    _bwd_ps_kernel[(n, triton.cdiv(h, c["BH"]))](
+        q, kv, indices, kend, out, grad_out, lse, p, ds, kv.shape[0], h, indices.shape[1], sm_scale, row0,
+        q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), out.stride(0), out.stride(1),
+        grad_out.stride(0), grad_out.stride(1), lse.stride(0), p.stride(0), p.stride(1),
+        IEEE=q.dtype == torch.float32, num_warps=nw, num_stages=ns, **c)
+
+
+def _triton_bwd_grad(q, kv, indices, kend, grad_out, p, ds, dkv, dq, row0, n, cfg=None):
+    """The Triton part 2 for rows row0 .. row0 + n - 1 (same contract as ``sparse_mla_ws.bwd_grad``); cfg:
+    ``_config(..., "bwd_grad")`` when the caller has it."""
+    h, d_qk = q.shape[1:]
+    c, nw, ns = cfg or _config(h, d_qk, grad_out.shape[2], "bwd_grad")
+    _bwd_grad_kernel[(triton.cdiv(d_qk, c["DC"]), n, triton.cdiv(h, c["BH"]))](
+        q, kv, indices, kend, grad_out, p, ds, dkv, dq, kv.shape[0], h, indices.shape[1], row0,
+        q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), grad_out.stride(0), grad_out.stride(1),
+        p.stride(0), p.stride(1), dkv.stride(0), dq.stride(0), dq.stride(1), IEEE=q.dtype == torch.float32,
+        num_warps=nw, num_stages=ns, **c)
+
+
 def _bwd(q, kv, indices, kend, out, lse, grad_out, sm_scale, d_v):
     """Part 1 (P and dS, q's dtype, into a scratch) then part 2 (dKV, dQ), per chunk of queries."""
     total, h, d_qk = q.shape
@@ -339,33 +363,21 @@ def _bwd(q, kv, indices, kend, out, lse, grad_out, sm_scale, d_v):
     dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
     if total == 0:
         return dq, dkv.to(kv.dtype)
-    c, nw, ns = _config(h, d_qk, d_v, "bwd_ps")
-    c2, nw2, ns2 = _config(h, d_qk, d_v, "bwd_grad")
+    cfg_ps, cfg_grad = _config(h, d_qk, d_v, "bwd_ps"), _config(h, d_qk, d_v, "bwd_grad")
     rows = chunk_rows(total, h, n_k, q.element_size())
     p = torch.empty((rows, n_k, h), dtype=q.dtype, device=q.device)
     ds = torch.empty_like(p)
-    ieee = q.dtype == torch.float32
     gluon = not _triton_env.interpreting() and _ws.supported(q, kv, d_v)
-    ws = gluon and _ws.TUNE["bwd_ps"]["enable"]
-    ws2 = gluon and _ws.TUNE["bwd_grad"]["enable"]
     for a in range(0, total, rows):
         n = min(rows, total - a)
-        if ws:
+        if gluon and _ws.TUNE["bwd_ps"]["enable"]:
             _ws.bwd_ps(q, kv, indices, kend, out, grad_out, lse, p, ds, sm_scale, a, n)
         else:
-            _bwd_ps_kernel[(n, triton.cdiv(h, c["BH"]))](
-                q, kv, indices, kend, out, grad_out, lse, p, ds, kv.shape[0], h, n_k, sm_scale, a,
-                q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), out.stride(0), out.stride(1),
-                grad_out.stride(0), grad_out.stride(1), lse.stride(0), p.stride(0), p.stride(1),
-                IEEE=ieee, num_warps=nw, num_stages=ns, **c)
-        if ws2:
+            _triton_bwd_ps(q, kv, indices, kend, out, grad_out, lse, p, ds, sm_scale, a, n, cfg_ps)
+        if gluon and _ws.TUNE["bwd_grad"]["enable"]:
             _ws.bwd_grad(q, kv, indices, kend, grad_out, p, ds, dkv, dq, a, n)
         else:
-            _bwd_grad_kernel[(triton.cdiv(d_qk, c2["DC"]), n, triton.cdiv(h, c2["BH"]))](
-                q, kv, indices, kend, grad_out, p, ds, dkv, dq, kv.shape[0], h, n_k, a,
-                q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), grad_out.stride(0), grad_out.stride(1),
-                p.stride(0), p.stride(1), dkv.stride(0), dq.stride(0), dq.stride(1), IEEE=ieee,
-                num_warps=nw2, num_stages=ns2, **c2)
+            _triton_bwd_grad(q, kv, indices, kend, grad_out, p, ds, dkv, dq, a, n, cfg_grad)
     return dq, dkv.to(kv.dtype)
 
 
