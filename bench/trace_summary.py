@@ -1,6 +1,6 @@
 """Top GPU kernels of a torch.profiler Chrome trace, per profiled step, grouped by kernel and by category.
 
-    python bench/trace_summary.py TRACE.json [--steps 1] [--top 25] [--json OUT.json]
+    python bench/trace_summary.py TRACE.json [--steps 1] [--top 40] [--json OUT.json]
 
 Used by ``bench/e2e.py --trace`` (issue 6: profile-driven work) on both sides of a cell; also works on the traces
 ``train.py --profiling.enable_profiling`` writes. Times are the sum of kernel durations on the GPU (overlapping
@@ -19,7 +19,7 @@ from collections import defaultdict
 # first match wins; names are matched lower-cased
 CATEGORIES = (
     ("dsa: sparse mla fwd", r"^_fwd_(ws_)?kernel"),
-    ("dsa: sparse mla bwd", r"^_bwd_(dq_|dkv_|ps_|ps_ws_|grad_)?kernel"),
+    ("dsa: sparse mla bwd", r"^_bwd_(dq_|dkv_|ps_|grad_)(ws_)?kernel|^_bwd_kernel"),
     ("dsa: indexer top-k", r"^_(score|select)_kernel"),
     ("dsa: indexer kl", r"^_kl_(fwd|bwd)_kernel"),
     ("dense attention (flash/cudnn/efficient)", r"flash|fmha|cudnn|attention|sdpa|efficient"),
@@ -181,7 +181,7 @@ def host_syncs(host: list[tuple[str, float, float, object]], steps: int = 1, top
     return [{"site": k[:200], "calls_per_step": c / steps, "ms_per_step": us / 1e3 / steps} for k, (c, us) in rows]
 
 
-def summarize(path: str, steps: int = 1, top: int = 25) -> dict:
+def summarize(path: str, steps: int = 1, top: int = 40) -> dict:
     with open(path) as f:
         events = json.load(f).get("traceEvents", [])
     per_name: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
@@ -239,7 +239,7 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("trace")
     p.add_argument("--steps", type=int, default=1, help="profiled steps in the trace (times are divided by it)")
-    p.add_argument("--top", type=int, default=25)
+    p.add_argument("--top", type=int, default=40)
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     s = summarize(a.trace, a.steps, a.top)

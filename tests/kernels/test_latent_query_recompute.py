@@ -92,3 +92,28 @@ def test_checkpointed_blocks_install_no_rebuild(monkeypatch):
     assert "sparse attention" not in calls
     for a, b in zip(plain, ckpt):
         assert torch.equal(a, b)
+
+
+def test_latent_query_is_the_concatenated_product():
+    """``_absorb`` (eager: the product written into its columns of the output) equals
+    ``cat(einsum(q_nope, W_uk), q_rope)`` with the same gradients, on strided views like the model's (q_nope a
+    split of q, W_uk a slice of wkv_b's weight); gradcheck in float64."""
+    g = torch.Generator().manual_seed(1)
+    t, h, nope, rope, rank = 7, 4, 6, 3, 8
+    q = torch.randn(t, h, nope + rope, dtype=torch.float64, generator=g, requires_grad=True)
+    w = torch.randn(h, nope + 5, rank, dtype=torch.float64, generator=g, requires_grad=True)
+
+    def run(absorb):
+        q_nope, q_rope = q.split((nope, rope), dim=-1)
+        return absorb(q_nope, q_rope * 2, w[:, :nope])
+
+    out = run(attention_mod._absorb)
+    ref = run(lambda a, b, c: torch.cat((torch.einsum("thn,hnr->thr", a, c), b), dim=-1))
+    assert out.shape == (t, h, rank + rope) and out.is_contiguous()
+    assert torch.equal(out, ref)
+    grad = torch.randn(out.shape, dtype=torch.float64, generator=g)
+    for a, b in zip(torch.autograd.grad(out, (q, w), grad), torch.autograd.grad(ref, (q, w), grad)):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    args = (q[..., :nope].detach().requires_grad_(), q[..., nope:].detach().requires_grad_(),
+            w[:, :nope].detach().requires_grad_())
+    assert torch.autograd.gradcheck(attention_mod._LatentQuery.apply, args)

@@ -109,6 +109,9 @@ def test_trace_summary_groups_kernels_per_step(tmp_path):
     assert [k["name"] for k in s["kernels"]][0] == "_bwd_grad_kernel" and len(s["kernels"]) == 3
     assert s["kernels"][0]["calls_per_step"] == 1.0
     assert "GPU kernel time 4.0 ms/step" in ts.text(s)
+    for name, cat in (("_fwd_ws_kernel", "dsa: sparse mla fwd"), ("_bwd_ps_ws_kernel", "dsa: sparse mla bwd"),
+                      ("_bwd_grad_ws_kernel", "dsa: sparse mla bwd"), ("_bwd_kernel", "dsa: sparse mla bwd")):
+        assert ts.category(name) == cat, name
 
 
 def test_trace_timeline_exposed_communication():

@@ -27,6 +27,7 @@ them against the fp32 reference and the Triton kernels). ``sparse_mla`` uses the
 from __future__ import annotations
 
 import torch
+import triton
 
 from . import _triton_env
 from triton.experimental import gluon
@@ -251,7 +252,7 @@ def _ps_consumer(q_a, q_b, do_smem, d_smem, kv_a, kv_b, kv_full, kv_empty, idx_p
     qk_scale = sm_scale * 1.4426950408889634
     zero = gl.zeros([H, BK], gl.float32, s_layout)
     heads = gl.arange(0, H, layout=gl.SliceLayout(1, st))
-    prow = (t - row0).to(gl.int64) * stride_pt
+    prow = r.to(gl.int64) * stride_pt
     idx_row = idx_ptr + t64 * stride_it
     for j in range(C, gl.cdiv(kend, BK), STAGES):
         mbarrier.wait(kv_full.index(C), (j // STAGES) & 1)
@@ -327,17 +328,45 @@ def _bwd_ps_ws_kernel(q_ptr, kv_ptr, idx_ptr, kend_ptr, out_ptr, do_ptr, lse_ptr
 
 
 @gluon.jit
+def _grad_program(n, NC: gl.constexpr, DC: gl.constexpr, GROUP_ROWS: gl.constexpr):
+    """(chunk row, first column) of this part-2 program (``bwd_grad``'s 1-D grid). GROUP_ROWS = 0: a row's three
+    column groups side by side (the group fastest); -1: one column group over every row, then the next; R > 0:
+    blocks of R rows, the block's rows fastest and its groups one after another (the grid rounds n up to R; rows
+    >= n have no work). The last two hit fewer dKV columns at a time."""
+    pid = gl.program_id(0)
+    if GROUP_ROWS == 0:
+        r = pid // 3
+        g = pid % 3
+    elif GROUP_ROWS < 0:
+        r = pid % n
+        g = pid // n
+    else:
+        rem = pid % (3 * GROUP_ROWS)
+        r = (pid // (3 * GROUP_ROWS)) * GROUP_ROWS + rem % GROUP_ROWS
+        g = rem // GROUP_ROWS
+    return r, g * (NC * DC)
+
+
+@gluon.jit
+def _grad_row(kend_ptr, row0, n, NC: gl.constexpr, DC: gl.constexpr, GROUP_ROWS: gl.constexpr):
+    """(chunk row r, query row t, first column, whether r < n, its valid extent (0 past the chunk))."""
+    r, c0 = _grad_program(n, NC, DC, GROUP_ROWS)
+    live = r < n
+    t = row0 + gl.minimum(r, n - 1)  # a row past the chunk (GROUP_ROWS > 0) reads row n - 1 and does nothing
+    kend = gl.where(live, gl.load(kend_ptr + t), 0)
+    return r, t, c0, live, kend
+
+
+@gluon.jit
 def _grad_loader(kv_c, p_s, ds_s, full, empty, kv_ptr, idx_ptr, kend_ptr, p_ptr, ds_ptr, T, K, stride_kvt, stride_it,
-                 row0, stride_pt, stride_pk, BK: gl.constexpr, H: gl.constexpr, DC: gl.constexpr,
-                 NC: gl.constexpr, STAGES: gl.constexpr):
+                 row0, n, stride_pt, stride_pk, BK: gl.constexpr, H: gl.constexpr, DC: gl.constexpr,
+                 NC: gl.constexpr, STAGES: gl.constexpr, GROUP_ROWS: gl.constexpr):
     """Step i of row t: the P and dS tiles [BK slots, H] of the scratch and the NC column chunks [BK, DC] of the
     gathered kv rows (this program's column group) into stage i % STAGES; invalid slots read as zeros."""
     lt: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # [BK, 64] tiles, 16-byte copies
-    t = row0 + gl.program_id(1)
-    c0 = gl.program_id(0) * (NC * DC)
+    r, t, c0, live, kend = _grad_row(kend_ptr, row0, n, NC, DC, GROUP_ROWS)
     idx_row = idx_ptr + t.to(gl.int64) * stride_it
-    kend = gl.load(kend_ptr + t)
-    prow = (t - row0).to(gl.int64) * stride_pt
+    prow = r.to(gl.int64) * stride_pt
     heads = gl.arange(0, H, layout=gl.SliceLayout(0, lt))
     cols = gl.arange(0, DC, layout=gl.SliceLayout(0, lt))
     for i in range(gl.cdiv(kend, BK)):
@@ -358,18 +387,18 @@ def _grad_loader(kv_c, p_s, ds_s, full, empty, kv_ptr, idx_ptr, kend_ptr, p_ptr,
 
 
 @gluon.jit
-def _grad_consumer(q_c, do_c, kv_c, p_s, ds_s, full, empty, idx_ptr, kend_ptr, dkv_ptr, dq_ptr, T, K, row0, stride_it,
-                   stride_dkvt, stride_dqt, stride_dqh, C: gl.constexpr, BK: gl.constexpr, H: gl.constexpr,
-                   DC: gl.constexpr, NC: gl.constexpr, STAGES: gl.constexpr):
+def _grad_consumer(q_c, do_c, kv_c, p_s, ds_s, full, empty, idx_ptr, kend_ptr, dkv_ptr, dq_ptr, T, K, row0, n,
+                   stride_it, stride_dkvt, stride_dqt, stride_dqh, C: gl.constexpr, BK: gl.constexpr,
+                   H: gl.constexpr, DC: gl.constexpr, NC: gl.constexpr, STAGES: gl.constexpr,
+                   GROUP_ROWS: gl.constexpr):
     """Column chunk C of this program's group over every step: dKV[idx, cols] += dS^T Q_C + P^T dO_C (fp32 atomics,
     16 bytes each) and dQ[:, cols] = sum over steps of dS KV[idx, cols]."""
     acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DC, 16])
     red_l: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [4, 1], [1, 0])
-    t = row0 + gl.program_id(1)
-    col0 = gl.program_id(0) * (NC * DC) + C * DC
+    r, t, c0, live, kend = _grad_row(kend_ptr, row0, n, NC, DC, GROUP_ROWS)
+    col0 = c0 + C * DC
     t64 = t.to(gl.int64)
     idx_row = idx_ptr + t64 * stride_it
-    kend = gl.load(kend_ptr + t)
     zero = gl.zeros([BK, DC], gl.float32, acc_l)
     dq = gl.zeros([H, DC], gl.float32, acc_l)
     cols = col0 + gl.arange(0, DC, layout=gl.SliceLayout(0, red_l))
@@ -392,18 +421,19 @@ def _grad_consumer(q_c, do_c, kv_c, p_s, ds_s, full, empty, idx_ptr, kend_ptr, d
                       mask=valid[:, None], sem="relaxed")
     heads = gl.arange(0, H, layout=gl.SliceLayout(1, acc_l))
     dcols = col0 + gl.arange(0, DC, layout=gl.SliceLayout(0, acc_l))
-    gl.store(dq_ptr + t64 * stride_dqt + heads[:, None] * stride_dqh + dcols[None, :], dq.to(dq_ptr.dtype.element_ty))
+    gl.store(dq_ptr + t64 * stride_dqt + heads[:, None] * stride_dqh + dcols[None, :], dq.to(dq_ptr.dtype.element_ty),
+             mask=live)
 
 
 @gluon.jit
-def _bwd_grad_ws_kernel(q_ptr, kv_ptr, idx_ptr, kend_ptr, do_ptr, p_ptr, ds_ptr, dkv_ptr, dq_ptr, T, K, row0,
+def _bwd_grad_ws_kernel(q_ptr, kv_ptr, idx_ptr, kend_ptr, do_ptr, p_ptr, ds_ptr, dkv_ptr, dq_ptr, T, K, row0, n,
                         stride_qt, stride_qh, stride_kvt, stride_it, stride_dot, stride_doh, stride_pt, stride_pk,
                         stride_dkvt, stride_dqt, stride_dqh,
                         H: gl.constexpr, DA: gl.constexpr, BK: gl.constexpr, DC: gl.constexpr, NC: gl.constexpr,
-                        STAGES: gl.constexpr, LOADER_ARRIVALS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                        LOADER_REGS: gl.constexpr):
+                        STAGES: gl.constexpr, GROUP_ROWS: gl.constexpr, LOADER_ARRIVALS: gl.constexpr,
+                        CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
     """Backward part 2 (see ``sparse_mla._bwd_grad_kernel``): one program per (group of NC column chunks of DC,
-    query row of the chunk), the group fastest. A loader warpgroup streams the P / dS tiles and the group's gathered
+    query row of the chunk; their order: ``_grad_program``). A loader warpgroup streams the P / dS tiles and the group's gathered
     kv columns through a ring of STAGES; NC consumer warpgroups, one per column chunk, run the products and the
     atomics of every step, so loads, products and atomics of different steps overlap."""
     dtype: gl.constexpr = q_ptr.dtype.element_ty
@@ -421,8 +451,8 @@ def _bwd_grad_ws_kernel(q_ptr, kv_ptr, idx_ptr, kend_ptr, do_ptr, p_ptr, ds_ptr,
 
     # this row's Q and dO columns of the group (dO is zero past d_v: those chunks add dS^T Q only)
     lt: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-    t64 = (row0 + gl.program_id(1)).to(gl.int64)
-    c0 = gl.program_id(0) * (NC * DC)
+    r, t, c0, live, kend = _grad_row(kend_ptr, row0, n, NC, DC, GROUP_ROWS)
+    t64 = t.to(gl.int64)
     h = gl.arange(0, H, layout=gl.SliceLayout(1, lt))
     cc = gl.arange(0, DC, layout=gl.SliceLayout(0, lt))
     for c in gl.static_range(NC):
@@ -437,14 +467,14 @@ def _bwd_grad_ws_kernel(q_ptr, kv_ptr, idx_ptr, kend_ptr, do_ptr, p_ptr, ds_ptr,
     gl.thread_barrier()
 
     gl.warp_specialize([
-        (_grad_consumer, (q_c, do_c, kv_c, p_s, ds_s, full, empty, idx_ptr, kend_ptr, dkv_ptr, dq_ptr, T, K, row0,
-                          stride_it, stride_dkvt, stride_dqt, stride_dqh, 0, BK, H, DC, NC, STAGES)),
-        (_grad_consumer, (q_c, do_c, kv_c, p_s, ds_s, full, empty, idx_ptr, kend_ptr, dkv_ptr, dq_ptr, T, K, row0,
-                          stride_it, stride_dkvt, stride_dqt, stride_dqh, 1, BK, H, DC, NC, STAGES)),
-        (_grad_consumer, (q_c, do_c, kv_c, p_s, ds_s, full, empty, idx_ptr, kend_ptr, dkv_ptr, dq_ptr, T, K, row0,
-                          stride_it, stride_dkvt, stride_dqt, stride_dqh, 2, BK, H, DC, NC, STAGES)),
+        (_grad_consumer, (q_c, do_c, kv_c, p_s, ds_s, full, empty, idx_ptr, kend_ptr, dkv_ptr, dq_ptr, T, K, row0, n,
+                          stride_it, stride_dkvt, stride_dqt, stride_dqh, 0, BK, H, DC, NC, STAGES, GROUP_ROWS)),
+        (_grad_consumer, (q_c, do_c, kv_c, p_s, ds_s, full, empty, idx_ptr, kend_ptr, dkv_ptr, dq_ptr, T, K, row0, n,
+                          stride_it, stride_dkvt, stride_dqt, stride_dqh, 1, BK, H, DC, NC, STAGES, GROUP_ROWS)),
+        (_grad_consumer, (q_c, do_c, kv_c, p_s, ds_s, full, empty, idx_ptr, kend_ptr, dkv_ptr, dq_ptr, T, K, row0, n,
+                          stride_it, stride_dkvt, stride_dqt, stride_dqh, 2, BK, H, DC, NC, STAGES, GROUP_ROWS)),
         (_grad_loader, (kv_c, p_s, ds_s, full, empty, kv_ptr, idx_ptr, kend_ptr, p_ptr, ds_ptr, T, K, stride_kvt,
-                        stride_it, row0, stride_pt, stride_pk, BK, H, DC, NC, STAGES)),
+                        stride_it, row0, n, stride_pt, stride_pk, BK, H, DC, NC, STAGES, GROUP_ROWS)),
     ], [4, 4, 4], [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS])
 
 
@@ -454,10 +484,12 @@ def _bwd_grad_ws_kernel(q_ptr, kv_ptr, idx_ptr, kend_ptr, do_ptr, p_ptr, ds_ptr,
 # gathered rows per step and the depth of the ring (shared memory: Q 72 KB + stages x bk x 1152 B).
 # Overrides: $TITAN_DSA_TUNE_FILE, {"sparse_mla_ws": {"fwd": {...}}} (bench/kernels.py's file).
 # bwd_ps: the backward's part 1 (two consumers, each owning one stage of bk rows: Q, dO 136 KB + 2 x bk x 1152 B).
-# bwd_grad: part 2 (16 warps x 128 registers: three consumers at 152, the loader 56; a ring of `stages` steps).
+# bwd_grad: part 2 (16 warps x 128 registers: three consumers at 152, the loader 56; a ring of `stages` steps;
+# group_rows: the programs' order, see _grad_program).
 DEFAULTS = {"fwd": {"enable": True, "maxnreg": 168, "pv_regs": 192, "loader_regs": 80, "bk": 64, "stages": 2},
             "bwd_ps": {"enable": True, "maxnreg": 168, "consumer_regs": 208, "loader_regs": 80, "bk": 32},
-            "bwd_grad": {"enable": True, "maxnreg": 128, "consumer_regs": 152, "loader_regs": 56, "stages": 3}}
+            "bwd_grad": {"enable": True, "maxnreg": 128, "consumer_regs": 152, "loader_regs": 56, "stages": 3,
+                         "group_rows": 0}}
 TUNE = {k: dict(v) for k, v in DEFAULTS.items()}
 _triton_env.load_tune("sparse_mla_ws", TUNE)
 TUNE = {k: {**v, **TUNE[k]} for k, v in DEFAULTS.items()}
@@ -499,13 +531,14 @@ def bwd_ps(q, kv, indices, kend, out, grad_out, lse, p, ds, sm_scale, row0, n):
 def bwd_grad(q, kv, indices, kend, grad_out, p, ds, dkv, dq, row0, n):
     """Part 2 of the backward for rows row0 .. row0 + n - 1: dKV (fp32, atomics) and dQ from the scratches."""
     c = TUNE["bwd_grad"]
-    nc, dc = 3, 64
-    _bwd_grad_ws_kernel[((DA + DB) // (nc * dc), n)](
-        q, kv, indices, kend, grad_out, p, ds, dkv, dq, kv.shape[0], indices.shape[1], row0,
+    nc, dc, rows = 3, 64, c["group_rows"]  # three column groups of 192 (_grad_program's order)
+    _bwd_grad_ws_kernel[(3 * (triton.cdiv(n, rows) * rows if rows > 0 else n),)](
+        q, kv, indices, kend, grad_out, p, ds, dkv, dq, kv.shape[0], indices.shape[1], row0, n,
         q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), grad_out.stride(0), grad_out.stride(1),
         p.stride(0), p.stride(1), dkv.stride(0), dq.stride(0), dq.stride(1),
-        H=H, DA=DA, BK=64, DC=dc, NC=nc, STAGES=c["stages"], LOADER_ARRIVALS=LOADER_ARRIVALS,
-        CONSUMER_REGS=c["consumer_regs"], LOADER_REGS=c["loader_regs"], num_warps=4, maxnreg=c["maxnreg"])
+        H=H, DA=DA, BK=64, DC=dc, NC=nc, STAGES=c["stages"], GROUP_ROWS=c["group_rows"],
+        LOADER_ARRIVALS=LOADER_ARRIVALS, CONSUMER_REGS=c["consumer_regs"], LOADER_REGS=c["loader_regs"], num_warps=4,
+        maxnreg=c["maxnreg"])
 
 
 def compile_specs(small: bool = False):
@@ -521,6 +554,7 @@ def compile_specs(small: bool = False):
                                                              CONSUMER_REGS=p1["consumer_regs"],
                                                              LOADER_REGS=p1["loader_regs"])),
         ("sparse_mla_ws_bwd_grad", _bwd_grad_ws_kernel, p2, dict(H=H, DA=DA, BK=64, DC=64, NC=3, STAGES=p2["stages"],
+                                                                 GROUP_ROWS=p2["group_rows"],
                                                                  CONSUMER_REGS=p2["consumer_regs"],
                                                                  LOADER_REGS=p2["loader_regs"])),
     )

@@ -355,7 +355,34 @@ class Attention(nn.Module):
 def _absorb(q_nope: torch.Tensor, q_rope: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
     """The latent query ``[q_nope W_uk, q_rope]`` ``[T, H, kv_rank + rope]``: W_uk absorbed into the queries,
     ``q_lat[t, h] = q_nope[t, h] @ W_uk[h]`` (``W_uk[h]: [nope, kv_rank]``)."""
-    return torch.cat((torch.einsum("thn,hnr->thr", q_nope, w_uk), q_rope), dim=-1)
+    if torch.compiler.is_compiling():  # the compiler writes the product into the concatenation itself
+        return torch.cat((torch.einsum("thn,hnr->thr", q_nope, w_uk), q_rope), dim=-1)
+    return _LatentQuery.apply(q_nope, q_rope, w_uk)
+
+
+class _LatentQuery(torch.autograd.Function):
+    """``cat(einsum("thn,hnr->thr", q_nope, w_uk), q_rope)`` (eager), the batched product written straight into
+    its columns of the output: no separate concatenation, which read and wrote the whole ``[T, H, 576]`` query
+    again (a 5.8 ms copy per layer at T = 32K on an H200). The backward is the einsum's two products."""
+
+    @staticmethod
+    def forward(ctx, q_nope: torch.Tensor, q_rope: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
+        t, h, _ = q_nope.shape
+        r = w_uk.shape[-1]
+        out = q_nope.new_empty(t, h, r + q_rope.shape[-1])
+        torch.bmm(q_nope.transpose(0, 1), w_uk, out=out[..., :r].transpose(0, 1))  # [H, T, r], row stride H * 576
+        out[..., r:].copy_(q_rope)
+        ctx.save_for_backward(q_nope, w_uk)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        q_nope, w_uk = ctx.saved_tensors
+        r = w_uk.shape[-1]
+        g_lat = grad[..., :r].transpose(0, 1)  # [H, T, r]
+        d_nope = torch.bmm(g_lat, w_uk.transpose(1, 2)).transpose(0, 1) if ctx.needs_input_grad[0] else None
+        d_w = torch.bmm(q_nope.permute(1, 2, 0), g_lat) if ctx.needs_input_grad[2] else None
+        return d_nope, grad[..., r:], d_w
 
 
 def _absorbed_sparse_mla(sparse_mla, q_nope, q_rope, w_uk, kv, idx, scale: float, kv_rank: int, rebuild: bool):
