@@ -252,7 +252,7 @@ def _ps_consumer(q_a, q_b, do_smem, d_smem, kv_a, kv_b, kv_full, kv_empty, idx_p
     qk_scale = sm_scale * 1.4426950408889634
     zero = gl.zeros([H, BK], gl.float32, s_layout)
     heads = gl.arange(0, H, layout=gl.SliceLayout(1, st))
-    prow = r.to(gl.int64) * stride_pt
+    prow = (t - row0).to(gl.int64) * stride_pt
     idx_row = idx_ptr + t64 * stride_it
     for j in range(C, gl.cdiv(kend, BK), STAGES):
         mbarrier.wait(kv_full.index(C), (j // STAGES) & 1)
