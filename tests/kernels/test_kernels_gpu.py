@@ -220,11 +220,14 @@ def test_sparse_mla_ws_backward_part1(monkeypatch):
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
                     reason="the warp-specialised backward part 2 is for sm_90")
-def test_sparse_mla_ws_backward_part2():
+@pytest.mark.parametrize("group_rows", [0, -1, 256])
+def test_sparse_mla_ws_backward_part2(group_rows, monkeypatch):
     """The Gluon part 2 (dKV by atomics, dQ) against the Triton kernel from the same P / dS scratch, on a chunk that
-    starts mid-pack; dKV in fp32 before the cast (the atomics' order differs, so not bit for bit)."""
+    starts mid-pack; dKV in fp32 before the cast (the atomics' order differs, so not bit for bit). In each program
+    order (``group_rows``; 256 does not divide the chunk's 3000 rows: the programs past it must do nothing)."""
     from titan_glm52.kernels import sparse_mla as SM
     from titan_glm52.kernels import sparse_mla_ws as WS
+    monkeypatch.setitem(WS.TUNE, "bwd_grad", {**WS.TUNE["bwd_grad"], "group_rows": group_rows})
     lengths = [37, 2100, 1959]
     q, kv, idx, _, g = _mla_inputs(lengths, 7, empty=(0, 40, 41))
     idx[2500, :700] = -1

@@ -485,11 +485,12 @@ def _bwd_grad_ws_kernel(q_ptr, kv_ptr, idx_ptr, kend_ptr, do_ptr, p_ptr, ds_ptr,
 # Overrides: $TITAN_DSA_TUNE_FILE, {"sparse_mla_ws": {"fwd": {...}}} (bench/kernels.py's file).
 # bwd_ps: the backward's part 1 (two consumers, each owning one stage of bk rows: Q, dO 136 KB + 2 x bk x 1152 B).
 # bwd_grad: part 2 (16 warps x 128 registers: three consumers at 152, the loader 56; a ring of `stages` steps;
-# group_rows: the programs' order, see _grad_program).
+# group_rows: the programs' order, see _grad_program; -1, one column group at a time: 91.3 -> 88.5 ms of backward
+# at T = 32K, 4K unchanged, bench/ws_grad_order.py).
 DEFAULTS = {"fwd": {"enable": True, "maxnreg": 168, "pv_regs": 192, "loader_regs": 80, "bk": 64, "stages": 2},
             "bwd_ps": {"enable": True, "maxnreg": 168, "consumer_regs": 208, "loader_regs": 80, "bk": 32},
             "bwd_grad": {"enable": True, "maxnreg": 128, "consumer_regs": 152, "loader_regs": 56, "stages": 3,
-                         "group_rows": 0}}
+                         "group_rows": -1}}
 TUNE = {k: dict(v) for k, v in DEFAULTS.items()}
 _triton_env.load_tune("sparse_mla_ws", TUNE)
 TUNE = {k: {**v, **TUNE[k]} for k, v in DEFAULTS.items()}
