@@ -191,11 +191,13 @@ def test_sparse_mla_ws_forward(tune, monkeypatch):
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
                     reason="the warp-specialised backward part 1 is for sm_90")
-def test_sparse_mla_ws_backward_part1(monkeypatch):
+@pytest.mark.parametrize("tune", [{}, {"bk": 16, "stages": 4}])
+def test_sparse_mla_ws_backward_part1(tune, monkeypatch):
     """The Gluon part 1 of the backward (P, dS into the scratch) against the Triton kernel, on a chunk that starts
     mid-pack (row0 > 0); the whole backward through it is checked against the reference above."""
     from titan_glm52.kernels import sparse_mla as SM
     from titan_glm52.kernels import sparse_mla_ws as WS
+    monkeypatch.setitem(WS.TUNE, "bwd_ps", {**WS.TUNE["bwd_ps"], **tune})
     lengths = [37, 2100, 1959]
     q, kv, idx, _, g = _mla_inputs(lengths, 6, empty=(0, 40, 41))
     idx[2500, :700] = -1

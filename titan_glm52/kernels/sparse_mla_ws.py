@@ -236,8 +236,9 @@ def _fwd_ws_kernel(q_ptr, kv_ptr, idx_ptr, kend_ptr, out_ptr, lse_ptr, T, K, qk_
 def _ps_consumer(q_a, q_b, do_smem, d_smem, kv_a, kv_b, kv_full, kv_empty, idx_ptr, kend_ptr, lse_ptr, p_ptr,
                  ds_ptr, T, K, sm_scale, row0, stride_it, stride_lt, stride_pt, stride_pk,
                  C: gl.constexpr, BK: gl.constexpr, H: gl.constexpr, STAGES: gl.constexpr):
-    """Steps C, C + STAGES, ... of one row (this consumer owns stage C of the ring): S = Q K^T, dP = dO V^T by
-    wgmma, then P = exp(S - lse), dS = P (dP - Delta) sm_scale into the scratch [rows, K, H] (heads innermost)."""
+    """Steps C, C + 2, ... of one row (the two consumers alternate; step j uses stage j % STAGES of the ring, so
+    this consumer owns the stages of its parity): S = Q K^T, dP = dO V^T by wgmma, then P = exp(S - lse),
+    dS = P (dP - Delta) sm_scale into the scratch [rows, K, H] (heads innermost)."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BK, 16])
     row: gl.constexpr = gl.SliceLayout(1, s_layout)
@@ -254,17 +255,18 @@ def _ps_consumer(q_a, q_b, do_smem, d_smem, kv_a, kv_b, kv_full, kv_empty, idx_p
     heads = gl.arange(0, H, layout=gl.SliceLayout(1, st))
     prow = (t - row0).to(gl.int64) * stride_pt
     idx_row = idx_ptr + t64 * stride_it
-    for j in range(C, gl.cdiv(kend, BK), STAGES):
-        mbarrier.wait(kv_full.index(C), (j // STAGES) & 1)
+    for j in range(C, gl.cdiv(kend, BK), 2):
+        s = j % STAGES
+        mbarrier.wait(kv_full.index(s), (j // STAGES) & 1)
         fence_async_shared()
-        ka = kv_a.index(C).permute((1, 0))
+        ka = kv_a.index(s).permute((1, 0))
         sc = warpgroup_mma(q_a, ka, zero, use_acc=False, is_async=True)
-        sc = warpgroup_mma(q_b, kv_b.index(C).permute((1, 0)), sc, is_async=True)
+        sc = warpgroup_mma(q_b, kv_b.index(s).permute((1, 0)), sc, is_async=True)
         dp = warpgroup_mma(do_smem, ka, zero, use_acc=False, is_async=True)
         offs = j * BK + gl.arange(0, BK, layout=gl.SliceLayout(0, s_layout))
         idx = gl.load(idx_row + offs, mask=offs < K, other=-1)
         sc, dp = warpgroup_mma_wait(0, deps=[sc, dp])
-        mbarrier.arrive(kv_empty.index(C), count=1)
+        mbarrier.arrive(kv_empty.index(s), count=1)
         p = gl.where(((idx >= 0) & (idx < T))[None, :], gl.exp2(sc * qk_scale - lse2[:, None]), 0.0)
         ds = p * (dp - delta[:, None]) * sm_scale  # gradient w.r.t. q.k
         slots = j * BK + gl.arange(0, BK, layout=gl.SliceLayout(0, st))
@@ -278,12 +280,11 @@ def _ps_consumer(q_a, q_b, do_smem, d_smem, kv_a, kv_b, kv_full, kv_empty, idx_p
 def _bwd_ps_ws_kernel(q_ptr, kv_ptr, idx_ptr, kend_ptr, out_ptr, do_ptr, lse_ptr, p_ptr, ds_ptr, T, K, sm_scale, row0,
                       stride_qt, stride_qh, stride_kvt, stride_it, stride_ot, stride_oh, stride_dot, stride_doh,
                       stride_lt, stride_pt, stride_pk,
-                      H: gl.constexpr, DA: gl.constexpr, DB: gl.constexpr, BK: gl.constexpr,
+                      H: gl.constexpr, DA: gl.constexpr, DB: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
                       LOADER_ARRIVALS: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
     """Backward part 1 (see ``sparse_mla._bwd_ps_kernel``), one program per query row of a chunk: a loader
-    warpgroup gathers BK rows per step into a two-stage ring, two consumer warpgroups take alternate steps, so one
-    consumer's exponentials and scratch stores overlap the other's products."""
-    STAGES: gl.constexpr = 2
+    warpgroup gathers BK rows per step into a ring of STAGES (even), two consumer warpgroups take alternate steps, so
+    one consumer's exponentials and scratch stores overlap the other's products."""
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     la: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BK, DA], dtype)
     lb: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BK, DB], dtype)
@@ -483,12 +484,13 @@ def _bwd_grad_ws_kernel(q_ptr, kv_ptr, idx_ptr, kend_ptr, do_ptr, p_ptr, ds_ptr,
 # two workers' budgets (the softmax warpgroup gets the rest: 12 x 168 - 4 x (192 + 80) = 4 x 232); bk / stages:
 # gathered rows per step and the depth of the ring (shared memory: Q 72 KB + stages x bk x 1152 B).
 # Overrides: $TITAN_DSA_TUNE_FILE, {"sparse_mla_ws": {"fwd": {...}}} (bench/kernels.py's file).
-# bwd_ps: the backward's part 1 (two consumers, each owning one stage of bk rows: Q, dO 136 KB + 2 x bk x 1152 B).
+# bwd_ps: the backward's part 1 (two consumers on alternate steps of bk rows, each owning stages / 2 stages of the
+# ring: Q, dO 136 KB + stages x bk x 1152 B).
 # bwd_grad: part 2 (16 warps x 128 registers: three consumers at 152, the loader 56; a ring of `stages` steps;
 # group_rows: the programs' order, see _grad_program; -1, one column group at a time: 91.3 -> 88.5 ms of backward
 # at T = 32K, 4K unchanged, bench/ws_grad_order.py).
 DEFAULTS = {"fwd": {"enable": True, "maxnreg": 168, "pv_regs": 192, "loader_regs": 80, "bk": 64, "stages": 2},
-            "bwd_ps": {"enable": True, "maxnreg": 168, "consumer_regs": 208, "loader_regs": 80, "bk": 32},
+            "bwd_ps": {"enable": True, "maxnreg": 168, "consumer_regs": 208, "loader_regs": 80, "bk": 32, "stages": 2},
             "bwd_grad": {"enable": True, "maxnreg": 128, "consumer_regs": 152, "loader_regs": 56, "stages": 3,
                          "group_rows": -1}}
 TUNE = {k: dict(v) for k, v in DEFAULTS.items()}
@@ -525,8 +527,8 @@ def bwd_ps(q, kv, indices, kend, out, grad_out, lse, p, ds, sm_scale, row0, n):
         q, kv, indices, kend, out, grad_out, lse, p, ds, kv.shape[0], indices.shape[1], sm_scale, row0,
         q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), out.stride(0), out.stride(1), grad_out.stride(0),
         grad_out.stride(1), lse.stride(0), p.stride(0), p.stride(1),
-        H=H, DA=DA, DB=DB, BK=c["bk"], LOADER_ARRIVALS=LOADER_ARRIVALS, CONSUMER_REGS=c["consumer_regs"],
-        LOADER_REGS=c["loader_regs"], num_warps=4, maxnreg=c["maxnreg"])
+        H=H, DA=DA, DB=DB, BK=c["bk"], STAGES=c["stages"], LOADER_ARRIVALS=LOADER_ARRIVALS,
+        CONSUMER_REGS=c["consumer_regs"], LOADER_REGS=c["loader_regs"], num_warps=4, maxnreg=c["maxnreg"])
 
 
 def bwd_grad(q, kv, indices, kend, grad_out, p, ds, dkv, dq, row0, n):
@@ -551,7 +553,7 @@ def compile_specs(small: bool = False):
     kernels = (
         ("sparse_mla_ws_fwd", _fwd_ws_kernel, f, dict(H=H, DA=DA, DB=DB, DH=DH, BK=f["bk"], STAGES=f["stages"],
                                                       PV_REGS=f["pv_regs"], LOADER_REGS=f["loader_regs"])),
-        ("sparse_mla_ws_bwd_ps", _bwd_ps_ws_kernel, p1, dict(H=H, DA=DA, DB=DB, BK=p1["bk"],
+        ("sparse_mla_ws_bwd_ps", _bwd_ps_ws_kernel, p1, dict(H=H, DA=DA, DB=DB, BK=p1["bk"], STAGES=p1["stages"],
                                                              CONSUMER_REGS=p1["consumer_regs"],
                                                              LOADER_REGS=p1["loader_regs"])),
         ("sparse_mla_ws_bwd_grad", _bwd_grad_ws_kernel, p2, dict(H=H, DA=DA, BK=64, DC=64, NC=3, STAGES=p2["stages"],

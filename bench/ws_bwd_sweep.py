@@ -1,10 +1,11 @@
-"""The Gluon part 2 of the sparse MLA backward (dKV atomics, dQ) under several TUNE["bwd_grad"] variants, side by
-side in one process: the whole backward (``sparse_mla._bwd``, chunked like training) at T = 4K and 32K, one document,
-indexer top-2048, each variant's dq / dkv against the first variant's.
+"""A part of the Gluon sparse MLA backward (``bwd_ps``: P / dS; ``bwd_grad``: dKV atomics and dQ) under several of
+its TUNE variants, side by side in one process: the whole backward (``sparse_mla._bwd``, chunked like training) at
+T = 4K and 32K, one document, indexer top-2048, each variant's dq / dkv against the first variant's.
 
-    python3 bench/ws_grad_order.py '{"group_rows": 0}' '{"group_rows": -1}' '{"group_rows": 512}'
+    python3 bench/ws_bwd_sweep.py bwd_grad '{"group_rows": 0}' '{"group_rows": -1}' '{"group_rows": 256}'
+    python3 bench/ws_bwd_sweep.py bwd_ps '{}' '{"bk": 16, "stages": 4}'
 
-Writes $OUT/ws_grad_order.json; lines starting RESULT summarise.
+Writes $OUT/ws_bwd_sweep_<part>.json; lines starting RESULT summarise.
 """
 import json
 import os
@@ -20,10 +21,11 @@ from titan_glm52.kernels import sparse_mla_ws as W  # noqa: E402
 sys.path.insert(0, os.path.dirname(__file__))
 from ws_inputs import DEV, D_QK, D_V, H, inputs  # noqa: E402
 
-variants = [json.loads(a) for a in sys.argv[1:]] or [{}]
-base = dict(W.TUNE["bwd_grad"])
+part = sys.argv[1]
+variants = [json.loads(a) for a in sys.argv[2:]] or [{}]
+base = dict(W.TUNE[part])
 scale = D_QK ** -0.5
-res = {"variants": variants, "defaults": base}
+res = {"part": part, "variants": variants, "defaults": base}
 for T in [4096, 32768]:
     q, kv, idx = inputs([T], 2)
     go = torch.randn(T, H, D_V, generator=torch.Generator(device=DEV).manual_seed(5), device=DEV).to(torch.bfloat16)
@@ -31,7 +33,7 @@ for T in [4096, 32768]:
     out, lse = SM._fwd(q, kv, idx, kend, scale, D_V)
     rows, ref = [], None
     for var in variants:
-        W.TUNE["bwd_grad"] = {**base, **var}
+        W.TUNE[part] = {**base, **var}
         dq, dkv = SM._bwd(q, kv, idx, kend, out, lse, go, scale, D_V)
         if ref is None:
             ref = (dq, dkv)
@@ -42,9 +44,9 @@ for T in [4096, 32768]:
         print(T, json.dumps(rows[-1]), flush=True)
     res[f"T{T}"] = rows
     del q, kv, idx, go, out, lse, ref
-W.TUNE["bwd_grad"] = base
-with open(os.path.join(os.environ.get("OUT", "/tmp"), "ws_grad_order.json"), "w") as f:
+W.TUNE[part] = base
+with open(os.path.join(os.environ.get("OUT", "/tmp"), f"ws_bwd_sweep_{part}.json"), "w") as f:
     json.dump(res, f, indent=1)
 for T in [4096, 32768]:
-    print(f"RESULT | T {T} | " + " | ".join(f"{json.dumps(r['variant'])} {r['ms']:.2f} ms (dq {r['dq_max_abs']:.3g}, "
+    print(f"RESULT | {part} | T {T} | " + " | ".join(f"{json.dumps(r['variant'])} {r['ms']:.2f} ms (dq {r['dq_max_abs']:.3g}, "
                                            f"dkv {r['dkv_max_abs']:.3g})" for r in res[f"T{T}"]) + " |")
