@@ -183,10 +183,10 @@ class MoE:
 
     recompute_expert_inputs: bool = True
     """The routed experts keep only their gate and up projections' outputs for backward and recompute the inputs
-    of their three GEMMs there: the token rows gathered into expert order (not under EP, where they arrive by
-    all-to-all) and the SwiGLU's silu and product, bitwise as in forward. Saves k*(D + 2F) activation values per
-    token and MoE block (5.0 GiB per MoE block at 32K tokens on the proxy) for a gather and two elementwise passes
-    in backward. Inactive in activation-checkpointed blocks (their recompute already covers these) and under
+    of their GEMMs there: the token rows gathered into expert order (not under EP, where they arrive by all-to-all)
+    and the SwiGLU product (the fused SwiGLU keeps no silu output), bitwise as in forward. Saves k*(D + F)
+    activation values per token and MoE block (4.0 GiB per MoE block at 32K tokens on the proxy) for a gather and
+    one elementwise pass in backward. Inactive in activation-checkpointed blocks (their recompute already covers these) and under
     other saved-tensor hooks. false: autograd keeps them."""
 
 

@@ -149,6 +149,9 @@ Backward bytes of a step (on top of what it saved):
                         all-to-all); then with h = lD - uD: the down projection h + 2lF (R) / h + lF, the product
                         h + lF - lD + 3lF (R) / h - lD + 2lF, silu, the gate and up GEMMs' input gradients (+ lD
                         rebuilt rows with X) and the [T, D] gradient back to the tokens (+ uD under EP).
+                        (Written for the unfused SwiGLU, which kept silu's output; the fused one of model/moe.py keeps
+                        and forms none, so the terms with silu over-count by lF, and the saved set by a*kF per token
+                        without R. Kept until the measured peaks below are re-taken with it.)
                         On an H200 (eager, bf16, grouped GEMMs, 8192 tokens, three widths, rebuilt or kept;
                         tests/unit/test_moe_backward_memory.py) a MoE block's backward peaked 0.22-0.81 of
                         T x (this term + 3aD) + its gradients above its start (0.52 / 0.81 at the proxy's widths)

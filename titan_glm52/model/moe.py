@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from titan_glm52.kernels import triton_available
 from titan_glm52.model.args import GLM52ModelArgs
 from titan_glm52.model.aux_loss import AuxLoss, in_backward
 from titan_glm52.model.recompute import RecomputeSaved, can_recompute
@@ -97,15 +98,47 @@ class GroupedExperts(nn.Module):
 
     @staticmethod
     def _swiglu(gate: torch.Tensor, up: torch.Tensor, saved: RecomputeSaved | None) -> torch.Tensor:
-        """``silu(gate) * up``; with ``saved``, the two products autograd would keep (silu's output, for the
-        multiply, and the result, for the down projection) are recomputed from ``gate`` and ``up`` in backward."""
-        act = F.silu(gate)
+        """``silu(gate) * up`` (``swiglu``: it keeps only gate and up); with ``saved``, the result, which the down
+        projection keeps, is recomputed from ``gate`` and ``up`` in backward."""
+        h = swiglu(gate, up)
         if saved is not None:
-            saved.recompute(act, lambda: F.silu(gate), gate)
-        h = act * up
-        if saved is not None:
-            saved.recompute(h, lambda: F.silu(gate) * up, gate, up)
+            saved.recompute(h, lambda: swiglu(gate, up), gate, up)
         return h
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """The routed experts' ``silu(gate) * up``, formed in fp32 and rounded once to the inputs' dtype, with the
+    backward's ``d_gate`` and ``d_up`` likewise, from gate and up alone (no silu output kept or formed). On CUDA one
+    Triton pass each way (``kernels/swiglu.py``); elsewhere the same formulas in torch (for fp32 inputs exactly
+    the ops autograd runs for ``F.silu(gate) * up``)."""
+    return _SwiGLU.apply(gate, up)
+
+
+def _swiglu_kernel(gate: torch.Tensor) -> bool:
+    return gate.is_cuda and gate.dtype in (torch.bfloat16, torch.float16, torch.float32) and triton_available()
+
+
+class _SwiGLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(gate, up)
+        if _swiglu_kernel(gate):
+            from titan_glm52.kernels.swiglu import swiglu_forward  # lazy: importing the model must not import triton
+
+            return swiglu_forward(gate, up)
+        c = torch.promote_types(gate.dtype, torch.float32)
+        return (F.silu(gate.to(c)) * up.to(c)).to(gate.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        gate, up = ctx.saved_tensors
+        if _swiglu_kernel(gate):
+            from titan_glm52.kernels.swiglu import swiglu_backward
+
+            return swiglu_backward(gate, up, grad)
+        c = torch.promote_types(gate.dtype, torch.float32)
+        g, u, d = gate.to(c), up.to(c), grad.to(c)
+        return torch.ops.aten.silu_backward(d * u, g).to(gate.dtype), (d * F.silu(g)).to(up.dtype)
 
 
 class Router(nn.Module):
