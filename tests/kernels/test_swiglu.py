@@ -1,13 +1,24 @@
-"""The routed experts' SwiGLU (model/moe.py ``swiglu``): the Triton kernels (kernels/swiglu.py, through the
-interpreter here) against the torch formulas the CPU path runs, which are the ops autograd runs for
+"""The routed experts' SwiGLU (model/moe.py ``swiglu``): the Triton kernels (kernels/swiglu.py; the interpreter on
+CPU, compiled on a GPU) against the torch formulas the CPU path runs, which are the ops autograd runs for
 ``F.silu(gate) * up`` in fp32 (gradcheck in fp64); one rounding per output instead of silu's extra one."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from titan_glm52.kernels._triton_env import interpreting
 from titan_glm52.kernels.swiglu import swiglu_backward, swiglu_forward
 from titan_glm52.model.moe import swiglu
+
+DEV = "cpu" if interpreting() else "cuda"
+
+
+def _fwd(gate, up):
+    return swiglu_forward(gate.to(DEV), up.to(DEV)).cpu()
+
+
+def _bwd(gate, up, grad):
+    return tuple(t.cpu() for t in swiglu_backward(gate.to(DEV), up.to(DEV), grad.to(DEV)))
 
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # the interpreter's sigmoid at -90
 
@@ -31,12 +42,12 @@ def _torch(gate, up, grad):
 def test_kernels_round_the_exact_values_once_in_bf16():
     """Within an ulp of the exact (fp64) values: the fp32 arithmetic's error is far below bf16's ulp."""
     gate, up, grad = _inputs(torch.bfloat16)
-    h = swiglu_forward(gate[:3000].view(3, -1)[:, :999], up[:3000].view(3, -1)[:, :999])  # strided: made contiguous
+    h = _fwd(gate[:3000].view(3, -1)[:, :999], up[:3000].view(3, -1)[:, :999])  # strided: made contiguous
     assert h.shape == (3, 999) and h.dtype == torch.bfloat16
-    assert torch.equal(h, swiglu_forward(gate, up)[:3000].view(3, -1)[:, :999])
-    d_gate, d_up = swiglu_backward(gate, up, grad)
+    assert torch.equal(h, _fwd(gate, up)[:3000].view(3, -1)[:, :999])
+    d_gate, d_up = _bwd(gate, up, grad)
     exact = _torch(gate, up, grad)
-    for name, got, want in (("h", swiglu_forward(gate, up), exact[0]), ("d_gate", d_gate, exact[1]),
+    for name, got, want in (("h", _fwd(gate, up), exact[0]), ("d_gate", d_gate, exact[1]),
                             ("d_up", d_up, exact[2])):
         err = (got.double() - want).abs()
         assert (err <= torch.finfo(torch.bfloat16).eps * want.abs() + 1e-30).all(), (name, float(err.max()))
@@ -49,7 +60,7 @@ def test_kernels_match_the_torch_formulas_in_fp32():
     g, u = gate.clone().requires_grad_(), up.clone().requires_grad_()
     h = swiglu(g, u)
     h.backward(grad)
-    for got, want in ((swiglu_forward(gate, up), h), *zip(swiglu_backward(gate, up, grad), (g.grad, u.grad))):
+    for got, want in ((_fwd(gate, up), h), *zip(_bwd(gate, up, grad), (g.grad, u.grad))):
         torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-6 * float(want.abs().max()))
 
 
@@ -72,7 +83,7 @@ def test_cpu_path_and_kernels_agree_in_bf16():
     g, u = gate.clone().requires_grad_(), up.clone().requires_grad_()
     h = swiglu(g, u)
     h.backward(grad)
-    for got, want in ((swiglu_forward(gate, up), h), *zip(swiglu_backward(gate, up, grad), (g.grad, u.grad))):
+    for got, want in ((_fwd(gate, up), h), *zip(_bwd(gate, up, grad), (g.grad, u.grad))):
         err = (got.float() - want.float()).abs()
         assert (err <= torch.finfo(torch.bfloat16).eps * want.float().abs()).all()
         assert (err == 0).float().mean() > 0.99
