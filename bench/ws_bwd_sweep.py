@@ -48,5 +48,6 @@ W.TUNE[part] = base
 with open(os.path.join(os.environ.get("OUT", "/tmp"), f"ws_bwd_sweep_{part}.json"), "w") as f:
     json.dump(res, f, indent=1)
 for T in [4096, 32768]:
-    print(f"RESULT | {part} | T {T} | " + " | ".join(f"{json.dumps(r['variant'])} {r['ms']:.2f} ms (dq {r['dq_max_abs']:.3g}, "
-                                           f"dkv {r['dkv_max_abs']:.3g})" for r in res[f"T{T}"]) + " |")
+    cells = [f"{json.dumps(r['variant'])} {r['ms']:.2f} ms (dq {r['dq_max_abs']:.3g}, dkv {r['dkv_max_abs']:.3g})"
+             for r in res[f"T{T}"]]
+    print(f"RESULT | {part} | T {T} | " + " | ".join(cells) + " |")

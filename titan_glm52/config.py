@@ -186,8 +186,8 @@ class MoE:
     of their GEMMs there: the token rows gathered into expert order (not under EP, where they arrive by all-to-all)
     and the SwiGLU product (the fused SwiGLU keeps no silu output), bitwise as in forward. Saves k*(D + F)
     activation values per token and MoE block (4.0 GiB per MoE block at 32K tokens on the proxy) for a gather and
-    one elementwise pass in backward. Inactive in activation-checkpointed blocks (their recompute already covers these) and under
-    other saved-tensor hooks. false: autograd keeps them."""
+    one elementwise pass in backward. Inactive in activation-checkpointed blocks (their recompute already covers
+    these) and under other saved-tensor hooks. false: autograd keeps them."""
 
 
 @dataclass

@@ -434,9 +434,9 @@ def _bwd_grad_ws_kernel(q_ptr, kv_ptr, idx_ptr, kend_ptr, do_ptr, p_ptr, ds_ptr,
                         STAGES: gl.constexpr, GROUP_ROWS: gl.constexpr, LOADER_ARRIVALS: gl.constexpr,
                         CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
     """Backward part 2 (see ``sparse_mla._bwd_grad_kernel``): one program per (group of NC column chunks of DC,
-    query row of the chunk; their order: ``_grad_program``). A loader warpgroup streams the P / dS tiles and the group's gathered
-    kv columns through a ring of STAGES; NC consumer warpgroups, one per column chunk, run the products and the
-    atomics of every step, so loads, products and atomics of different steps overlap."""
+    query row of the chunk; their order: ``_grad_program``). A loader warpgroup streams the P / dS tiles and the
+    group's gathered kv columns through a ring of STAGES; NC consumer warpgroups, one per column chunk, run the
+    products and the atomics of every step, so loads, products and atomics of different steps overlap."""
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     tile: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BK, DC], dtype)
     q_c = gl.allocate_shared_memory(dtype, [NC, H, DC], tile)
