@@ -29,8 +29,8 @@ CATEGORIES = (
     ("inductor triton", r"^triton_"),
     ("optimizer", r"adam|multi_tensor|foreach"),
     ("copy / cat / index", r"copy|cat|index|gather|scatter|memcpy|memset|fill"),
-    ("reduce / softmax / norm", r"reduce|softmax|norm|cross_entropy|logsumexp|sum"),
-    ("elementwise", r"elementwise|vectorized|unrolled"),
+    ("reduce / softmax / norm", r"reduce|softmax|norm|cross_entropy|logsumexp|sum|^_ce_rows_kernel"),
+    ("elementwise", r"elementwise|vectorized|unrolled|^_swiglu_(fwd|bwd)_kernel"),
 )
 
 

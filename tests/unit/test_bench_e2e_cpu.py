@@ -110,7 +110,8 @@ def test_trace_summary_groups_kernels_per_step(tmp_path):
     assert s["kernels"][0]["calls_per_step"] == 1.0
     assert "GPU kernel time 4.0 ms/step" in ts.text(s)
     for name, cat in (("_fwd_ws_kernel", "dsa: sparse mla fwd"), ("_bwd_ps_ws_kernel", "dsa: sparse mla bwd"),
-                      ("_bwd_grad_ws_kernel", "dsa: sparse mla bwd"), ("_bwd_kernel", "dsa: sparse mla bwd")):
+                      ("_bwd_grad_ws_kernel", "dsa: sparse mla bwd"), ("_bwd_kernel", "dsa: sparse mla bwd"),
+                      ("_swiglu_bwd_kernel", "elementwise"), ("_ce_rows_kernel", "reduce / softmax / norm")):
         assert ts.category(name) == cat, name
 
 
