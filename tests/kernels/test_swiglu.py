@@ -11,6 +11,7 @@ from titan_glm52.kernels.swiglu import swiglu_backward, swiglu_forward
 from titan_glm52.model.moe import swiglu
 
 DEV = "cpu" if interpreting() else "cuda"
+pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # the interpreter's sigmoid at -90
 
 
 def _fwd(gate, up):
@@ -19,8 +20,6 @@ def _fwd(gate, up):
 
 def _bwd(gate, up, grad):
     return tuple(t.cpu() for t in swiglu_backward(gate.to(DEV), up.to(DEV), grad.to(DEV)))
-
-pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # the interpreter's sigmoid at -90
 
 
 def _inputs(dtype, n=3 * 1000 + 7, seed=0):
