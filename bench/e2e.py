@@ -21,7 +21,9 @@ an OOM or a crash loses only that cell, recorded as "OOM" / "error" with the las
   mixed precision on a 1-rank mesh, AdamW); MFU counts dense causal attention (see that file). On one GPU
   ``--peer-mp autocast`` runs the peer's own one-device path (torch.autocast) instead, which is often faster than
   its one-rank FSDP path (bench/results/e2e_h200.md, sessions 7 and 13); ``--peer-mp fsdp,autocast`` runs both
-  (the cell's "peer" and "peer_autocast") and reports ours against the faster ("ratio_best_peer").
+  (the cell's "peer" and "peer_autocast") and reports ours against the faster ("ratio_best_peer"). A peer run that
+  runs out of memory runs once more with full activation checkpointing (``--peer-oom-ac``; at 32K on one H200 it
+  fits only so), marked in the table, so every cell has a ratio.
 
 With ``--nproc N`` (N > 1) both sides run under ``python -m torch.distributed.run --standalone --nproc_per_node N``
 with the same mode: ``--parallel fsdp`` = FSDP over the N ranks (ours ``--parallelism.data_parallel_shard_degree
@@ -104,6 +106,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "MixedPrecisionPolicy, a 1-rank mesh on one GPU), 'autocast' (torchtitan's one-device "
                         "torch.autocast path; one GPU only). The first listed is the cell's 'peer' (the ratio), "
                         "another one 'peer_<path>'; with two, 'ratio_best_peer' is ours / the faster")
+    p.add_argument("--peer-oom-ac", choices=("off", "selective", "full"), default="full",
+                   help="when the peer runs out of memory at the cell's AC mode and this mode recomputes more, run "
+                        "it once more with this mode and report against that run (marked 'AC <mode>' in the "
+                        "table; the JSON keeps 'ac' and 'oom_at_ac'); 'off' = record the OOM")
     p.add_argument("--peer-sdpa", choices=("tt", "flash", "cudnn"), default="tt",
                    help="the peer's SDPA backends: torchtitan's priority (cuDNN > flash > math) or pin one")
     p.add_argument("--our-mtp", choices=("on", "off"), default="on",
@@ -337,6 +343,23 @@ def run_peer(a, runner: Runner, seq_len: int, compile_on: bool, ac: str, name: s
     return fail
 
 
+AC_ORDER = ("none", "selective", "full")  # less to more recompute
+
+
+def run_peer_fitting(a, runner: Runner, seq_len: int, compile_on: bool, ac: str, name: str, mp: str) -> dict:
+    """``run_peer`` at the cell's AC mode; if that runs out of memory and ``--peer-oom-ac`` recomputes more, once
+    more at that mode (at 32K the peer fits one H200 only with AC full): the result then carries ``ac`` (the mode
+    it ran with) and ``oom_at_ac`` (the cell's)."""
+    peer = run_peer(a, runner, seq_len, compile_on, ac, name, mp)
+    if (peer["status"] != "OOM" or a.peer_oom_ac == "off"
+            or AC_ORDER.index(a.peer_oom_ac) <= AC_ORDER.index(ac)):
+        return peer
+    print(f"[e2e]   out of memory at AC {ac}: again with AC {a.peer_oom_ac}", flush=True)
+    retry = run_peer(a, runner, seq_len, compile_on, a.peer_oom_ac, f"{name}_ac{a.peer_oom_ac}", mp)
+    retry.update(ac=a.peer_oom_ac, oom_at_ac=ac)
+    return retry
+
+
 # --------------------------------------------------------------------------------------------- report
 def environment() -> dict:
     """GPU name and versions, from a child process (the parent never touches CUDA)."""
@@ -362,6 +385,12 @@ def _fmt(side: dict | None, key: str, spec: str) -> str:
         return side.get("status", "?")
     value = side.get(key)
     return format(value, spec) if isinstance(value, (int, float)) else "-"
+
+
+def _peer_speed(side: dict | None) -> str:
+    """The peer's tok/s, marked with the AC mode it ran with when it ran out of memory at the cell's."""
+    text = _fmt(side, "tokens_per_s", ".0f")
+    return f"{text} (AC {side['ac']})" if side and side.get("oom_at_ac") and side.get("status") == "ok" else text
 
 
 def median_ratio(ours: dict, peer: dict) -> float:
@@ -391,9 +420,9 @@ def table_rows(cells: list[dict]) -> tuple[list[str], list[list[str]]]:
         ratio_median = f"{c['ratio_median']:.2f}" if c.get("ratio_median") is not None else "-"
         mem_key = "peak_allocated_gib" if "peak_allocated_gib" in o or "peak_rss_gib" not in o else "peak_rss_gib"
         rows.append([c["config"], _fmt(o, "tokens_per_s", ".0f"), _fmt(o, "mfu_pct", ".1f"),
-                     _fmt(o, mem_key, ".1f"), breakdown, _fmt(p, "tokens_per_s", ".0f"), _fmt(p, "mfu_pct", ".1f"),
+                     _fmt(o, mem_key, ".1f"), breakdown, _peer_speed(p), _fmt(p, "mfu_pct", ".1f"),
                      _fmt(p, "peak_allocated_gib", ".1f"), ratio, ratio_median]
-                    + [_fmt(c.get(k), "tokens_per_s", ".0f") for k in extra]
+                    + [_peer_speed(c.get(k)) for k in extra]
                     + ([f"{c['ratio_best_peer']:.2f}" if c.get("ratio_best_peer") is not None else "-"]
                        if extra else []))
     return head, rows
@@ -456,7 +485,9 @@ def markdown(report: dict) -> str:
              "- ours runs without MTP (`--our-mtp off`), like the peer; ours still runs the DSA indexer."),
             "- peak GiB: the largest per-step torch.cuda.max_memory_allocated of the timed steps"
             + (", max over ranks." if nproc > 1 else "."),
-            "- OOM / error / TIMEOUT / SKIPPED: that cell failed or did not run; the JSON holds the last log lines."]
+            "- OOM / error / TIMEOUT / SKIPPED: that cell failed or did not run; the JSON holds the last log lines.",
+            f"- a peer tok/s marked '(AC <mode>)': the peer ran out of memory at the cell's AC mode and ran again with "
+            f"that one (`--peer-oom-ac {m.get('peer_oom_ac', 'off')}`); the ratio is against that run."]
     return "\n".join(out) + "\n"
 
 
@@ -487,7 +518,7 @@ def main(argv: list[str]) -> int:
                 for i, mp in enumerate(a.peer_mp if a.peer else []):
                     key = "peer" if i == 0 else f"peer_{mp}"
                     print(f"[e2e] {config}: {key} ({mp}) ...", flush=True)
-                    peer = run_peer(a, runner, seq_len, compile_on, ac, key + "_" + tag, mp)
+                    peer = run_peer_fitting(a, runner, seq_len, compile_on, ac, key + "_" + tag, mp)
                     print(f"[e2e]   {key} {peer['status']}" + (f" {peer['tokens_per_s']:.0f} tok/s"
                                                                 if peer["status"] == "ok" else ""), flush=True)
                     cell[key] = peer
@@ -504,7 +535,7 @@ def main(argv: list[str]) -> int:
                        "steps": a.steps, "warmup": a.warmup, "warmup_compiled": cell_warmup(a, True),
                        "batch": a.batch,
                        "sac_option": a.sac_option, "our_mtp": a.our_mtp, "peer_sdpa": a.peer_sdpa,
-                       "peer_mp": a.peer_mp, "config": a.config,
+                       "peer_mp": a.peer_mp, "peer_oom_ac": a.peer_oom_ac, "config": a.config,
                        "peak_bf16_tflops": PEAK_BF16_TFLOPS, "wall_s": time.monotonic() - t_start},
               "cells": cells}
     for path, text in ((a.out, json.dumps(report, indent=1) + "\n"), (a.md, markdown(report))):

@@ -206,8 +206,8 @@ def test_both_peer_paths_per_cell(tmp_path, monkeypatch):
     monkeypatch.setattr(e2e, "environment", lambda: {"gpu": "cpu"})
     monkeypatch.delenv("OUT", raising=False)
     out = tmp_path / "e2e.json"
-    assert e2e.main(["--seq-lens", "4096,8192", "--peer-mp", "fsdp,autocast", "--out", str(out),
-                     "--logs", str(tmp_path / "logs")]) == 0
+    assert e2e.main(["--seq-lens", "4096,8192", "--peer-mp", "fsdp,autocast", "--peer-oom-ac", "off",
+                     "--out", str(out), "--logs", str(tmp_path / "logs")]) == 0
     assert [mp for _, mp in seen] == ["fsdp", "autocast"] * 2
     assert [name.split("_s")[0] for name, _ in seen] == ["peer", "peer_autocast"] * 2
     report = json.loads(out.read_text())
@@ -223,3 +223,50 @@ def test_both_peer_paths_per_cell(tmp_path, monkeypatch):
     for bad in (["--peer-mp", "autocast", "--nproc", "2"], ["--peer-mp", "fsdp,fsdp"]):
         with pytest.raises(SystemExit):
             e2e.parse_args(bad)
+
+
+def test_peer_out_of_memory_runs_again_with_full_ac(tmp_path, monkeypatch):
+    """--peer-oom-ac full (the default): a peer run that runs out of memory at the cell's AC mode runs once more
+    with AC full, the cell's ratio is against that run and the table marks it; no second run when the cell is at
+    AC full already, when the failure is not an OOM, or with --peer-oom-ac off."""
+    e2e = _load("e2e")
+    seen = []
+
+    def fake_peer(a, runner, seq_len, compile_on, ac, name, mp="fsdp"):
+        seen.append((seq_len, ac, name))
+        if seq_len == 8192:
+            return {"status": "error"}
+        if ac != "full":
+            return {"status": "OOM"}
+        return {"status": "ok", "ac": ac, "tokens_per_s": 50.0, "tokens_per_step": seq_len,
+                "step_s_median": seq_len / 50.0, "mfu_pct": 1.0, "peak_allocated_gib": 1.0}
+
+    def fake_ours(a, runner, seq_len, compile_on, ac, name):
+        return {"status": "ok", "tokens_per_s": 100.0, "tokens_per_step": seq_len, "step_s_median": seq_len / 100.0,
+                "mfu_pct": 1.0, "peak_allocated_gib": 1.0, "data_s": 0.0, "forward_backward_s": 1.0,
+                "optimizer_s": 0.1}
+
+    monkeypatch.setattr(e2e, "run_peer", fake_peer)
+    monkeypatch.setattr(e2e, "run_ours", fake_ours)
+    monkeypatch.setattr(e2e, "environment", lambda: {"gpu": "cpu"})
+    monkeypatch.delenv("OUT", raising=False)
+    out = tmp_path / "e2e.json"
+    assert e2e.main(["--seq-lens", "4096,8192", "--ac", "none,full", "--out", str(out),
+                     "--logs", str(tmp_path / "logs")]) == 0
+    assert [(s, ac) for s, ac, _ in seen] == [(4096, "none"), (4096, "full"), (8192, "none"), (4096, "full"),
+                                              (8192, "full")]
+    assert seen[1][2].endswith("_acfull")
+    report = json.loads(out.read_text())
+    none4k, none8k, full4k, full8k = report["cells"]
+    assert none4k["peer"]["oom_at_ac"] == "none" and none4k["peer"]["ac"] == "full"
+    assert none4k["ratio"] == pytest.approx(2.0) and "oom_at_ac" not in full4k["peer"]
+    assert none8k["peer"]["status"] == "error" and "ratio" not in none8k and full8k["peer"]["status"] == "error"
+    head, rows = e2e.table_rows(report["cells"])
+    col = head.index("peer tok/s")
+    assert [r[col] for r in rows] == ["50 (AC full)", "error", "50", "error"]
+    assert "--peer-oom-ac full" in (tmp_path / "e2e.md").read_text()
+    seen.clear()
+    assert e2e.main(["--seq-lens", "4096", "--ac", "none", "--peer-oom-ac", "off", "--out", str(out),
+                     "--logs", str(tmp_path / "logs")]) == 0
+    assert [(s, ac) for s, ac, _ in seen] == [(4096, "none")]
+    assert json.loads(out.read_text())["cells"][0]["peer"]["status"] == "OOM"
