@@ -181,6 +181,19 @@ def test_compiled_cells_get_the_longer_warmup():
     assert cmd[cmd.index("--training.steps") + 1] == "7"
 
 
+def _fake_runs(e2e, monkeypatch, fake_peer, ours_speed: float) -> None:
+    """e2e.main with ``fake_peer`` for the peer's runs and ours at a fixed speed, no subprocesses, no $OUT."""
+    def fake_ours(a, runner, seq_len, compile_on, ac, name):
+        return {"status": "ok", "tokens_per_s": ours_speed, "tokens_per_step": seq_len,
+                "step_s_median": seq_len / ours_speed, "mfu_pct": 1.0, "peak_allocated_gib": 1.0, "data_s": 0.0,
+                "forward_backward_s": 1.0, "optimizer_s": 0.1}
+
+    monkeypatch.setattr(e2e, "run_peer", fake_peer)
+    monkeypatch.setattr(e2e, "run_ours", fake_ours)
+    monkeypatch.setattr(e2e, "environment", lambda: {"gpu": "cpu"})
+    monkeypatch.delenv("OUT", raising=False)
+
+
 def test_both_peer_paths_per_cell(tmp_path, monkeypatch):
     """--peer-mp fsdp,autocast: one peer run per path (``--mp`` passed on), the first as the cell's "peer" (the
     ratio), the other as "peer_autocast", and ours against the faster as "ratio_best_peer"; a failed path is left
@@ -196,15 +209,7 @@ def test_both_peer_paths_per_cell(tmp_path, monkeypatch):
         return {"status": "ok", "tokens_per_s": speeds[(mp, seq_len)], "tokens_per_step": seq_len,
                 "step_s_median": seq_len / speeds[(mp, seq_len)], "mfu_pct": 1.0, "peak_allocated_gib": 1.0}
 
-    def fake_ours(a, runner, seq_len, compile_on, ac, name):
-        return {"status": "ok", "tokens_per_s": 110.0, "tokens_per_step": seq_len, "step_s_median": seq_len / 110.0,
-                "mfu_pct": 1.0, "peak_allocated_gib": 1.0, "data_s": 0.0, "forward_backward_s": 1.0,
-                "optimizer_s": 0.1}
-
-    monkeypatch.setattr(e2e, "run_peer", fake_peer)
-    monkeypatch.setattr(e2e, "run_ours", fake_ours)
-    monkeypatch.setattr(e2e, "environment", lambda: {"gpu": "cpu"})
-    monkeypatch.delenv("OUT", raising=False)
+    _fake_runs(e2e, monkeypatch, fake_peer, ours_speed=110.0)
     out = tmp_path / "e2e.json"
     assert e2e.main(["--seq-lens", "4096,8192", "--peer-mp", "fsdp,autocast", "--peer-oom-ac", "off",
                      "--out", str(out), "--logs", str(tmp_path / "logs")]) == 0
@@ -241,15 +246,7 @@ def test_peer_out_of_memory_runs_again_with_full_ac(tmp_path, monkeypatch):
         return {"status": "ok", "ac": ac, "tokens_per_s": 50.0, "tokens_per_step": seq_len,
                 "step_s_median": seq_len / 50.0, "mfu_pct": 1.0, "peak_allocated_gib": 1.0}
 
-    def fake_ours(a, runner, seq_len, compile_on, ac, name):
-        return {"status": "ok", "tokens_per_s": 100.0, "tokens_per_step": seq_len, "step_s_median": seq_len / 100.0,
-                "mfu_pct": 1.0, "peak_allocated_gib": 1.0, "data_s": 0.0, "forward_backward_s": 1.0,
-                "optimizer_s": 0.1}
-
-    monkeypatch.setattr(e2e, "run_peer", fake_peer)
-    monkeypatch.setattr(e2e, "run_ours", fake_ours)
-    monkeypatch.setattr(e2e, "environment", lambda: {"gpu": "cpu"})
-    monkeypatch.delenv("OUT", raising=False)
+    _fake_runs(e2e, monkeypatch, fake_peer, ours_speed=100.0)
     out = tmp_path / "e2e.json"
     assert e2e.main(["--seq-lens", "4096,8192", "--ac", "none,full", "--out", str(out),
                      "--logs", str(tmp_path / "logs")]) == 0
