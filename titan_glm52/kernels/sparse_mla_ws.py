@@ -43,9 +43,20 @@ LOADER_ARRIVALS = 128  # every loader thread arrives (cp.async.mbarrier.arrive.n
 
 
 @gluon.jit
+def _kv_rows(idx_row, i, K, T, stride_kvt, BK: gl.constexpr, layout: gl.constexpr):
+    """Row offsets into kv of step i's BK slots (the slice of ``layout`` along its rows); invalid slots read row 0
+    (finite; the softmax gives them probability 0)."""
+    offs = i * BK + gl.arange(0, BK, layout=gl.SliceLayout(1, layout))
+    idx = gl.load(idx_row + offs, mask=offs < K, other=-1)
+    return gl.where((idx >= 0) & (idx < T), idx, 0).to(gl.int64) * stride_kvt
+
+
+@gluon.jit
 def _loader(kv_a, kv_b, kv_full, kv_empty, kv_ptr, idx_ptr, kend_ptr, T, K, stride_kvt, stride_it, row0,
-            BK: gl.constexpr, DA: gl.constexpr, DB: gl.constexpr, STAGES: gl.constexpr):
-    """Gathers kv[idx[t, i*BK : (i+1)*BK]] of every step i of row t = row0 + program id into stage i % STAGES."""
+            BK: gl.constexpr, DA: gl.constexpr, DB: gl.constexpr, STAGES: gl.constexpr, IDX_EARLY: gl.constexpr):
+    """Gathers kv[idx[t, i*BK : (i+1)*BK]] of every step i of row t = row0 + program id into stage i % STAGES.
+    IDX_EARLY: the step's indices are loaded before waiting for its stage to be freed, so the gather starts as soon
+    as it is (False: after, so each refill first pays the index load's round trip)."""
     la: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
     lb: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     t = row0 + gl.program_id(0)
@@ -55,15 +66,15 @@ def _loader(kv_a, kv_b, kv_full, kv_empty, kv_ptr, idx_ptr, kend_ptr, T, K, stri
     cols_b = DA + gl.arange(0, DB, layout=gl.SliceLayout(0, lb))
     for i in range(gl.cdiv(kend, BK)):
         s = i % STAGES
+        if IDX_EARLY:
+            row_a = _kv_rows(idx_row, i, K, T, stride_kvt, BK, la)
+            row_b = _kv_rows(idx_row, i, K, T, stride_kvt, BK, lb)
         mbarrier.wait(kv_empty.index(s), ((i // STAGES) & 1) ^ 1)
-        offs_a = i * BK + gl.arange(0, BK, layout=gl.SliceLayout(1, la))
-        idx_a = gl.load(idx_row + offs_a, mask=offs_a < K, other=-1)
-        # invalid slots read row 0 (finite); the softmax gives them probability 0
-        row_a = gl.where((idx_a >= 0) & (idx_a < T), idx_a, 0).to(gl.int64) * stride_kvt
+        if not IDX_EARLY:
+            row_a = _kv_rows(idx_row, i, K, T, stride_kvt, BK, la)
         async_copy.async_copy_global_to_shared(kv_a.index(s), kv_ptr + row_a[:, None] + cols_a[None, :])
-        offs_b = i * BK + gl.arange(0, BK, layout=gl.SliceLayout(1, lb))
-        idx_b = gl.load(idx_row + offs_b, mask=offs_b < K, other=-1)
-        row_b = gl.where((idx_b >= 0) & (idx_b < T), idx_b, 0).to(gl.int64) * stride_kvt
+        if not IDX_EARLY:
+            row_b = _kv_rows(idx_row, i, K, T, stride_kvt, BK, lb)
         async_copy.async_copy_global_to_shared(kv_b.index(s), kv_ptr + row_b[:, None] + cols_b[None, :])
         async_copy.mbarrier_arrive(kv_full.index(s), increment_count=False)
 
@@ -107,11 +118,17 @@ def _issue_scores(q_a, q_b, kv_a, kv_b, kv_full, i, s_zero, STAGES: gl.constexpr
 
 
 @gluon.jit
-def _softmax_step(sc, i, m_i, l_i, idx_row, K, T, qk_scale, BK: gl.constexpr, s_layout: gl.constexpr):
-    """Online softmax (base 2) over step i's scores: (P, rescale of the running output, new max, new sum)."""
-    offs = i * BK + gl.arange(0, BK, layout=gl.SliceLayout(0, s_layout))
+def _valid_slots(idx_row, i, K, T, BK: gl.constexpr, layout: gl.constexpr):
+    """Whether each of step i's BK slots holds a kv row (the slice of ``layout`` along its columns)."""
+    offs = i * BK + gl.arange(0, BK, layout=gl.SliceLayout(0, layout))
     idx = gl.load(idx_row + offs, mask=offs < K, other=-1)
-    sc = gl.where(((idx >= 0) & (idx < T))[None, :], sc * qk_scale, float("-inf"))
+    return (idx >= 0) & (idx < T)
+
+
+@gluon.jit
+def _softmax_step(sc, valid, m_i, l_i, qk_scale):
+    """Online softmax (base 2) over a step's scores: (P, rescale of the running output, new max, new sum)."""
+    sc = gl.where(valid[None, :], sc * qk_scale, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(sc, axis=1))
     m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # no valid key yet: keep exp2 finite (= 0)
     alpha = gl.exp2(m_i - m_use)
@@ -134,7 +151,8 @@ def _hand_off(p, alpha, i, p_smem, a_smem, p_full, p_empty):
 @gluon.jit
 def _softmax_left(q_a, q_b, kv_a, kv_b, p_smem, a_smem, l_smem, kv_full, kv_empty, p_full, p_empty, l_ready,
                   idx_ptr, kend_ptr, out_ptr, lse_ptr, T, K, qk_scale, stride_it, stride_ot, stride_oh, stride_lt,
-                  BK: gl.constexpr, DH: gl.constexpr, H: gl.constexpr, STAGES: gl.constexpr):
+                  BK: gl.constexpr, DH: gl.constexpr, H: gl.constexpr, STAGES: gl.constexpr,
+                  IDX_EARLY: gl.constexpr):
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BK, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -152,8 +170,12 @@ def _softmax_left(q_a, q_b, kv_a, kv_b, p_smem, a_smem, l_smem, kv_full, kv_empt
     for i in range(n):
         s = i % STAGES
         sc = _issue_scores(q_a, q_b, kv_a, kv_b, kv_full, i, s_zero, STAGES)
+        if IDX_EARLY:  # the valid slots load while the scores run
+            valid = _valid_slots(idx_row, i, K, T, BK, s_layout)
         sc = warpgroup_mma_wait(0, deps=[sc])
-        p, alpha, m_i, l_i = _softmax_step(sc, i, m_i, l_i, idx_row, K, T, qk_scale, BK, s_layout)
+        if not IDX_EARLY:
+            valid = _valid_slots(idx_row, i, K, T, BK, s_layout)
+        p, alpha, m_i, l_i = _softmax_step(sc, valid, m_i, l_i, qk_scale)
         _hand_off(p, alpha, i, p_smem, a_smem, p_full, p_empty)
         acc = acc * gl.convert_layout(alpha, orow)[:, None]
         acc = warpgroup_mma(p_smem, kv_a.index(s).slice(0, DH, dim=1), acc, is_async=True)
@@ -188,7 +210,7 @@ def _fwd_ws_kernel(q_ptr, kv_ptr, idx_ptr, kend_ptr, out_ptr, lse_ptr, T, K, qk_
                    stride_qt, stride_qh, stride_kvt, stride_it, stride_ot, stride_oh, stride_lt,
                    H: gl.constexpr, DA: gl.constexpr, DB: gl.constexpr, DH: gl.constexpr, BK: gl.constexpr,
                    STAGES: gl.constexpr, LOADER_ARRIVALS: gl.constexpr, PV_REGS: gl.constexpr,
-                   LOADER_REGS: gl.constexpr):
+                   LOADER_REGS: gl.constexpr, IDX_EARLY: gl.constexpr):
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     la: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BK, DA], dtype)
     lb: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BK, DB], dtype)
@@ -224,11 +246,11 @@ def _fwd_ws_kernel(q_ptr, kv_ptr, idx_ptr, kend_ptr, out_ptr, lse_ptr, T, K, qk_
     gl.warp_specialize([
         (_softmax_left, (q_a, q_b, kv_a, kv_b, p_smem, a_smem, l_smem, kv_full, kv_empty, p_full, p_empty, l_ready,
                          idx_ptr, kend_ptr, out_ptr, lse_ptr, T, K, qk_scale, stride_it, stride_ot, stride_oh,
-                         stride_lt, BK, DH, H, STAGES)),
+                         stride_lt, BK, DH, H, STAGES, IDX_EARLY)),
         (_pv_right, (kv_a, p_smem, a_smem, l_smem, kv_full, kv_empty, p_full, p_empty, l_ready, out_ptr, kend_ptr,
                      stride_ot, stride_oh, BK, DH, H, STAGES)),
         (_loader, (kv_a, kv_b, kv_full, kv_empty, kv_ptr, idx_ptr, kend_ptr, T, K, stride_kvt, stride_it, 0,
-                   BK, DA, DB, STAGES)),
+                   BK, DA, DB, STAGES, IDX_EARLY)),
     ], [4, 4], [PV_REGS, LOADER_REGS])
 
 
@@ -281,7 +303,8 @@ def _bwd_ps_ws_kernel(q_ptr, kv_ptr, idx_ptr, kend_ptr, out_ptr, do_ptr, lse_ptr
                       stride_qt, stride_qh, stride_kvt, stride_it, stride_ot, stride_oh, stride_dot, stride_doh,
                       stride_lt, stride_pt, stride_pk,
                       H: gl.constexpr, DA: gl.constexpr, DB: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-                      LOADER_ARRIVALS: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
+                      LOADER_ARRIVALS: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
+                      IDX_EARLY: gl.constexpr):
     """Backward part 1 (see ``sparse_mla._bwd_ps_kernel``), one program per query row of a chunk: a loader
     warpgroup gathers BK rows per step into a ring of STAGES (even), two consumer warpgroups take alternate steps, so
     one consumer's exponentials and scratch stores overlap the other's products."""
@@ -324,7 +347,7 @@ def _bwd_ps_ws_kernel(q_ptr, kv_ptr, idx_ptr, kend_ptr, out_ptr, do_ptr, lse_ptr
         (_ps_consumer, (q_a, q_b, do_smem, d_smem, kv_a, kv_b, kv_full, kv_empty, idx_ptr, kend_ptr, lse_ptr, p_ptr,
                         ds_ptr, T, K, sm_scale, row0, stride_it, stride_lt, stride_pt, stride_pk, 1, BK, H, STAGES)),
         (_loader, (kv_a, kv_b, kv_full, kv_empty, kv_ptr, idx_ptr, kend_ptr, T, K, stride_kvt, stride_it, row0,
-                   BK, DA, DB, STAGES)),
+                   BK, DA, DB, STAGES, IDX_EARLY)),
     ], [4, 4], [CONSUMER_REGS, LOADER_REGS])
 
 
@@ -361,9 +384,10 @@ def _grad_row(kend_ptr, row0, n, NC: gl.constexpr, DC: gl.constexpr, GROUP_ROWS:
 @gluon.jit
 def _grad_loader(kv_c, p_s, ds_s, full, empty, kv_ptr, idx_ptr, kend_ptr, p_ptr, ds_ptr, T, K, stride_kvt, stride_it,
                  row0, n, stride_pt, stride_pk, BK: gl.constexpr, H: gl.constexpr, DC: gl.constexpr,
-                 NC: gl.constexpr, STAGES: gl.constexpr, GROUP_ROWS: gl.constexpr):
+                 NC: gl.constexpr, STAGES: gl.constexpr, GROUP_ROWS: gl.constexpr, IDX_EARLY: gl.constexpr):
     """Step i of row t: the P and dS tiles [BK slots, H] of the scratch and the NC column chunks [BK, DC] of the
-    gathered kv rows (this program's column group) into stage i % STAGES; invalid slots read as zeros."""
+    gathered kv rows (this program's column group) into stage i % STAGES; invalid slots read as zeros. IDX_EARLY:
+    the step's indices load before the wait for its stage (see ``_loader``)."""
     lt: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # [BK, 64] tiles, 16-byte copies
     r, t, c0, live, kend = _grad_row(kend_ptr, row0, n, NC, DC, GROUP_ROWS)
     idx_row = idx_ptr + t.to(gl.int64) * stride_it
@@ -372,9 +396,12 @@ def _grad_loader(kv_c, p_s, ds_s, full, empty, kv_ptr, idx_ptr, kend_ptr, p_ptr,
     cols = gl.arange(0, DC, layout=gl.SliceLayout(0, lt))
     for i in range(gl.cdiv(kend, BK)):
         s = i % STAGES
-        mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
         slots = i * BK + gl.arange(0, BK, layout=gl.SliceLayout(1, lt))
-        idx = gl.load(idx_row + slots, mask=slots < K, other=-1)
+        if IDX_EARLY:
+            idx = gl.load(idx_row + slots, mask=slots < K, other=-1)
+        mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
+        if not IDX_EARLY:
+            idx = gl.load(idx_row + slots, mask=slots < K, other=-1)
         ok = (idx >= 0) & (idx < T)
         valid = ok[:, None]
         offs = prow + slots.to(gl.int64)[:, None] * stride_pk + heads[None, :]
@@ -432,7 +459,7 @@ def _bwd_grad_ws_kernel(q_ptr, kv_ptr, idx_ptr, kend_ptr, do_ptr, p_ptr, ds_ptr,
                         stride_dkvt, stride_dqt, stride_dqh,
                         H: gl.constexpr, DA: gl.constexpr, BK: gl.constexpr, DC: gl.constexpr, NC: gl.constexpr,
                         STAGES: gl.constexpr, GROUP_ROWS: gl.constexpr, LOADER_ARRIVALS: gl.constexpr,
-                        CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
+                        CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, IDX_EARLY: gl.constexpr):
     """Backward part 2 (see ``sparse_mla._bwd_grad_kernel``): one program per (group of NC column chunks of DC,
     query row of the chunk; their order: ``_grad_program``). A loader warpgroup streams the P / dS tiles and the
     group's gathered kv columns through a ring of STAGES; NC consumer warpgroups, one per column chunk, run the
@@ -475,7 +502,7 @@ def _bwd_grad_ws_kernel(q_ptr, kv_ptr, idx_ptr, kend_ptr, do_ptr, p_ptr, ds_ptr,
         (_grad_consumer, (q_c, do_c, kv_c, p_s, ds_s, full, empty, idx_ptr, kend_ptr, dkv_ptr, dq_ptr, T, K, row0, n,
                           stride_it, stride_dkvt, stride_dqt, stride_dqh, 2, BK, H, DC, NC, STAGES, GROUP_ROWS)),
         (_grad_loader, (kv_c, p_s, ds_s, full, empty, kv_ptr, idx_ptr, kend_ptr, p_ptr, ds_ptr, T, K, stride_kvt,
-                        stride_it, row0, n, stride_pt, stride_pk, BK, H, DC, NC, STAGES, GROUP_ROWS)),
+                        stride_it, row0, n, stride_pt, stride_pk, BK, H, DC, NC, STAGES, GROUP_ROWS, IDX_EARLY)),
     ], [4, 4, 4], [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS])
 
 
@@ -489,10 +516,12 @@ def _bwd_grad_ws_kernel(q_ptr, kv_ptr, idx_ptr, kend_ptr, do_ptr, p_ptr, ds_ptr,
 # bwd_grad: part 2 (16 warps x 128 registers: three consumers at 152, the loader 56; a ring of `stages` steps;
 # group_rows: the programs' order, see _grad_program; -1, one column group at a time: 91.3 -> 88.5 ms of backward
 # at T = 32K, 4K unchanged, bench/ws_grad_order.py).
-DEFAULTS = {"fwd": {"enable": True, "maxnreg": 168, "pv_regs": 192, "loader_regs": 80, "bk": 64, "stages": 2},
-            "bwd_ps": {"enable": True, "maxnreg": 168, "consumer_regs": 208, "loader_regs": 80, "bk": 32, "stages": 2},
+DEFAULTS = {"fwd": {"enable": True, "maxnreg": 168, "pv_regs": 192, "loader_regs": 80, "bk": 64, "stages": 2,
+                    "idx_early": True},
+            "bwd_ps": {"enable": True, "maxnreg": 168, "consumer_regs": 208, "loader_regs": 80, "bk": 32, "stages": 2,
+                       "idx_early": True},
             "bwd_grad": {"enable": True, "maxnreg": 128, "consumer_regs": 152, "loader_regs": 56, "stages": 3,
-                         "group_rows": -1}}
+                         "group_rows": -1, "idx_early": True}}
 TUNE = {k: dict(v) for k, v in DEFAULTS.items()}
 _triton_env.load_tune("sparse_mla_ws", TUNE)
 TUNE = {k: {**v, **TUNE[k]} for k, v in DEFAULTS.items()}
@@ -517,7 +546,8 @@ def fwd(q, kv, indices, kend, qk_scale_log2, out, lse):
         q, kv, indices, kend, out, lse, kv.shape[0], indices.shape[1], qk_scale_log2,
         q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), out.stride(0), out.stride(1), lse.stride(0),
         H=H, DA=DA, DB=DB, DH=DH, BK=c["bk"], STAGES=c["stages"], LOADER_ARRIVALS=LOADER_ARRIVALS,
-        PV_REGS=c["pv_regs"], LOADER_REGS=c["loader_regs"], num_warps=4, maxnreg=c["maxnreg"])
+        PV_REGS=c["pv_regs"], LOADER_REGS=c["loader_regs"], IDX_EARLY=c["idx_early"], num_warps=4,
+        maxnreg=c["maxnreg"])
 
 
 def bwd_ps(q, kv, indices, kend, out, grad_out, lse, p, ds, sm_scale, row0, n):
@@ -528,7 +558,8 @@ def bwd_ps(q, kv, indices, kend, out, grad_out, lse, p, ds, sm_scale, row0, n):
         q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), out.stride(0), out.stride(1), grad_out.stride(0),
         grad_out.stride(1), lse.stride(0), p.stride(0), p.stride(1),
         H=H, DA=DA, DB=DB, BK=c["bk"], STAGES=c["stages"], LOADER_ARRIVALS=LOADER_ARRIVALS,
-        CONSUMER_REGS=c["consumer_regs"], LOADER_REGS=c["loader_regs"], num_warps=4, maxnreg=c["maxnreg"])
+        CONSUMER_REGS=c["consumer_regs"], LOADER_REGS=c["loader_regs"], IDX_EARLY=c["idx_early"], num_warps=4,
+        maxnreg=c["maxnreg"])
 
 
 def bwd_grad(q, kv, indices, kend, grad_out, p, ds, dkv, dq, row0, n):
@@ -540,8 +571,8 @@ def bwd_grad(q, kv, indices, kend, grad_out, p, ds, dkv, dq, row0, n):
         q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), grad_out.stride(0), grad_out.stride(1),
         p.stride(0), p.stride(1), dkv.stride(0), dq.stride(0), dq.stride(1),
         H=H, DA=DA, BK=64, DC=dc, NC=nc, STAGES=c["stages"], GROUP_ROWS=c["group_rows"],
-        LOADER_ARRIVALS=LOADER_ARRIVALS, CONSUMER_REGS=c["consumer_regs"], LOADER_REGS=c["loader_regs"], num_warps=4,
-        maxnreg=c["maxnreg"])
+        LOADER_ARRIVALS=LOADER_ARRIVALS, CONSUMER_REGS=c["consumer_regs"], LOADER_REGS=c["loader_regs"],
+        IDX_EARLY=c["idx_early"], num_warps=4, maxnreg=c["maxnreg"])
 
 
 def compile_specs(small: bool = False):
@@ -563,7 +594,7 @@ def compile_specs(small: bool = False):
     )
     out = []
     for name, fn, c, consts in kernels:
-        consts["LOADER_ARRIVALS"] = LOADER_ARRIVALS
+        consts.update(LOADER_ARRIVALS=LOADER_ARRIVALS, IDX_EARLY=c["idx_early"])
         sig = {n: ptr.get(n, "i32") for n in fn.arg_names if n not in consts}
         out.append((name, (fn, sig, consts, 4, 1, (), {"maxnreg": c["maxnreg"]})))
     return out
