@@ -174,41 +174,89 @@ class Router(nn.Module):
 _EXACT_IN_FP32 = (torch.bfloat16, torch.float16, torch.float32)
 
 
-class _WeightedRowSum(torch.autograd.Function):
-    """``out[t] = sum_r y[r, t]`` (``sum``'s accumulation: fp32 for bf16/fp16/fp32, rounded once to ``out_dtype``),
-    with ``y[r, t] = out_dtype(float(rows[perm[r * n + t]]) * w[r, t])``; ``rows [k * n, D]``, ``w [k, n]`` fp32.
+def _routing_kernel(t: torch.Tensor) -> bool:
+    return t.is_cuda and t.dtype in (torch.bfloat16, torch.float16, torch.float32) and triton_available()
 
-    The products are formed in fp32 and rounded straight into ``out_dtype`` (no fp32 copy of the rows, no fp32
-    product tensor); the k rows of a token are reached through the permutation ``perm``, a gather, so the backward
-    is a gather too (no scatter-add with atomics).
-    """
+
+def token_positions(order: torch.Tensor, k: int) -> torch.Tensor:
+    """``[n, k]`` int64: the rows of each token's k choices in the expert-sorted order ``order`` (flat choice
+    ``t * k + j`` at row p), ascending (= ascending expert id)."""
+    return torch.argsort(order // k, stable=True).view(-1, k)
+
+
+def gather_sum(src: torch.Tensor, pos: torch.Tensor, w: torch.Tensor | None = None,
+               out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``out[t] = sum_j y[t, j]`` over j ascending, summed in fp32 (fp64 for fp64) and rounded once to ``out_dtype``
+    (default ``src``'s), with ``y[t, j] = src[pos[t, j]]``, or ``out_dtype(float(src[pos[t, j]]) * w[t, j])`` given
+    fp32 weights ``w [n, k]``. One Triton pass on CUDA (``kernels/moe_routing.py``); the same sum in torch
+    elsewhere (bitwise equal)."""
+    out_dtype = out_dtype or src.dtype
+    if _routing_kernel(src) and out_dtype in (torch.bfloat16, torch.float16, torch.float32):
+        from titan_glm52.kernels.moe_routing import gather_sum as kernel  # lazy: the model must not import triton
+
+        return kernel(src, pos, w, out_dtype)
+    acc = None
+    for j in range(pos.shape[1]):
+        y = src.index_select(0, pos[:, j])
+        if w is not None:
+            y = _scale_rows(y, w[:, j], out_dtype)
+        acc = y.to(torch.promote_types(out_dtype, torch.float32)) if acc is None else acc + y
+    return acc.to(out_dtype)
+
+
+class _DispatchRows(torch.autograd.Function):
+    """``x[token_of]`` (each token's row once per choice, in expert-sorted order) whose backward sums each token's k
+    row gradients by a gather (``gather_sum`` over ``pos``: fp32, ascending expert, rounded once) instead of the
+    scatter-add into zeros of an indexing's backward (atomics on the GPU, rounded after every add)."""
 
     @staticmethod
-    def forward(ctx, rows: torch.Tensor, w: torch.Tensor, perm: torch.Tensor, out_dtype: torch.dtype):
-        k, n = w.shape
-        r = rows.index_select(0, perm).view(k, n, rows.shape[-1])
-        ctx.save_for_backward(r, w, perm)
-        return _scale_rows(r, w, out_dtype).sum(0)
+    def forward(ctx, x: torch.Tensor, token_of: torch.Tensor, pos: torch.Tensor):
+        ctx.save_for_backward(pos)
+        return x.index_select(0, token_of)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        r, w, perm = ctx.saved_tensors
-        k, n = w.shape
-        grad_rows = grad_w = None
-        if ctx.needs_input_grad[0]:  # d out[t] / d rows[perm[r*n+t]] = w[r, t] (through the fp32 product)
-            g = _scale_rows(grad.unsqueeze(0).expand(k, n, grad.shape[-1]), w, r.dtype)
-            inverse = torch.empty_like(perm)
-            inverse[perm] = torch.arange(perm.numel(), device=perm.device, dtype=perm.dtype)
-            grad_rows = g.view(k * n, -1).index_select(0, inverse)
-            del g  # (before the weights' gradient below: k n D values fewer alive there)
-        if ctx.needs_input_grad[1]:  # d out[t] / d w[r, t] = float(row): the fp32 dot product of grad and row
-            r32 = r if r.dtype in _EXACT_IN_FP32 else r.float()
-            g32 = grad.float()
-            if torch.compiler.is_compiling():  # fused into one reduction, no [k, n, D] product in memory
-                grad_w = (g32.unsqueeze(0) * r32).sum(-1)
-            else:  # one slot at a time: an [n, D] fp32 product instead of [k, n, D] (6 GiB at 32K on the proxy)
-                grad_w = torch.stack([(g32 * r32[j]).sum(-1) for j in range(k)])
-        return grad_rows, grad_w, None, None
+        (pos,) = ctx.saved_tensors
+        return gather_sum(grad, pos), None, None
+
+
+def dispatch_rows(x: torch.Tensor, token_of: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """``x[token_of]`` with a gather-sum backward; ``pos = token_positions(order, k)`` for ``token_of = order // k``."""
+    return _DispatchRows.apply(x, token_of, pos)
+
+
+class _WeightedRowSum(torch.autograd.Function):
+    """``out[t] = gather_sum(rows, pos, w, out_dtype)[t]``: token t's k expert outputs ``rows[pos[t, j]]``, each
+    scaled by ``w[t, j]`` in fp32 and rounded to ``out_dtype``, summed in fp32 and rounded once.
+
+    Keeps ``rows`` itself (no permuted copy). Backward: ``d rows[pos[t, j]] = rows.dtype(float(grad[t]) * w[t, j])``
+    (a gather of grad; each row written once, no scatter-add) and ``d w[t, j]`` the fp32 dot product of ``grad[t]``
+    and ``rows[pos[t, j]]``; one Triton pass on CUDA, one slot at a time in torch elsewhere.
+    """
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, w: torch.Tensor, pos: torch.Tensor, out_dtype: torch.dtype):
+        ctx.save_for_backward(rows, w, pos)
+        return gather_sum(rows, pos, w, out_dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        rows, w, pos = ctx.saved_tensors
+        if _routing_kernel(rows) and grad.dtype == rows.dtype:
+            from titan_glm52.kernels.moe_routing import combine_backward
+
+            d_rows, d_w = combine_backward(grad, rows, pos, w)
+            return d_rows, d_w, None, None
+        k = pos.shape[1]
+        d_rows = d_w = None
+        if ctx.needs_input_grad[0]:  # d out[t] / d rows[pos[t, j]] = w[t, j] (through the fp32 product)
+            d_rows = torch.empty_like(rows)
+            for j in range(k):
+                d_rows.index_copy_(0, pos[:, j], _scale_rows(grad, w[:, j], rows.dtype))
+        if ctx.needs_input_grad[1]:  # d out[t] / d w[t, j] = float(row): the fp32 dot product of grad and row
+            g32 = grad.float()  # (fp64 rows too: their products were formed from float(row))
+            d_w = torch.stack([(g32 * rows.index_select(0, pos[:, j]).float()).sum(-1) for j in range(k)], dim=1)
+        return d_rows, d_w, None, None
 
 
 def _scale_rows(r: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
@@ -221,24 +269,22 @@ def _scale_rows(r: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype) -> tor
 
 
 def combine_routed(routed: torch.Tensor, weights: torch.Tensor, order: torch.Tensor,
-                   out_dtype: torch.dtype) -> torch.Tensor:
+                   out_dtype: torch.dtype, pos: torch.Tensor | None = None) -> torch.Tensor:
     """The routed part of the MoE output: ``out[t] = sum_j out_dtype(float(routed[p(t, j)]) * weights[t, j])``.
 
     ``routed [N * k, D]``: expert outputs in expert-sorted order (row p is flat choice ``order[p] = t * k + j``);
-    ``weights [N, k]`` fp32 combine weights. Each product is rounded to ``out_dtype``; a token's k products are
-    summed in fp32 (ascending expert order on CPU) and rounded once. That is the CPU numerics of the
-    ``zeros.index_add_(0, token, products)`` this replaced, without its ``out_dtype`` atomics on GPU (which also
-    rounded after every add, in a non-deterministic order) and without the fp32 copies of the ``[N * k, D]`` rows.
+    ``weights [N, k]`` fp32 combine weights; ``pos``: ``token_positions(order, k)`` when the caller has it. Each
+    product is rounded to ``out_dtype``; a token's k products are summed in fp32 in ascending expert order and
+    rounded once. That is the CPU numerics of the ``zeros.index_add_(0, token, products)`` this replaced, without
+    its ``out_dtype`` atomics on GPU (which also rounded after every add, in a non-deterministic order) and without
+    the fp32 copies of the ``[N * k, D]`` rows.
     """
     if weights.dtype != torch.float32:
         raise TypeError(f"combine_routed: the combine weights must be fp32 (the router's dtype), got {weights.dtype}")
-    n, k = weights.shape
-    # Sorted positions of each token's k rows, ascending (= ascending expert id), then slot-major:
-    # row r * n + t of the permuted rows is token t's r-th expert.
-    by_token = torch.argsort(order // k, stable=True).view(n, k)
-    perm = by_token.t().reshape(-1)
-    w = weights.reshape(-1)[order[perm]].view(k, n)
-    return _WeightedRowSum.apply(routed, w, perm, out_dtype)
+    k = weights.shape[1]
+    pos = token_positions(order, k) if pos is None else pos
+    w = weights.reshape(-1)[order[pos]]  # [N, k]: token t's weight of its j-th expert in ascending order
+    return _WeightedRowSum.apply(routed, w, pos, out_dtype)
 
 
 def expert_counts(flat: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -283,8 +329,9 @@ class MoE(nn.Module):
                 self.tokens_per_expert += counts.to(self.tokens_per_expert.dtype)
         order = torch.argsort(flat, stable=True)
         token_of = order // k
-        routed = self.experts(x[token_of], counts, gathered_from=(x, token_of))
-        out = combine_routed(routed, weights, order, x.dtype) + self.shared_experts(x)
+        pos = token_positions(order, k)
+        routed = self.experts(dispatch_rows(x, token_of, pos), counts, gathered_from=(x, token_of))
+        out = combine_routed(routed, weights, order, x.dtype, pos) + self.shared_experts(x)
         if self.seq_aux_scale is not None and torch.is_grad_enabled():
             aux = self.seq_aux_loss(scores, idx, rows)
             if not in_backward():
