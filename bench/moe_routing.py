@@ -58,7 +58,8 @@ def bench(fn, inputs, grad, rep=100):
 def main():
     tokens = [int(a) for a in sys.argv[1:]] or [32768, 4096]
     g = torch.Generator(device="cuda").manual_seed(0)
-    res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "widths": dict(D=D, F=F, k=K, E=E)}
+    res = {"command": "python3 " + " ".join(sys.argv), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+           "widths": dict(D=D, F=F, k=K, E=E)}
     for n in tokens:
         idx = torch.rand(n, E, device="cuda", generator=g).topk(K, dim=-1).indices
         order = torch.argsort(idx.reshape(-1), stable=True)

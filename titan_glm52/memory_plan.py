@@ -149,12 +149,15 @@ Backward bytes of a step (on top of what it saved):
                         all-to-all); then with h = lD - uD: the down projection h + 2lF (R) / h + lF, the product
                         h + lF - lD + 3lF (R) / h - lD + 2lF, silu, the gate and up GEMMs' input gradients (+ lD
                         rebuilt rows with X) and the [T, D] gradient back to the tokens (+ uD under EP).
-                        (Written for the unfused SwiGLU, which kept silu's output; the fused one of model/moe.py keeps
-                        and forms none, so the terms with silu over-count by lF, and the saved set by a*kF per token
-                        without R. Kept until the measured peaks below are re-taken with it.)
+                        (Written for the unfused SwiGLU, which kept silu's output, and the torch combine; the fused
+                        SwiGLU of model/moe.py keeps and forms none, so the terms with silu over-count by lF, and the
+                        saved set by a*kF per token without R; the combine's one-pass backward on GPU forms only the
+                        rows' gradient, uD, not 2uD, and no weights' slot. Kept: the whole-model tests bound peaks
+                        measured before these changes, which a GPU run has to re-take first.)
                         On an H200 (eager, bf16, grouped GEMMs, 8192 tokens, three widths, rebuilt or kept;
-                        tests/unit/test_moe_backward_memory.py) a MoE block's backward peaked 0.22-0.81 of
-                        T x (this term + 3aD) + its gradients above its start (0.52 / 0.81 at the proxy's widths)
+                        tests/unit/test_moe_backward_memory.py) a MoE block's backward peaked 0.14-0.81 of
+                        T x (this term + 3aD) + its gradients above its start (0.47 / 0.81 at the proxy's widths;
+                        session 18, with the fused SwiGLU and the gather-based routing)
              dense MLP  a*(3Fd + 3D)
   head       the fused loss (model/head.py) forms each chunk's gradients at the end of forward, with every
              activation still held: one chunk of min(tokens, LOSS_CHUNK) tokens x vocab x 8 (the fp32 logits and

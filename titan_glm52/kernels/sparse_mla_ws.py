@@ -516,6 +516,9 @@ def _bwd_grad_ws_kernel(q_ptr, kv_ptr, idx_ptr, kend_ptr, do_ptr, p_ptr, ds_ptr,
 # bwd_grad: part 2 (16 warps x 128 registers: three consumers at 152, the loader 56; a ring of `stages` steps;
 # group_rows: the programs' order, see _grad_program; -1, one column group at a time: 91.3 -> 88.5 ms of backward
 # at T = 32K, 4K unchanged, bench/ws_grad_order.py).
+# idx_early (all three): the loader loads a step's indices before it waits for the step's stage (the forward's softmax
+# warpgroup its valid-slot mask while S = Q K^T runs); False: after, as in session 17 (forward 21.36 -> 21.04 ms, whole
+# backward 87.3 -> 86.2 ms at T = 32K; bench/results/kernels_h200.md, "Session 18").
 DEFAULTS = {"fwd": {"enable": True, "maxnreg": 168, "pv_regs": 192, "loader_regs": 80, "bk": 64, "stages": 2,
                     "idx_early": True},
             "bwd_ps": {"enable": True, "maxnreg": 168, "consumer_regs": 208, "loader_regs": 80, "bk": 32, "stages": 2,
