@@ -84,5 +84,9 @@ def test_inputs_are_checked():
         gather_sum(*_on(rows, pos, w.double()))
     with pytest.raises(ValueError, match="rows must be 2-D"):
         gather_sum(*_on(rows.double(), pos))
+    # rows with another column stride are read through a contiguous copy
+    wide = torch.stack([rows, rows], dim=2)[:, :, 0]  # the same values, column stride 2
+    assert wide.stride(1) == 2
+    assert torch.equal(gather_sum(*_on(wide, pos, w)).cpu(), moe_mod.gather_sum(rows, pos, w))
     with pytest.raises(ValueError, match="grad"):
         combine_backward(*_on(grad[:3], rows, pos, w))

@@ -79,22 +79,23 @@ def _combine_bwd_kernel(grad_ptr, rows_ptr, pos_ptr, w_ptr, grows_ptr, gw_ptr, D
     tl.store(gw_ptr + t * K + j, dots, mask=live)
 
 
-def _check(name: str, src: torch.Tensor, pos: torch.Tensor, w: torch.Tensor | None) -> None:
-    if src.dtype not in DTYPES or src.dim() != 2 or src.stride(1) != 1:
-        raise ValueError(f"{name}: rows must be 2-D with unit column stride in bf16/fp16/fp32, got "
-                         f"{tuple(src.shape)} {src.dtype} strides {src.stride()}")
+def _check(name: str, src: torch.Tensor, pos: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor:
+    """Checks the arguments; returns ``src`` with unit column stride (a copy only if it had another)."""
+    if src.dtype not in DTYPES or src.dim() != 2:
+        raise ValueError(f"{name}: rows must be 2-D in bf16/fp16/fp32, got {tuple(src.shape)} {src.dtype}")
     if pos.dtype != torch.int64 or pos.dim() != 2 or not pos.is_contiguous():
         raise ValueError(f"{name}: pos must be a contiguous int64 [n, k], got {tuple(pos.shape)} {pos.dtype}")
     if w is not None and (w.dtype != torch.float32 or w.shape != pos.shape or not w.is_contiguous()):
         raise ValueError(f"{name}: w must be a contiguous fp32 {tuple(pos.shape)}, got {tuple(w.shape)} {w.dtype}")
     check_device(src, pos, *([] if w is None else [w]))
+    return src if src.stride(1) == 1 else src.contiguous()
 
 
 def gather_sum(src: torch.Tensor, pos: torch.Tensor, w: torch.Tensor | None = None,
                out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``[n, D]``: row t = the fp32 sum over j (ascending) of ``src[pos[t, j]]``, each weighted by ``w[t, j]`` and
     rounded to ``out_dtype`` (default ``src``'s) first when ``w`` is given; rounded once at the end."""
-    _check("gather_sum", src, pos, w)
+    src = _check("gather_sum", src, pos, w)
     n, k = pos.shape
     d = src.shape[1]
     out = torch.empty(n, d, dtype=out_dtype or src.dtype, device=src.device)
@@ -110,7 +111,7 @@ def combine_backward(grad: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor,
                      w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(``d rows`` like ``rows``, ``d w`` fp32 ``[n, k]``) of ``gather_sum(rows, pos, w, grad.dtype)`` for the
     output gradient ``grad [n, D]``; every row of ``rows`` must appear in ``pos`` (it is written once, not zeroed)."""
-    _check("combine_backward", rows, pos, w)
+    rows = _check("combine_backward", rows, pos, w)
     grad = grad.contiguous()
     check_device(grad)
     n, k = pos.shape
