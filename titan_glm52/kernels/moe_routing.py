@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from ._triton_env import check_device, interpreting  # (first: the interpreter switch before triton)
+from ._triton_env import check_device, interpreting, pow2  # (first: the interpreter switch before triton)
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
@@ -79,6 +79,13 @@ def _combine_bwd_kernel(grad_ptr, rows_ptr, pos_ptr, w_ptr, grows_ptr, gw_ptr, D
     tl.store(gw_ptr + t * K + j, dots, mask=live)
 
 
+def _block(d: int, cap: int) -> int:
+    """Columns per block: a power of two covering ``d``, at most ``cap`` on the GPU (the interpreter, which pays per
+    program and loop step, takes the whole row)."""
+    whole = pow2(d, minimum=1)
+    return whole if interpreting() else min(cap, whole)
+
+
 def _check(name: str, src: torch.Tensor, pos: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor:
     """Checks the arguments; returns ``src`` with unit column stride (a copy only if it had another)."""
     if src.dtype not in DTYPES or src.dim() != 2:
@@ -100,7 +107,7 @@ def gather_sum(src: torch.Tensor, pos: torch.Tensor, w: torch.Tensor | None = No
     d = src.shape[1]
     out = torch.empty(n, d, dtype=out_dtype or src.dtype, device=src.device)
     if n and d:
-        block = min(BLOCK, triton.next_power_of_2(d)) if not interpreting() else triton.next_power_of_2(d)
+        block = _block(d, BLOCK)
         _gather_sum_kernel[(n, triton.cdiv(d, block))](
             src, pos, pos if w is None else w, out, d, src.stride(0), out.stride(0),
             K=k, WEIGHTED=w is not None, BLOCK=block, ASM=not interpreting(), num_warps=4)
@@ -121,10 +128,9 @@ def combine_backward(grad: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor,
     d_rows = torch.empty_like(rows)
     d_w = torch.empty(n, k, dtype=torch.float32, device=rows.device)
     if n:
-        block = min(BWD_BLOCK, triton.next_power_of_2(max(d, 1))) if not interpreting() else \
-            triton.next_power_of_2(max(d, 1))
         _combine_bwd_kernel[(n,)](grad, rows, pos, w, d_rows, d_w, d, grad.stride(0), rows.stride(0),
-                                  d_rows.stride(0), K=k, KP=triton.next_power_of_2(k), BLOCK=block, num_warps=4)
+                                  d_rows.stride(0), K=k, KP=triton.next_power_of_2(k), BLOCK=_block(d, BWD_BLOCK),
+                                  num_warps=4)
     return d_rows, d_w
 
 

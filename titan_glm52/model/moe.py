@@ -114,15 +114,19 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return _SwiGLU.apply(gate, up)
 
 
-def _swiglu_kernel(gate: torch.Tensor) -> bool:
-    return gate.is_cuda and gate.dtype in (torch.bfloat16, torch.float16, torch.float32) and triton_available()
+_KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # what the MoE's Triton kernels take
+
+
+def _on_kernel(t: torch.Tensor) -> bool:
+    """Whether the MoE's Triton kernels (kernels/swiglu.py, kernels/moe_routing.py) take ``t``: CUDA, their dtypes."""
+    return t.is_cuda and t.dtype in _KERNEL_DTYPES and triton_available()
 
 
 class _SwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(gate, up)
-        if _swiglu_kernel(gate):
+        if _on_kernel(gate):
             from titan_glm52.kernels.swiglu import swiglu_forward  # lazy: importing the model must not import triton
 
             return swiglu_forward(gate, up)
@@ -132,7 +136,7 @@ class _SwiGLU(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         gate, up = ctx.saved_tensors
-        if _swiglu_kernel(gate):
+        if _on_kernel(gate):
             from titan_glm52.kernels.swiglu import swiglu_backward
 
             return swiglu_backward(gate, up, grad)
@@ -174,10 +178,6 @@ class Router(nn.Module):
 _EXACT_IN_FP32 = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def _routing_kernel(t: torch.Tensor) -> bool:
-    return t.is_cuda and t.dtype in (torch.bfloat16, torch.float16, torch.float32) and triton_available()
-
-
 def token_positions(order: torch.Tensor, k: int) -> torch.Tensor:
     """``[n, k]`` int64: the rows of each token's k choices in the expert-sorted order ``order`` (flat choice
     ``t * k + j`` at row p), ascending (= ascending expert id)."""
@@ -191,7 +191,7 @@ def gather_sum(src: torch.Tensor, pos: torch.Tensor, w: torch.Tensor | None = No
     fp32 weights ``w [n, k]``. One Triton pass on CUDA (``kernels/moe_routing.py``); the same sum in torch
     elsewhere (bitwise equal)."""
     out_dtype = out_dtype or src.dtype
-    if _routing_kernel(src) and out_dtype in (torch.bfloat16, torch.float16, torch.float32):
+    if _on_kernel(src) and out_dtype in _KERNEL_DTYPES:
         from titan_glm52.kernels.moe_routing import gather_sum as kernel  # lazy: the model must not import triton
 
         return kernel(src, pos, w, out_dtype)
@@ -242,7 +242,7 @@ class _WeightedRowSum(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         rows, w, pos = ctx.saved_tensors
-        if _routing_kernel(rows) and grad.dtype == rows.dtype:
+        if _on_kernel(rows) and grad.dtype == rows.dtype:
             from titan_glm52.kernels.moe_routing import combine_backward
 
             d_rows, d_w = combine_backward(grad, rows, pos, w)
