@@ -390,18 +390,27 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm_ty
     return total
 
 
+# Gradients of at least this many elements get their own ``vector_norm`` on CUDA instead of a share of the foreach
+# kernel: over the proxy's gradients (4.7 G bf16 values, 78 tensors; one H200) the foreach kernel reads 2.3 TB/s
+# (4.20 ms, 225 launches of 320 blocks each), one reduction per large tensor with the rest on foreach 3.3 TB/s (2.92 ms).
+FOREACH_NORM_MAX_NUMEL = 1 << 22
+
+
 def _plain_norm_fp32(grads: list[torch.Tensor], norm_type: float, foreach: bool | None) -> torch.Tensor:
     """``torch.nn.utils.get_total_norm`` of plain low-precision gradients, accumulated in fp32 as if they were
-    widened first (the foreach kernel and ``vector_norm`` widen each element on load)."""
+    widened first (the foreach kernel and ``vector_norm`` widen each element on load). On CUDA the tensors of at
+    least ``FOREACH_NORM_MAX_NUMEL`` elements take ``vector_norm`` (faster there), the rest the foreach kernel: the
+    same per-tensor norms as ``get_total_norm``'s up to fp32 summation order."""
     by_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
     for g in grads:
         by_device[g.device].append(g)
     norms = []
     for device, gs in by_device.items():
         if foreach is not False and device.type == "cuda":
-            norms.extend(torch._foreach_norm(gs, norm_type, dtype=torch.float32))
-        else:
-            norms.extend(torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) for g in gs)
+            small = [g for g in gs if g.numel() < FOREACH_NORM_MAX_NUMEL]
+            norms.extend(torch._foreach_norm(small, norm_type, dtype=torch.float32) if small else [])
+            gs = [g for g in gs if g.numel() >= FOREACH_NORM_MAX_NUMEL]
+        norms.extend(torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) for g in gs)
     return torch.linalg.vector_norm(torch.stack([n.to(grads[0].device) for n in norms]), norm_type)
 
 
@@ -411,7 +420,8 @@ def total_grad_norm(groups: list[list[torch.Tensor]], norm_type: float = 2.0, de
                     foreach: bool | None = None) -> torch.Tensor:
     """The total norm of gradients given in groups (each group's tensors on one mesh with one placement, or plain
     tensors), as ``clip_grad_norm_`` computes it. Plain bf16 / fp16 gradients (``master_weights``) are accumulated
-    in fp32, so the norm equals that of the same gradients widened to fp32."""
+    in fp32, so the norm equals that of the same gradients widened to fp32 (up to fp32 summation order on CUDA,
+    where the large ones take another kernel: ``_plain_norm_fp32``)."""
     norms = []
     for grads in (g for g in groups if g):
         if not isinstance(grads[0], DTensor) and grads[0].dtype in (torch.bfloat16, torch.float16):

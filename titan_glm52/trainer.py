@@ -42,7 +42,6 @@ from titan_glm52.parallelize import (clip_grad_norm_, clip_in_fused_step, folds_
                                      total_grad_norm)
 from titan_glm52.pipeline import build_pipeline_stages, cu_seqlens_from_positions, make_plan, micro_batch_bounds
 from titan_glm52.profiling import profiling
-from torchtitan.distributed.pipeline_parallel import build_pipeline_schedule
 from torchtitan.tools.utils import GarbageCollection
 
 logger = logging.getLogger("titan_glm52")
@@ -265,6 +264,9 @@ class Trainer:
             self.has_first = any(s.is_first for s in stages)
             self.has_last = any(s.is_last for s in stages)
             self._last_stage = next((m for m in self.model_parts if m.is_last), None)
+            # (imported here: torchtitan's pipeline module pulls in its dataset stack, ~1 s of every start-up)
+            from torchtitan.distributed.pipeline_parallel import build_pipeline_schedule
+
             self.schedule = build_pipeline_schedule(cfg, stages, self._pp_loss)
             self._pp_parts: list[torch.Tensor] = []
         else:

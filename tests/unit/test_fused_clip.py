@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from titan_glm52.parallelize import clip_coefficient, clip_grad_norm_, clip_in_fused_step, folds_clip
+from titan_glm52.parallelize import (FOREACH_NORM_MAX_NUMEL, clip_coefficient, clip_grad_norm_, clip_in_fused_step,
+                                     folds_clip, total_grad_norm)
 
 SHAPES = [(64, 48), (48,), (3, 5, 7), (1,), (200,)]
 
@@ -99,6 +100,19 @@ def test_scale_grads_false_leaves_gradients_and_returns_the_norm():
     assert torch.equal(norm, want)
     for p, g in zip(params, grads_for(0)):
         assert (p.grad is None) if g is None else torch.equal(p.grad, g)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the large tensors leave the foreach kernel on CUDA only")
+def test_bf16_norm_with_large_tensors_is_torchs_to_fp32_summation_order():
+    g = torch.Generator(device="cuda").manual_seed(0)
+    sizes = [FOREACH_NORM_MAX_NUMEL + 7, 3 * FOREACH_NORM_MAX_NUMEL, 1000, FOREACH_NORM_MAX_NUMEL - 1, 5]
+    grads = [torch.randn(n, generator=g, device="cuda").to(torch.bfloat16) for n in sizes]
+    want = torch.nn.utils.get_total_norm([t.float() for t in grads])
+    got = total_grad_norm([grads])
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=2e-6, atol=0)
+    grads[1][123] = float("nan")  # a non-finite value in a large tensor reaches the total
+    assert not torch.isfinite(total_grad_norm([grads]))
 
 
 def test_grad_scale_is_removed_and_not_in_the_state_dict():
