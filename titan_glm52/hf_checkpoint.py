@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 from titan_glm52.model.args import GLM52ModelArgs
 from titan_glm52.model.init import local_view
 from titan_glm52.model.model import GLM52Model
-from titan_glm52.model.state_dict_adapter import FP32_KEYS, hf_to_ours, to_hf
+from titan_glm52.model.state_dict_adapter import FP32_KEYS, ExpertSlice, hf_to_ours, to_hf
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -58,7 +58,8 @@ def load_hf_state(model: GLM52Model, hf_dir: str, partial: bool = False) -> None
     mtp_prefix = None if getattr(model, "mtp", None) is not None else f"model.layers.{args.num_hidden_layers}."
     targets = dict(model.named_parameters())
     targets.update({k: v for k, v in model.named_buffers() if "tokens_per_expert" not in k})
-    seen: dict[str, set[int] | bool] = {}
+    seen: dict[str, set[tuple[int, int]] | bool] = {}  # per 3-D weight: the (expert, part) slices copied
+    parts: dict[str, int] = {}
     by_file: dict[str, list[str]] = defaultdict(list)
     for key, path in hf_weight_files(hf_dir).items():
         by_file[path].append(key)
@@ -67,37 +68,51 @@ def load_hf_state(model: GLM52Model, hf_dir: str, partial: bool = False) -> None
             for hf_key in keys:
                 if mtp_prefix is not None and hf_key.startswith(mtp_prefix):
                     continue  # the MTP layer of a model trained without it
-                name, expert = hf_to_ours(hf_key, args)
+                name, where = hf_to_ours(hf_key, args)
                 if name not in targets:
                     if partial:
                         continue
                     raise KeyError(f"{hf_key!r} maps to {name!r}, which this model does not have "
                                    "(indexer weights on a shared layer? MTP layer disabled?)")
-                _copy_slice(f.get_slice(hf_key), hf_key, targets[name], expert)
-                if expert is None:
+                _copy_slice(f.get_slice(hf_key), hf_key, targets[name], where)
+                if where is None:
                     seen[name] = True
                 else:
-                    seen.setdefault(name, set()).add(expert)
+                    seen.setdefault(name, set()).add((where.expert, where.part))
+                    parts[name] = where.parts
     missing = [name for name, t in targets.items()
-               if seen.get(name) is None or (isinstance(seen[name], set) and len(seen[name]) != t.shape[0])]
+               if seen.get(name) is None
+               or (isinstance(seen[name], set) and len(seen[name]) != t.shape[0] * parts[name])]
     if missing:
         raise KeyError(f"{len(missing)} tensors missing from {hf_dir}: {missing[:8]}")
 
 
-def _copy_slice(src, hf_key: str, dst: torch.Tensor, expert: int | None) -> None:
+def _copy_slice(src, hf_key: str, dst: torch.Tensor, where: ExpertSlice | None) -> None:
     """Copies the part of checkpoint tensor ``src`` (a safetensors slice) that ``dst``'s local shard holds
-    (``dst[expert]`` for a per-expert tensor of a 3-D weight)."""
+    (for one expert's tensor of a 3-D weight: its rows ``where`` says, see ``ExpertSlice``)."""
     local, shape, offset = local_view(dst)
-    global_shape = tuple(dst.shape) if expert is None else tuple(dst.shape[1:])
+    global_shape = tuple(dst.shape)
+    if where is not None:
+        global_shape = (dst.shape[1] // where.parts, *dst.shape[2:])
     if tuple(src.get_shape()) != global_shape:
         raise ValueError(f"{hf_key}: checkpoint shape {tuple(src.get_shape())} != model {global_shape}")
-    if expert is not None:
-        if not offset[0] <= expert < offset[0] + shape[0]:
+    src_rows = None
+    if where is not None:
+        if not offset[0] <= where.expert < offset[0] + shape[0]:
             return  # another rank's expert
-        local, shape, offset = local[expert - offset[0]], shape[1:], offset[1:]
+        local, shape, offset = local[where.expert - offset[0]], shape[1:], offset[1:]
+        # The slice's rows within the expert, intersected with the rows this shard holds (FSDP may split dim 1).
+        first = where.part * global_shape[0]
+        lo, hi = max(offset[0], first), min(offset[0] + shape[0], first + global_shape[0])
+        if lo >= hi:
+            return
+        local, shape, offset = local[lo - offset[0]:hi - offset[0]], (hi - lo, *shape[1:]), (lo, *offset[1:])
+        src_rows = slice(lo - first, hi - first)
     if local.numel() == 0:
         return
     index = tuple(slice(o, o + n) for o, n in zip(offset, shape))
+    if src_rows is not None:
+        index = (src_rows, *index[1:])
     local.copy_(src[index] if index else src[:])
 
 

@@ -147,8 +147,9 @@ Backward bytes of a step (on top of what it saved):
                         the shared expert 2aFs; the combine 2uD (the rows' gradient in slot and in expert order),
                         uD + 8D (the weights' gradient, one [T, D] fp32 slot at a time), under EP lD (the
                         all-to-all); then with h = lD - uD: the down projection h + 2lF (R) / h + lF, the product
-                        h + lF - lD + 3lF (R) / h - lD + 2lF, silu, the gate and up GEMMs' input gradients (+ lD
-                        rebuilt rows with X) and the [T, D] gradient back to the tokens (+ uD under EP).
+                        h + lF - lD + 3lF (R) / h - lD + 2lF, silu, the gate/up GEMM's input gradient (one GEMM of the
+                        stacked ``w13``; + lD rebuilt rows with X) and the [T, D] gradient back to the tokens (+ uD
+                        under EP).
                         (Written for the unfused SwiGLU, which kept silu's output, and the torch combine; the fused
                         SwiGLU of model/moe.py keeps and forms none, so the terms with silu over-count by lF, and the
                         saved set by a*kF per token without R; the combine's one-pass backward on GPU forms only the
@@ -399,9 +400,9 @@ def moe_backward_peak(args: GLM52ModelArgs, act_bytes: int, load: float = 1.0, e
     # silu: the gate's gradient; the product's gradient and the gate freed
     peaks.append(held + el * f)
     held -= el * f
-    # the up and gate GEMMs (up first): each forms an input gradient (the gathered rows rebuilt once for both)
+    # the gate/up GEMM (one, ``w13``): the input gradient (with the gathered rows rebuilt)
     x = el * d if rebuild_x else 0
-    peaks += [held + x + el * d, held + x + 2 * el * d - el * f]
+    peaks.append(held + x + el * d)
     held += el * d - 2 * el * f - (0 if rebuild_x else el * d)
     # back to the tokens: the gather's (or, under EP, the dispatch all-to-all's) [T, D] gradient
     peaks.append(held + (u * d if ep else 0) + a * d)

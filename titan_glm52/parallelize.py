@@ -55,7 +55,7 @@ class ExpertParallel:
     sends each row to the EP rank that owns its expert (all-to-all with uneven splits), reorders the received rows
     by local expert and drops ``gathered_from`` (the rows no longer come from this rank's tokens), so the
     unchanged ``GroupedExperts.forward`` runs on the local shard
-    (``w1/w2/w3`` are DTensors ``Shard(0)`` on the EP mesh; ``forward`` uses ``to_local()``). The post-hook
+    (``w13`` and ``w2`` are DTensors ``Shard(0)`` on the EP mesh; ``forward`` uses ``to_local()``). The post-hook
     undoes the reordering and sends the outputs back, so ``MoE`` sees exactly what it would see without EP.
     """
 
@@ -113,7 +113,7 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> None:
         if getattr(experts, "_expert_parallel", None) is not None:
             raise RuntimeError("apply_expert_parallel was already applied to this model")
         ep = ExpertParallel(ep_mesh, experts.num_experts)
-        for name in ("w1", "w2", "w3"):
+        for name in ("w13", "w2"):
             setattr(experts, name, _shard_dim0(getattr(experts, name), ep_mesh))
         experts._expert_parallel = ep
         # Never traced by torch.compile: host syncs (.tolist) and data-dependent splits; run eagerly.

@@ -116,10 +116,10 @@ def check_train_step(dp_replicate: int = 1, dp_shard: int = -1, ep: int = 1, ac_
                       selective_ac_option=selective_ac_option, compile=compile, compile_backend=compile_backend)
     assert [n for n, _ in model.named_parameters()] == list(ref_grads), "parameter names changed"
     if ep > 1:  # experts: EP shards dim 0 on "ep"; FSDP on "efsdp" shards dim 0 again, or dim 1 if too few
-        w1 = model.layers["3"].moe.experts.w1
-        assert w1.device_mesh.mesh_dim_names[-2:] == ("efsdp", "ep"), w1.device_mesh
+        w13 = model.layers["3"].moe.experts.w13
+        assert w13.device_mesh.mesh_dim_names[-2:] == ("efsdp", "ep"), w13.device_mesh
         too_few = mesh.degrees.efsdp > args.n_routed_experts // ep
-        assert w1.placements[-1] == Shard(0) and (w1.placements[-2] == Shard(1)) == too_few, w1.placements
+        assert w13.placements[-1] == Shard(0) and (w13.placements[-2] == Shard(1)) == too_few, w13.placements
     dp = mesh["dp"]
     local = tokens.chunk(dp.size())[dp.get_local_rank()]
     absorbed = []  # with the Triton DSA kernels: grad mode of each latent query formed (False: a rebuild)

@@ -83,8 +83,8 @@ def test_recompute_frees_the_gemm_inputs(grouped, monkeypatch):
 
 
 def test_each_tensor_is_rebuilt_once_per_backward(monkeypatch):
-    """The gathered rows are saved by both the gate and the up GEMM but gathered once per backward pass (also in
-    a second pass over a retained graph)."""
+    """The gathered rows (saved by the gate/up GEMM) and the SwiGLU output (saved by the down GEMM) are each rebuilt
+    once per backward pass (also in a second pass over a retained graph)."""
     calls = []
     real = recompute_mod.RecomputeSaved.recompute
 
@@ -101,7 +101,7 @@ def test_each_tensor_is_rebuilt_once_per_backward(monkeypatch):
     g = torch.randn_like(out)
     out.backward(g, retain_graph=True)
     first = sorted(calls)
-    rows, d, f = 40 * 8, x.shape[1], block.experts.w1.shape[1]
+    rows, d, f = 40 * 8, x.shape[1], block.experts.w2.shape[2]
     assert first == sorted([(rows, d), (rows, f)])
     out.backward(g)
     assert sorted(calls) == sorted(first * 2)

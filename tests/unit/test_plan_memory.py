@@ -463,9 +463,9 @@ def test_moe_backward_peak_walks_the_steps():
     output (4lF, l = L*a*k) while the combine's token-order rows (uD) and the expert outputs' gradient (lD) are gone;
     with them kept it forms two and frees the kept product (2lF - uD). With top-2 at F = D the combine weights'
     gradient (one [T, D] fp32 slot and its fp32 gradient copy, 8D, next to the rows' gradient uD) is the largest.
-    Rebuilding the gathered rows at 4x load makes the second input gradient of the gate/up GEMMs the largest
-    (held -uD, + the rebuilt rows and two input gradients 3lD, - the freed gate gradient lF); under EP the rows stay
-    kept and only silu and the product are rebuilt."""
+    Rebuilding the gathered rows at 4x load makes the input gradient of the gate/up GEMM the largest (held -uD, +
+    the rebuilt rows and the input gradient 2lD); under EP the rows stay kept and only silu and the product are
+    rebuilt."""
     a = 2
     narrow = _proxy_args().replace(hidden_size=512, moe_intermediate_size=2048, num_experts_per_tok=4)
     u, d, f = a * 4, 512, 2048
@@ -475,9 +475,8 @@ def test_moe_backward_peak_walks_the_steps():
     assert moe_backward_peak(top2, a) == a * 2 * 1024 + 8 * 1024
     args = _proxy_args()
     u, d, f = a * args.num_experts_per_tok, args.hidden_size, args.moe_intermediate_size
-    assert moe_backward_peak(args, a, load=4.0, recompute_experts=True) == -u * d + 3 * 4 * u * d - 4 * u * f
-    # under EP: the down projection's moment (3uD + 8uF: its input gradient and the rebuilt product; at the proxy's
-    # D = 3F it ties with the GEMMs' second input gradient without rebuilt rows, 7uD - 4uF)
+    assert moe_backward_peak(args, a, load=4.0, recompute_experts=True) == -u * d + 2 * 4 * u * d
+    # under EP: the down projection's moment (3uD + 8uF: its input gradient and the rebuilt product)
     assert moe_backward_peak(args, a, load=4.0, ep=True, recompute_experts=True) == (4 - 1) * u * d + 2 * 4 * u * f
 
 
@@ -521,7 +520,7 @@ def test_rebuilt_latent_query_leaves_the_saved_set():
 def test_recomputed_expert_inputs_leave_the_saved_set():
     """[moe] recompute_expert_inputs: a MoE block without checkpointing keeps a*2kF per token of its experts instead
     of a*(kD + 4kF) (a*(kD + 2kF) under EP, whose received rows stay); its backward holds the rebuilt inputs while
-    it uses them, which at 4x load makes the gate/up GEMMs' moment the largest; checkpointed blocks are unchanged."""
+    it uses them, which at 4x load makes the gate/up GEMM's moment the largest; checkpointed blocks are unchanged."""
     args, a = _proxy_args(), 2
     d, k, f = args.hidden_size, args.num_experts_per_tok, args.moe_intermediate_size
     kept = block_bytes_per_token(args, 1, "none", a, ep=False)
@@ -530,10 +529,10 @@ def test_recomputed_expert_inputs_leave_the_saved_set():
     assert kept_ep - block_bytes_per_token(args, 1, "none", a, ep=True, recompute_experts=True) == a * 2 * k * f
     assert block_bytes_per_token(args, 0, "none", a, recompute_experts=True) == block_bytes_per_token(args, 0, "none", a)
     t = 4096
-    # at 4x load the rebuilt rows and both input gradients of the gate/up GEMMs (11uD - 4uF, u = a*k) replace the
-    # down projection's moment (3uD + 4uF) as the largest
+    # at 4x load the rebuilt rows and the input gradient of the gate/up GEMM (7uD, u = a*k) replace the down
+    # projection's moment (3uD + 4uF) as the largest
     assert (backward_workspace(args, 1, t, a, load=4.0, recompute_experts=True)
-            - backward_workspace(args, 1, t, a, load=4.0)) == t * 8 * a * k * (d - f)
+            - backward_workspace(args, 1, t, a, load=4.0)) == t * 4 * a * k * (d - f)
     base = dict(args=args, gpus=1, with_mtp=False, seq_len=32768, gpu_memory_gib=141.0)
     for mode, option in (("none", "op"), ("selective", "2"), ("full", "op")):
         on = plan_memory(MemoryRequest(ac_mode=mode, selective_ac_option=option, **base)).worst.total

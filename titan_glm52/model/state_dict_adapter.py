@@ -2,14 +2,16 @@
 
 HF (``zai-org/GLM-5.2``) keeps one tensor per expert (``mlp.experts.{e}.gate_proj.weight``) and stores the MTP
 layer as ``model.layers.{num_hidden_layers}`` with ``enorm``/``hnorm``/``eh_proj``/``shared_head.norm``; we keep
-3-D expert weights (``moe.experts.w1 [E, F, D]``) and the MTP layer under ``mtp``. Indexer weights exist only on
-full layers and the MTP layer, exactly as in the checkpoint.
+3-D expert weights, gate and up stacked (``moe.experts.w13 [E, 2F, D]``: ``gate_proj`` in rows ``:F``, ``up_proj``
+in rows ``F:``; ``moe.experts.w2 [E, D, F]``), and the MTP layer under ``mtp``. Indexer weights exist only on full
+layers and the MTP layer, exactly as in the checkpoint.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 
@@ -40,13 +42,14 @@ _LAYER = {
     "moe.shared_experts.w3.weight": "mlp.shared_experts.up_proj.weight",
     "moe.shared_experts.w2.weight": "mlp.shared_experts.down_proj.weight",
 }
-_EXPERTS = {"moe.experts.w1": "gate_proj", "moe.experts.w3": "up_proj", "moe.experts.w2": "down_proj"}
+# Ours -> the HF projections it stacks along dim 1 (equal parts, in this order).
+_EXPERTS = {"moe.experts.w13": ("gate_proj", "up_proj"), "moe.experts.w2": ("down_proj",)}
 _MTP_OWN = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight", "eh_proj.weight": "eh_proj.weight",
             "norm.weight": "shared_head.norm.weight"}
 _GLOBAL = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
            "output.weight": "lm_head.weight"}
 _LAYER_REV = {v: k for k, v in _LAYER.items()}
-_EXPERT_REV = {v: k for k, v in _EXPERTS.items()}
+_EXPERT_REV = {hf: (k, part) for k, hfs in _EXPERTS.items() for part, hf in enumerate(hfs)}
 _MTP_REV = {v: k for k, v in _MTP_OWN.items()}
 _GLOBAL_REV = {v: k for k, v in _GLOBAL.items()}
 _HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
@@ -83,16 +86,29 @@ def to_hf(state: dict[str, torch.Tensor], args: GLM52ModelArgs) -> Iterator[tupl
                 raise KeyError(f"no HF name for {key!r}")
             prefix, rest = split
         if rest in _EXPERTS:
+            parts = _EXPERTS[rest]
+            rows = t.shape[1] // len(parts)
             for e in range(t.shape[0]):
-                yield f"{prefix}mlp.experts.{e}.{_EXPERTS[rest]}.weight", t[e]
+                for part, hf in enumerate(parts):
+                    yield f"{prefix}mlp.experts.{e}.{hf}.weight", t[e, part * rows:(part + 1) * rows]
         elif rest in _LAYER:
             yield prefix + _LAYER[rest], t
         else:
             raise KeyError(f"no HF name for {key!r}")
 
 
-def hf_to_ours(hf_key: str, args: GLM52ModelArgs) -> tuple[str, int | None]:
-    """Our name for an HF key, and the expert index when the HF tensor is one slice of a 3-D weight."""
+@dataclass(frozen=True)
+class ExpertSlice:
+    """Where a per-expert HF tensor lies in our 3-D weight: ``weight[expert, part * rows:(part + 1) * rows]`` with
+    ``rows = weight.shape[1] // parts``."""
+
+    expert: int
+    part: int = 0
+    parts: int = 1
+
+
+def hf_to_ours(hf_key: str, args: GLM52ModelArgs) -> tuple[str, ExpertSlice | None]:
+    """Our name for an HF key, and where in it the HF tensor lies when it is one expert's slice of a 3-D weight."""
     if hf_key in _GLOBAL_REV:
         return _GLOBAL_REV[hf_key], None
     m = _HF_LAYER.fullmatch(hf_key)
@@ -110,7 +126,8 @@ def hf_to_ours(hf_key: str, args: GLM52ModelArgs) -> tuple[str, int | None]:
         prefix = f"layers.{layer}."
     em = _HF_EXPERT.fullmatch(rest)
     if em:
-        return prefix + _EXPERT_REV[em.group(2)], int(em.group(1))
+        name, part = _EXPERT_REV[em.group(2)]
+        return prefix + name, ExpertSlice(int(em.group(1)), part, len(_EXPERTS[name]))
     if rest in _LAYER_REV:
         return prefix + _LAYER_REV[rest], None
     raise KeyError(f"unexpected key in the HF checkpoint: {hf_key!r}")
