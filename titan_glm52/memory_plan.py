@@ -144,21 +144,18 @@ Backward bytes of a step (on top of what it saved):
                         autograd runs it with the saved tensors each step frees subtracted (u = a*k per token,
                         l = L*a*k on the experts' side, R: silu and its product rebuilt, X: the gathered rows
                         rebuilt, i.e. ``recompute_expert_inputs`` in a block that is not checkpointed, without EP):
-                        the shared expert 2aFs; the combine 2uD (the rows' gradient in slot and in expert order),
-                        uD + 8D (the weights' gradient, one [T, D] fp32 slot at a time), under EP lD (the
-                        all-to-all); then with h = lD - uD: the down projection h + 2lF (R) / h + lF, the product
-                        h + lF - lD + 3lF (R) / h - lD + 2lF, silu, the gate/up GEMM's input gradient (one GEMM of the
-                        stacked ``w13``; + lD rebuilt rows with X) and the [T, D] gradient back to the tokens (+ uD
-                        under EP).
-                        (Written for the unfused SwiGLU, which kept silu's output, and the torch combine; the fused
-                        SwiGLU of model/moe.py keeps and forms none, so the terms with silu over-count by lF, and the
-                        saved set by a*kF per token without R; the combine's one-pass backward on GPU forms only the
-                        rows' gradient, uD, not 2uD, and no weights' slot. Kept: the whole-model tests bound peaks
-                        measured before these changes, which a GPU run has to re-take first.)
+                        the shared expert 2aFs; the combine uD + 4k (its one-pass backward: the rows' gradient and
+                        the weights' fp32 gradient), under EP lD (the all-to-all); then with h = lD - uD: the down
+                        projection h + 2lF (R) / h + lF, the product h + lF - lD + 3lF (R) / h - lD + 2lF, silu, the
+                        gate/up GEMM's input gradient (one GEMM of the stacked ``w13``; + lD rebuilt rows with X) and
+                        the [T, D] gradient back to the tokens (+ uD under EP).
+                        (The SwiGLU steps are written for the unfused SwiGLU, which kept silu's output; the fused
+                        SwiGLU of model/moe.py keeps and forms none, so they over-count by lF, and the saved set by
+                        a*kF per token without R.)
                         On an H200 (eager, bf16, grouped GEMMs, 8192 tokens, three widths, rebuilt or kept;
-                        tests/unit/test_moe_backward_memory.py) a MoE block's backward peaked 0.14-0.81 of
-                        T x (this term + 3aD) + its gradients above its start (0.47 / 0.81 at the proxy's widths;
-                        session 18, with the fused SwiGLU and the gather-based routing)
+                        tests/unit/test_moe_backward_memory.py) a MoE block's backward peaked 0.19-0.86 of
+                        T x (this term + 3aD) + its gradients above its start (0.41 / 0.86 at the proxy's widths;
+                        session 19: the one-pass combine, the stacked gate/up weight)
              dense MLP  a*(3Fd + 3D)
   head       the fused loss (model/head.py) forms each chunk's gradients at the end of forward, with every
              activation still held: one chunk of min(tokens, LOSS_CHUNK) tokens x vocab x 8 (the fp32 logits and
@@ -387,9 +384,9 @@ def moe_backward_peak(args: GLM52ModelArgs, act_bytes: int, load: float = 1.0, e
     rebuild_h, rebuild_x = recompute_experts, recompute_experts and not ep
     # shared expert first (autograd runs the nodes formed last first): its product's two factor gradients
     fs = f * args.n_shared_experts
-    # then the combine: the rows' gradient in slot order and in expert order (+ the inverse permutation), then the
-    # weights' gradient one slot at a time ([T, D] fp32 gradient and product); EP: the gradient's all-to-all
-    peaks = [2 * a * fs, 2 * u * d + 8 * k, u * d + 8 * d, el * d]
+    # then the combine (one pass, model/moe.py ``combine_routed``): the rows' gradient and the weights' fp32
+    # gradient; EP: the gradient's all-to-all
+    peaks = [2 * a * fs, u * d + 4 * k, el * d]
     held = el * d - u * d  # the expert outputs' gradient; the combine's token-order rows freed
     # down projection: its input gradient, with the rebuilt product (and silu's output while it forms it)
     peaks.append(held + (2 if rebuild_h else 1) * el * f)

@@ -438,22 +438,24 @@ def test_estimate_bounds_the_measured_h200_peaks(case):
 
 def test_backward_workspace_and_loss_chunk_follow_the_stated_formula():
     """At the proxy's widths and 4096 tokens every block's backward peaks in the attention (latent-output gradient,
-    dQ, fp32 dKV, residual gradients + the 1 GiB DSA scratch); a MoE block's own largest moment is its combine
-    (2uD, u = a*k, + the int64 inverse permutation). With 4x the experts' rows (load factor 4) a MoE block's
-    backward peaks in its experts, at the down projection (the experts' output gradient 4uD, the combine's
+    dQ, fp32 dKV, residual gradients + the 1 GiB DSA scratch); a MoE block's own largest moment is its combine (the
+    rows' gradient uD, u = a*k, + the weights' fp32 gradient 4k). With 4x the experts' rows (load factor 4) a MoE
+    block's backward peaks in its experts, at the down projection (the experts' output gradient 4uD, the combine's
     token-order rows uD freed, + the product's gradient 4uF); with half the mean rows reaching the experts (load
-    0.5, top-16, 8192 tokens) in the combine. The head's chunk is 8 bytes per [4096, vocab] element whatever the
-    token count."""
+    0.5, top-16) in the combine, which at 8192 tokens stays below the attention's. The head's chunk is 8 bytes per
+    [4096, vocab] element whatever the token count."""
     args, a, t = _proxy_args(), 2, 4096
     d, h, k, f = args.hidden_size, args.num_attention_heads, args.num_experts_per_tok, args.moe_intermediate_size
     c, p, u = args.kv_lora_rank, args.qk_rope_head_dim, a * args.num_experts_per_tok
     assert args.is_moe_layer(1) and not args.is_moe_layer(0)
     attn = t * (a * h * (2 * c + p) + 4 * (c + p) + 3 * a * d) + DSA_SCRATCH_BYTES
     assert backward_workspace(args, 0, t, a) == backward_workspace(args, 1, t, a) == attn
-    assert moe_backward_peak(args, a) == 2 * u * d + 8 * k
+    assert moe_backward_peak(args, a) == u * d + 4 * k
     assert backward_workspace(args, 1, t, a, load=4.0) == t * ((4 - 1) * u * d + 4 * u * f + 3 * a * d) > attn
     wide = args.replace(num_experts_per_tok=16, moe_intermediate_size=512)
-    assert backward_workspace(wide, 1, 2 * t, a, load=0.5) == 2 * t * (2 * a * 16 * d + 8 * 16 + 3 * a * d)
+    assert moe_backward_peak(wide, a, load=0.5) == a * 16 * d + 4 * 16
+    assert backward_workspace(wide, 1, 2 * t, a, load=0.5) == backward_workspace(wide, 0, 2 * t, a) > 2 * t * (
+        a * 16 * d + 4 * 16 + 3 * a * d)
     assert loss_chunk_bytes(args, 2 * t) == loss_chunk_bytes(args, t) == 8 * t * args.vocab_size
 
 
@@ -461,8 +463,8 @@ def test_moe_backward_peak_walks_the_steps():
     """Where F is much wider than D the SwiGLU product's backward is the largest moment: with silu and the product
     rebuilt it holds the down projection's input gradient and forms both factors' gradients next to the rebuilt silu
     output (4lF, l = L*a*k) while the combine's token-order rows (uD) and the expert outputs' gradient (lD) are gone;
-    with them kept it forms two and frees the kept product (2lF - uD). With top-2 at F = D the combine weights'
-    gradient (one [T, D] fp32 slot and its fp32 gradient copy, 8D, next to the rows' gradient uD) is the largest.
+    with them kept it forms two and frees the kept product (2lF - uD). With top-2 at F = D the combine (the rows'
+    gradient uD and the weights' fp32 gradient 4k) is the largest.
     Rebuilding the gathered rows at 4x load makes the input gradient of the gate/up GEMM the largest (held -uD, +
     the rebuilt rows and the input gradient 2lD); under EP the rows stay kept and only silu and the product are
     rebuilt."""
@@ -472,7 +474,7 @@ def test_moe_backward_peak_walks_the_steps():
     assert moe_backward_peak(narrow, a, recompute_experts=True) == 4 * u * f - u * d
     assert moe_backward_peak(narrow, a) == 2 * u * f - u * d
     top2 = _proxy_args().replace(hidden_size=1024, moe_intermediate_size=1024, num_experts_per_tok=2)
-    assert moe_backward_peak(top2, a) == a * 2 * 1024 + 8 * 1024
+    assert moe_backward_peak(top2, a) == a * 2 * 1024 + 4 * 2
     args = _proxy_args()
     u, d, f = a * args.num_experts_per_tok, args.hidden_size, args.moe_intermediate_size
     assert moe_backward_peak(args, a, load=4.0, recompute_experts=True) == -u * d + 2 * 4 * u * d
