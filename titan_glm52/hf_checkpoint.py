@@ -58,8 +58,7 @@ def load_hf_state(model: GLM52Model, hf_dir: str, partial: bool = False) -> None
     mtp_prefix = None if getattr(model, "mtp", None) is not None else f"model.layers.{args.num_hidden_layers}."
     targets = dict(model.named_parameters())
     targets.update({k: v for k, v in model.named_buffers() if "tokens_per_expert" not in k})
-    seen: dict[str, set[tuple[int, int]] | bool] = {}  # per 3-D weight: the (expert, part) slices copied
-    parts: dict[str, int] = {}
+    seen: dict[str, set[ExpertSlice] | bool] = {}  # per 3-D weight: the per-expert slices copied
     by_file: dict[str, list[str]] = defaultdict(list)
     for key, path in hf_weight_files(hf_dir).items():
         by_file[path].append(key)
@@ -78,11 +77,10 @@ def load_hf_state(model: GLM52Model, hf_dir: str, partial: bool = False) -> None
                 if where is None:
                     seen[name] = True
                 else:
-                    seen.setdefault(name, set()).add((where.expert, where.part))
-                    parts[name] = where.parts
+                    seen.setdefault(name, set()).add(where)
     missing = [name for name, t in targets.items()
                if seen.get(name) is None
-               or (isinstance(seen[name], set) and len(seen[name]) != t.shape[0] * parts[name])]
+               or (isinstance(seen[name], set) and len(seen[name]) != t.shape[0] * next(iter(seen[name])).parts)]
     if missing:
         raise KeyError(f"{len(missing)} tensors missing from {hf_dir}: {missing[:8]}")
 
@@ -96,23 +94,20 @@ def _copy_slice(src, hf_key: str, dst: torch.Tensor, where: ExpertSlice | None) 
         global_shape = (dst.shape[1] // where.parts, *dst.shape[2:])
     if tuple(src.get_shape()) != global_shape:
         raise ValueError(f"{hf_key}: checkpoint shape {tuple(src.get_shape())} != model {global_shape}")
-    src_rows = None
     if where is not None:
         if not offset[0] <= where.expert < offset[0] + shape[0]:
             return  # another rank's expert
         local, shape, offset = local[where.expert - offset[0]], shape[1:], offset[1:]
-        # The slice's rows within the expert, intersected with the rows this shard holds (FSDP may split dim 1).
+        # The slice's rows within the expert, intersected with the rows this shard holds (FSDP may split dim 1);
+        # the offset from here on is in the slice's own rows.
         first = where.part * global_shape[0]
         lo, hi = max(offset[0], first), min(offset[0] + shape[0], first + global_shape[0])
         if lo >= hi:
             return
-        local, shape, offset = local[lo - offset[0]:hi - offset[0]], (hi - lo, *shape[1:]), (lo, *offset[1:])
-        src_rows = slice(lo - first, hi - first)
+        local, shape, offset = local[lo - offset[0]:hi - offset[0]], (hi - lo, *shape[1:]), (lo - first, *offset[1:])
     if local.numel() == 0:
         return
     index = tuple(slice(o, o + n) for o, n in zip(offset, shape))
-    if src_rows is not None:
-        index = (src_rows, *index[1:])
     local.copy_(src[index] if index else src[:])
 
 

@@ -53,6 +53,7 @@ def test_hf_names_map_to_the_stacked_weight():
     args = get_flavor("debug")
     layer = args.first_k_dense_replace  # a MoE layer
     key = f"model.layers.{layer}.mlp.experts.{{e}}.{{p}}.weight"
-    assert hf_to_ours(key.format(e=2, p="gate_proj"), args) == (f"layers.{layer}.moe.experts.w13", ExpertSlice(2, 0, 2))
-    assert hf_to_ours(key.format(e=2, p="up_proj"), args) == (f"layers.{layer}.moe.experts.w13", ExpertSlice(2, 1, 2))
-    assert hf_to_ours(key.format(e=0, p="down_proj"), args) == (f"layers.{layer}.moe.experts.w2", ExpertSlice(0, 0, 1))
+    ours = f"layers.{layer}.moe.experts."
+    assert hf_to_ours(key.format(e=2, p="gate_proj"), args) == (ours + "w13", ExpertSlice(2, 0, 2))
+    assert hf_to_ours(key.format(e=2, p="up_proj"), args) == (ours + "w13", ExpertSlice(2, 1, 2))
+    assert hf_to_ours(key.format(e=0, p="down_proj"), args) == (ours + "w2", ExpertSlice(0, 0, 1))
