@@ -11,6 +11,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from titan_glm52 import GLM52Model, get_flavor
+from titan_glm52.kernels._triton_env import interpreting
 from titan_glm52.model import attention as attention_mod
 from titan_glm52.model import recompute as recompute_mod
 from titan_glm52.model.attention import Attention
@@ -22,6 +23,9 @@ CU = torch.tensor([0, 20, 32, 64], dtype=torch.int32)  # 3 documents, one shorte
 
 
 def _model(backend: str, rebuild: bool) -> GLM52Model:
+    if backend == "triton" and not interpreting():
+        pytest.skip("the Triton backend on CPU tensors needs the interpreter (TRITON_INTERPRET=1, which "
+                    "tests/conftest.py sets without a GPU); on a GPU tests/unit/test_forward_determinism.py covers it")
     # sparse at 32 tokens; 2 layers (IndexShare FF) + MTP keep the interpreter's runs short
     model = GLM52Model(get_flavor("debug").replace(index_topk=8, num_hidden_layers=2))
     model.init_weights(seed=3)
@@ -63,7 +67,7 @@ def test_the_latent_queries_are_not_kept(rebuild, monkeypatch):
     def spy(*args):
         out = real(*args)
         if torch.is_grad_enabled():  # the forward's (the rebuild runs without grad)
-            refs.append(weakref.ref(out))
+            refs.append(weakref.ref(out[0]))
         return out
 
     monkeypatch.setattr(attention_mod, "_absorb", spy)
@@ -107,7 +111,8 @@ def test_latent_query_is_the_concatenated_product():
         q_nope, q_rope = q.split((nope, rope), dim=-1)
         return absorb(q_nope, q_rope * 2, w[:, :nope])
 
-    out = run(attention_mod._absorb)
+    out, none = run(attention_mod._absorb)
+    assert none is None
     ref = run(lambda a, b, c: torch.cat((torch.einsum("thn,hnr->thr", a, c), b), dim=-1))
     assert out.shape == (t, h, rank + rope) and out.is_contiguous()
     assert torch.equal(out, ref)
@@ -116,4 +121,33 @@ def test_latent_query_is_the_concatenated_product():
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
     args = (q[..., :nope].detach().requires_grad_(), q[..., nope:].detach().requires_grad_(),
             w[:, :nope].detach().requires_grad_())
+    assert torch.autograd.gradcheck(attention_mod._LatentQuery.apply, args)
+
+
+def test_latent_query_with_prefix_rows():
+    """With ``rows`` (the dense prefix's) ``_absorb`` also returns ``cat(q_nope[rows], q_rope[rows])``, and the
+    gradients of both outputs reach q_nope / q_rope / W_uk as autograd's for the two expressions (the plain rows'
+    gradient added into the latent query's, also where that one is not zero); gradcheck in float64."""
+    g = torch.Generator().manual_seed(2)
+    t, h, nope, rope, rank = 9, 3, 5, 4, 6
+    q = torch.randn(t, h, nope + rope, dtype=torch.float64, generator=g, requires_grad=True)
+    w = torch.randn(h, nope, rank, dtype=torch.float64, generator=g, requires_grad=True)
+    rows = torch.tensor([0, 1, 2, 6, 7])
+
+    def run(absorb):
+        q_nope, q_rope = q.split((nope, rope), dim=-1)
+        return absorb(q_nope, q_rope * 2, w, rows)
+
+    def reference(a, b, c, r):
+        return torch.cat((torch.einsum("thn,hnr->thr", a, c), b), dim=-1), torch.cat((a[r], b[r]), dim=-1)
+
+    (out, pre), (ref, ref_pre) = run(attention_mod._absorb), run(reference)
+    assert torch.equal(out, ref) and torch.equal(pre, ref_pre) and pre.shape == (5, h, nope + rope)
+    grads = [torch.randn(x.shape, dtype=torch.float64, generator=g) for x in (out, pre)]
+    got = torch.autograd.grad((out, pre), (q, w), grads)
+    want = torch.autograd.grad((ref, ref_pre), (q, w), grads)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    args = (q[..., :nope].detach().requires_grad_(), q[..., nope:].detach().requires_grad_(),
+            w.detach().requires_grad_(), rows)
     assert torch.autograd.gradcheck(attention_mod._LatentQuery.apply, args)

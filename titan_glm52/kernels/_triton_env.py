@@ -90,6 +90,33 @@ def _fix_interpreter_bf16_rounding() -> None:
     builder.create_fp_to_fp = wrap(builder.create_fp_to_fp)
 
 
+def _fix_interpreter_bf16_dot() -> None:
+    """Triton 3.6's interpreter keeps bf16 values as their uint16 bits and multiplies those in ``tl.dot`` (it widens
+    only fp8 operands). Widen bf16 operands to fp32 first (exact), as the tensor cores take them."""
+    try:
+        import numpy as np
+        import triton.language as tl
+        from triton.runtime import interpreter as interp
+    except ImportError:  # pragma: no cover - layout of a future triton
+        return
+    builder = getattr(interp, "InterpreterBuilder", None)
+    original = getattr(builder, "create_dot", None)
+    if original is None or getattr(original, "_titan_fixed", False):
+        return
+
+    def widen(h):
+        if h.dtype.scalar != tl.bfloat16:
+            return h
+        wide = (np.ascontiguousarray(h.data).view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+        return interp.TensorHandle(wide, tl.float32)
+
+    def patched(self, a, b, d, *rest):
+        return original(self, widen(a), widen(b), d, *rest)
+
+    patched._titan_fixed = True
+    builder.create_dot = patched
+
+
 def _fix_interpreter_nested_repatch() -> None:
     """Triton 3.6's interpreter patches ``triton.language`` (every builtin, on the module objects) when a kernel
     launches and restores it when the kernel ends, and patches it again, the same way, at every call of a
@@ -144,6 +171,7 @@ def _fix_interpreter_nested_repatch() -> None:
 if interpreting():
     _fix_interpreter_scalar_index()
     _fix_interpreter_bf16_rounding()
+    _fix_interpreter_bf16_dot()
     _fix_interpreter_nested_repatch()
 
 

@@ -39,6 +39,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from titan_glm52.kernels import reference, triton_kernels
 from titan_glm52.model.args import GLM52ModelArgs
 from titan_glm52.model.aux_loss import AuxLoss, in_backward
+from titan_glm52.model.fp32_linear import linear_fp32
 from titan_glm52.model.recompute import RecomputeSaved, can_recompute
 from titan_glm52.model.norms import RMSNorm
 from titan_glm52.model.rope import apply_rope
@@ -228,7 +229,7 @@ class Indexer(nn.Module):
         q = torch.cat((apply_rope(q[..., :r], ctx.cos, ctx.sin, self.interleave), q[..., r:]), dim=-1)
         k = torch.cat((apply_rope(k[..., :r], ctx.cos, ctx.sin, self.interleave), k[..., r:]), dim=-1)
         # The head gate is computed in fp32 (the published model keeps weights_proj in fp32).
-        w = F.linear(x.float(), self.weights_proj.weight.float()) * self.n_heads ** -0.5
+        w = linear_fp32(x, self.weights_proj.weight) * self.n_heads ** -0.5
         return q, k, w
 
 
@@ -313,9 +314,9 @@ class Attention(nn.Module):
             dense_rows = [d for d in (prefix and prefix.is_prefix, masked and masked.is_masked) if d is not None]
             skip = functools.reduce(torch.logical_or, dense_rows) if dense_rows else None
             idx = topk if skip is None else topk.masked_fill(skip[:, None], -1)
-            q_abs, o_lat, lse = _eager("_absorbed_sparse_mla")(sparse_mla, q_nope, q_rope, w_uk, kv, idx,
-                                                                self.softmax_scale, self.kv_rank,
-                                                                self.recompute_latent_query)
+            q_abs, q_pre, o_lat, lse = _eager("_absorbed_sparse_mla")(
+                sparse_mla, q_nope, q_rope, w_uk, kv, idx, self.softmax_scale, self.kv_rank,
+                self.recompute_latent_query, None if prefix is None else prefix.rows.reshape(-1))
             if dense_rows and train_indexer:  # the KL needs every row's LSE: the dense rows' sparse forward
                 flat = torch.cat([r for r in (prefix and prefix.rows.reshape(-1), masked and masked.rows)
                                   if r is not None])
@@ -323,86 +324,125 @@ class Attention(nn.Module):
                     _, lse_dense = sparse_mla(q_abs[flat], kv, topk[flat], self.softmax_scale, self.kv_rank)
                 lse = lse.index_copy(0, flat, lse_dense)
         else:
-            q_abs = _absorb(q_nope, q_rope, w_uk)
+            q_abs, _ = _absorb(q_nope, q_rope, w_uk)
             o_lat = reference.dense_causal_attention(q_abs, kv, ctx.cu_seqlens, self.softmax_scale, self.kv_rank)
         o = torch.einsum("thr,hvr->thv", o_lat, w_uv)
         if prefix is not None:  # those rows' sparse output is 0 (no key); put the dense result there
             # (two statements: torch.compile resumes after the SDPA call's graph break at a statement boundary)
-            dense = self._plain_causal(prefix.rows, q_nope, q_rope, c_kv, k_rope)
-            o = o.index_copy(0, prefix.rows.reshape(-1), dense)
+            dense = self._plain_causal(prefix.rows, q_pre, c_kv, k_rope)
+            o = _PutRows.apply(o, prefix.rows.reshape(-1), dense)
         if masked is not None:  # the same for the masked rows (eager: a loop over the host-side length groups)
             dense = _eager("_plain_masked")(self, masked, topk, q_nope, q_rope, c_kv, k_rope)
-            o = o.index_copy(0, masked.rows, dense)
+            o = _PutRows.apply(o, masked.rows, dense)
         out = self.wo(o.reshape(t, self.n_heads * self.v_dim))
         if self.indexer is not None and (train_indexer or self.recall_queries):
             out = _eager("_indexer_outputs")(self, out, train_indexer, q_abs, kv, lse, q_i, k_i, w_i, topk, ctx)
         return out, topk
 
-    def _plain_causal(self, rows: torch.Tensor, q_nope, q_rope, c_kv, k_rope) -> torch.Tensor:
-        """Causal attention in the plain MLA form over each document prefix ``rows [n, L]``: ``[n * L, H, v_dim]``.
-        Keys and values come from ``wkv_b`` per head; the rope key is shared by the heads."""
+    def _plain_causal(self, rows: torch.Tensor, q_pre: torch.Tensor, c_kv, k_rope) -> torch.Tensor:
+        """Causal attention in the plain MLA form over each document prefix ``rows [n, L]``, whose queries
+        ``q_pre [n * L, H, nope + rope]`` are given: ``[n * L, H, v_dim]``. Keys and values come from ``wkv_b``
+        per head; the rope key is shared by the heads."""
         n, length = rows.shape
         flat = rows.reshape(-1)
         h = self.n_heads
         kvb = self.wkv_b(c_kv[flat]).view(n, length, h, self.nope + self.v_dim)
         k = torch.cat((kvb[..., : self.nope], k_rope[flat].view(n, length, 1, -1).expand(-1, -1, h, -1)), dim=-1)
-        q = torch.cat((q_nope[flat], q_rope[flat]), dim=-1).view(n, length, h, -1)
+        q = q_pre.view(n, length, h, -1)
         v = kvb[..., self.nope:]
         o = _eager("_causal_sdpa")(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), self.softmax_scale)
         return o.transpose(1, 2).reshape(n * length, h, self.v_dim)
 
 
-def _absorb(q_nope: torch.Tensor, q_rope: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
+class _PutRows(torch.autograd.Function):
+    """``o.index_copy(0, rows, src)`` for an ``o`` that is exactly 0 on ``rows`` (the dense rows' sparse output: no
+    key), which is ``o.index_add(0, rows, src)``: index_copy's forward (compiled, one pass that also gives ``o`` its
+    contiguous layout) and index_add's backward, which passes ``o``'s gradient on as it is instead of a copy with
+    those rows zeroed ([T, H, v_dim], 2 ms per step at 32K on the proxy). The gradient it leaves on those rows of
+    the sparse output is dropped there: a row without keys has zero gradients (every sparse_mla backend's
+    contract)."""
+
+    @staticmethod
+    def forward(ctx, o: torch.Tensor, rows: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(rows)
+        return o.index_copy(0, rows, src)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (rows,) = ctx.saved_tensors
+        return grad, None, grad.index_select(0, rows)
+
+
+def _absorb(q_nope: torch.Tensor, q_rope: torch.Tensor, w_uk: torch.Tensor,
+            rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The latent query ``[q_nope W_uk, q_rope]`` ``[T, H, kv_rank + rope]``: W_uk absorbed into the queries,
-    ``q_lat[t, h] = q_nope[t, h] @ W_uk[h]`` (``W_uk[h]: [nope, kv_rank]``)."""
+    ``q_lat[t, h] = q_nope[t, h] @ W_uk[h]`` (``W_uk[h]: [nope, kv_rank]``); and with ``rows`` (eager only) the
+    plain queries ``[q_nope, q_rope]`` of those rows (the dense prefix's), else None."""
     if torch.compiler.is_compiling():  # the compiler writes the product into the concatenation itself
-        return torch.cat((torch.einsum("thn,hnr->thr", q_nope, w_uk), q_rope), dim=-1)
-    return _LatentQuery.apply(q_nope, q_rope, w_uk)
+        if rows is not None:
+            raise NotImplementedError("_absorb: the prefix rows' queries are formed eagerly only")
+        return torch.cat((torch.einsum("thn,hnr->thr", q_nope, w_uk), q_rope), dim=-1), None
+    if rows is None:
+        return _LatentQuery.apply(q_nope, q_rope, w_uk), None
+    return _LatentQuery.apply(q_nope, q_rope, w_uk, rows)
 
 
 class _LatentQuery(torch.autograd.Function):
     """``cat(einsum("thn,hnr->thr", q_nope, w_uk), q_rope)`` (eager), the batched product written straight into
     its columns of the output: no separate concatenation, which read and wrote the whole ``[T, H, 576]`` query
-    again (6.0 -> 1.3 ms per layer at T = 32K on an H200). The backward is the einsum's two products."""
+    again (6.0 -> 1.3 ms per layer at T = 32K on an H200). The backward is the einsum's two products.
+
+    Given ``rows``, also ``cat(q_nope[rows], q_rope[rows])``, the dense prefix's plain queries: their gradient is
+    then added into those rows of this node's input gradients (a few rows) instead of arriving as full-size
+    ``[T, H, nope]`` and ``[T, H, rope]`` tensors, zero but on those rows, that autograd would add to them
+    (zero-fill, scatter and add: 5.3 ms per step at 32K tokens on the proxy, one H200)."""
 
     @staticmethod
-    def forward(ctx, q_nope: torch.Tensor, q_rope: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, q_nope: torch.Tensor, q_rope: torch.Tensor, w_uk: torch.Tensor,
+                rows: torch.Tensor | None = None):
         t, h, _ = q_nope.shape
         r = w_uk.shape[-1]
         out = q_nope.new_empty(t, h, r + q_rope.shape[-1])
         torch.bmm(q_nope.transpose(0, 1), w_uk, out=out[..., :r].transpose(0, 1))  # [H, T, r], row stride H * 576
         out[..., r:].copy_(q_rope)
-        ctx.save_for_backward(q_nope, w_uk)
-        return out
+        ctx.save_for_backward(q_nope, w_uk, rows)
+        if rows is None:
+            return out
+        return out, torch.cat((q_nope[rows], q_rope[rows]), dim=-1)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        q_nope, w_uk = ctx.saved_tensors
-        r = w_uk.shape[-1]
-        g_lat = grad[..., :r].transpose(0, 1)  # [H, T, r]
+    def backward(ctx, grad: torch.Tensor, grad_pre: torch.Tensor | None = None):
+        q_nope, w_uk, rows = ctx.saved_tensors
+        r, nope = w_uk.shape[-1], q_nope.shape[-1]
         d_nope = d_w = None
+        d_rope = grad[..., r:]
         if ctx.needs_input_grad[0]:  # contiguous [T, H, nope], as the gradient it is added to (a vectorised add)
             d_nope = q_nope.new_empty(q_nope.shape)
-            torch.bmm(g_lat, w_uk.transpose(1, 2), out=d_nope.transpose(0, 1))
+            torch.bmm(grad[..., :r].transpose(0, 1), w_uk.transpose(1, 2), out=d_nope.transpose(0, 1))
+            if grad_pre is not None:
+                d_nope.index_add_(0, rows, grad_pre[..., :nope])
+        if ctx.needs_input_grad[1] and grad_pre is not None:
+            d_rope = d_rope.index_add(0, rows, grad_pre[..., nope:])
         if ctx.needs_input_grad[2]:
-            d_w = torch.bmm(q_nope.permute(1, 2, 0), g_lat)
-        return d_nope, grad[..., r:], d_w
+            d_w = torch.bmm(q_nope.permute(1, 2, 0), grad[..., :r].transpose(0, 1))
+        return d_nope, d_rope, d_w, None
 
 
-def _absorbed_sparse_mla(sparse_mla, q_nope, q_rope, w_uk, kv, idx, scale: float, kv_rank: int, rebuild: bool):
-    """(latent query, latent output, lse): the latent query formed here and the sparse attention over it, eagerly
-    (called through ``_eager``).
+def _absorbed_sparse_mla(sparse_mla, q_nope, q_rope, w_uk, kv, idx, scale: float, kv_rank: int, rebuild: bool,
+                         prefix_rows: torch.Tensor | None):
+    """(latent query, the plain queries of ``prefix_rows`` or None, latent output, lse): the latent query formed here
+    and the sparse attention over it, eagerly (called through ``_eager``).
     With ``rebuild`` (``[dsa] recompute_latent_query``) the attention's backward forms the latent query again, by
     the same eager ops on the same inputs (the same bits), instead of keeping it: H x kv_rank values per token fewer
     held from forward to backward (64 KB per token and layer at GLM-5.2's widths, bf16; the rope part, a source of
     the rebuild, stays), for one batched GEMM of 2 H nope kv_rank FLOPs per token in backward."""
-    q_abs = _absorb(q_nope, q_rope, w_uk)
+    q_abs, q_pre = _absorb(q_nope, q_rope, w_uk, prefix_rows)
     saved = RecomputeSaved("sparse attention", "[dsa] recompute_latent_query") if rebuild and can_recompute() else None
     with saved if saved is not None else contextlib.nullcontext():
         if saved is not None:
-            saved.recompute(q_abs, lambda: _absorb(q_nope, q_rope, w_uk), q_nope, q_rope, w_uk)
+            saved.recompute(q_abs, lambda: _absorb(q_nope, q_rope, w_uk)[0], q_nope, q_rope, w_uk)
         o_lat, lse = sparse_mla(q_abs, kv, idx, scale, kv_rank)
-    return q_abs, o_lat, lse
+    return q_abs, q_pre, o_lat, lse
 
 
 def _plain_masked(attn: Attention, masked: DenseMasked, topk: torch.Tensor, q_nope, q_rope, c_kv, k_rope):

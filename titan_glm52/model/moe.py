@@ -19,6 +19,7 @@ from torch import nn
 from titan_glm52.kernels import triton_available
 from titan_glm52.model.args import GLM52ModelArgs
 from titan_glm52.model.aux_loss import AuxLoss, in_backward
+from titan_glm52.model.fp32_linear import linear_fp32
 from titan_glm52.model.recompute import RecomputeSaved, can_recompute
 
 logger = logging.getLogger(__name__)
@@ -160,7 +161,7 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor):
         """Returns (scores ``[N, E]`` fp32, chosen experts ``[N, k]``, combine weights ``[N, k]`` fp32)."""
-        scores = torch.sigmoid(F.linear(x.float(), self.weight.float()))
+        scores = torch.sigmoid(linear_fp32(x, self.weight))
         choice = scores + self.e_score_correction_bias.float()
         if self.n_group > 1:
             grouped = choice.detach().view(-1, self.n_group, self.num_experts // self.n_group)
