@@ -1,6 +1,6 @@
 # Session 20, last device call: GPU tests of the fp32 projection, its probe, then the working tree side by side
 # with the peer at 4K (peer autocast) and 32K (compiled, AC none, no MTP). Only JSON and a summary come back.
-source bench/gpu_env.sh >/dev/null
+source bench/gpu_env.sh >/dev/null; mkdir -p /tmp/r
 python3 -m pytest -q -rf -p no:cacheprovider tests/kernels/test_linear_fp32.py 2>&1 | tail -3
 python3 bench/results/runs/s20/oneoff/s20_lin_probe.py $OUT/lin_probe.json 2>&1 | grep "^{"
 E="--compile on --our-mtp off --ac none --budget-s 0 --cell-timeout 240 --logs /tmp/e2e_logs"
