@@ -125,29 +125,31 @@ def test_latent_query_is_the_concatenated_product():
 
 
 def test_latent_query_with_prefix_rows():
-    """With ``rows`` (the dense prefix's) ``_absorb`` also returns ``cat(q_nope[rows], q_rope[rows])``, and the
-    gradients of both outputs reach q_nope / q_rope / W_uk as autograd's for the two expressions (the plain rows'
-    gradient added into the latent query's, also where that one is not zero); gradcheck in float64."""
+    """Given row blocks (the dense prefix's: ``length`` rows from each start) ``_absorb`` also returns their plain
+    queries ``cat(q_nope[rows], q_rope[rows])``, and the gradients of both outputs reach q_nope / q_rope / W_uk as
+    autograd's for the two expressions (the plain rows' gradient added into the latent query's, also where that one
+    is not zero); gradcheck in float64."""
     g = torch.Generator().manual_seed(2)
     t, h, nope, rope, rank = 9, 3, 5, 4, 6
     q = torch.randn(t, h, nope + rope, dtype=torch.float64, generator=g, requires_grad=True)
     w = torch.randn(h, nope, rank, dtype=torch.float64, generator=g, requires_grad=True)
-    rows = torch.tensor([0, 1, 2, 6, 7])
+    starts, length = (0, 6), 2
+    rows = torch.tensor([0, 1, 6, 7])
 
     def run(absorb):
         q_nope, q_rope = q.split((nope, rope), dim=-1)
-        return absorb(q_nope, q_rope * 2, w, rows)
+        return absorb(q_nope, q_rope * 2, w, starts, length)
 
-    def reference(a, b, c, r):
-        return torch.cat((torch.einsum("thn,hnr->thr", a, c), b), dim=-1), torch.cat((a[r], b[r]), dim=-1)
+    def reference(a, b, c, _starts, _length):
+        return torch.cat((torch.einsum("thn,hnr->thr", a, c), b), dim=-1), torch.cat((a[rows], b[rows]), dim=-1)
 
     (out, pre), (ref, ref_pre) = run(attention_mod._absorb), run(reference)
-    assert torch.equal(out, ref) and torch.equal(pre, ref_pre) and pre.shape == (5, h, nope + rope)
+    assert torch.equal(out, ref) and torch.equal(pre, ref_pre) and pre.shape == (4, h, nope + rope)
     grads = [torch.randn(x.shape, dtype=torch.float64, generator=g) for x in (out, pre)]
     got = torch.autograd.grad((out, pre), (q, w), grads)
     want = torch.autograd.grad((ref, ref_pre), (q, w), grads)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
     args = (q[..., :nope].detach().requires_grad_(), q[..., nope:].detach().requires_grad_(),
-            w.detach().requires_grad_(), rows)
+            w.detach().requires_grad_(), starts, length)
     assert torch.autograd.gradcheck(attention_mod._LatentQuery.apply, args)

@@ -22,6 +22,8 @@ bounds it against fp64):
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ._triton_env import check_device, pow2  # (first: the interpreter switch before triton)
@@ -32,7 +34,7 @@ import triton.language as tl  # noqa: E402
 MAX_N = 64
 BT = 64  # rows per program (forward, input gradient) and per step (weight gradient)
 BD = 128  # input columns per step (forward) and per program (input gradient, weight gradient)
-SLAB = 2048  # rows summed by one weight-gradient program
+PROGRAMS_PER_SM = 4  # weight gradient: row slabs enough for about this many programs per SM
 
 
 @triton.jit
@@ -46,7 +48,7 @@ def _split3(a):
 
 
 @triton.jit
-def _fwd_kernel(x_ptr, w_ptr, out_ptr, T, D, stride_xt, stride_wn, stride_ot,
+def _lin32_fwd_kernel(x_ptr, w_ptr, out_ptr, T, D, stride_xt, stride_wn, stride_ot,
                 N: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, W_BF16: tl.constexpr):
     """out = x @ (w_lo + w_mid + w_hi)^T (W_BF16: w is its own hi term)."""
     rows = tl.program_id(0) * BT + tl.arange(0, BT)
@@ -72,7 +74,7 @@ def _fwd_kernel(x_ptr, w_ptr, out_ptr, T, D, stride_xt, stride_wn, stride_ot,
 
 
 @triton.jit
-def _grad_input_kernel(g_ptr, w_ptr, dx_ptr, T, D, stride_gt, stride_wn, stride_dt,
+def _lin32_grad_input_kernel(g_ptr, w_ptr, dx_ptr, T, D, stride_gt, stride_wn, stride_dt,
                        N: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
                        DOWN: tl.constexpr, W_BF16: tl.constexpr):
     """dx = (g_lo + g_mid + g_hi) @ (w_lo + w_mid + w_hi), the bf16 products from the smallest up (W_BF16: the
@@ -107,9 +109,8 @@ def _grad_input_kernel(g_ptr, w_ptr, dx_ptr, T, D, stride_gt, stride_wn, stride_
 
 
 @triton.jit
-def _grad_weight_kernel(g_ptr, x_ptr, part_ptr, T, D, stride_gt, stride_xt, stride_ps,
-                        N: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
-                        SLAB: tl.constexpr):
+def _lin32_grad_weight_kernel(g_ptr, x_ptr, part_ptr, T, D, SLAB, stride_gt, stride_xt, stride_ps,
+                        N: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
     """part[slab] = (g_lo + g_mid + g_hi)^T @ x over the slab's rows."""
     cols = tl.program_id(0) * BD + tl.arange(0, BD)
     slab = tl.program_id(1)
@@ -149,9 +150,9 @@ def linear_fp32_forward(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     n = w.shape[0]
     out = torch.empty(t, n, dtype=torch.float32, device=x.device)
     if t:
-        _fwd_kernel[(triton.cdiv(t, BT),)](x, w, out, t, d, x.stride(0), w.stride(0), out.stride(0),
-                                           N=n, NP=pow2(n), BT=BT, BD=BD, W_BF16=w.dtype == torch.bfloat16,
-                                           num_warps=4)
+        _lin32_fwd_kernel[(triton.cdiv(t, BT),)](x, w, out, t, d, x.stride(0), w.stride(0), out.stride(0),
+                                                 N=n, NP=pow2(n), BT=BT, BD=BD, W_BF16=w.dtype == torch.bfloat16,
+                                                 num_warps=4)
     return out
 
 
@@ -165,7 +166,7 @@ def linear_fp32_grad_input(g: torch.Tensor, w: torch.Tensor, dtype: torch.dtype)
     d = w.shape[1]
     dx = torch.empty(t, d, dtype=dtype, device=g.device)
     if t:
-        _grad_input_kernel[(triton.cdiv(t, BT), triton.cdiv(d, BD))](
+        _lin32_grad_input_kernel[(triton.cdiv(t, BT), triton.cdiv(d, BD))](
             g, w, dx, t, d, g.stride(0), w.stride(0), dx.stride(0), N=n, NP=pow2(n), BT=BT, BD=BD,
             DOWN=dtype != torch.float32, W_BF16=w.dtype == torch.bfloat16, num_warps=4)
     return dx
@@ -182,13 +183,23 @@ def linear_fp32_grad_weight(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     check_device(g, x)
     t, n = g.shape
     d = x.shape[1]
-    slabs = triton.cdiv(t, SLAB)
-    if not slabs:
+    if not t:
         return torch.zeros(n, d, dtype=torch.float32, device=x.device)
+    col_blocks = triton.cdiv(d, BD)
+    # slabs of whole row blocks, as many as give every SM a few programs (at 4K tokens one slab per 2K rows left
+    # most of an H200 idle: 96 programs)
+    want = max(1, PROGRAMS_PER_SM * _num_sms(x.device) // col_blocks)
+    slab = triton.cdiv(triton.cdiv(t, want), BT) * BT
+    slabs = triton.cdiv(t, slab)
     part = torch.empty(slabs, n, d, dtype=torch.float32, device=x.device)
-    _grad_weight_kernel[(triton.cdiv(d, BD), slabs)](g, x, part, t, d, g.stride(0), x.stride(0), part.stride(0),
-                                                      N=n, NP=pow2(n), BT=BT, BD=BD, SLAB=SLAB, num_warps=4)
+    _lin32_grad_weight_kernel[(col_blocks, slabs)](g, x, part, t, d, slab, g.stride(0), x.stride(0),
+                                                   part.stride(0), N=n, NP=pow2(n), BT=BT, BD=BD, num_warps=4)
     return part.sum(0)
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
 
 
 def compile_specs(small: bool = False):
@@ -199,11 +210,11 @@ def compile_specs(small: bool = False):
     gin = ({"g_ptr": "*fp32", "w_ptr": "*fp32", "dx_ptr": "*bf16", "T": "i32", "D": "i32", "stride_gt": "i32",
             "stride_wn": "i32", "stride_dt": "i32"},
            {"N": n, "NP": np_, "BT": BT, "BD": BD, "DOWN": True, "W_BF16": False})
-    gw = ({"g_ptr": "*fp32", "x_ptr": "*bf16", "part_ptr": "*fp32", "T": "i32", "D": "i32", "stride_gt": "i32",
-           "stride_xt": "i32", "stride_ps": "i32"}, {"N": n, "NP": np_, "BT": BT, "BD": BD, "SLAB": SLAB})
-    return [("linear_fp32_fwd", (_fwd_kernel, *fwd, 4, 3, ("x_ptr", "w_ptr", "out_ptr"))),
-            ("linear_fp32_grad_input", (_grad_input_kernel, *gin, 4, 3, ("g_ptr", "w_ptr", "dx_ptr"))),
-            ("linear_fp32_grad_weight", (_grad_weight_kernel, *gw, 4, 3, ("g_ptr", "x_ptr", "part_ptr")))]
+    gw = ({"g_ptr": "*fp32", "x_ptr": "*bf16", "part_ptr": "*fp32", "T": "i32", "D": "i32", "SLAB": "i32",
+           "stride_gt": "i32", "stride_xt": "i32", "stride_ps": "i32"}, {"N": n, "NP": np_, "BT": BT, "BD": BD})
+    return [("linear_fp32_fwd", (_lin32_fwd_kernel, *fwd, 4, 3, ("x_ptr", "w_ptr", "out_ptr"))),
+            ("linear_fp32_grad_input", (_lin32_grad_input_kernel, *gin, 4, 3, ("g_ptr", "w_ptr", "dx_ptr"))),
+            ("linear_fp32_grad_weight", (_lin32_grad_weight_kernel, *gw, 4, 3, ("g_ptr", "x_ptr", "part_ptr")))]
 
 
 __all__ = ["linear_fp32_forward", "linear_fp32_grad_input", "linear_fp32_grad_weight", "MAX_N"]

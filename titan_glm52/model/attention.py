@@ -86,6 +86,7 @@ class DensePrefix:
 
     rows: torch.Tensor  # int64 [n_docs, topk]: global rows, document by document
     is_prefix: torch.Tensor  # bool [T]
+    starts: tuple[int, ...] = ()  # host: each such document's first row (rows[:, 0])
 
     @staticmethod
     def build(doc_lengths: list[int], topk: int, device: torch.device) -> DensePrefix | None:
@@ -99,7 +100,7 @@ class DensePrefix:
             return None
         rows = _host_ints(starts, device)[:, None] + torch.arange(topk, device=device)
         is_prefix = torch.zeros(at, dtype=torch.bool, device=device).index_fill_(0, rows.reshape(-1), True)
-        return DensePrefix(rows, is_prefix)
+        return DensePrefix(rows, is_prefix, tuple(starts))
 
 
 def host_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -316,7 +317,7 @@ class Attention(nn.Module):
             idx = topk if skip is None else topk.masked_fill(skip[:, None], -1)
             q_abs, q_pre, o_lat, lse = _eager("_absorbed_sparse_mla")(
                 sparse_mla, q_nope, q_rope, w_uk, kv, idx, self.softmax_scale, self.kv_rank,
-                self.recompute_latent_query, None if prefix is None else prefix.rows.reshape(-1))
+                self.recompute_latent_query, prefix)
             if dense_rows and train_indexer:  # the KL needs every row's LSE: the dense rows' sparse forward
                 flat = torch.cat([r for r in (prefix and prefix.rows.reshape(-1), masked and masked.rows)
                                   if r is not None])
@@ -373,18 +374,18 @@ class _PutRows(torch.autograd.Function):
         return grad, None, grad.index_select(0, rows)
 
 
-def _absorb(q_nope: torch.Tensor, q_rope: torch.Tensor, w_uk: torch.Tensor,
-            rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _absorb(q_nope: torch.Tensor, q_rope: torch.Tensor, w_uk: torch.Tensor, starts: tuple[int, ...] = (),
+            length: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The latent query ``[q_nope W_uk, q_rope]`` ``[T, H, kv_rank + rope]``: W_uk absorbed into the queries,
-    ``q_lat[t, h] = q_nope[t, h] @ W_uk[h]`` (``W_uk[h]: [nope, kv_rank]``); and with ``rows`` (eager only) the
-    plain queries ``[q_nope, q_rope]`` of those rows (the dense prefix's), else None."""
+    ``q_lat[t, h] = q_nope[t, h] @ W_uk[h]`` (``W_uk[h]: [nope, kv_rank]``); and given ``starts`` (eager only) the
+    plain queries ``[q_nope, q_rope]`` of the ``length`` rows from each start (the dense prefix's), else None."""
     if torch.compiler.is_compiling():  # the compiler writes the product into the concatenation itself
-        if rows is not None:
+        if starts:
             raise NotImplementedError("_absorb: the prefix rows' queries are formed eagerly only")
         return torch.cat((torch.einsum("thn,hnr->thr", q_nope, w_uk), q_rope), dim=-1), None
-    if rows is None:
+    if not starts:
         return _LatentQuery.apply(q_nope, q_rope, w_uk), None
-    return _LatentQuery.apply(q_nope, q_rope, w_uk, rows)
+    return _LatentQuery.apply(q_nope, q_rope, w_uk, tuple(starts), length)
 
 
 class _LatentQuery(torch.autograd.Function):
@@ -392,27 +393,33 @@ class _LatentQuery(torch.autograd.Function):
     its columns of the output: no separate concatenation, which read and wrote the whole ``[T, H, 576]`` query
     again (6.0 -> 1.3 ms per layer at T = 32K on an H200). The backward is the einsum's two products.
 
-    Given ``rows``, also ``cat(q_nope[rows], q_rope[rows])``, the dense prefix's plain queries: their gradient is
-    then added into those rows of this node's input gradients (a few rows) instead of arriving as full-size
-    ``[T, H, nope]`` and ``[T, H, rope]`` tensors, zero but on those rows, that autograd would add to them
-    (zero-fill, scatter and add: 5.3 ms per step at 32K tokens on the proxy, one H200)."""
+    Given ``starts`` and ``length`` (host ints), also the dense prefix's plain queries ``[q_nope, q_rope]`` of the
+    row blocks ``start : start + length``, one after another: their gradient is then added into those blocks of this
+    node's input gradients (one slice add per block) instead of arriving as full-size ``[T, H, nope]`` and
+    ``[T, H, rope]`` tensors, zero but on those rows, that autograd would add to them (zero-fill, scatter and add:
+    5.3 ms per step at 32K tokens on the proxy, one H200)."""
 
     @staticmethod
-    def forward(ctx, q_nope: torch.Tensor, q_rope: torch.Tensor, w_uk: torch.Tensor,
-                rows: torch.Tensor | None = None):
-        t, h, _ = q_nope.shape
+    def forward(ctx, q_nope: torch.Tensor, q_rope: torch.Tensor, w_uk: torch.Tensor, starts: tuple[int, ...] = (),
+                length: int = 0):
+        t, h, nope = q_nope.shape
         r = w_uk.shape[-1]
         out = q_nope.new_empty(t, h, r + q_rope.shape[-1])
         torch.bmm(q_nope.transpose(0, 1), w_uk, out=out[..., :r].transpose(0, 1))  # [H, T, r], row stride H * 576
         out[..., r:].copy_(q_rope)
-        ctx.save_for_backward(q_nope, w_uk, rows)
-        if rows is None:
+        ctx.save_for_backward(q_nope, w_uk)
+        ctx.blocks = [(i * length, s, length) for i, s in enumerate(starts)]  # (row in the output, start, length)
+        if not starts:
             return out
-        return out, torch.cat((q_nope[rows], q_rope[rows]), dim=-1)
+        pre = q_nope.new_empty(len(starts) * length, h, nope + q_rope.shape[-1])
+        for at, s, n in ctx.blocks:
+            pre[at:at + n, :, :nope].copy_(q_nope[s:s + n])
+            pre[at:at + n, :, nope:].copy_(q_rope[s:s + n])
+        return out, pre
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor, grad_pre: torch.Tensor | None = None):
-        q_nope, w_uk, rows = ctx.saved_tensors
+        q_nope, w_uk = ctx.saved_tensors
         r, nope = w_uk.shape[-1], q_nope.shape[-1]
         d_nope = d_w = None
         d_rope = grad[..., r:]
@@ -420,23 +427,28 @@ class _LatentQuery(torch.autograd.Function):
             d_nope = q_nope.new_empty(q_nope.shape)
             torch.bmm(grad[..., :r].transpose(0, 1), w_uk.transpose(1, 2), out=d_nope.transpose(0, 1))
             if grad_pre is not None:
-                d_nope.index_add_(0, rows, grad_pre[..., :nope])
+                for at, s, n in ctx.blocks:
+                    d_nope[s:s + n].add_(grad_pre[at:at + n, :, :nope])
         if ctx.needs_input_grad[1] and grad_pre is not None:
-            d_rope = d_rope.index_add(0, rows, grad_pre[..., nope:])
+            d_rope = d_rope.contiguous()  # (a view of the incoming gradient, which must not be written)
+            for at, s, n in ctx.blocks:
+                d_rope[s:s + n].add_(grad_pre[at:at + n, :, nope:])
         if ctx.needs_input_grad[2]:
             d_w = torch.bmm(q_nope.permute(1, 2, 0), grad[..., :r].transpose(0, 1))
-        return d_nope, d_rope, d_w, None
+        return d_nope, d_rope, d_w, None, None
 
 
 def _absorbed_sparse_mla(sparse_mla, q_nope, q_rope, w_uk, kv, idx, scale: float, kv_rank: int, rebuild: bool,
-                         prefix_rows: torch.Tensor | None):
-    """(latent query, the plain queries of ``prefix_rows`` or None, latent output, lse): the latent query formed here
-    and the sparse attention over it, eagerly (called through ``_eager``).
+                         prefix: DensePrefix | None):
+    """(latent query, the plain queries of the dense prefix's rows or None, latent output, lse): the latent query
+    formed here and the sparse attention over it, eagerly (called through ``_eager``, which also keeps the prefix's
+    host-side starts out of the compiled graphs).
     With ``rebuild`` (``[dsa] recompute_latent_query``) the attention's backward forms the latent query again, by
     the same eager ops on the same inputs (the same bits), instead of keeping it: H x kv_rank values per token fewer
     held from forward to backward (64 KB per token and layer at GLM-5.2's widths, bf16; the rope part, a source of
     the rebuild, stays), for one batched GEMM of 2 H nope kv_rank FLOPs per token in backward."""
-    q_abs, q_pre = _absorb(q_nope, q_rope, w_uk, prefix_rows)
+    q_abs, q_pre = (_absorb(q_nope, q_rope, w_uk) if prefix is None
+                    else _absorb(q_nope, q_rope, w_uk, prefix.starts, prefix.rows.shape[1]))
     saved = RecomputeSaved("sparse attention", "[dsa] recompute_latent_query") if rebuild and can_recompute() else None
     with saved if saved is not None else contextlib.nullcontext():
         if saved is not None:
