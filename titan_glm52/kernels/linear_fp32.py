@@ -49,7 +49,7 @@ def _split3(a):
 
 @triton.jit
 def _lin32_fwd_kernel(x_ptr, w_ptr, out_ptr, T, D, stride_xt, stride_wn, stride_ot,
-                N: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, W_BF16: tl.constexpr):
+                      N: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, W_BF16: tl.constexpr):
     """out = x @ (w_lo + w_mid + w_hi)^T (W_BF16: w is its own hi term)."""
     rows = tl.program_id(0) * BT + tl.arange(0, BT)
     rmask = rows < T
@@ -75,8 +75,8 @@ def _lin32_fwd_kernel(x_ptr, w_ptr, out_ptr, T, D, stride_xt, stride_wn, stride_
 
 @triton.jit
 def _lin32_grad_input_kernel(g_ptr, w_ptr, dx_ptr, T, D, stride_gt, stride_wn, stride_dt,
-                       N: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
-                       DOWN: tl.constexpr, W_BF16: tl.constexpr):
+                             N: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+                             DOWN: tl.constexpr, W_BF16: tl.constexpr):
     """dx = (g_lo + g_mid + g_hi) @ (w_lo + w_mid + w_hi), the bf16 products from the smallest up (W_BF16: the
     three with w itself)."""
     rows = tl.program_id(0) * BT + tl.arange(0, BT)
@@ -110,7 +110,7 @@ def _lin32_grad_input_kernel(g_ptr, w_ptr, dx_ptr, T, D, stride_gt, stride_wn, s
 
 @triton.jit
 def _lin32_grad_weight_kernel(g_ptr, x_ptr, part_ptr, T, D, SLAB, stride_gt, stride_xt, stride_ps,
-                        N: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
+                              N: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
     """part[slab] = (g_lo + g_mid + g_hi)^T @ x over the slab's rows."""
     cols = tl.program_id(0) * BD + tl.arange(0, BD)
     slab = tl.program_id(1)
