@@ -95,3 +95,13 @@ def test_autograd_matches_float_linear(monkeypatch, kernel):
         torch.testing.assert_close(x.grad.float(), x_ref.grad.float(), rtol=2 ** -7, atol=1e-6)
     else:
         assert torch.equal(y, y_ref) and torch.equal(w.grad, w_ref.grad) and torch.equal(x.grad, x_ref.grad)
+
+
+@pytest.mark.parametrize("programs", [4, 528])
+def test_weight_gradient_slabs(monkeypatch, programs):
+    """The weight gradient's row slabs: long ones (few programs: many row blocks per slab, a partial last one) and
+    the default (one row block per slab at this size) give the same fp32 sums."""
+    from titan_glm52.kernels import linear_fp32 as module
+    monkeypatch.setattr(module, "PROGRAMS", programs)
+    x, _, gy = _inputs(2100, 200, 16, torch.bfloat16)
+    _close(linear_fp32_grad_weight(gy.to(DEV), x.to(DEV)).cpu(), gy.double().t() @ x.double())

@@ -22,8 +22,6 @@ bounds it against fp64):
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from ._triton_env import check_device, pow2  # (first: the interpreter switch before triton)
@@ -34,7 +32,7 @@ import triton.language as tl  # noqa: E402
 MAX_N = 64
 BT = 64  # rows per program (forward, input gradient) and per step (weight gradient)
 BD = 128  # input columns per step (forward) and per program (input gradient, weight gradient)
-PROGRAMS_PER_SM = 4  # weight gradient: row slabs enough for about this many programs per SM
+PROGRAMS = 528  # weight gradient: row slabs enough for about this many programs (4 per SM of an H100 / H200)
 
 
 @triton.jit
@@ -187,8 +185,8 @@ def linear_fp32_grad_weight(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         return torch.zeros(n, d, dtype=torch.float32, device=x.device)
     col_blocks = triton.cdiv(d, BD)
     # slabs of whole row blocks, as many as give every SM a few programs (at 4K tokens one slab per 2K rows left
-    # most of an H200 idle: 96 programs)
-    want = max(1, PROGRAMS_PER_SM * _num_sms(x.device) // col_blocks)
+    # most of an H200 idle: 96 programs); a constant, not a device query, so that compiled graphs trace it as is
+    want = max(1, PROGRAMS // col_blocks)
     slab = triton.cdiv(triton.cdiv(t, want), BT) * BT
     slabs = triton.cdiv(t, slab)
     part = torch.empty(slabs, n, d, dtype=torch.float32, device=x.device)
@@ -196,10 +194,6 @@ def linear_fp32_grad_weight(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
                                                    part.stride(0), N=n, NP=pow2(n), BT=BT, BD=BD, num_warps=4)
     return part.sum(0)
 
-
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
 
 
 def compile_specs(small: bool = False):
