@@ -29,6 +29,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from titan_glm52.distributed import OPTION, ParallelMesh
+from titan_glm52.model.attention import Attention, prepare_compiled_calls
 from titan_glm52.model.moe import GroupedExperts, MoE
 from titan_glm52.optimizer import TritonAdam, TritonAdamW
 
@@ -238,6 +239,9 @@ def apply_compile(model: nn.Module, backend: str = "inductor", fullgraph: bool =
     torchtitan. Graph breaks that remain: the MoE count guard ``torch._C._current_graph_task_id()`` in MoE
     blocks and the torch DSA backend's ``int(tensor)`` chunk bounds.
     """
+    for m in model.modules():  # the eager DSA calls built before tracing: no graph break to build them
+        if isinstance(m, Attention):
+            prepare_compiled_calls(m.backend)
     for block in transformer_blocks(model):
         if getattr(block, "moe_enabled", False):
             block.moe.experts.forward = torch.compiler.disable(block.moe.experts.forward)

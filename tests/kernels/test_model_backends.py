@@ -60,3 +60,29 @@ def test_compiled_blocks_do_not_recompile_when_the_kl_scale_changes():
         kls.append(sum(m.last_indexer_kl for m in model.modules() if isinstance(m, Attention)
                        and m.last_indexer_kl is not None))
     assert torch.isfinite(kls[1]) and kls[1] > 0
+
+
+@pytest.mark.parametrize("prepared", [True, False])
+def test_compiled_blocks_break_only_at_the_eager_calls(prepared):
+    """Compiled blocks break their graphs at the eager DSA calls themselves, not before them to build the
+    ``torch.compiler.disable`` wrappers (``apply_compile`` builds them first; ``prepared=False`` empties the
+    caches again, the case before that, and must show the extra breaks)."""
+    from torch._dynamo.utils import counters
+    from titan_glm52.model import attention
+
+    args = get_flavor("debug").replace(index_topk=8, num_hidden_layers=4, num_nextn_predict_layers=0)
+    model = GLM52Model(args)
+    model.init_weights(seed=3)
+    model.set_dsa_backend("triton")
+    apply_compile(model, backend="eager")
+    if not prepared:
+        attention._EAGER.clear()
+        attention._DSA_OPS.clear()
+    torch._dynamo.reset()
+    counters.clear()
+    tokens = torch.randint(0, args.vocab_size, (1, 32), generator=torch.Generator().manual_seed(0))
+    model(tokens, torch.tensor([0, 32], dtype=torch.int32)).float().pow(2).mean().backward()
+    builds = sum(v for k, v in counters["graph_break"].items() if k.startswith("Attempted to call function marked"))
+    calls = sum(v for k, v in counters["graph_break"].items() if k.startswith("Skip calling `torch.compiler.disable"))
+    assert calls >= 3 * args.num_hidden_layers // 2, dict(counters["graph_break"])
+    assert (builds == 0) == prepared, dict(counters["graph_break"])

@@ -47,7 +47,9 @@ from titan_glm52.model.rope import apply_rope
 BACKENDS = ("torch", "triton")
 
 
-@functools.cache
+_DSA_OPS: dict[str, tuple] = {}
+
+
 def dsa_ops(backend: str):
     """(indexer_topk, sparse_mla, indexer_kl_sparse) of a backend; signatures as in ``kernels/reference.py``
     (``indexer_topk`` also takes ``max_len``, the longest document when known on the host;
@@ -55,8 +57,13 @@ def dsa_ops(backend: str):
 
     Under torch.compile they stay opaque (``torch.compiler.disable``): the blocks' projections and MoE compile
     around them, the DSA kernels run as they are (the torch reference has data-dependent chunk bounds, the
-    Triton wrappers allocate scratch and pick launch shapes from the packing)."""
-    return tuple(torch.compiler.disable(fn) for fn in _dsa_ops(backend))
+    Triton wrappers allocate scratch and pick launch shapes from the packing). Built once per backend and kept in
+    a plain dict: a compiled block that finds them there looks them up without a graph break
+    (``prepare_compiled_calls``)."""
+    ops = _DSA_OPS.get(backend)
+    if ops is None:
+        ops = _DSA_OPS[backend] = tuple(torch.compiler.disable(fn) for fn in _dsa_ops(backend))
+    return ops
 
 
 def _dsa_ops(backend: str):
@@ -140,12 +147,28 @@ class DenseMasked:
         return DenseMasked(keys, rows, is_masked)
 
 
-@functools.cache
+_EAGER: dict[str, object] = {}
+_EAGER_NAMES = ("_absorbed_sparse_mla", "_causal_sdpa", "_plain_masked", "_indexer_outputs")
+
+
 def _eager(name: str):
     """The module function ``name`` under ``torch.compiler.disable`` (compiled blocks call it eagerly), looked up
     when called. Built on first use: ``torch.compiler.disable`` imports torch._dynamo, and with it triton, which
-    importing this package must not do."""
-    return torch.compiler.disable(lambda *args: globals()[name](*args))
+    importing this package must not do. Kept in a plain dict, like ``dsa_ops``."""
+    fn = _EAGER.get(name)
+    if fn is None:
+        fn = _EAGER[name] = torch.compiler.disable(lambda *args: globals()[name](*args))
+    return fn
+
+
+def prepare_compiled_calls(backend: str) -> None:
+    """Builds ``backend``'s DSA ops and the eager helpers before a compiled block first runs. A block that has to
+    build them while dynamo traces it breaks its graph there (``torch.compiler.disable`` cannot be traced), on
+    top of the break at the call itself: two more graphs per attention layer, each a host round trip per step
+    (the debug model's 4 layers on the Triton backend: 19 -> 17 compiled graphs, 20 -> 14 graph breaks per step)."""
+    dsa_ops(backend)
+    for name in _EAGER_NAMES:
+        _eager(name)
 
 
 def _causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

@@ -20,7 +20,8 @@ from titan_glm52.kernels.reference import check_cu_seqlens, doc_positions
 from titan_glm52.model.args import GLM52ModelArgs
 from titan_glm52.model.head import OutputHead
 from titan_glm52.model.init import init_weights_
-from titan_glm52.model.attention import Attention, DenseMasked, DensePrefix, PackedContext, host_to_device
+from titan_glm52.model.attention import (Attention, DenseMasked, DensePrefix, PackedContext, host_to_device,
+                                         prepare_compiled_calls)
 from titan_glm52.model.moe import MoE, FeedForward
 from titan_glm52.model.norms import RMSNorm
 from titan_glm52.model.rope import rope_cos_sin
@@ -111,6 +112,7 @@ class GLM52Model(nn.Module):
         for m in self.modules():
             if isinstance(m, Attention):
                 m.backend = backend
+        prepare_compiled_calls(backend)
 
     def set_sparse_attention(self, sparse: bool) -> None:
         for m in self.modules():
