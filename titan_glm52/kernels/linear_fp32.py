@@ -130,13 +130,17 @@ def _lin32_grad_weight_kernel(g_ptr, x_ptr, part_ptr, T, D, SLAB, stride_gt, str
              mask=(n < N)[:, None] & cmask[None, :])
 
 
+def _check_bf16(x: torch.Tensor) -> None:
+    if x.dtype != torch.bfloat16:
+        raise ValueError(f"linear_fp32: x must be bf16 (exact in the bf16 products), got {x.dtype}")
+
+
 def _check(x: torch.Tensor, w: torch.Tensor) -> None:
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"linear_fp32: x [T, D] and w [N, D] expected, got {tuple(x.shape)} and {tuple(w.shape)}")
     if not 1 <= w.shape[0] <= MAX_N:
         raise ValueError(f"linear_fp32: at most {MAX_N} output features, got {w.shape[0]} (use F.linear)")
-    if x.dtype != torch.bfloat16:
-        raise ValueError(f"linear_fp32: x must be bf16 (exact in the bf16 products), got {x.dtype}")
+    _check_bf16(x)
 
 
 def linear_fp32_forward(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -176,8 +180,7 @@ def linear_fp32_grad_weight(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     g, x = g.float().contiguous(), x.contiguous()
     if g.dim() != 2 or x.dim() != 2 or g.shape[0] != x.shape[0]:
         raise ValueError(f"linear_fp32: gradient {tuple(g.shape)} does not match the input {tuple(x.shape)}")
-    if x.dtype != torch.bfloat16:
-        raise ValueError(f"linear_fp32: x must be bf16 (exact in the bf16 products), got {x.dtype}")
+    _check_bf16(x)
     check_device(g, x)
     t, n = g.shape
     d = x.shape[1]

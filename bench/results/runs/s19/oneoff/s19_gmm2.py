@@ -1,17 +1,12 @@
 """Probe: each grouped GEMM of the MoE experts by operand layout, against cuBLAS per expert (host-known counts)."""
-import json, os, torch
+import functools, json, os, torch
+from bench.attn_paths import time_fn
 torch.manual_seed(0)
 dev = "cuda"
 E, K, D, F = 16, 8, 6144, 2048
 res = {}
 
-def t_ms(fn, reps=10):
-    for _ in range(3): fn()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize(); s.record()
-    for _ in range(reps): fn()
-    e.record(); torch.cuda.synchronize()
-    return s.elapsed_time(e) / reps
+t_ms = functools.partial(time_fn, reps=10, warmup=3)  # mean ms per call (the repo root on PYTHONPATH)
 
 for n_tok in (4096, 32768):
     logits = torch.randn(n_tok, E, device=dev) + torch.linspace(0, 1.0, E, device=dev)

@@ -1,6 +1,7 @@
 """Probe: the gradient norm over the proxy's parameter shapes (bf16 grads, fp32 accumulation): torch._foreach_norm
 (the trainer's path now) vs torch.linalg.vector_norm per tensor vs a hybrid."""
-import json, os, torch
+import functools, json, os, torch
+from bench.attn_paths import time_fn
 from titan_glm52.model.args import get_flavor
 from titan_glm52.model.model import GLM52Model
 args = get_flavor("glm52_proxy"); args.num_nextn_predict_layers = 0
@@ -9,13 +10,7 @@ with torch.device("meta"):
 shapes = [tuple(p.shape) for p in m.parameters()]
 g = [torch.randn(s, device="cuda", dtype=torch.bfloat16) for s in shapes]
 n = sum(x.numel() for x in g)
-def t_ms(fn, reps=10):
-    for _ in range(3): fn()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize(); s.record()
-    for _ in range(reps): fn()
-    e.record(); torch.cuda.synchronize()
-    return s.elapsed_time(e) / reps
+t_ms = functools.partial(time_fn, reps=10, warmup=3)  # mean ms per call (the repo root on PYTHONPATH)
 foreach = lambda: torch.linalg.vector_norm(torch.stack(torch._foreach_norm(g, 2, dtype=torch.float32)), 2)
 per = lambda: torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(x, 2, dtype=torch.float32) for x in g]), 2)
 big = [x for x in g if x.numel() >= (1 << 22)]; small = [x for x in g if x.numel() < (1 << 22)]
