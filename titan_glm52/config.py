@@ -209,7 +209,18 @@ class Faults:
 
 
 @dataclass
+class Compile(tt.Compile):
+    attention: bool = True
+    """With ``enable``: also trace the attention (the projections, RoPE and the glue between the eager DSA calls
+    stay in the compiled block). False runs each block's attention eagerly inside the compiled block: one graph
+    break per block instead of one per eager DSA call, less host work per step where the host, not the GPU, bounds
+    the forward (short sequences); bench/results/e2e_h200.md, session 21. ``components`` must include "model"
+    (the loss is this project's fused kernel, never compiled)."""
+
+
+@dataclass
 class JobConfig(tt.JobConfig):
+    compile: Compile = field(default_factory=Compile)
     model: Model = field(default_factory=Model)
     training: Training = field(default_factory=Training)
     parallelism: Parallelism = field(default_factory=Parallelism)
@@ -343,6 +354,9 @@ def validate(cfg: JobConfig, world_size: int | None = None) -> None:
         _refuse("checkpoint.async_mode", "asynchronous checkpointing is not supported; use 'disabled'")
     if cfg.activation_checkpoint.mode not in ("none", "full", "selective"):
         _refuse("activation_checkpoint.mode", f"{cfg.activation_checkpoint.mode!r}: choose none, full or selective")
+    if cfg.compile.enable and "model" not in cfg.compile.components:
+        _refuse("compile.components", f"{cfg.compile.components}: titan_glm52 compiles the model's blocks (the loss "
+                "is a fused kernel); include 'model' or set compile.enable false")
     if cfg.compile.enable and cfg.compile.backend not in ("inductor", "aot_eager", "eager"):
         _refuse("compile.backend", "choose inductor, aot_eager or eager")
     if cfg.training.master_weights not in ("auto", "fsdp", "optimizer"):

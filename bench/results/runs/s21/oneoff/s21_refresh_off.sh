@@ -7,4 +7,4 @@ python3 bench/e2e.py $E --seq-lens 4096,16384 --ac none,selective --peer-mp ${PE
 cp /tmp/r/off.json $OUTS/4k16k_off_pairs.json
 python3 bench/e2e.py $E --seq-lens 32768 --ac none --out /tmp/r/32k_off.json > /tmp/32k.log 2>&1
 cp /tmp/r/32k_off.json $OUTS/32k_off_none_pair.json
-cat /tmp/r/off.md /tmp/r/32k_off.md | grep "^|"; tail -3 /tmp/off.log /tmp/32k.log
+cat /tmp/r/off.md /tmp/r/32k_off.md | grep "^|"; tail -n 3 /tmp/off.log /tmp/32k.log
