@@ -209,18 +209,7 @@ class Faults:
 
 
 @dataclass
-class Compile(tt.Compile):
-    attention: bool = True
-    """With ``enable``: also trace the attention (the projections, RoPE and the glue between the eager DSA calls
-    stay in the compiled block). False runs each block's attention eagerly inside the compiled block: one graph
-    break per block instead of one per eager DSA call, less host work per step where the host, not the GPU, bounds
-    the forward (short sequences); bench/results/e2e_h200.md, session 21. ``components`` must include "model"
-    (the loss is this project's fused kernel, never compiled)."""
-
-
-@dataclass
 class JobConfig(tt.JobConfig):
-    compile: Compile = field(default_factory=Compile)
     model: Model = field(default_factory=Model)
     training: Training = field(default_factory=Training)
     parallelism: Parallelism = field(default_factory=Parallelism)

@@ -226,11 +226,9 @@ def apply_ac(model: nn.Module, mode: str, selective_option: str = "op") -> None:
 
 
 # ============================================================================ torch.compile
-def apply_compile(model: nn.Module, backend: str = "inductor", fullgraph: bool = False,
-                  attention: bool = True) -> None:
+def apply_compile(model: nn.Module, backend: str = "inductor", fullgraph: bool = False) -> None:
     """Compiles every block's forward; call it before ``apply_ac`` so the checkpoint wraps the compiled
-    forward (AC(compile(block))). ``attention=False`` (``compile.attention``) runs each block's attention
-    eagerly inside it (one graph break per block instead of one per eager DSA call).
+    forward (AC(compile(block))).
 
     Why not torchtitan's compile(AC(block)): every block has graph breaks, and dynamo runs a checkpointed
     region that contains one eagerly, so nothing would be compiled with AC on. Inside the checkpoint the
@@ -247,8 +245,6 @@ def apply_compile(model: nn.Module, backend: str = "inductor", fullgraph: bool =
     for block in transformer_blocks(model):
         if getattr(block, "moe_enabled", False):
             block.moe.experts.forward = torch.compiler.disable(block.moe.experts.forward)
-        if not attention:
-            block.attention.forward = torch.compiler.disable(block.attention.forward)
         block.forward = torch.compile(_as_function(block.forward), backend=backend, fullgraph=fullgraph)
 
 
@@ -335,8 +331,7 @@ def _set_ep_prefetch(model: nn.Module) -> None:
 def parallelize_model(model: nn.Module, mesh: ParallelMesh | None, *, param_dtype: torch.dtype = torch.float32,
                       reduce_dtype: torch.dtype = torch.float32, reshard_after_forward: str = "default",
                       ac_mode: str = "none", selective_ac_option: str = "op", compile: bool = False,
-                      compile_backend: str = "inductor", compile_attention: bool = True,
-                      ep_enabled: bool | None = None) -> nn.Module:
+                      compile_backend: str = "inductor", ep_enabled: bool | None = None) -> nn.Module:
     """Applies EP -> compile -> AC -> FSDP2 in place and returns the model.
 
     FSDP is applied when there is data or expert parallelism, and also on a mesh of one data-parallel rank when
@@ -357,7 +352,7 @@ def parallelize_model(model: nn.Module, mesh: ParallelMesh | None, *, param_dtyp
             raise ValueError(f"{OPTION['ep']} = {mesh.degrees.ep} must divide n_routed_experts ({n})")
         apply_expert_parallel(model, mesh["ep"])
     if compile:  # inside the checkpoint: see apply_compile
-        apply_compile(model, backend=compile_backend, attention=compile_attention)
+        apply_compile(model, backend=compile_backend)
     apply_ac(model, ac_mode, selective_ac_option)
     if mesh is not None and (mesh.dp_enabled or ep_enabled or param_dtype != torch.float32):
         apply_fsdp(model, mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype,

@@ -371,8 +371,7 @@ class Trainer:
             model, self.mesh, param_dtype=torch.bfloat16 if fsdp_bf16 else torch.float32, reduce_dtype=torch.float32,
             reshard_after_forward=p.fsdp_reshard_after_forward, ac_mode=cfg.activation_checkpoint.mode,
             selective_ac_option=cfg.activation_checkpoint.selective_ac_option, compile=cfg.compile.enable,
-            compile_backend=cfg.compile.backend,
-            compile_attention=cfg.compile.attention, ep_enabled=p.expert_parallel_degree > 1)
+            compile_backend=cfg.compile.backend, ep_enabled=p.expert_parallel_degree > 1)
 
     def _freeze(self, model: GLM52Model) -> None:
         """dsa.freeze_indexer freezes the indexers; the dense warm-up freezes everything else."""

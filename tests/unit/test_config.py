@@ -64,6 +64,7 @@ def test_unknown_cli_key_exits():
      "parallelism.pipeline_parallel_microbatch_size"),
     (["--model.tokenizer_path", "/x"], "model.tokenizer_path"),
     (["--faults.max_consecutive_nonfinite", "0"], "faults.max_consecutive_nonfinite"),
+    (["--compile.enable", "--compile.components", "loss"], "compile.components"),
     (["--training.master_weights", "optimizer", "--optimizer.implementation", "fused"], "training.master_weights"),
     (["--training.master_weights", "optimizer", "--optimizer.implementation", "triton",
       "--training.mixed_precision_param", "float32"], "training.master_weights"),

@@ -1,27 +1,35 @@
-"""Replaces the 4K and 32K compiled AC-none cells of bench/results/e2e_h200.json with a side-by-side pair run.
+"""Puts session 21's side-by-side runs into bench/results/e2e_h200.json: each run's cells replace the one-GPU cell
+of the same sequence length, compile and AC mode (the cell keeps its config text; its earlier peer runs go, the
+earlier source is named). Run from the repository root:
 
-    python3 bench/results/runs/s21/oneoff/s21_merge.py CODE RUNS_DIR   # e.g. 0a446eb bench/results/runs/s21
+    python3 bench/results/runs/s21/oneoff/s21_merge.py 0a446eb bench/results/runs/s21
 """
 import json
 import sys
 
 code, runs = sys.argv[1], sys.argv[2].rstrip("/")
+rel = runs.split("bench/results/")[-1]
+files = ["4k_on_none_pair_autocast", "32k_on_none_pair", "16k_on_pairs_autocast", "4k_on_sel_pair_autocast",
+         "4k16k_off_pairs", "32k_off_none_pair"]
 path = "bench/results/e2e_h200.json"
 d = json.load(open(path))
-rel = runs.split("bench/results/")[-1]
-pairs = {4096: (f"{runs}/4k_on_none_pair_autocast_{code}.json", "peer_autocast"),
-         32768: (f"{runs}/32k_on_none_pair_{code}.json", "peer")}
-for seq, (f, peer_key) in pairs.items():
-    new = json.load(open(f))["cells"][0]
-    cell = next(c for c in d["cells"] if c["config"].startswith(f"1 GPU, S={seq}, compile on, AC none")
-                and "MTP" not in c["config"])
-    prev = f"session {cell['session']}'s cell: {cell['source'].split(' ')[0]}"
-    cell["ours"] = new["ours"]
-    cell[peer_key] = new["peer"]
-    cell.update(ratio=new["ratio"], ratio_best_peer=new["ratio"], ratio_median=new.get("ratio_median"), code=code,
-                session=21, command=json.load(open(f))["meta"]["command"],
-                source=f"{rel}/{f.split('/')[-1]} (ours and the peer side by side, same run); {prev}")
-    print(cell["config"], round(cell["ours"]["tokens_per_s"]), round(cell[peer_key]["tokens_per_s"]),
-          round(cell["ratio"], 3), round(cell["ours"]["mfu_pct"], 1))
+for name in files:
+    run = json.load(open(f"{runs}/{name}_{code}.json"))
+    for new in run["cells"]:
+        prefix = f"1 GPU, S={new['seq_len']}, compile {new['compile']}, AC {new['ac']}"
+        cell = next(c for c in d["cells"] if (c["config"] == prefix or c["config"].startswith(prefix + " (the peer"))
+                    and "MTP" not in c["config"])
+        prev = f"session {cell['session']}'s cell: {cell['source'].split(' ')[0]}"
+        for k in [k for k in cell if k == "peer" or k.startswith("peer_") and isinstance(cell[k], dict)]:
+            del cell[k]
+        peer = new["peer"]
+        cell["ours"] = new["ours"]
+        cell["peer_autocast" if peer.get("mp") == "autocast" else "peer"] = peer
+        cell.update(ratio=new["ratio"], ratio_best_peer=new["ratio"], ratio_median=new.get("ratio_median"),
+                    code=code, session=21, command=run["meta"]["command"],
+                    source=f"{rel}/{name}_{code}.json (ours and the peer side by side, same run); {prev}")
+        cell.pop("ratio_median_note", None)
+        print(f"{cell['config'][:64]:64s} {cell['ours']['tokens_per_s']:7.0f} {peer['tokens_per_s']:7.0f} "
+              f"{peer.get('mp')} {peer.get('ac')} {cell['ratio']:.3f} MFU {cell['ours']['mfu_pct']:.1f}")
 d.update(date="2026-12-02", session=21)
 json.dump(d, open(path, "w"), indent=1)
