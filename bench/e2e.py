@@ -304,9 +304,11 @@ def run_ours(a, runner: Runner, seq_len: int, compile_on: bool, ac: str, name: s
         out.update(wall_s=run["wall_s"], log=run["log"], cmd=run["cmd"])
         if a.trace:
             traces = glob.glob(os.path.join(dump, "traces", "*", "rank0_trace.json"))
-            out["trace_summary"] = trace_summary.summarize(traces[0]) if traces else {"error": "no trace written"}
-            if traces:  # kept beside the logs, as the peer's trace is (the dump folder is removed below)
+            if traces:  # the trace is kept beside the logs, as the peer's is (the dump folder is removed below)
+                out["trace_summary"] = trace_summary.summarize(traces[0])
                 out["trace"] = shutil.copy(traces[0], os.path.join(runner.logs, name + "_trace.json"))
+            else:
+                out["trace_summary"] = {"error": "no trace written"}
         return out
     finally:
         shutil.rmtree(dump, ignore_errors=True)

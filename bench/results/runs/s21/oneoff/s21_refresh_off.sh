@@ -1,6 +1,6 @@
-# Session 21: the eager (compile off) cells of the one-GPU table at the working tree's code, side by side with both
-# peer paths (FSDP on a one-rank mesh, autocast): 4K and 16K with AC none and selective, 32K AC none (the peer
-# falls back to AC full, its only fitting mode). Only JSON comes back.
+# Session 21: the eager (compile off) cells of the one-GPU table at the working tree's code, side by side with the
+# peer: at 4K and 16K (AC none and selective) its autocast path (PEER_MP=fsdp,autocast runs both; not done in
+# session 21), at 32K AC none its FSDP path, which falls back to AC full, its only fitting mode. Only JSON comes back.
 source bench/gpu_env.sh >/dev/null; mkdir -p /tmp/r; OUTS=$OUT; export -n OUT
 E="--compile off --our-mtp off --budget-s 0 --cell-timeout 200 --logs /tmp/e2e_logs --steps 3 --warmup 2"
 python3 bench/e2e.py $E --seq-lens 4096,16384 --ac none,selective --peer-mp ${PEER_MP:-autocast} --out /tmp/r/off.json > /tmp/off.log 2>&1
