@@ -253,6 +253,8 @@ def indexer_topk(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, cu_seq
     weights = weights.float().contiguous()
     k = k.to(q.dtype)
     hp, dp, bq = _config(h_i, d_i, q.dtype)
+    sc_cfg = {**SCORE_LAUNCH, **TUNE["score"]}
+    bq = sc_cfg.pop("BQ", bq)  # queries per scoring program (each key tile is read once per BQ queries)
     ieee = q.dtype == torch.float32
 
     # scratch: per row the scores of its visible keys (column = key - doc start), then the stash
@@ -265,7 +267,6 @@ def indexer_topk(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, cu_seq
     stash_idx = torch.empty((rows, cap), dtype=torch.int32, device=q.device)
     rmax = torch.empty(rows, dtype=torch.float32, device=q.device)
     rmin = torch.empty(rows, dtype=torch.float32, device=q.device)
-    sc_cfg = {**SCORE_LAUNCH, **TUNE["score"]}
     se_cfg = {**SELECT_LAUNCH, **TUNE["select"]}
     skip_select = se_cfg.pop("skip", False)  # benchmark hook: time the scoring alone
     for a in range(0, total, rows):

@@ -13,8 +13,10 @@ memory and release each stage when their products are done; each warpgroup gets 
   memory and accumulates O[:, :256] += P V[:, :256]; the second consumer accumulates O[:, 256:] for the same step
   while the softmax warpgroup already waits for the next stage (the schedule of FlashMLA's and TileLang's pipelined
   sparse forward; an independent implementation);
-* backward part 1 (P, dS into the scratch), one program per query row: two consumers take alternate steps of 32
-  rows, so one's exponentials and scratch stores overlap the other's products;
+* backward part 1 (P, dS into the scratch), one program per query row: two consumers take alternate steps of 64
+  rows, so one's exponentials and scratch stores overlap the other's products; the rows arrive in 64-column chunks
+  through a ring of chunk slots (each consumer its half and its loader), which is what lets a 64-row step fit
+  beside Q and dO in shared memory;
 * backward part 2 (dKV by fp32 atomics, dQ), one program per (192-column group, query row): the loader streams the
   P / dS tiles and the group's kv columns, three consumers (one per 64-column chunk) run the products and the
   atomics of every step.
@@ -255,16 +257,58 @@ def _fwd_ws_kernel(q_ptr, kv_ptr, idx_ptr, kend_ptr, out_ptr, lse_ptr, T, K, qk_
 
 
 @gluon.jit
-def _ps_consumer(q_a, q_b, do_smem, d_smem, kv_a, kv_b, kv_full, kv_empty, idx_ptr, kend_ptr, lse_ptr, p_ptr,
-                 ds_ptr, T, K, sm_scale, row0, stride_it, stride_lt, stride_pt, stride_pk,
-                 C: gl.constexpr, BK: gl.constexpr, H: gl.constexpr, STAGES: gl.constexpr):
-    """Steps C, C + 2, ... of one row (the two consumers alternate; step j uses stage j % STAGES of the ring, so
-    this consumer owns the stages of its parity): S = Q K^T, dP = dO V^T by wgmma, then P = exp(S - lse),
-    dS = P (dP - Delta) sm_scale into the scratch [rows, K, H] (heads innermost)."""
+def _delta_to(d_smem, o_row, do_row, stride_oh, stride_doh, H: gl.constexpr, DA: gl.constexpr):
+    """Delta = rowsum(O dO) per head of one query row into d_smem [H], in two halves of the columns (4 warps)."""
+    half: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
+    h = gl.arange(0, H, layout=gl.SliceLayout(1, half))
+    c = gl.arange(0, DA // 2, layout=gl.SliceLayout(0, half))
+    o_base = o_row + h[:, None] * stride_oh + c[None, :]
+    d_base = do_row + h[:, None] * stride_doh + c[None, :]
+    delta = gl.sum(gl.load(o_base).to(gl.float32) * gl.load(d_base).to(gl.float32), axis=1)
+    delta += gl.sum(gl.load(o_base + DA // 2).to(gl.float32) * gl.load(d_base + DA // 2).to(gl.float32), axis=1)
+    d_smem.store(delta)
+
+
+@gluon.jit
+def _ps_slot(i, k, NCH: gl.constexpr, STAGES: gl.constexpr):
+    """(ring slot, phase parity) of chunk k of step i: steps alternate between the two consumers, each with its own
+    half of the ring (an mbarrier wait must never be more than one phase ahead of its barrier)."""
+    half: gl.constexpr = STAGES // 2
+    g = (i // 2) * NCH + k
+    return (i % 2) * half + g % half, (g // half) & 1
+
+
+@gluon.jit
+def _ps_loader(ring, full, empty, kv_ptr, idx_ptr, kend_ptr, T, K, stride_kvt, stride_it, row0,
+               BK: gl.constexpr, DC: gl.constexpr, NCH: gl.constexpr, STAGES: gl.constexpr, C: gl.constexpr,
+               EVERY: gl.constexpr):
+    """Gathers the BK kv rows of steps C, C + EVERY, ... of row t = row0 + program id one column chunk [BK, DC] at a
+    time into the slots of ``_ps_slot`` (EVERY = 2: one loader per consumer and its half of the ring, so neither
+    waits for the other's slots). The step's indices load once, before its first chunk's wait."""
+    lt: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # [BK, 64] tiles, 16-byte copies
+    t = row0 + gl.program_id(0)
+    idx_row = idx_ptr + t.to(gl.int64) * stride_it
+    kend = gl.load(kend_ptr + t)
+    cols = gl.arange(0, DC, layout=gl.SliceLayout(0, lt))
+    for i in range(C, gl.cdiv(kend, BK), EVERY):
+        base = kv_ptr + _kv_rows(idx_row, i, K, T, stride_kvt, BK, lt)[:, None] + cols[None, :]
+        for k in gl.static_range(NCH):
+            s, ph = _ps_slot(i, k, NCH, STAGES)
+            mbarrier.wait(empty.index(s), ph ^ 1)
+            async_copy.async_copy_global_to_shared(ring.index(s), base + k * DC)
+            async_copy.mbarrier_arrive(full.index(s), increment_count=False)
+
+
+@gluon.jit
+def _ps_consumer(q_c, do_c, ring, d_smem, full, empty, idx_ptr, kend_ptr, lse_ptr, p_ptr, ds_ptr, T, K, sm_scale,
+                 row0, stride_it, stride_lt, stride_pt, stride_pk, C: gl.constexpr, BK: gl.constexpr,
+                 H: gl.constexpr, NA: gl.constexpr, STAGES: gl.constexpr):
+    """Steps C, C + 2, ... of one row, BK slots each: S = Q K^T and dP = dO V^T accumulated over the step's column
+    chunks as they land (chunk k's slot is released once chunk k + 1's products are issued and chunk k's are done),
+    then P = exp(S - lse), dS = P (dP - Delta) sm_scale into the scratch [rows, K, H] (heads innermost)."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BK, 16])
     row: gl.constexpr = gl.SliceLayout(1, s_layout)
-    # stores: 8 consecutive heads of one slot per thread (16-byte stores into the heads-innermost scratch)
     st: gl.constexpr = gl.BlockedLayout([8, 1], [8, 4], [1, 4], [0, 1])
     t = row0 + gl.program_id(0)
     t64 = t.to(gl.int64)
@@ -278,17 +322,29 @@ def _ps_consumer(q_a, q_b, do_smem, d_smem, kv_a, kv_b, kv_full, kv_empty, idx_p
     prow = (t - row0).to(gl.int64) * stride_pt
     idx_row = idx_ptr + t64 * stride_it
     for j in range(C, gl.cdiv(kend, BK), 2):
-        s = j % STAGES
-        mbarrier.wait(kv_full.index(s), (j // STAGES) & 1)
+        s, ph = _ps_slot(j, 0, NA + 1, STAGES)
+        mbarrier.wait(full.index(s), ph)
         fence_async_shared()
-        ka = kv_a.index(s).permute((1, 0))
-        sc = warpgroup_mma(q_a, ka, zero, use_acc=False, is_async=True)
-        sc = warpgroup_mma(q_b, kv_b.index(s).permute((1, 0)), sc, is_async=True)
-        dp = warpgroup_mma(do_smem, ka, zero, use_acc=False, is_async=True)
+        kt = ring.index(s).permute((1, 0))
+        sc = warpgroup_mma(q_c.index(0), kt, zero, use_acc=False, is_async=True)
+        dp = warpgroup_mma(do_c.index(0), kt, zero, use_acc=False, is_async=True)
+        for k in gl.static_range(1, NA + 1):
+            prev = s
+            s, ph = _ps_slot(j, k, NA + 1, STAGES)
+            mbarrier.wait(full.index(s), ph)
+            fence_async_shared()
+            kt = ring.index(s).permute((1, 0))
+            sc = warpgroup_mma(q_c.index(k), kt, sc, is_async=True)
+            if k < NA:
+                dp = warpgroup_mma(do_c.index(k), kt, dp, is_async=True)
+                sc, dp = warpgroup_mma_wait(2, deps=[sc, dp])
+            else:  # the rope chunk: S only
+                sc, dp = warpgroup_mma_wait(1, deps=[sc, dp])
+            mbarrier.arrive(empty.index(prev), count=1)
         offs = j * BK + gl.arange(0, BK, layout=gl.SliceLayout(0, s_layout))
         idx = gl.load(idx_row + offs, mask=offs < K, other=-1)
         sc, dp = warpgroup_mma_wait(0, deps=[sc, dp])
-        mbarrier.arrive(kv_empty.index(s), count=1)
+        mbarrier.arrive(empty.index(s), count=1)
         p = gl.where(((idx >= 0) & (idx < T))[None, :], gl.exp2(sc * qk_scale - lse2[:, None]), 0.0)
         ds = p * (dp - delta[:, None]) * sm_scale  # gradient w.r.t. q.k
         slots = j * BK + gl.arange(0, BK, layout=gl.SliceLayout(0, st))
@@ -304,51 +360,56 @@ def _bwd_ps_ws_kernel(q_ptr, kv_ptr, idx_ptr, kend_ptr, out_ptr, do_ptr, lse_ptr
                       stride_lt, stride_pt, stride_pk,
                       H: gl.constexpr, DA: gl.constexpr, DB: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
                       LOADER_ARRIVALS: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
-                      IDX_EARLY: gl.constexpr):
-    """Backward part 1 (see ``sparse_mla._bwd_ps_kernel``), one program per query row of a chunk: a loader
-    warpgroup gathers BK rows per step into a ring of STAGES (even), two consumer warpgroups take alternate steps, so
-    one consumer's exponentials and scratch stores overlap the other's products."""
+                      LOADERS: gl.constexpr):
+    """Backward part 1 (see ``sparse_mla._bwd_ps_kernel``), one program per query row of a chunk, with the kv rows
+    streamed in column chunks of DB (= 64): Q and dO stay in shared memory as chunks [H, DB] (136 KB) and a ring of
+    STAGES (even) chunk slots [BK, DB] carries each step's DA / DB + 1 chunks, so a step can be BK = 64 rows
+    (wgmma N = 64) within shared memory. Two consumers take alternate steps, each with its own half of the ring and
+    (LOADERS = 2) its own loader warpgroup, so one's exponentials and scratch stores overlap the other's products."""
     dtype: gl.constexpr = q_ptr.dtype.element_ty
-    la: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BK, DA], dtype)
-    lb: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BK, DB], dtype)
-    q_a = gl.allocate_shared_memory(dtype, [H, DA], la)
-    q_b = gl.allocate_shared_memory(dtype, [H, DB], lb)
-    do_smem = gl.allocate_shared_memory(dtype, [H, DA], la)
-    kv_a = gl.allocate_shared_memory(dtype, [STAGES, BK, DA], la)
-    kv_b = gl.allocate_shared_memory(dtype, [STAGES, BK, DB], lb)
+    tile: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BK, DB], dtype)
+    NA: gl.constexpr = DA // DB
+    q_c = gl.allocate_shared_memory(dtype, [NA + 1, H, DB], tile)
+    do_c = gl.allocate_shared_memory(dtype, [NA, H, DB], tile)
+    ring = gl.allocate_shared_memory(dtype, [STAGES, BK, DB], tile)
     d_smem = gl.allocate_shared_memory(gl.float32, [H], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    kv_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
-        mbarrier.init(kv_full.index(s), count=LOADER_ARRIVALS)
-        mbarrier.init(kv_empty.index(s), count=1)
+        mbarrier.init(full.index(s), count=LOADER_ARRIVALS)
+        mbarrier.init(empty.index(s), count=1)
 
     t64 = (row0 + gl.program_id(0)).to(gl.int64)
-    _copy_rows(q_a, q_ptr + t64 * stride_qt, stride_qh, 0, H, DA)
-    _copy_rows(q_b, q_ptr + t64 * stride_qt, stride_qh, DA, H, DB)
-    _copy_rows(do_smem, do_ptr + t64 * stride_dot, stride_doh, 0, H, DA)
+    for c in gl.static_range(NA + 1):
+        _copy_rows(q_c.index(c), q_ptr + t64 * stride_qt, stride_qh, c * DB, H, DB)
+    for c in gl.static_range(NA):
+        _copy_rows(do_c.index(c), do_ptr + t64 * stride_dot, stride_doh, c * DB, H, DB)
     async_copy.commit_group()
-    # Delta = rowsum(O dO) per head, in two halves of the columns, while the copies land
-    half: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
-    h = gl.arange(0, H, layout=gl.SliceLayout(1, half))
-    c = gl.arange(0, DA // 2, layout=gl.SliceLayout(0, half))
-    o_base = out_ptr + t64 * stride_ot + h[:, None] * stride_oh + c[None, :]
-    d_base = do_ptr + t64 * stride_dot + h[:, None] * stride_doh + c[None, :]
-    delta = gl.sum(gl.load(o_base).to(gl.float32) * gl.load(d_base).to(gl.float32), axis=1)
-    delta += gl.sum(gl.load(o_base + DA // 2).to(gl.float32) * gl.load(d_base + DA // 2).to(gl.float32), axis=1)
-    d_smem.store(delta)
+    _delta_to(d_smem, out_ptr + t64 * stride_ot, do_ptr + t64 * stride_dot, stride_oh, stride_doh, H, DA)
     async_copy.wait_group(0)
     fence_async_shared()
     gl.thread_barrier()
 
-    gl.warp_specialize([
-        (_ps_consumer, (q_a, q_b, do_smem, d_smem, kv_a, kv_b, kv_full, kv_empty, idx_ptr, kend_ptr, lse_ptr, p_ptr,
-                        ds_ptr, T, K, sm_scale, row0, stride_it, stride_lt, stride_pt, stride_pk, 0, BK, H, STAGES)),
-        (_ps_consumer, (q_a, q_b, do_smem, d_smem, kv_a, kv_b, kv_full, kv_empty, idx_ptr, kend_ptr, lse_ptr, p_ptr,
-                        ds_ptr, T, K, sm_scale, row0, stride_it, stride_lt, stride_pt, stride_pk, 1, BK, H, STAGES)),
-        (_loader, (kv_a, kv_b, kv_full, kv_empty, kv_ptr, idx_ptr, kend_ptr, T, K, stride_kvt, stride_it, row0,
-                   BK, DA, DB, STAGES, IDX_EARLY)),
-    ], [4, 4], [CONSUMER_REGS, LOADER_REGS])
+    if LOADERS == 2:
+        gl.warp_specialize([
+            (_ps_consumer, (q_c, do_c, ring, d_smem, full, empty, idx_ptr, kend_ptr, lse_ptr, p_ptr, ds_ptr, T, K,
+                            sm_scale, row0, stride_it, stride_lt, stride_pt, stride_pk, 0, BK, H, NA, STAGES)),
+            (_ps_consumer, (q_c, do_c, ring, d_smem, full, empty, idx_ptr, kend_ptr, lse_ptr, p_ptr, ds_ptr, T, K,
+                            sm_scale, row0, stride_it, stride_lt, stride_pt, stride_pk, 1, BK, H, NA, STAGES)),
+            (_ps_loader, (ring, full, empty, kv_ptr, idx_ptr, kend_ptr, T, K, stride_kvt, stride_it, row0,
+                          BK, DB, NA + 1, STAGES, 0, 2)),
+            (_ps_loader, (ring, full, empty, kv_ptr, idx_ptr, kend_ptr, T, K, stride_kvt, stride_it, row0,
+                          BK, DB, NA + 1, STAGES, 1, 2)),
+        ], [4, 4, 4], [CONSUMER_REGS, LOADER_REGS, LOADER_REGS])
+    else:
+        gl.warp_specialize([
+            (_ps_consumer, (q_c, do_c, ring, d_smem, full, empty, idx_ptr, kend_ptr, lse_ptr, p_ptr, ds_ptr, T, K,
+                            sm_scale, row0, stride_it, stride_lt, stride_pt, stride_pk, 0, BK, H, NA, STAGES)),
+            (_ps_consumer, (q_c, do_c, ring, d_smem, full, empty, idx_ptr, kend_ptr, lse_ptr, p_ptr, ds_ptr, T, K,
+                            sm_scale, row0, stride_it, stride_lt, stride_pt, stride_pk, 1, BK, H, NA, STAGES)),
+            (_ps_loader, (ring, full, empty, kv_ptr, idx_ptr, kend_ptr, T, K, stride_kvt, stride_it, row0,
+                          BK, DB, NA + 1, STAGES, 0, 1)),
+        ], [4, 4], [CONSUMER_REGS, LOADER_REGS])
 
 
 @gluon.jit
@@ -511,18 +572,22 @@ def _bwd_grad_ws_kernel(q_ptr, kv_ptr, idx_ptr, kend_ptr, do_ptr, p_ptr, ds_ptr,
 # two workers' budgets (the softmax warpgroup gets the rest: 12 x 168 - 4 x (192 + 80) = 4 x 232); bk / stages:
 # gathered rows per step and the depth of the ring (shared memory: Q 72 KB + stages x bk x 1152 B).
 # Overrides: $TITAN_DSA_TUNE_FILE, {"sparse_mla_ws": {"fwd": {...}}} (bench/kernels.py's file).
-# bwd_ps: the backward's part 1 (two consumers on alternate steps of bk rows, each owning stages / 2 stages of the
-# ring: Q, dO 136 KB + stages x bk x 1152 B).
+# bwd_ps: the backward's part 1 (two consumers on alternate steps of bk rows, each owning stages / 2 slots of a ring
+# of 64-column chunks: Q, dO 136 KB + stages x bk x 128 B; loaders 2: one loader warpgroup per consumer, 1: one for
+# both; 16 warps x 128 registers: consumers 200, loaders 56. Whole backward at T = 32K: 85.3 ms with the session-16
+# kernel (32-row steps of whole rows, 2 stages) -> 82.6 (chunked, one loader) -> 81.9 (two loaders); 4K 8.10 -> 7.66;
+# bench/results/kernels_h200.md, "Session 22").
 # bwd_grad: part 2 (16 warps x 128 registers: three consumers at 152, the loader 56; a ring of `stages` steps;
 # group_rows: the programs' order, see _grad_program; -1, one column group at a time: 91.3 -> 88.5 ms of backward
 # at T = 32K, 4K unchanged, bench/ws_grad_order.py).
-# idx_early (all three): the loader loads a step's indices before it waits for the step's stage (the forward's softmax
-# warpgroup its valid-slot mask while S = Q K^T runs); False: after, as in session 17 (forward 21.36 -> 21.04 ms, whole
-# backward 87.3 -> 86.2 ms at T = 32K; bench/results/kernels_h200.md, "Session 18").
+# idx_early (forward, part 2): the loader loads a step's indices before it waits for the step's stage (the
+# forward's softmax warpgroup its valid-slot mask while S = Q K^T runs; part 1's loaders always do); False: after,
+# as in session 17 (forward 21.36 -> 21.04 ms, whole backward 87.3 -> 86.2 ms at T = 32K; bench/results/
+# kernels_h200.md, "Session 18").
 DEFAULTS = {"fwd": {"enable": True, "maxnreg": 168, "pv_regs": 192, "loader_regs": 80, "bk": 64, "stages": 2,
                     "idx_early": True},
-            "bwd_ps": {"enable": True, "maxnreg": 168, "consumer_regs": 208, "loader_regs": 80, "bk": 32, "stages": 2,
-                       "idx_early": True},
+            "bwd_ps": {"enable": True, "maxnreg": 128, "consumer_regs": 200, "loader_regs": 56, "bk": 64, "stages": 10,
+                       "loaders": 2},
             "bwd_grad": {"enable": True, "maxnreg": 128, "consumer_regs": 152, "loader_regs": 56, "stages": 3,
                          "group_rows": -1, "idx_early": True}}
 TUNE = {k: dict(v) for k, v in DEFAULTS.items()}
@@ -561,7 +626,7 @@ def bwd_ps(q, kv, indices, kend, out, grad_out, lse, p, ds, sm_scale, row0, n):
         q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), out.stride(0), out.stride(1), grad_out.stride(0),
         grad_out.stride(1), lse.stride(0), p.stride(0), p.stride(1),
         H=H, DA=DA, DB=DB, BK=c["bk"], STAGES=c["stages"], LOADER_ARRIVALS=LOADER_ARRIVALS,
-        CONSUMER_REGS=c["consumer_regs"], LOADER_REGS=c["loader_regs"], IDX_EARLY=c["idx_early"], num_warps=4,
+        CONSUMER_REGS=c["consumer_regs"], LOADER_REGS=c["loader_regs"], LOADERS=c["loaders"], num_warps=4,
         maxnreg=c["maxnreg"])
 
 
@@ -589,7 +654,7 @@ def compile_specs(small: bool = False):
                                                       PV_REGS=f["pv_regs"], LOADER_REGS=f["loader_regs"])),
         ("sparse_mla_ws_bwd_ps", _bwd_ps_ws_kernel, p1, dict(H=H, DA=DA, DB=DB, BK=p1["bk"], STAGES=p1["stages"],
                                                              CONSUMER_REGS=p1["consumer_regs"],
-                                                             LOADER_REGS=p1["loader_regs"])),
+                                                             LOADER_REGS=p1["loader_regs"], LOADERS=p1["loaders"])),
         ("sparse_mla_ws_bwd_grad", _bwd_grad_ws_kernel, p2, dict(H=H, DA=DA, BK=64, DC=64, NC=3, STAGES=p2["stages"],
                                                                  GROUP_ROWS=p2["group_rows"],
                                                                  CONSUMER_REGS=p2["consumer_regs"],
@@ -597,7 +662,7 @@ def compile_specs(small: bool = False):
     )
     out = []
     for name, fn, c, consts in kernels:
-        consts.update(LOADER_ARRIVALS=LOADER_ARRIVALS, IDX_EARLY=c["idx_early"])
+        consts.update(LOADER_ARRIVALS=LOADER_ARRIVALS, **({"IDX_EARLY": c["idx_early"]} if "idx_early" in c else {}))
         sig = {n: ptr.get(n, "i32") for n in fn.arg_names if n not in consts}
         out.append((name, (fn, sig, consts, 4, 1, (), {"maxnreg": c["maxnreg"]})))
     return out
