@@ -11,7 +11,7 @@ block of BH heads and walks the K selected rows in blocks of BK: gather the rows
 before addressing), S = Q_A K_A^T + Q_B K_B^T, online softmax in base 2, O += P V with V = K_A. On an H100/H200
 with GLM-5.2's shape (64 heads, 576 / 512, bf16) the forward and both backward parts run the warp-specialised
 Gluon kernels of ``sparse_mla_ws`` instead (same outputs; one H200 at T = 32K: forward 426 against 271 TFLOP/s,
-backward 88.5 against 117.6 ms).
+backward 81.9 against 117.6 ms).
 
 Backward, two kernels per chunk of queries. Part 1 (same grid as forward, all 64 heads per program) recomputes
 S and P = exp(S - lse) from the saved lse, dP = dO V^T, dS = P (dP - Delta) with Delta = rowsum(O dO), and writes
