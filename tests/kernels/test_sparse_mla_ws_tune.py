@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
@@ -33,3 +34,13 @@ def test_cpu_tensors_take_the_triton_kernels():
     q = torch.zeros(3, W.H, W.DA + W.DB, dtype=torch.bfloat16)
     kv = torch.zeros(3, W.DA + W.DB, dtype=torch.bfloat16)
     assert not W.supported(q, kv, W.DA)
+
+
+def test_part1_ring_checked_before_launch(monkeypatch):
+    """Part 1's ring needs two slots per consumer (one held while the next is awaited): a smaller or odd ring, or a
+    loader count other than 1 / 2, is refused before any launch (it would hang on the GPU)."""
+    from titan_glm52.kernels import sparse_mla_ws as W
+    for bad in ({"stages": 2}, {"stages": 7}, {"loaders": 3}):
+        monkeypatch.setitem(W.TUNE, "bwd_ps", {**W.DEFAULTS["bwd_ps"], **bad})
+        with pytest.raises(ValueError, match="stages must be even"):
+            W.bwd_ps(*[None] * 12)

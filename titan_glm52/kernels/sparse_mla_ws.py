@@ -309,6 +309,7 @@ def _ps_consumer(q_c, do_c, ring, d_smem, full, empty, idx_ptr, kend_ptr, lse_pt
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BK, 16])
     row: gl.constexpr = gl.SliceLayout(1, s_layout)
+    # stores: 8 consecutive heads of one slot per thread (16-byte stores into the heads-innermost scratch)
     st: gl.constexpr = gl.BlockedLayout([8, 1], [8, 4], [1, 4], [0, 1])
     t = row0 + gl.program_id(0)
     t64 = t.to(gl.int64)
@@ -621,6 +622,10 @@ def fwd(q, kv, indices, kend, qk_scale_log2, out, lse):
 def bwd_ps(q, kv, indices, kend, out, grad_out, lse, p, ds, sm_scale, row0, n):
     """Part 1 of the backward for rows row0 .. row0 + n - 1 into the scratches p, ds [>= n, K, 64]."""
     c = TUNE["bwd_ps"]
+    if c["stages"] % 2 or c["stages"] < 4 or c["loaders"] not in (1, 2):
+        # a consumer holds one slot while it waits for the next, so each half of the ring needs two
+        raise ValueError(f"sparse_mla_ws TUNE['bwd_ps']: stages must be even and >= 4 and loaders 1 or 2, got "
+                         f"stages={c['stages']}, loaders={c['loaders']}")
     _bwd_ps_ws_kernel[(n,)](
         q, kv, indices, kend, out, grad_out, lse, p, ds, kv.shape[0], indices.shape[1], sm_scale, row0,
         q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), out.stride(0), out.stride(1), grad_out.stride(0),
