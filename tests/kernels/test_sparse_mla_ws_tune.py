@@ -37,10 +37,10 @@ def test_cpu_tensors_take_the_triton_kernels():
 
 
 def test_part1_ring_checked_before_launch(monkeypatch):
-    """Part 1's ring needs two slots per consumer (one held while the next is awaited): a smaller or odd ring, or a
-    loader count other than 1 / 2, is refused before any launch (it would hang on the GPU)."""
+    """Part 1's ring needs two slots per consumer (one held while the next is awaited): a smaller or odd ring is
+    refused before any launch (it would hang on the GPU)."""
     from titan_glm52.kernels import sparse_mla_ws as W
-    for bad in ({"stages": 2}, {"stages": 7}, {"loaders": 3}):
+    for bad in ({"stages": 2}, {"stages": 7}):
         monkeypatch.setitem(W.TUNE, "bwd_ps", {**W.DEFAULTS["bwd_ps"], **bad})
-        with pytest.raises(ValueError, match="stages must be even"):
+        with pytest.raises(ValueError, match="must be even and >= 4"):
             W.bwd_ps(*[None] * 12)

@@ -15,7 +15,7 @@ memory and release each stage when their products are done; each warpgroup gets 
   sparse forward; an independent implementation);
 * backward part 1 (P, dS into the scratch), one program per query row: two consumers take alternate steps of 64
   rows, so one's exponentials and scratch stores overlap the other's products; the rows arrive in 64-column chunks
-  through a ring of chunk slots (each consumer its half and its loader), which is what lets a 64-row step fit
+  through a ring of chunk slots (each consumer its half and its own loader), which is what lets a 64-row step fit
   beside Q and dO in shared memory;
 * backward part 2 (dKV by fp32 atomics, dQ), one program per (192-column group, query row): the loader streams the
   P / dS tiles and the group's kv columns, three consumers (one per 64-column chunk) run the products and the
@@ -280,17 +280,16 @@ def _ps_slot(i, k, NCH: gl.constexpr, STAGES: gl.constexpr):
 
 @gluon.jit
 def _ps_loader(ring, full, empty, kv_ptr, idx_ptr, kend_ptr, T, K, stride_kvt, stride_it, row0,
-               BK: gl.constexpr, DC: gl.constexpr, NCH: gl.constexpr, STAGES: gl.constexpr, C: gl.constexpr,
-               EVERY: gl.constexpr):
-    """Gathers the BK kv rows of steps C, C + EVERY, ... of row t = row0 + program id one column chunk [BK, DC] at a
-    time into the slots of ``_ps_slot`` (EVERY = 2: one loader per consumer and its half of the ring, so neither
-    waits for the other's slots). The step's indices load once, before its first chunk's wait."""
+               BK: gl.constexpr, DC: gl.constexpr, NCH: gl.constexpr, STAGES: gl.constexpr, C: gl.constexpr):
+    """Gathers the BK kv rows of consumer C's steps C, C + 2, ... of row t = row0 + program id one column chunk
+    [BK, DC] at a time into the slots of ``_ps_slot`` (one loader per consumer and its half of the ring, so neither
+    loader waits for the other consumer's slots). The step's indices load once, before its first chunk's wait."""
     lt: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # [BK, 64] tiles, 16-byte copies
     t = row0 + gl.program_id(0)
     idx_row = idx_ptr + t.to(gl.int64) * stride_it
     kend = gl.load(kend_ptr + t)
     cols = gl.arange(0, DC, layout=gl.SliceLayout(0, lt))
-    for i in range(C, gl.cdiv(kend, BK), EVERY):
+    for i in range(C, gl.cdiv(kend, BK), 2):
         base = kv_ptr + _kv_rows(idx_row, i, K, T, stride_kvt, BK, lt)[:, None] + cols[None, :]
         for k in gl.static_range(NCH):
             s, ph = _ps_slot(i, k, NCH, STAGES)
@@ -360,13 +359,12 @@ def _bwd_ps_ws_kernel(q_ptr, kv_ptr, idx_ptr, kend_ptr, out_ptr, do_ptr, lse_ptr
                       stride_qt, stride_qh, stride_kvt, stride_it, stride_ot, stride_oh, stride_dot, stride_doh,
                       stride_lt, stride_pt, stride_pk,
                       H: gl.constexpr, DA: gl.constexpr, DB: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-                      LOADER_ARRIVALS: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
-                      LOADERS: gl.constexpr):
+                      LOADER_ARRIVALS: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
     """Backward part 1 (see ``sparse_mla._bwd_ps_kernel``), one program per query row of a chunk, with the kv rows
     streamed in column chunks of DB (= 64): Q and dO stay in shared memory as chunks [H, DB] (136 KB) and a ring of
     STAGES (even) chunk slots [BK, DB] carries each step's DA / DB + 1 chunks, so a step can be BK = 64 rows
     (wgmma N = 64) within shared memory. Two consumers take alternate steps, each with its own half of the ring and
-    (LOADERS = 2) its own loader warpgroup, so one's exponentials and scratch stores overlap the other's products."""
+    its own loader warpgroup, so one's exponentials and scratch stores overlap the other's products."""
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     tile: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BK, DB], dtype)
     NA: gl.constexpr = DA // DB
@@ -391,26 +389,16 @@ def _bwd_ps_ws_kernel(q_ptr, kv_ptr, idx_ptr, kend_ptr, out_ptr, do_ptr, lse_ptr
     fence_async_shared()
     gl.thread_barrier()
 
-    if LOADERS == 2:
-        gl.warp_specialize([
-            (_ps_consumer, (q_c, do_c, ring, d_smem, full, empty, idx_ptr, kend_ptr, lse_ptr, p_ptr, ds_ptr, T, K,
-                            sm_scale, row0, stride_it, stride_lt, stride_pt, stride_pk, 0, BK, H, NA, STAGES)),
-            (_ps_consumer, (q_c, do_c, ring, d_smem, full, empty, idx_ptr, kend_ptr, lse_ptr, p_ptr, ds_ptr, T, K,
-                            sm_scale, row0, stride_it, stride_lt, stride_pt, stride_pk, 1, BK, H, NA, STAGES)),
-            (_ps_loader, (ring, full, empty, kv_ptr, idx_ptr, kend_ptr, T, K, stride_kvt, stride_it, row0,
-                          BK, DB, NA + 1, STAGES, 0, 2)),
-            (_ps_loader, (ring, full, empty, kv_ptr, idx_ptr, kend_ptr, T, K, stride_kvt, stride_it, row0,
-                          BK, DB, NA + 1, STAGES, 1, 2)),
-        ], [4, 4, 4], [CONSUMER_REGS, LOADER_REGS, LOADER_REGS])
-    else:
-        gl.warp_specialize([
-            (_ps_consumer, (q_c, do_c, ring, d_smem, full, empty, idx_ptr, kend_ptr, lse_ptr, p_ptr, ds_ptr, T, K,
-                            sm_scale, row0, stride_it, stride_lt, stride_pt, stride_pk, 0, BK, H, NA, STAGES)),
-            (_ps_consumer, (q_c, do_c, ring, d_smem, full, empty, idx_ptr, kend_ptr, lse_ptr, p_ptr, ds_ptr, T, K,
-                            sm_scale, row0, stride_it, stride_lt, stride_pt, stride_pk, 1, BK, H, NA, STAGES)),
-            (_ps_loader, (ring, full, empty, kv_ptr, idx_ptr, kend_ptr, T, K, stride_kvt, stride_it, row0,
-                          BK, DB, NA + 1, STAGES, 0, 1)),
-        ], [4, 4], [CONSUMER_REGS, LOADER_REGS])
+    gl.warp_specialize([
+        (_ps_consumer, (q_c, do_c, ring, d_smem, full, empty, idx_ptr, kend_ptr, lse_ptr, p_ptr, ds_ptr, T, K,
+                        sm_scale, row0, stride_it, stride_lt, stride_pt, stride_pk, 0, BK, H, NA, STAGES)),
+        (_ps_consumer, (q_c, do_c, ring, d_smem, full, empty, idx_ptr, kend_ptr, lse_ptr, p_ptr, ds_ptr, T, K,
+                        sm_scale, row0, stride_it, stride_lt, stride_pt, stride_pk, 1, BK, H, NA, STAGES)),
+        (_ps_loader, (ring, full, empty, kv_ptr, idx_ptr, kend_ptr, T, K, stride_kvt, stride_it, row0,
+                      BK, DB, NA + 1, STAGES, 0)),
+        (_ps_loader, (ring, full, empty, kv_ptr, idx_ptr, kend_ptr, T, K, stride_kvt, stride_it, row0,
+                      BK, DB, NA + 1, STAGES, 1)),
+    ], [4, 4, 4], [CONSUMER_REGS, LOADER_REGS, LOADER_REGS])
 
 
 @gluon.jit
@@ -574,10 +562,10 @@ def _bwd_grad_ws_kernel(q_ptr, kv_ptr, idx_ptr, kend_ptr, do_ptr, p_ptr, ds_ptr,
 # gathered rows per step and the depth of the ring (shared memory: Q 72 KB + stages x bk x 1152 B).
 # Overrides: $TITAN_DSA_TUNE_FILE, {"sparse_mla_ws": {"fwd": {...}}} (bench/kernels.py's file).
 # bwd_ps: the backward's part 1 (two consumers on alternate steps of bk rows, each owning stages / 2 slots of a ring
-# of 64-column chunks: Q, dO 136 KB + stages x bk x 128 B; loaders 2: one loader warpgroup per consumer, 1: one for
-# both; 16 warps x 128 registers: consumers 200, loaders 56. Whole backward at T = 32K: 85.3 ms with the session-16
-# kernel (32-row steps of whole rows, 2 stages) -> 82.6 (chunked, one loader) -> 81.9 (two loaders); 4K 8.10 -> 7.66;
-# bench/results/kernels_h200.md, "Session 22").
+# of 64-column chunks: Q, dO 136 KB + stages x bk x 128 B; a loader warpgroup per consumer; 16 warps x 128
+# registers: consumers 200, loaders 56. Whole backward at T = 32K: 85.3 ms with the session-16 kernel (32-row steps
+# of whole rows, 2 stages) -> 82.6 (chunked, one loader for both consumers) -> 81.9 (a loader each); 4K 8.10 ->
+# 7.66; bench/results/kernels_h200.md, "Session 22").
 # bwd_grad: part 2 (16 warps x 128 registers: three consumers at 152, the loader 56; a ring of `stages` steps;
 # group_rows: the programs' order, see _grad_program; -1, one column group at a time: 91.3 -> 88.5 ms of backward
 # at T = 32K, 4K unchanged, bench/ws_grad_order.py).
@@ -587,8 +575,7 @@ def _bwd_grad_ws_kernel(q_ptr, kv_ptr, idx_ptr, kend_ptr, do_ptr, p_ptr, ds_ptr,
 # kernels_h200.md, "Session 18").
 DEFAULTS = {"fwd": {"enable": True, "maxnreg": 168, "pv_regs": 192, "loader_regs": 80, "bk": 64, "stages": 2,
                     "idx_early": True},
-            "bwd_ps": {"enable": True, "maxnreg": 128, "consumer_regs": 200, "loader_regs": 56, "bk": 64, "stages": 10,
-                       "loaders": 2},
+            "bwd_ps": {"enable": True, "maxnreg": 128, "consumer_regs": 200, "loader_regs": 56, "bk": 64, "stages": 10},
             "bwd_grad": {"enable": True, "maxnreg": 128, "consumer_regs": 152, "loader_regs": 56, "stages": 3,
                          "group_rows": -1, "idx_early": True}}
 TUNE = {k: dict(v) for k, v in DEFAULTS.items()}
@@ -622,17 +609,15 @@ def fwd(q, kv, indices, kend, qk_scale_log2, out, lse):
 def bwd_ps(q, kv, indices, kend, out, grad_out, lse, p, ds, sm_scale, row0, n):
     """Part 1 of the backward for rows row0 .. row0 + n - 1 into the scratches p, ds [>= n, K, 64]."""
     c = TUNE["bwd_ps"]
-    if c["stages"] % 2 or c["stages"] < 4 or c["loaders"] not in (1, 2):
+    if c["stages"] % 2 or c["stages"] < 4:
         # a consumer holds one slot while it waits for the next, so each half of the ring needs two
-        raise ValueError(f"sparse_mla_ws TUNE['bwd_ps']: stages must be even and >= 4 and loaders 1 or 2, got "
-                         f"stages={c['stages']}, loaders={c['loaders']}")
+        raise ValueError(f"sparse_mla_ws TUNE['bwd_ps']['stages'] must be even and >= 4, got {c['stages']}")
     _bwd_ps_ws_kernel[(n,)](
         q, kv, indices, kend, out, grad_out, lse, p, ds, kv.shape[0], indices.shape[1], sm_scale, row0,
         q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), out.stride(0), out.stride(1), grad_out.stride(0),
         grad_out.stride(1), lse.stride(0), p.stride(0), p.stride(1),
         H=H, DA=DA, DB=DB, BK=c["bk"], STAGES=c["stages"], LOADER_ARRIVALS=LOADER_ARRIVALS,
-        CONSUMER_REGS=c["consumer_regs"], LOADER_REGS=c["loader_regs"], LOADERS=c["loaders"], num_warps=4,
-        maxnreg=c["maxnreg"])
+        CONSUMER_REGS=c["consumer_regs"], LOADER_REGS=c["loader_regs"], num_warps=4, maxnreg=c["maxnreg"])
 
 
 def bwd_grad(q, kv, indices, kend, grad_out, p, ds, dkv, dq, row0, n):
@@ -659,7 +644,7 @@ def compile_specs(small: bool = False):
                                                       PV_REGS=f["pv_regs"], LOADER_REGS=f["loader_regs"])),
         ("sparse_mla_ws_bwd_ps", _bwd_ps_ws_kernel, p1, dict(H=H, DA=DA, DB=DB, BK=p1["bk"], STAGES=p1["stages"],
                                                              CONSUMER_REGS=p1["consumer_regs"],
-                                                             LOADER_REGS=p1["loader_regs"], LOADERS=p1["loaders"])),
+                                                             LOADER_REGS=p1["loader_regs"])),
         ("sparse_mla_ws_bwd_grad", _bwd_grad_ws_kernel, p2, dict(H=H, DA=DA, BK=64, DC=64, NC=3, STAGES=p2["stages"],
                                                                  GROUP_ROWS=p2["group_rows"],
                                                                  CONSUMER_REGS=p2["consumer_regs"],
