@@ -1,5 +1,7 @@
 # Session 22, second call: part 1 with one loader per consumer (TUNE["bwd_ps"]["loaders"] = 2) against one loader,
 # and the indexer's scoring with 8 queries per program (TUNE["score"]["BQ"]).
+# Ran on the working tree before 620cfbd (TUNE["bwd_ps"]["chunked"] / ["loaders"] existed then; since 43c52e8
+# neither does: the chunked kernel with a loader per consumer is the only one).
 source bench/gpu_env.sh >/dev/null
 timeout 100 python3 -m pytest -q -x tests/kernels/test_kernels_gpu.py -k "part1" > /tmp/t.log 2>&1; echo "pytest rc $?"
 tail -3 /tmp/t.log
