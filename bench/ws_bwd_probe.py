@@ -4,7 +4,7 @@ reference and against the Triton part 2, then part 1 alone (the first 4096 rows)
 and 32K with the Triton kernels, the Gluon part 1, and both Gluon parts.
 
     python3 bench/ws_bwd_probe.py base
-    python3 bench/ws_bwd_probe.py '{"consumer_regs": 200, "loader_regs": 96}'   # a TUNE["bwd_ps"] variant
+    python3 bench/ws_bwd_probe.py '{"consumer_regs": 184, "loader_regs": 72}'   # a TUNE["bwd_ps"] variant
     python3 bench/ws_bwd_probe.py '{"stages": 2}' bwd_grad                      # a TUNE["bwd_grad"] variant
 
 Writes $OUT/ws_bwd_<variant>.json; lines starting RESULT summarise.

@@ -3,7 +3,7 @@ its TUNE variants, side by side in one process: the whole backward (``sparse_mla
 T = 4K and 32K, one document, indexer top-2048, each variant's dq / dkv against the first variant's.
 
     python3 bench/ws_bwd_sweep.py bwd_grad '{"group_rows": 0}' '{"group_rows": -1}' '{"group_rows": 256}'
-    python3 bench/ws_bwd_sweep.py bwd_ps '{}' '{"bk": 16, "stages": 4}'
+    python3 bench/ws_bwd_sweep.py bwd_ps '{}' '{"stages": 6}' '{"consumer_regs": 184, "loader_regs": 72}'
 
 Writes $OUT/ws_bwd_sweep_<part>.json; lines starting RESULT summarise.
 """
