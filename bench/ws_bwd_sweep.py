@@ -4,8 +4,10 @@ T = 4K and 32K, one document, indexer top-2048, each variant's dq / dkv against 
 
     python3 bench/ws_bwd_sweep.py bwd_grad '{"group_rows": 0}' '{"group_rows": -1}' '{"group_rows": 256}'
     python3 bench/ws_bwd_sweep.py bwd_ps '{}' '{"stages": 6}' '{"consumer_regs": 184, "loader_regs": 72}'
+    python3 bench/ws_bwd_sweep.py bwd_grad '{}' '{"scratch_bytes": 2147483648}'
 
-Writes $OUT/ws_bwd_sweep_<part>.json; lines starting RESULT summarise.
+A variant's "scratch_bytes" sets ``sparse_mla.SCRATCH_BYTES`` (the backward's P / dS scratch, i.e. its chunk of
+queries) instead of a TUNE key. Writes $OUT/ws_bwd_sweep_<part>.json; lines starting RESULT summarise.
 """
 import json
 import os
@@ -24,6 +26,7 @@ from ws_inputs import DEV, D_QK, D_V, H, inputs  # noqa: E402
 part = sys.argv[1]
 variants = [json.loads(a) for a in sys.argv[2:]] or [{}]
 base = dict(W.TUNE[part])
+base_scratch = SM.SCRATCH_BYTES
 scale = D_QK ** -0.5
 res = {"part": part, "variants": variants, "defaults": base}
 for T in [4096, 32768]:
@@ -33,7 +36,9 @@ for T in [4096, 32768]:
     out, lse = SM._fwd(q, kv, idx, kend, scale, D_V)
     rows, ref = [], None
     for var in variants:
-        W.TUNE[part] = {**base, **var}
+        tune = {**base, **var}
+        SM.SCRATCH_BYTES = tune.pop("scratch_bytes", base_scratch)
+        W.TUNE[part] = tune
         dq, dkv = SM._bwd(q, kv, idx, kend, out, lse, go, scale, D_V)
         if ref is None:
             ref = (dq, dkv)
@@ -44,7 +49,7 @@ for T in [4096, 32768]:
         print(T, json.dumps(rows[-1]), flush=True)
     res[f"T{T}"] = rows
     del q, kv, idx, go, out, lse, ref
-W.TUNE[part] = base
+W.TUNE[part], SM.SCRATCH_BYTES = base, base_scratch
 with open(os.path.join(os.environ.get("OUT", "/tmp"), f"ws_bwd_sweep_{part}.json"), "w") as f:
     json.dump(res, f, indent=1)
 for T in [4096, 32768]:
