@@ -108,6 +108,31 @@ def main() -> None:
     _report("seq, T layouts", seq2, _timed(seq2, a.reps), rows)
     fwd_seq = [o_fwd, *moe_fwd]
     _report("moe fwd seq", fwd_seq, _timed(fwd_seq, a.reps), rows)
+    # The expert products as one cuBLAS product per expert (host-known row counts), written into slices of one
+    # output, against the grouped kernel, alternating in one sequence.
+    bounds = [(e * (n_rows // E), (e + 1) * (n_rows // E)) for e in range(E)]
+    o13, o2 = torch.empty(n_rows, 2 * F, device=dev, dtype=bf), torch.empty(n_rows, D, device=dev, dtype=bf)
+    dx13, dx2 = torch.empty(n_rows, D, device=dev, dtype=bf), torch.empty(n_rows, F, device=dev, dtype=bf)
+    dw13, dw2 = torch.empty_like(w13), torch.empty_like(w2)
+
+    def loop(fn):
+        def run():
+            for e, (s, t) in enumerate(bounds):
+                fn(e, s, t)
+        return run
+
+    loops = [
+        ("w13 fwd (loop)", loop(lambda e, s, t: torch.mm(xs[s:t], w13[e].t(), out=o13[s:t])), f_13),
+        ("w2 fwd (loop)", loop(lambda e, s, t: torch.mm(h[s:t], w2[e].t(), out=o2[s:t])), f_2),
+        ("w2 dW (loop)", loop(lambda e, s, t: torch.mm(d_out[s:t].t(), h[s:t], out=dw2[e])), f_2),
+        ("w2 dX (loop)", loop(lambda e, s, t: torch.mm(d_out[s:t], w2[e], out=dx2[s:t])), f_2),
+        ("w13 dW (loop)", loop(lambda e, s, t: torch.mm(d_gu[s:t].t(), xs[s:t], out=dw13[e])), f_13),
+        ("w13 dX (loop)", loop(lambda e, s, t: torch.mm(d_gu[s:t], w13[e], out=dx13[s:t])), f_13),
+    ]
+    for fn in loops:
+        fn[1]()
+    both = [x for pair in zip([*moe_fwd, *moe_bwd], loops) for x in pair]
+    _report("grouped/loop", both, _timed(both, a.reps), rows)
     if a.out:
         with open(a.out, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, T=T, rows=rows), f, indent=1)
