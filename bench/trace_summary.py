@@ -1,6 +1,10 @@
 """Top GPU kernels of a torch.profiler Chrome trace, per profiled step, grouped by kernel and by category.
 
-    python bench/trace_summary.py TRACE.json [--steps 1] [--top 40] [--json OUT.json]
+    python bench/trace_summary.py TRACE.json[.gz] [--steps 1] [--top 40] [--json OUT.json] [--gemms]
+
+``--gemms`` adds each GEMM shape's rate: the kernels launched under ``aten::mm`` / ``addmm`` / ``addmm_`` /
+``bmm`` / ``_grouped_mm`` (traces recorded with shapes, as ``bench/e2e.py --trace`` records them), grouped by op
+and input dims, with their calls, time and TFLOP/s, and every call of at least 1 ms in launch order.
 
 Used by ``bench/e2e.py --trace`` (issue 6: profile-driven work) on both sides of a cell; also works on the traces
 ``train.py --profiling.enable_profiling`` writes. Times are the sum of kernel durations on the GPU (overlapping
@@ -11,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import gzip
 import json
 import re
 import sys
@@ -181,9 +186,72 @@ def host_syncs(host: list[tuple[str, float, float, object]], steps: int = 1, top
     return [{"site": k[:200], "calls_per_step": c / steps, "ms_per_step": us / 1e3 / steps} for k, (c, us) in rows]
 
 
+def _events(path: str) -> list[dict]:
+    with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as f:
+        return json.load(f).get("traceEvents", [])
+
+
+_GEMM_OPS = ("aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm", "aten::_grouped_mm")
+
+
+def gemm_flops(op: str, dims: list) -> float:
+    """2 x M x N x K of a GEMM op from its recorded input dims (``addmm``: ``(C, A, B)``; ``_grouped_mm``: 2-D x
+    3-D is row-grouped, 2-D x 2-D k-grouped, both 2 M K N over all groups); 0 where the dims do not say."""
+    try:
+        if op in ("aten::addmm", "aten::addmm_"):
+            dims = dims[1:]
+        a, b = dims[0], dims[1]
+        if op == "aten::bmm":
+            return 2.0 * a[0] * a[1] * a[2] * b[2]
+        if op == "aten::_grouped_mm" and len(b) == 3:
+            return 2.0 * a[0] * a[1] * b[2]
+        return 2.0 * a[0] * a[1] * b[1]
+    except (IndexError, TypeError):
+        return 0.0
+
+
+def gemm_rates(events: list[dict], steps: int = 1, min_call_ms: float = 1.0) -> dict:
+    """GEMM kernels by (op, input dims): calls and ms per step, TFLOP/s; and the calls >= ``min_call_ms`` in
+    launch order (ms from the first kernel). A kernel belongs to the GEMM op whose "External id" it carries."""
+    ops: dict = {}
+    for e in events:
+        if e.get("cat") == "cpu_op" and e.get("name") in _GEMM_OPS:
+            ops[e.get("args", {}).get("External id")] = e
+    kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: float(e.get("ts", 0.0)))
+    t0 = float(kernels[0]["ts"]) if kernels else 0.0
+    shapes: dict = defaultdict(lambda: [0, 0.0, 0.0])
+    calls = []
+    for e in kernels:
+        op = ops.get(e.get("args", {}).get("External id"))
+        if op is None or e["name"].startswith("void at::cuda::detail::prepare_grouped"):
+            continue
+        dims = op.get("args", {}).get("Input Dims") or []
+        ms = float(e.get("dur", 0.0)) / 1e3
+        rec = shapes[(op["name"], json.dumps(dims[:3]))]
+        rec[0] += 1
+        rec[1] += ms
+        rec[2] += gemm_flops(op["name"], dims)
+        if ms >= min_call_ms:
+            calls.append({"at_ms": (float(e["ts"]) - t0) / 1e3, "ms": ms, "op": op["name"], "dims": dims[:2],
+                          "kernel": e["name"][:60]})
+    rows = [{"op": op, "dims": json.loads(d), "calls_per_step": c / steps, "ms_per_step": ms / steps,
+             "tflops": fl / ms / 1e9 if ms else 0.0} for (op, d), (c, ms, fl) in shapes.items()]
+    return {"shapes": sorted(rows, key=lambda r: -r["ms_per_step"]), "calls": calls}
+
+
+def gemm_text(rates: dict) -> str:
+    lines = ["  GEMM shapes (ms per step, calls, TFLOP/s):"]
+    for r in rates["shapes"]:
+        lines.append(f"  {r['ms_per_step']:9.2f} ms x{r['calls_per_step']:<4g} {r['tflops']:6.0f} TFLOP/s "
+                     f"{r['op'][6:]} {r['dims']}")
+    lines.append("  GEMM calls >= 1 ms, in launch order (ms from the first kernel, ms):")
+    for c in rates["calls"]:
+        lines.append(f"  {c['at_ms']:9.1f} {c['ms']:6.2f} {c['op'][6:]} {c['dims']}")
+    return "\n".join(lines)
+
+
 def summarize(path: str, steps: int = 1, top: int = 40) -> dict:
-    with open(path) as f:
-        events = json.load(f).get("traceEvents", [])
+    events = _events(path)
     per_name: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     kernels, host, threads = [], [], []
     for e in events:
@@ -241,9 +309,13 @@ def main(argv: list[str]) -> int:
     p.add_argument("--steps", type=int, default=1, help="profiled steps in the trace (times are divided by it)")
     p.add_argument("--top", type=int, default=40)
     p.add_argument("--json", default=None)
+    p.add_argument("--gemms", action="store_true", help="add each GEMM shape's rate (module docstring)")
     a = p.parse_args(argv)
     s = summarize(a.trace, a.steps, a.top)
     print(text(s))
+    if a.gemms:
+        s["gemms"] = gemm_rates(_events(a.trace), a.steps)
+        print(gemm_text(s["gemms"]))
     if a.json:
         with open(a.json, "w") as f:
             json.dump(s, f, indent=1)

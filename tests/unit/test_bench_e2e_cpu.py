@@ -2,6 +2,7 @@
 JSON / markdown / table come out, and a failing cell is recorded without stopping the run."""
 
 import importlib.util
+import gzip
 import json
 import os
 import statistics
@@ -113,6 +114,45 @@ def test_trace_summary_groups_kernels_per_step(tmp_path):
                       ("_bwd_grad_ws_kernel", "dsa: sparse mla bwd"), ("_bwd_kernel", "dsa: sparse mla bwd"),
                       ("_swiglu_bwd_kernel", "elementwise"), ("_ce_rows_kernel", "reduce / softmax / norm")):
         assert ts.category(name) == cat, name
+
+
+def test_trace_gemm_rates_by_op_and_shape(tmp_path):
+    """``--gemms``: GEMM kernels joined to their aten op by "External id", grouped by op and input dims, with the
+    FLOPs each op's dims give; a gzipped trace reads like a plain one."""
+    ts = _load("trace_summary")
+    events = [
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "args": {"External id": 1, "Input Dims": [[4, 8], [8, 16]]}},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::addmm_",
+         "args": {"External id": 2, "Input Dims": [[16, 8], [16, 4], [4, 8], [], []]}},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::_grouped_mm",
+         "args": {"External id": 3, "Input Dims": [[32, 8], [2, 8, 16], [2]]}},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::bmm", "args": {"External id": 4, "Input Dims": [[2, 4, 8], [2, 8, 16]]}},
+        {"ph": "X", "cat": "kernel", "name": "nvjet_a", "ts": 0.0, "dur": 1000.0, "args": {"External id": 1}},
+        {"ph": "X", "cat": "kernel", "name": "nvjet_a", "ts": 2000.0, "dur": 3000.0, "args": {"External id": 1}},
+        {"ph": "X", "cat": "kernel", "name": "nvjet_b", "ts": 6000.0, "dur": 500.0, "args": {"External id": 2}},
+        {"ph": "X", "cat": "kernel", "name": "void at::cuda::detail::prepare_grouped_gemm_data", "ts": 7000.0,
+         "dur": 1.0, "args": {"External id": 3}},
+        {"ph": "X", "cat": "kernel", "name": "cutlass_grouped", "ts": 7010.0, "dur": 2000.0, "args": {"External id": 3}},
+        {"ph": "X", "cat": "kernel", "name": "nvjet_c", "ts": 9100.0, "dur": 100.0, "args": {"External id": 4}},
+        {"ph": "X", "cat": "kernel", "name": "_fwd_ws_kernel", "ts": 9500.0, "dur": 100.0, "args": {"External id": 5}},
+    ]
+    path = tmp_path / "trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    got = ts.gemm_rates(ts._events(str(path)), steps=2)
+    rows = {(r["op"], json.dumps(r["dims"])): r for r in got["shapes"]}
+    mm = rows[("aten::mm", json.dumps([[4, 8], [8, 16]]))]
+    assert mm["calls_per_step"] == 1 and mm["ms_per_step"] == pytest.approx(2.0)
+    assert mm["tflops"] == pytest.approx(2 * 2 * 4 * 8 * 16 / 4.0 / 1e9)  # two calls' FLOPs over their 4 ms
+    assert rows[("aten::addmm_", json.dumps([[16, 8], [16, 4], [4, 8]]))]["tflops"] == pytest.approx(
+        2 * 16 * 4 * 8 / 0.5 / 1e9)
+    grouped = rows[("aten::_grouped_mm", json.dumps([[32, 8], [2, 8, 16], [2]]))]
+    assert grouped["calls_per_step"] == 0.5 and grouped["tflops"] == pytest.approx(2 * 32 * 8 * 16 / 2.0 / 1e9)
+    assert ts.gemm_flops("aten::bmm", [[2, 4, 8], [2, 8, 16]]) == 2 * 2 * 4 * 8 * 16
+    assert ts.gemm_flops("aten::_grouped_mm", [[8, 32], [32, 16], [2]]) == 2 * 8 * 32 * 16  # k-grouped
+    assert len(got["shapes"]) == 4  # the grouped op's setup kernel and the non-GEMM kernel are left out
+    assert [(c["at_ms"], c["ms"]) for c in got["calls"]] == [(0.0, 1.0), (2.0, 3.0), (7.01, 2.0)]
+    assert "GEMM shapes" in ts.gemm_text(got)
 
 
 def test_trace_timeline_exposed_communication():
