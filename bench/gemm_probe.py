@@ -68,7 +68,6 @@ def main() -> None:
     xs = rnd(n_rows, D)           # routed rows (expert-sorted)
     w13 = rnd(E, 2 * F, D)
     w2 = rnd(E, D, F)
-    gu = rnd(n_rows, 2 * F)
     h = rnd(n_rows, F)
     d_out = rnd(n_rows, D)
     d_gu = rnd(n_rows, 2 * F)

@@ -3,8 +3,8 @@
 Each chunk forms its logits, the loss and their gradient, then the hidden-state and weight gradients; the weight's
 gradient is accumulated over the chunks (``addmm_``). Larger chunks mean fewer accumulations of the
 [vocab, hidden] gradient and longer reductions in its GEMM, at the price of a larger logits buffer. Times the
-head's forward (where all its work runs) for each chunk size, interleaved, with CUDA events, and reports the peak
-memory the head adds.
+head's forward and backward (its GEMMs all run in the forward) for each chunk size, interleaved, with CUDA events,
+and reports the peak memory the head adds.
 
     python3 bench/head_chunk.py [--tokens 32768] [--chunks 4096,8192,16384] [--reps 5] [--out head.json]
 """
