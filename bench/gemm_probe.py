@@ -96,10 +96,11 @@ def main() -> None:
         "o_proj dW^T": ("o_proj dW^T", lambda: x_attn.t() @ dy, f_o),
     }
     rows: list[dict] = []
-    for name, fn, _ in [o_fwd, o_dw, o_dx, *moe_fwd, *moe_bwd, *variants.values()]:
+    singles = [o_fwd, o_dw, o_dx, *moe_fwd, *moe_bwd, *variants.values()]
+    for _, fn, _ in singles:
         fn()
     torch.cuda.synchronize()
-    for one in [o_fwd, o_dw, o_dx, *moe_fwd, *moe_bwd, *variants.values()]:
+    for one in singles:
         _report("alone", [one], _timed([one], a.reps), rows)
     seq = [*moe_bwd, o_dw, o_dx]
     _report("moe bwd seq", seq, _timed(seq, a.reps), rows)

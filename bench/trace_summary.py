@@ -250,7 +250,8 @@ def gemm_text(rates: dict) -> str:
     return "\n".join(lines)
 
 
-def summarize(path: str, steps: int = 1, top: int = 40) -> dict:
+def summarize(path: str, steps: int = 1, top: int = 40, gemms: bool = False) -> dict:
+    """The summary of the trace at ``path``; with ``gemms`` also ``gemm_rates`` of the same events."""
     events = _events(path)
     per_name: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     kernels, host, threads = [], [], []
@@ -277,6 +278,7 @@ def summarize(path: str, steps: int = 1, top: int = 40) -> dict:
                        for c, ms in sorted(by_cat.items(), key=lambda kv: -kv[1])],
         "kernels": [{"name": n[:160], "category": category(n), "ms_per_step": ms / steps, "calls_per_step": c / steps,
                      "pct": 100.0 * ms / max(total, 1e-9)} for n, (ms, c) in rows[:top]],
+        **({"gemms": gemm_rates(events, steps)} if gemms else {}),
     }
 
 
@@ -311,10 +313,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--json", default=None)
     p.add_argument("--gemms", action="store_true", help="add each GEMM shape's rate (module docstring)")
     a = p.parse_args(argv)
-    s = summarize(a.trace, a.steps, a.top)
+    s = summarize(a.trace, a.steps, a.top, gemms=a.gemms)
     print(text(s))
     if a.gemms:
-        s["gemms"] = gemm_rates(_events(a.trace), a.steps)
         print(gemm_text(s["gemms"]))
     if a.json:
         with open(a.json, "w") as f:
