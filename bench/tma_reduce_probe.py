@@ -59,6 +59,11 @@ def _tma_red_kernel(desc, idx_ptr, n_per, BK: gl.constexpr, DC: gl.constexpr, RE
     tma.store_wait(0)
 
 
+def _row_layout():
+    """The staged tile's shared layout: unswizzled fp32, so that a [1, DC] box is one row of it."""
+    return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+
+
 def rate(kind: str, T: int, programs: int, per: int, dc: int, blocks: int, warps: int, reps: int = 3) -> dict:
     dst = torch.zeros(T, blocks * dc, device="cuda")
     idx = torch.randint(0, T, (programs * per,), device="cuda", dtype=torch.int32)
@@ -66,8 +71,7 @@ def rate(kind: str, T: int, programs: int, per: int, dc: int, blocks: int, warps
         def launch():
             _red_kernel[(blocks, programs)](dst, idx, per, T, BK=64, DC=dc, NCB=blocks, SEQ=False, num_warps=warps)
     else:
-        layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
-        desc = TensorDescriptor.from_tensor(dst, [1, dc], layout)
+        desc = TensorDescriptor.from_tensor(dst, [1, dc], _row_layout())
 
         def launch():
             _tma_red_kernel[(blocks, programs)](desc, idx, per, BK=64, DC=dc, RESTAGE=kind == "tma+restage",
@@ -87,8 +91,7 @@ def ptx_reductions(dc: int = 64) -> list[str]:
     wrapper above still builds the op on the pinned Triton)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
-    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
-    sig = {"desc": f"tensordesc<fp32[1, {dc}],{layout!r}>", "idx_ptr": "*i32", "n_per": "i32",
+    sig = {"desc": f"tensordesc<fp32[1, {dc}],{_row_layout()!r}>", "idx_ptr": "*i32", "n_per": "i32",
            "BK": "constexpr", "DC": "constexpr", "RESTAGE": "constexpr"}
     src = GluonASTSource(_tma_red_kernel, sig, constexprs={"BK": 64, "DC": dc, "RESTAGE": True}, attrs={})
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
