@@ -73,11 +73,11 @@ def main() -> None:
     ap.add_argument("--small", action="store_true")
     ap.add_argument("--only", default="")
     args = ap.parse_args()
-    from titan_glm52.kernels import (adam, cross_entropy, indexer_loss, indexer_topk, linear_fp32, moe_routing,
-                                     sparse_mla, sparse_mla_ws)
+    from titan_glm52.kernels import (adam, cross_entropy, indexer_loss, indexer_topk, indexer_topk_ws, linear_fp32,
+                                     moe_routing, sparse_mla, sparse_mla_ws)
     failed = False
-    for line in collect(args.small, args.only, indexer_topk, sparse_mla, sparse_mla_ws, indexer_loss, cross_entropy,
-                        adam, moe_routing, linear_fp32):
+    for line in collect(args.small, args.only, indexer_topk, indexer_topk_ws, sparse_mla, sparse_mla_ws, indexer_loss,
+                        cross_entropy, adam, moe_routing, linear_fp32):
         failed |= "FAILED" in line
         print(line, flush=True)
     sys.exit(1 if failed else 0)

@@ -3,6 +3,10 @@ whole call and the scoring alone (selection skipped), at T = 4K and 32K in one d
 against the first variant's (must be identical: the scores are the same sums in the same order per head).
 
     python3 bench/indexer_sweep.py '{}' '{"BQ": 8}' '{"BQ": 8, "num_warps": 16}'
+    python3 bench/indexer_sweep.py '{"ws": {}}' '{}' '{"ws": {"stages": 6}}'   # the Gluon kernel (indexer_topk_ws)
+
+A variant's "ws" key takes the Gluon scoring kernel with those TUNE overrides (``indexer_topk_ws.TUNE["score"]``);
+without it the Triton kernel runs with the variant as its TUNE["score"].
 
 Writes $OUT/indexer_sweep.json; lines starting RESULT summarise.
 """
@@ -15,10 +19,11 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 
 from titan_glm52.kernels import indexer_topk as IT  # noqa: E402
+from titan_glm52.kernels import indexer_topk_ws as WS  # noqa: E402
 
 DEV, H_I, D_I, TOPK = "cuda", 32, 128, 2048
 variants = [json.loads(a) for a in sys.argv[1:]] or [{}]
-res = {"variants": variants, "defaults": {**IT.SCORE_LAUNCH}}
+res = {"variants": variants, "defaults": {**IT.SCORE_LAUNCH}, "ws_defaults": dict(WS.DEFAULTS["score"])}
 for T in [4096, 32768]:
     g = torch.Generator(device=DEV).manual_seed(0)
     qi = torch.randn(T, H_I, D_I, generator=g, device=DEV).to(torch.bfloat16)
@@ -29,7 +34,9 @@ for T in [4096, 32768]:
     flop = 2 * H_I * D_I * (T * (T + 1) // 2 - TOPK * (TOPK + 1) // 2)  # rows past topk keys are scored
     rows, ref = [], None
     for var in variants:
-        IT.TUNE["score"] = dict(var)
+        ws = var.get("ws")
+        IT.TUNE["score"] = {} if ws is not None else dict(var)
+        WS.TUNE["score"] = {**WS.DEFAULTS["score"], **(ws or {}), "enable": ws is not None}
         out = call()
         ref = out if ref is None else ref
         ms = triton.testing.do_bench(call, warmup=5, rep=200)
@@ -41,6 +48,7 @@ for T in [4096, 32768]:
         print(T, json.dumps(rows[-1]), flush=True)
     res[f"T{T}"] = rows
 IT.TUNE["score"] = {}
+WS.TUNE["score"] = dict(WS.DEFAULTS["score"])
 with open(os.path.join(os.environ.get("OUT", "/tmp"), "indexer_sweep.json"), "w") as f:
     json.dump(res, f, indent=1)
 for T in [4096, 32768]:

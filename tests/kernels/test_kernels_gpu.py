@@ -94,6 +94,40 @@ def test_indexer_topk_real_size():
     assert agree / cnt > 0.999, f"set overlap with the reference {agree / cnt:.5f}"
 
 
+def test_indexer_score_ws_matches_triton(monkeypatch):
+    """The Gluon scoring kernel (``indexer_topk_ws``) writes the Triton kernel's scores bit for bit, and the same row
+    max / min, over packed documents (one shorter than topk, queries of all-zero scores); ``indexer_topk`` then
+    selects the same keys through either kernel."""
+    import triton
+    from titan_glm52.kernels import indexer_topk as IT
+    from titan_glm52.kernels import indexer_topk_ws as WS
+    lengths = [1500, 4596, 2096, 9000]
+    total, width = sum(lengths), max(lengths)
+    q, k, w = _indexer_inputs(total, 3)
+    q[::7] = 0
+    cu = _cu(lengths)
+    starts = R.doc_starts(cu, total).to(torch.int32)
+    scale = D_I ** -0.5
+    hp, dp, bq = IT._config(H_I, D_I, q.dtype)
+
+    def scores(gluon: bool):
+        out = [torch.full(shape, float("nan"), device=DEV) for shape in ((total, width), (total,), (total,))]
+        if gluon:
+            WS.score(q, k, w, starts, *out, 0, total, scale, TOPK)
+        else:
+            IT._score_kernel[(triton.cdiv(total, bq),)](
+                q, k, w, starts, *out, 0, total, scale, TOPK, q.stride(0), q.stride(1), k.stride(0), w.stride(0),
+                out[0].stride(0), H=H_I, D=D_I, HP=hp, DP=dp, BQ=bq, IEEE=False, **IT.SCORE_LAUNCH)
+        return [t.view(torch.int32) for t in out]  # bit patterns (NaN where a kernel writes nothing)
+
+    for name, a, b in zip(("scores", "row max", "row min"), scores(True), scores(False)):
+        assert torch.equal(a, b), f"{name}: {int((a != b).sum())} entries differ from the Triton kernel's"
+    monkeypatch.setitem(WS.TUNE["score"], "enable", True)
+    ws = IT.indexer_topk(q, k, w, cu, TOPK, scale)
+    monkeypatch.setitem(WS.TUNE["score"], "enable", False)
+    assert torch.equal(ws, IT.indexer_topk(q, k, w, cu, TOPK, scale)), "selection differs from the Triton path's"
+
+
 def _mla_inputs(lengths, seed, empty=(0, 1, 2)):
     from titan_glm52.kernels.indexer_topk import indexer_topk
     total = sum(lengths)

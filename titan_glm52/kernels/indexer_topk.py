@@ -7,7 +7,8 @@ selected rows come in ascending row order, not in score order.
 
 How (per chunk of R query rows, so memory is O(R * longest document), never [T, T]):
 
-1. ``_score_kernel``: BQ queries x all heads per program; streams the key tiles of the documents once, computes
+1. ``_score_kernel`` (on Hopper at GLM-5.2's indexer shape: ``indexer_topk_ws``'s warp-specialised Gluon kernel,
+   the same scores): BQ queries x all heads per program; streams the key tiles of the documents once, computes
    ``K_tile @ Q^T`` on tensor cores, ReLU, weight and head sum in registers, and writes one fp32 score per
    visible (query, key) pair into the chunk's scratch, plus the row's max and min. Rows with at most ``topk``
    visible keys are skipped (they keep all their keys).
@@ -30,6 +31,8 @@ from ._triton_env import check_device, pow2
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
+
+from . import indexer_topk_ws as _ws  # noqa: E402
 
 SCRATCH_BYTES = 1 << 30  # budget for one chunk's scores (fp32) + stash
 STASH_CAP = 16384  # threshold-bucket candidates kept per row before falling back to a full-row radix select
@@ -255,6 +258,9 @@ def indexer_topk(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, cu_seq
     hp, dp, bq = _config(h_i, d_i, q.dtype)
     sc_cfg = {**SCORE_LAUNCH, **TUNE["score"]}
     bq = sc_cfg.pop("BQ", bq)  # queries per scoring program (each key tile is read once per BQ queries)
+    gluon = not _triton_env.interpreting() and _ws.supported(q, k)  # Hopper: the warp-specialised scoring
+    if gluon:
+        bq = _ws.rows_per_program()
     ieee = q.dtype == torch.float32
 
     # scratch: per row the scores of its visible keys (column = key - doc start), then the stash
@@ -271,10 +277,13 @@ def indexer_topk(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, cu_seq
     skip_select = se_cfg.pop("skip", False)  # benchmark hook: time the scoring alone
     for a in range(0, total, rows):
         b = min(total, a + rows)
-        _score_kernel[(triton.cdiv(b - a, bq),)](
-            q, k, weights, starts, scores, rmax, rmin, a, b, float(scale), topk,
-            q.stride(0), q.stride(1), k.stride(0), weights.stride(0), scores.stride(0),
-            H=h_i, D=d_i, HP=hp, DP=dp, BQ=bq, IEEE=ieee, **sc_cfg)
+        if gluon:
+            _ws.score(q, k, weights, starts, scores, rmax, rmin, a, b, scale, topk)
+        else:
+            _score_kernel[(triton.cdiv(b - a, bq),)](
+                q, k, weights, starts, scores, rmax, rmin, a, b, float(scale), topk,
+                q.stride(0), q.stride(1), k.stride(0), weights.stride(0), scores.stride(0),
+                H=h_i, D=d_i, HP=hp, DP=dp, BQ=bq, IEEE=ieee, **sc_cfg)
         if skip_select:
             continue
         _select_kernel[(b - a,)](
