@@ -1,0 +1,131 @@
+"""Energy per call of the 32K step's main kernels, each alone on one H200: where a power-capped step's joules go.
+
+At 32K both sides of bench/e2e.py run at the 700 W cap (e2e_h200.md, session 24), so a kernel saves time in training
+only as far as it saves energy. This runs each piece back to back for ``--seconds`` and reads the GPU's energy
+counter (NVML ``nvmlDeviceGetTotalEnergyConsumption``, mJ; without ``pynvml``, the mean of ``nvidia-smi`` power samples
+every 20 ms times the time) around it: joules per call, mean power, and for the
+products FLOP per joule. Pieces at the proxy's 32K shapes, one layer's worth each:
+
+* ``sparse_fwd`` / ``sparse_bwd``: the sparse MLA forward, the whole backward (parts 1 + 2, chunked as in training);
+* ``indexer``: the indexer's scoring + exact top-2048 over one 32K document;
+* ``moe_gemms``: the routed experts' products forward (16 experts x 16,384 rows, w13 6144 -> 4096 and
+  w2 2048 -> 6144), as one grouped product per weight (``torch._grouped_mm``);
+* ``head_gemm``: the LM head's forward product for 4,096 tokens (one of the fused head's chunks).
+
+    python3 bench/energy_probe.py [--seconds 3]
+
+Writes $OUT/energy_probe.json; lines starting RESULT summarise.
+"""
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.getcwd())
+import torch  # noqa: E402
+
+from titan_glm52.kernels import sparse_mla as SM  # noqa: E402
+from titan_glm52.kernels.indexer_topk import indexer_topk  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(__file__))
+from ws_inputs import D_I, D_QK, D_V, DEV, H, H_I, TOPK, inputs  # noqa: E402
+
+p = argparse.ArgumentParser()
+p.add_argument("--seconds", type=float, default=3.0)
+a = p.parse_args()
+
+
+class Meter:
+    """Joules spent by the GPU between ``start()`` and ``stop()``."""
+
+    def __init__(self):
+        try:
+            import pynvml  # nvidia-ml-py (torch.cuda.power_draw uses it too)
+            pynvml.nvmlInit()
+            handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
+            self.read = lambda: pynvml.nvmlDeviceGetTotalEnergyConsumption(handle) / 1e3
+            self.source = "nvml energy counter"
+        except Exception:
+            import subprocess
+            self.log = "/tmp/energy_probe_smi.csv"
+            self.smi = subprocess.Popen(["nvidia-smi", f"--id={torch.cuda.current_device()}", "--query-gpu=power.draw",
+                                         "--format=csv,noheader,nounits", "-lms", "20"],
+                                        stdout=open(self.log, "w"))
+            self.read = None
+            self.source = "nvidia-smi power samples"
+
+    def start(self):
+        self.t0 = time.perf_counter()
+        if self.read:
+            self.e0 = self.read()
+        else:
+            self.n0 = len(open(self.log).read().split())
+
+    def stop(self) -> float:
+        dt = time.perf_counter() - self.t0
+        if self.read:
+            return self.read() - self.e0
+        samples = [float(v) for v in open(self.log).read().split()[self.n0:]]
+        return sum(samples) / max(1, len(samples)) * dt
+
+
+meter = Meter()
+
+T, E = 32768, 16
+g = torch.Generator(device=DEV).manual_seed(3)
+q, kv, idx = inputs([T], 2)
+go = torch.randn(T, H, D_V, generator=g, device=DEV).to(torch.bfloat16)
+kend = SM.valid_extent(idx)
+scale = D_QK ** -0.5
+out, lse = SM._fwd(q, kv, idx, kend, scale, D_V)
+qi = torch.randn(T, H_I, D_I, generator=g, device=DEV).to(torch.bfloat16)
+ki = torch.randn(T, D_I, generator=g, device=DEV).to(torch.bfloat16)
+wi = torch.randn(T, H_I, generator=g, device=DEV) * H_I ** -0.5
+cu = torch.tensor([0, T], dtype=torch.int32, device=DEV)
+rows = T * 8 // E
+x = torch.randn(E * rows, 6144, generator=g, device=DEV).to(torch.bfloat16)
+h = torch.randn(E * rows, 2048, generator=g, device=DEV).to(torch.bfloat16)
+w13 = (torch.randn(E, 4096, 6144, generator=g, device=DEV) * 0.02).to(torch.bfloat16)  # stored as the model's
+w2 = (torch.randn(E, 6144, 2048, generator=g, device=DEV) * 0.02).to(torch.bfloat16)
+offs = torch.arange(rows, E * rows + 1, rows, device=DEV, dtype=torch.int32)
+xh = torch.randn(4096, 6144, generator=g, device=DEV).to(torch.bfloat16)
+wh = (torch.randn(154880, 6144, generator=g, device=DEV) * 0.02).to(torch.bfloat16)
+
+n_sel = T * TOPK - TOPK * (TOPK - 1) // 2  # (query, key) pairs the sparse kernels see (row t has min(t + 1, TOPK))
+pieces = {
+    "sparse_fwd": (lambda: SM._fwd(q, kv, idx, kend, scale, D_V), 2 * H * n_sel * (D_QK + D_V)),
+    "sparse_bwd": (lambda: SM._bwd(q, kv, idx, kend, out, lse, go, scale, D_V), 2 * H * n_sel * (3 * D_QK + 2 * D_V)),
+    "indexer": (lambda: indexer_topk(qi, ki, wi, cu, TOPK, D_I ** -0.5, max_len=T),
+                2 * H_I * D_I * (T * (T + 1) // 2 - TOPK * (TOPK + 1) // 2)),
+    "moe_gemms": (lambda: (torch._grouped_mm(x, w13.transpose(-2, -1), offs=offs),
+                             torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs)),
+                  2 * E * rows * (6144 * 4096 + 2048 * 6144)),
+    "head_gemm": (lambda: torch.mm(xh, wh.t()), 2 * 4096 * 6144 * 154880),
+}
+
+
+res = {"T": T, "device": torch.cuda.get_device_name(), "seconds": a.seconds, "meter": meter.source, "pieces": {}}
+for name, (fn, flop) in pieces.items():
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    n = max(3, int(a.seconds / (time.perf_counter() - t0)))
+    time.sleep(0.5)  # let the counter settle between pieces
+    meter.start()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    torch.cuda.synchronize()
+    dt, de = time.perf_counter() - t0, meter.stop()
+    r = {"calls": n, "ms_per_call": dt / n * 1e3, "j_per_call": de / n, "mean_w": de / dt, "flop": flop,
+         "tflops": flop / (dt / n) / 1e12, "pj_per_flop": de / n / flop * 1e12}
+    res["pieces"][name] = r
+    print(name, json.dumps(r), flush=True)
+with open(os.path.join(os.environ.get("OUT", "/tmp"), "energy_probe.json"), "w") as f:
+    json.dump(res, f, indent=1)
+for name, r in res["pieces"].items():
+    print(f"RESULT | {name} | {r['ms_per_call']:.2f} ms | {r['j_per_call']:.2f} J | {r['mean_w']:.0f} W | "
+          f"{r['tflops']:.0f} TFLOP/s | {r['pj_per_flop']:.2f} pJ/FLOP |")
