@@ -1,5 +1,6 @@
 """The Triton kernels compile for sm_90 (H100/H200) at the real GLM-5.2 sizes and fit in shared memory, and so do the
-Gluon kernels of ``kernels/sparse_mla_ws.py`` (the only CPU check those can have: Gluon has no interpreter mode).
+Gluon kernels of ``kernels/sparse_mla_ws.py`` and ``kernels/indexer_topk_ws.py`` (the only CPU check those can have:
+Gluon has no interpreter mode).
 
 Runs on CPU: ``bench/compile_check.py`` lowers every kernel through Triton and the bundled ptxas without a GPU,
 which catches what the interpreter cannot (loop-carried types, layouts, shared-memory overflow).

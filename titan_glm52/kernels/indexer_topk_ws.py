@@ -189,6 +189,10 @@ def score(q, k, weights, starts, scores, rmax, rmin, row0, row_end, scale, topk)
     """Scores of rows row0 .. row_end - 1 into the chunk's scratch (see ``indexer_topk._score_kernel``)."""
     c = TUNE["score"]
     bq = c["bq"]
+    if bq not in (1, 2, 4, 8) or c["bn"] != 64 or c["stages"] < 1:
+        # N = bq x 32 columns must be a wgmma width (<= 256); one consumer warpgroup covers M = 64 keys
+        raise ValueError(f"indexer_topk_ws TUNE['score'] needs bq in (1, 2, 4, 8), bn = 64 and stages >= 1, got "
+                         f"bq={bq}, bn={c['bn']}, stages={c['stages']}")
     _score_ws_kernel[(triton.cdiv(row_end - row0, bq),)](
         q, k, weights, starts, scores, rmax, rmin, row0, row_end, float(scale), topk,
         q.stride(0), q.stride(1), k.stride(0), weights.stride(0), scores.stride(0),
