@@ -25,7 +25,7 @@ from collections import defaultdict
 CATEGORIES = (
     ("dsa: sparse mla fwd", r"^_fwd_(ws_)?kernel"),
     ("dsa: sparse mla bwd", r"^_bwd_(dq_|dkv_|ps_|grad_)(ws_)?kernel|^_bwd_kernel"),
-    ("dsa: indexer top-k", r"^_(score|select)_kernel"),
+    ("dsa: indexer top-k", r"^_(score|score_ws|select)_kernel"),
     ("dsa: indexer kl", r"^_kl_(fwd|bwd)_kernel"),
     ("dense attention (flash/cudnn/efficient)", r"flash|fmha|cudnn|attention|sdpa|efficient"),
     ("grouped gemm (moe)", r"grouped|group_gemm|groupproblem|ragged"),
