@@ -6,7 +6,8 @@ against the first variant's (must be identical: the scores are the same sums in 
     python3 bench/indexer_sweep.py '{"ws": {}}' '{}' '{"ws": {"stages": 6}}'   # the Gluon kernel (indexer_topk_ws)
 
 A variant's "ws" key takes the Gluon scoring kernel with those TUNE overrides (``indexer_topk_ws.TUNE["score"]``);
-without it the Triton kernel runs with the variant as its TUNE["score"].
+without it the Triton kernel runs with the variant as its TUNE["score"]. "scratch_bytes" sets the call's score
+scratch budget (``indexer_topk.SCRATCH_BYTES`` by default), i.e. how many query rows a chunk holds.
 
 Writes $OUT/indexer_sweep.json; lines starting RESULT summarise.
 """
@@ -30,10 +31,12 @@ for T in [4096, 32768]:
     ki = torch.randn(T, D_I, generator=g, device=DEV).to(torch.bfloat16)
     wi = torch.randn(T, H_I, generator=g, device=DEV) * H_I ** -0.5
     cu = torch.tensor([0, T], dtype=torch.int32, device=DEV)
-    call = lambda: IT.indexer_topk(qi, ki, wi, cu, TOPK, D_I ** -0.5, max_len=T)  # noqa: E731
+    call = lambda: IT.indexer_topk(qi, ki, wi, cu, TOPK, D_I ** -0.5, max_len=T, scratch_bytes=scratch)  # noqa: E731
     flop = 2 * H_I * D_I * (T * (T + 1) // 2 - TOPK * (TOPK + 1) // 2)  # rows past topk keys are scored
     rows, ref = [], None
-    for var in variants:
+    for spec in variants:
+        var = dict(spec)
+        scratch = var.pop("scratch_bytes", IT.SCRATCH_BYTES)
         ws = var.get("ws")
         IT.TUNE["score"] = {} if ws is not None else dict(var)
         WS.TUNE["score"] = {**WS.DEFAULTS["score"], **(ws or {}), "enable": ws is not None}
@@ -43,7 +46,7 @@ for T in [4096, 32768]:
         IT.TUNE["select"] = {"skip": True}
         score_ms = triton.testing.do_bench(call, warmup=5, rep=200)
         IT.TUNE["select"] = {}
-        rows.append(dict(variant=var, ms=ms, score_ms=score_ms, score_tflops=flop / score_ms / 1e9,
+        rows.append(dict(variant=spec, ms=ms, score_ms=score_ms, score_tflops=flop / score_ms / 1e9,
                          identical=bool(torch.equal(out, ref))))
         print(T, json.dumps(rows[-1]), flush=True)
     res[f"T{T}"] = rows

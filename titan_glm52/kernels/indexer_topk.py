@@ -266,7 +266,8 @@ def indexer_topk(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, cu_seq
     # scratch: per row the scores of its visible keys (column = key - doc start), then the stash
     cap = min(stash_cap, maxlen)
     width = maxlen + cap
-    rows = max(bq, min(total, scratch_bytes // (8 * width)))
+    # a row's bytes: its fp32 scores and stash scores (width), its int32 stash rows (cap), its max and min
+    rows = max(bq, min(total, scratch_bytes // (4 * (width + cap) + 8)))
     wave = bq * _num_sms(q.device)
     rows = rows // wave * wave if rows >= wave else max(bq, rows // bq * bq)  # whole waves of score programs
     scores = torch.empty((rows, width), dtype=torch.float32, device=q.device)
