@@ -11,7 +11,7 @@ one reads it for 8.
 
 Gluon has no interpreter mode: the kernel runs on the GPU only (``tests/kernels/test_kernels_gpu.py`` checks its
 scores bit for bit against the Triton kernel's and its selection against the reference). ``indexer_topk`` uses it
-where ``supported`` holds and ``TUNE["enable"]`` is set, and the Triton kernel everywhere else.
+where ``supported`` holds (with ``TUNE["score"]["enable"]`` set), and the Triton kernel everywhere else.
 """
 
 from __future__ import annotations
