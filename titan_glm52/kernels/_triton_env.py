@@ -202,6 +202,14 @@ def load_tune(module: str, tune: dict) -> None:
             tune[part] = dict(cfg)
 
 
+def tune_over_defaults(module: str, defaults: dict) -> dict:
+    """``defaults`` ({part: {key: value}}) with each part's keys from $TITAN_DSA_TUNE_FILE's ``module`` entry laid
+    over them (a file's part need name only the keys it changes)."""
+    tune = {k: dict(v) for k, v in defaults.items()}
+    load_tune(module, tune)
+    return {k: {**v, **tune[k]} for k, v in defaults.items()}
+
+
 def make_module_callable(module_name: str, fn_name: str) -> None:
     """Let ``titan_glm52.kernels.<module>(...)`` call the module's function of the same contract.
 

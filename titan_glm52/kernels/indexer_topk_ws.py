@@ -41,9 +41,9 @@ def _rows(starts_ptr, row0, row_end, topk, BQ: gl.constexpr, layout: gl.constexp
 
 
 @gluon.jit
-def _key_span(starts_ptr, row0, row_end, topk, BQ: gl.constexpr, BN: gl.constexpr, layout: gl.constexpr):
-    """Keys lo .. hi - 1 that the program's selecting rows see, the first tile's key and the number of tiles."""
-    rows, rstart, big = _rows(starts_ptr, row0, row_end, topk, BQ, layout)
+def _key_span(rows, rstart, big, BN: gl.constexpr):
+    """Keys lo .. hi - 1 that the program's selecting rows see (``_rows``' results), the first tile's key and the
+    number of tiles."""
     lo = gl.min(gl.where(big, rstart, 2147483647), axis=0)
     hi = gl.max(gl.where(big, rows + 1, 0), axis=0)  # 0 when no row of the program needs scores
     lo = gl.minimum(lo, hi)
@@ -56,7 +56,8 @@ def _score_loader(k_smem, full, empty, k_ptr, starts_ptr, row0, row_end, topk, s
                   BQ: gl.constexpr, BN: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr):
     """Key tile i (keys first + i * BN ..; those outside lo .. hi - 1 read as zeros) into stage i % STAGES."""
     lt: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])  # [BN, D] tiles, 16-byte copies
-    lo, hi, first, n = _key_span(starts_ptr, row0, row_end, topk, BQ, BN, gl.SliceLayout(0, lt))
+    rows, rstart, big = _rows(starts_ptr, row0, row_end, topk, BQ, gl.SliceLayout(0, lt))
+    lo, hi, first, n = _key_span(rows, rstart, big, BN)
     cols = gl.arange(0, D, layout=gl.SliceLayout(0, lt))
     for i in range(n):
         s = i % STAGES
@@ -78,8 +79,8 @@ def _score_consumer(q_smem, k_smem, w_smem, x_max, x_min, full, empty, x_bar, st
                                                     instr_shape=[16, BQ * H, 16])
     ep_l: gl.constexpr = gl.BlockedLayout([2, 2], [32, 1], [1, 4], [0, 1])  # [BN, BQ] scores, keys fastest
     q_l: gl.constexpr = gl.SliceLayout(0, ep_l)
-    lo, hi, first, n = _key_span(starts_ptr, row0, row_end, topk, BQ, BN, q_l)
     rows, rstart, big = _rows(starts_ptr, row0, row_end, topk, BQ, q_l)
+    lo, hi, first, n = _key_span(rows, rstart, big, BN)
     srow = scores_ptr + (rows - row0).to(gl.int64) * stride_sr - rstart  # scores of key s at srow + s
     run_max = gl.full([BN, BQ], float("-inf"), gl.float32, ep_l)  # elementwise; reduced once after the loop
     run_min = gl.full([BN, BQ], float("inf"), gl.float32, ep_l)
@@ -168,9 +169,7 @@ def _score_ws_kernel(q_ptr, k_ptr, w_ptr, starts_ptr, scores_ptr, rmax_ptr, rmin
 # 3 x 168 - consumer_regs - loader_regs). Overrides: $TITAN_DSA_TUNE_FILE, {"indexer_topk_ws": {"score": {...}}}.
 DEFAULTS = {"score": {"enable": True, "bq": 8, "bn": 64, "stages": 4, "maxnreg": 168, "consumer_regs": 224,
                       "loader_regs": 56}}
-TUNE = {k: dict(v) for k, v in DEFAULTS.items()}
-_triton_env.load_tune("indexer_topk_ws", TUNE)
-TUNE = {k: {**v, **TUNE[k]} for k, v in DEFAULTS.items()}
+TUNE = _triton_env.tune_over_defaults("indexer_topk_ws", DEFAULTS)
 
 
 def supported(q: torch.Tensor, k: torch.Tensor) -> bool:

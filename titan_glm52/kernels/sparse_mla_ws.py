@@ -578,9 +578,7 @@ DEFAULTS = {"fwd": {"enable": True, "maxnreg": 168, "pv_regs": 192, "loader_regs
             "bwd_ps": {"enable": True, "maxnreg": 128, "consumer_regs": 200, "loader_regs": 56, "bk": 64, "stages": 10},
             "bwd_grad": {"enable": True, "maxnreg": 128, "consumer_regs": 152, "loader_regs": 56, "stages": 3,
                          "group_rows": -1, "idx_early": True}}
-TUNE = {k: dict(v) for k, v in DEFAULTS.items()}
-_triton_env.load_tune("sparse_mla_ws", TUNE)
-TUNE = {k: {**v, **TUNE[k]} for k, v in DEFAULTS.items()}
+TUNE = _triton_env.tune_over_defaults("sparse_mla_ws", DEFAULTS)
 
 
 def supported(q: torch.Tensor, kv: torch.Tensor, d_v: int) -> bool:
