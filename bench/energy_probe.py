@@ -29,7 +29,7 @@ from titan_glm52.kernels import sparse_mla as SM  # noqa: E402
 from titan_glm52.kernels.indexer_topk import indexer_topk  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
-from ws_inputs import D_I, D_QK, D_V, DEV, H, H_I, TOPK, inputs  # noqa: E402
+from ws_inputs import D_I, D_QK, D_V, DEV, H, H_I, TOPK, bwd_inputs  # noqa: E402
 
 p = argparse.ArgumentParser()
 p.add_argument("--seconds", type=float, default=3.0)
@@ -74,11 +74,8 @@ meter = Meter()
 
 T, E = 32768, 16
 g = torch.Generator(device=DEV).manual_seed(3)
-q, kv, idx = inputs([T], 2)
-go = torch.randn(T, H, D_V, generator=g, device=DEV).to(torch.bfloat16)
-kend = SM.valid_extent(idx)
 scale = D_QK ** -0.5
-out, lse = SM._fwd(q, kv, idx, kend, scale, D_V)
+q, kv, idx, kend, go, out, lse = bwd_inputs([T], 2, g, scale)
 qi = torch.randn(T, H_I, D_I, generator=g, device=DEV).to(torch.bfloat16)
 ki = torch.randn(T, D_I, generator=g, device=DEV).to(torch.bfloat16)
 wi = torch.randn(T, H_I, generator=g, device=DEV) * H_I ** -0.5

@@ -23,7 +23,7 @@ import torch  # noqa: E402
 from titan_glm52.kernels import sparse_mla as SM  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
-from ws_inputs import DEV, D_QK, D_V, H, inputs  # noqa: E402
+from ws_inputs import DEV, D_QK, D_V, bwd_inputs  # noqa: E402
 
 p = argparse.ArgumentParser()
 p.add_argument("--reps", type=int, default=7)
@@ -33,11 +33,8 @@ a = p.parse_args()
 
 T, E = a.T, 16
 rows = int(T * 8 // E * a.b_scale)  # top-8 of 16 experts: T / 2 rows per expert
-q, kv, idx = inputs([T], 2)
-go = torch.randn(T, H, D_V, generator=torch.Generator(device=DEV).manual_seed(5), device=DEV).to(torch.bfloat16)
-kend = SM.valid_extent(idx)
 scale = D_QK ** -0.5
-out, lse = SM._fwd(q, kv, idx, kend, scale, D_V)
+q, kv, idx, kend, go, out, lse = bwd_inputs([T], 2, torch.Generator(device=DEV).manual_seed(5), scale)
 
 g = torch.Generator(device=DEV).manual_seed(7)
 x = torch.randn(rows, 6144, generator=g, device=DEV).to(torch.bfloat16)

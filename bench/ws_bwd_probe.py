@@ -16,7 +16,7 @@ from titan_glm52.kernels import reference as R
 from titan_glm52.kernels import sparse_mla as SM
 from titan_glm52.kernels import sparse_mla_ws as W
 sys.path.insert(0, os.path.dirname(__file__))
-from ws_inputs import DEV, H, D_QK, D_V, TOPK, cos, inputs, save, variant  # noqa: E402
+from ws_inputs import DEV, H, D_QK, D_V, TOPK, bwd_inputs, cos, inputs, save, variant  # noqa: E402
 VAR = variant(W.TUNE[sys.argv[2]] if len(sys.argv) > 2 else W.TUNE["bwd_ps"])
 res = {"variant": VAR}
 scale = D_QK ** -0.5
@@ -53,10 +53,7 @@ print("correct", json.dumps(m), flush=True)
 res["correct"] = m
 del qt, kvt, qr, kvr, ro, o
 for T in [4096, 32768]:
-    q, kv, idx = inputs([T], 2)
-    go = torch.randn(T, H, D_V, generator=g, device=DEV).to(torch.bfloat16)
-    kend = SM.valid_extent(idx)
-    out, lse = SM._fwd(q, kv, idx, kend, scale, D_V)
+    q, kv, idx, kend, go, out, lse = bwd_inputs([T], 2, g, scale)
     kvalid = sum(min(TOPK, i + 1) for i in range(T))
     rows = min(T, 4096)
     kv_rows = sum(min(TOPK, i + 1) for i in range(rows))

@@ -21,7 +21,7 @@ from titan_glm52.kernels import sparse_mla as SM  # noqa: E402
 from titan_glm52.kernels import sparse_mla_ws as W  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
-from ws_inputs import DEV, D_QK, D_V, H, inputs  # noqa: E402
+from ws_inputs import DEV, D_QK, D_V, bwd_inputs  # noqa: E402
 
 part = sys.argv[1]
 variants = [json.loads(a) for a in sys.argv[2:]] or [{}]
@@ -30,10 +30,7 @@ base_scratch = SM.SCRATCH_BYTES
 scale = D_QK ** -0.5
 res = {"part": part, "variants": variants, "defaults": base}
 for T in [4096, 32768]:
-    q, kv, idx = inputs([T], 2)
-    go = torch.randn(T, H, D_V, generator=torch.Generator(device=DEV).manual_seed(5), device=DEV).to(torch.bfloat16)
-    kend = SM.valid_extent(idx)
-    out, lse = SM._fwd(q, kv, idx, kend, scale, D_V)
+    q, kv, idx, kend, go, out, lse = bwd_inputs([T], 2, torch.Generator(device=DEV).manual_seed(5), scale)
     rows, ref = [], None
     for var in variants:
         tune = {**base, **var}

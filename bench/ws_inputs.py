@@ -22,6 +22,17 @@ def inputs(lengths, seed, empty=()):
     return q, kv, idx.to(torch.int32).contiguous()
 
 
+def bwd_inputs(lengths, seed, go_gen, scale):
+    """``inputs`` plus what the sparse MLA backward takes: (q, kv, idx, kend, grad_out drawn from ``go_gen``, the
+    forward's out and lse at ``scale``)."""
+    from titan_glm52.kernels import sparse_mla as SM
+    q, kv, idx = inputs(lengths, seed)
+    go = torch.randn(q.shape[0], H, D_V, generator=go_gen, device=DEV).to(torch.bfloat16)
+    kend = SM.valid_extent(idx)
+    out, lse = SM._fwd(q, kv, idx, kend, scale, D_V)
+    return q, kv, idx, kend, go, out, lse
+
+
 def cos(a, b) -> float:
     """1 - cosine similarity of two tensors, in fp32."""
     a, b = a.float().flatten(), b.float().flatten()
