@@ -2,8 +2,7 @@
 
 At 32K both sides of bench/e2e.py run at the 700 W cap (e2e_h200.md, session 24), so a kernel saves time in training
 only as far as it saves energy. This runs each piece back to back for ``--seconds`` and reads the GPU's energy
-counter (NVML ``nvmlDeviceGetTotalEnergyConsumption``, mJ; without ``pynvml``, the mean of ``nvidia-smi`` power samples
-every 20 ms times the time) around it: joules per call, mean power, and for the
+counter (NVML ``nvmlDeviceGetTotalEnergyConsumption``, mJ) around it: joules per call, mean power, and for the
 products FLOP per joule. Pieces at the proxy's 32K shapes, one layer's worth each:
 
 * ``sparse_fwd`` / ``sparse_bwd``: the sparse MLA forward, the whole backward (parts 1 + 2, chunked as in training);
@@ -23,6 +22,7 @@ import sys
 import time
 
 sys.path.insert(0, os.getcwd())
+import pynvml  # noqa: E402  (nvidia-ml-py; torch.cuda.power_draw reads the same library)
 import torch  # noqa: E402
 
 from titan_glm52.kernels import sparse_mla as SM  # noqa: E402
@@ -34,43 +34,14 @@ from ws_inputs import D_I, D_QK, D_V, DEV, H, H_I, TOPK, bwd_inputs  # noqa: E40
 p = argparse.ArgumentParser()
 p.add_argument("--seconds", type=float, default=3.0)
 a = p.parse_args()
+pynvml.nvmlInit()
+_nvml = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
 
 
-class Meter:
-    """Joules spent by the GPU between ``start()`` and ``stop()``."""
+def joules() -> float:
+    """The GPU's energy counter since the driver loaded (NVML, mJ) in J."""
+    return pynvml.nvmlDeviceGetTotalEnergyConsumption(_nvml) / 1e3
 
-    def __init__(self):
-        try:
-            import pynvml  # nvidia-ml-py (torch.cuda.power_draw uses it too)
-            pynvml.nvmlInit()
-            handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
-            self.read = lambda: pynvml.nvmlDeviceGetTotalEnergyConsumption(handle) / 1e3
-            self.source = "nvml energy counter"
-        except Exception:
-            import subprocess
-            self.log = "/tmp/energy_probe_smi.csv"
-            self.smi = subprocess.Popen(["nvidia-smi", f"--id={torch.cuda.current_device()}", "--query-gpu=power.draw",
-                                         "--format=csv,noheader,nounits", "-lms", "20"],
-                                        stdout=open(self.log, "w"))
-            self.read = None
-            self.source = "nvidia-smi power samples"
-
-    def start(self):
-        self.t0 = time.perf_counter()
-        if self.read:
-            self.e0 = self.read()
-        else:
-            self.n0 = len(open(self.log).read().split())
-
-    def stop(self) -> float:
-        dt = time.perf_counter() - self.t0
-        if self.read:
-            return self.read() - self.e0
-        samples = [float(v) for v in open(self.log).read().split()[self.n0:]]
-        return sum(samples) / max(1, len(samples)) * dt
-
-
-meter = Meter()
 
 T, E = 32768, 16
 g = torch.Generator(device=DEV).manual_seed(3)
@@ -102,7 +73,8 @@ pieces = {
 }
 
 
-res = {"T": T, "device": torch.cuda.get_device_name(), "seconds": a.seconds, "meter": meter.source, "pieces": {}}
+res = {"T": T, "device": torch.cuda.get_device_name(), "seconds": a.seconds, "meter": "nvml energy counter",
+       "pieces": {}}
 for name, (fn, flop) in pieces.items():
     fn()
     torch.cuda.synchronize()
@@ -111,12 +83,11 @@ for name, (fn, flop) in pieces.items():
     torch.cuda.synchronize()
     n = max(3, int(a.seconds / (time.perf_counter() - t0)))
     time.sleep(0.5)  # let the counter settle between pieces
-    meter.start()
-    t0 = time.perf_counter()
+    e0, t0 = joules(), time.perf_counter()
     for _ in range(n):
         fn()
     torch.cuda.synchronize()
-    dt, de = time.perf_counter() - t0, meter.stop()
+    dt, de = time.perf_counter() - t0, joules() - e0
     r = {"calls": n, "ms_per_call": dt / n * 1e3, "j_per_call": de / n, "mean_w": de / dt, "flop": flop,
          "tflops": flop / (dt / n) / 1e12, "pj_per_flop": de / n / flop * 1e12}
     res["pieces"][name] = r
