@@ -11,7 +11,14 @@ products FLOP per joule. Pieces at the proxy's 32K shapes, one layer's worth eac
   w2 2048 -> 6144), as one grouped product per weight (``torch._grouped_mm``);
 * ``head_gemm``: the LM head's forward product for 4,096 tokens (one of the fused head's chunks).
 
-    python3 bench/energy_probe.py [--seconds 3]
+Opt-in pieces (``--pieces``) put the routed experts' products beside other ways of forming them, on the same
+tensors: ``moe_<w>_<form>`` for ``w`` in ``w13`` (6144 -> 4096), ``w2`` (2048 -> 6144), ``w13dx`` (the input
+gradient 4096 -> 6144) and ``w13dw`` (the weight gradient, summed over each expert's rows), each ``grouped``
+(``torch._grouped_mm``, what training runs), ``loop`` (one cuBLAS ``torch.mm`` per expert into slices of one output)
+or ``mm`` (one cuBLAS product of the same FLOPs with one expert's weight: the dense bound); ``head_gemm_t`` is the
+head's product in the other orientation (``W @ h^T``).
+
+    python3 bench/energy_probe.py [--seconds 3] [--pieces a,b,...] [--rounds 1]
 
 Writes $OUT/energy_probe.json; lines starting RESULT summarise.
 """
@@ -33,6 +40,9 @@ from ws_inputs import D_I, D_QK, D_V, DEV, H, H_I, TOPK, bwd_inputs  # noqa: E40
 
 p = argparse.ArgumentParser()
 p.add_argument("--seconds", type=float, default=3.0)
+p.add_argument("--pieces", default="sparse_fwd,sparse_bwd,indexer,moe_gemms,head_gemm",
+               help="comma-separated names (see the docstring)")
+p.add_argument("--rounds", type=int, default=1, help="measure the pieces this many times over, in turn")
 a = p.parse_args()
 pynvml.nvmlInit()
 _nvml = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
@@ -70,28 +80,67 @@ pieces = {
                              torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs)),
                   2 * E * rows * (6144 * 4096 + 2048 * 6144)),
     "head_gemm": (lambda: torch.mm(xh, wh.t()), 2 * 4096 * 6144 * 154880),
+    "head_gemm_t": (lambda: torch.mm(wh, xh.t()), 2 * 4096 * 6144 * 154880),
 }
-
+dgu = torch.randn(E * rows, 4096, generator=g, device=DEV).to(torch.bfloat16)
+starts = [e * rows for e in range(E + 1)]
+loop_out = {}  # the per-expert loops' outputs, checked against the grouped products below
+# (the 3-D weight as training hands it to the product, the rows it multiplies, output shape, FLOP per row / 2)
+moe_forms = {
+    "w13": (w13.transpose(-2, -1), x, (E * rows, 4096), 6144 * 4096),
+    "w2": (w2.transpose(-2, -1), h, (E * rows, 6144), 2048 * 6144),
+    "w13dx": (w13, dgu, (E * rows, 6144), 6144 * 4096),
+}
+for wname, (w, a_rows, shape, per_row) in moe_forms.items():
+    o = loop_out[wname] = torch.empty(shape, device=DEV, dtype=torch.bfloat16)
+    flop = 2 * E * rows * per_row
+    pieces[f"moe_{wname}_grouped"] = (lambda a=a_rows, w=w: torch._grouped_mm(a, w, offs=offs), flop)
+    pieces[f"moe_{wname}_loop"] = (
+        lambda a=a_rows, w=w, o=o: [torch.mm(a[starts[e]:starts[e + 1]], w[e], out=o[starts[e]:starts[e + 1]])
+                                    for e in range(E)], flop)
+    pieces[f"moe_{wname}_mm"] = (lambda a=a_rows, w=w, o=o: torch.mm(a, w[0], out=o), flop)
+o = loop_out["w13dw"] = torch.empty(E, 4096, 6144, device=DEV, dtype=torch.bfloat16)
+flop = 2 * E * rows * 6144 * 4096
+pieces["moe_w13dw_grouped"] = (lambda: torch._grouped_mm(dgu.t(), x, offs=offs), flop)
+pieces["moe_w13dw_loop"] = (lambda: [torch.mm(dgu[starts[e]:starts[e + 1]].t(), x[starts[e]:starts[e + 1]], out=o[e])
+                                     for e in range(E)], flop)
+pieces["moe_w13dw_mm"] = (lambda: torch.mm(dgu.t(), x, out=o[0]), flop)
+unknown = set(a.pieces.split(",")) - set(pieces)
+if unknown:
+    raise SystemExit(f"energy_probe: unknown pieces {sorted(unknown)}; known: {sorted(pieces)}")
+pieces = {k: pieces[k] for k in a.pieces.split(",")}
+for wname, got in loop_out.items():  # the per-expert loop forms the grouped product's numbers
+    if f"moe_{wname}_loop" in pieces and f"moe_{wname}_grouped" in pieces:
+        ref = pieces[f"moe_{wname}_grouped"][0]().float()
+        pieces[f"moe_{wname}_loop"][0]()
+        print(f"check {wname}: loop vs grouped max abs diff {(got.float() - ref).abs().max().item():.3g} "
+              f"(max {ref.abs().max().item():.3g})", flush=True)
 
 res = {"T": T, "device": torch.cuda.get_device_name(), "seconds": a.seconds, "meter": "nvml energy counter",
        "pieces": {}}
-for name, (fn, flop) in pieces.items():
-    fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    n = max(3, int(a.seconds / (time.perf_counter() - t0)))
-    time.sleep(0.5)  # let the counter settle between pieces
-    e0, t0 = joules(), time.perf_counter()
-    for _ in range(n):
+for rnd in range(a.rounds):
+    for name, (fn, flop) in pieces.items():
+        key = name if rnd == 0 else f"{name}#{rnd + 1}"
+        try:
+            fn()
+            torch.cuda.synchronize()
+        except Exception as exc:  # an unsupported form: say so and measure the others
+            print(f"{key}: failed: {type(exc).__name__}: {exc}"[:400], flush=True)
+            continue
+        t0 = time.perf_counter()
         fn()
-    torch.cuda.synchronize()
-    dt, de = time.perf_counter() - t0, joules() - e0
-    r = {"calls": n, "ms_per_call": dt / n * 1e3, "j_per_call": de / n, "mean_w": de / dt, "flop": flop,
-         "tflops": flop / (dt / n) / 1e12, "pj_per_flop": de / n / flop * 1e12}
-    res["pieces"][name] = r
-    print(name, json.dumps(r), flush=True)
+        torch.cuda.synchronize()
+        n = max(3, int(a.seconds / (time.perf_counter() - t0)))
+        time.sleep(0.5)  # let the counter settle between pieces
+        e0, t0 = joules(), time.perf_counter()
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+        dt, de = time.perf_counter() - t0, joules() - e0
+        r = {"calls": n, "ms_per_call": dt / n * 1e3, "j_per_call": de / n, "mean_w": de / dt, "flop": flop,
+             "tflops": flop / (dt / n) / 1e12, "pj_per_flop": de / n / flop * 1e12}
+        res["pieces"][key] = r
+        print(key, json.dumps(r), flush=True)
 with open(os.path.join(os.environ.get("OUT", "/tmp"), "energy_probe.json"), "w") as f:
     json.dump(res, f, indent=1)
 for name, r in res["pieces"].items():
