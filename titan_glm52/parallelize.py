@@ -130,7 +130,8 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> None:
 # than the projections) and matmuls on untracked inputs (the indexer's chunked [chunk, T] scores, run under
 # no_grad). "Tracked" means an input requires grad; grad mode itself cannot tell, since autograd Functions
 # (the EP all-to-all, compiled regions, Triton kernels) run their forward with grad disabled.
-_MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}
+_MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default,
+            torch.ops.titan_glm52.expert_mm.default}  # (model/expert_mm.py, registered on import of the model)
 for _name in ("_grouped_mm", "_scaled_mm", "_scaled_grouped_mm"):
     if hasattr(torch.ops.aten, _name):
         _MATMULS.add(getattr(torch.ops.aten, _name).default)

@@ -10,7 +10,6 @@ activation-checkpoint recomputes) for the aux-loss-free bias update.
 from __future__ import annotations
 
 import contextlib
-import logging
 
 import torch
 import torch.nn.functional as F
@@ -19,11 +18,9 @@ from torch import nn
 from titan_glm52.kernels import triton_available
 from titan_glm52.model.args import GLM52ModelArgs
 from titan_glm52.model.aux_loss import AuxLoss, in_backward
+from titan_glm52.model.expert_mm import expert_mm
 from titan_glm52.model.fp32_linear import linear_fp32
 from titan_glm52.model.recompute import RecomputeSaved, can_recompute
-
-logger = logging.getLogger(__name__)
-
 
 class FeedForward(nn.Module):
     """``w2(silu(w1 x) * w3 x)``: the dense MLP of the first layers and the shared expert."""
@@ -38,12 +35,17 @@ class FeedForward(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
+# Mean routed rows per (local) expert from which "auto" forms the experts' products one cuBLAS GEMM per expert
+# (expert_mm) instead of one torch._grouped_mm: on one H200 at 16,384 rows per expert (32K tokens, the proxy) the
+# training step ran 3.2% faster that way, at 2,048 (4K tokens) 25% slower, since the host then waits for the
+# expert counts in every MoE layer and its kernel launches no longer run ahead of the GPU
+# (bench/results/e2e_h200.md, session 27).
+PER_EXPERT_MIN_ROWS = 8192
+
+
 def _grouped_mm_usable(x: torch.Tensor) -> bool:
     return (hasattr(torch, "_grouped_mm") and x.is_cuda and x.dtype == torch.bfloat16
             and torch.cuda.get_device_capability(x.device)[0] >= 9)
-
-
-_logged_loop_fallback = False
 
 
 class GroupedExperts(nn.Module):
@@ -51,8 +53,10 @@ class GroupedExperts(nn.Module):
     projection in rows ``F:``; the checkpoint's ``gate_proj`` and ``up_proj``) and ``w2 [E, D, F]`` (down).
 
     ``forward(x, counts)`` takes tokens already sorted by expert (``counts[e]`` rows for expert e) — the
-    interface expert parallelism dispatches into. It runs ``torch._grouped_mm`` on Hopper-class GPUs in bf16
-    and an exact per-expert loop elsewhere (logged once, since the two round differently). Gate and up are one GEMM
+    interface expert parallelism dispatches into. Its products are either ``torch._grouped_mm`` (bf16 on Hopper-class
+    GPUs; no host sync) or ``expert_mm``, one ordinary GEMM per expert (any device and dtype; the host reads the
+    counts): ``use_grouped_mm`` True / False, or None to take the grouped product on a GPU that has it below
+    ``PER_EXPERT_MIN_ROWS`` rows per expert and ``expert_mm`` otherwise. Gate and up are one GEMM
     each way: forward ``x -> [gate | up]``, backward ``[d_gate | d_up] -> d_x`` in one product (two GEMMs would
     leave two partial ``d_x`` to add: a pass over the routed rows, 6.9 ms per step at 32K tokens on the proxy).
     """
@@ -73,30 +77,22 @@ class GroupedExperts(nn.Module):
         w13, w2 = self.w13, self.w2
         if hasattr(w13, "to_local"):  # DTensor weights (FSDP/EP): compute on the local shard
             w13, w2 = w13.to_local(), w2.to_local()
-        use_gmm = _grouped_mm_usable(x) if self.use_grouped_mm is None else self.use_grouped_mm
+        use_gmm = self.use_grouped_mm
+        if use_gmm is None:
+            use_gmm = _grouped_mm_usable(x) and x.shape[0] < PER_EXPERT_MIN_ROWS * w13.shape[0]
         saved = (RecomputeSaved("MoE experts", "[moe] recompute_expert_inputs")
                  if self.recompute_inputs and can_recompute() else None)
         with saved if saved is not None else contextlib.nullcontext():
+            if saved is not None and gathered_from is not None:
+                src, rows = gathered_from
+                saved.recompute(x, lambda: src[rows], src, rows)
             if use_gmm:
-                if saved is not None and gathered_from is not None:
-                    src, rows = gathered_from
-                    saved.recompute(x, lambda: src[rows], src, rows)
                 offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
                 h = self._swiglu(torch._grouped_mm(x, w13.transpose(-2, -1), offs=offs), saved)
                 return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs)
-            global _logged_loop_fallback
-            if not _logged_loop_fallback and x.is_cuda:
-                logger.warning("MoE experts: torch._grouped_mm is not usable here (%s, %s); using the per-expert "
-                               "loop", x.dtype, x.device)
-                _logged_loop_fallback = True
-            outs, start = [], 0
-            for e, chunk in enumerate(torch.split(x, counts.tolist(), dim=0)):
-                if saved is not None and gathered_from is not None:
-                    src, rows = gathered_from[0], gathered_from[1][start:start + chunk.shape[0]]
-                    saved.recompute(chunk, lambda src=src, rows=rows: src[rows], src, rows)
-                start += chunk.shape[0]
-                outs.append(self._swiglu(chunk @ w13[e].T, saved) @ w2[e].T)
-            return torch.cat(outs) if outs else x.new_zeros(0, w2.shape[1])
+            splits = counts.tolist()  # the host needs them to launch one product per expert
+            h = self._swiglu(expert_mm(x, w13, splits), saved)
+            return expert_mm(h, w2, splits)
 
     @staticmethod
     def _swiglu(gu: torch.Tensor, saved: RecomputeSaved | None) -> torch.Tensor:
