@@ -22,6 +22,7 @@ from titan_glm52.model.expert_mm import expert_mm
 from titan_glm52.model.fp32_linear import linear_fp32
 from titan_glm52.model.recompute import RecomputeSaved, can_recompute
 
+
 class FeedForward(nn.Module):
     """``w2(silu(w1 x) * w3 x)``: the dense MLP of the first layers and the shared expert."""
 
