@@ -35,7 +35,7 @@ def _grads(block: MoE, x: torch.Tensor, g: torch.Tensor, recompute: bool, wrap=N
     return [out, xi.grad] + [p.grad for _, p in sorted(block.named_parameters())]
 
 
-@pytest.mark.parametrize("grouped", [True, False], ids=["grouped_mm", "loop"])
+@pytest.mark.parametrize("grouped", [True, False], ids=["grouped_mm", "per_expert"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_recompute_gives_the_same_bits(dtype, grouped):
     """Output and every gradient, with the sequence-level balance loss on over two sequences."""
@@ -51,7 +51,7 @@ def test_recompute_gives_the_same_bits(dtype, grouped):
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("grouped", [True, False], ids=["grouped_mm", "loop"])
+@pytest.mark.parametrize("grouped", [True, False], ids=["grouped_mm", "per_expert"])
 def test_recompute_frees_the_gemm_inputs(grouped, monkeypatch):
     """After forward nothing holds the gathered rows or the SwiGLU product any more; without the option
     nothing is registered for rebuilding and the graph keeps the gathered rows."""
@@ -66,7 +66,7 @@ def test_recompute_frees_the_gemm_inputs(grouped, monkeypatch):
     block = _block(torch.bfloat16, grouped)
     x = torch.randn(40, block.router.weight.shape[1]).to(torch.bfloat16).requires_grad_()
     out = block(x)
-    # grouped_mm: the gathered rows and the product; loop: the same per expert that received tokens
+    # the gathered rows and the SwiGLU product (either way of forming the experts' products)
     assert len(registered) >= 2 and all(r() is None for r in registered)
     out.sum().backward()
 

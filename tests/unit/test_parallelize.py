@@ -134,7 +134,7 @@ class _MatmulCounter(TorchDispatchMode):
         self.total = self.untracked = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
+        if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.titan_glm52.expert_mm.default):
             self.total += 1
             self.untracked += not any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
         return func(*args, **(kwargs or {}))
