@@ -180,10 +180,9 @@ class MoE:
 
     grouped_mm: Literal["auto", "on", "off"] = "auto"
     """Routed experts' GEMMs: "on" = torch._grouped_mm (bf16 on Hopper-class GPUs), "off" = one cuBLAS GEMM per expert
-    (model/expert_mm.py; the same bits on an H200, ~10% less time and energy at 16K rows per expert, but the host
-    reads the expert counts in every MoE layer, so its launches stop running ahead of the GPU), "auto" = grouped
-    below 8,192 routed rows per local expert (moe.PER_EXPERT_MIN_ROWS) where the GPU has it, per expert above.
-    At 32K tokens on the proxy "off" trains 3.2% faster, at 4K 25% slower (bench/results/e2e_h200.md, session 27)."""
+    (model/expert_mm.py: less energy per product, but the host reads the expert counts in every MoE layer), "auto" =
+    grouped below moe.PER_EXPERT_MIN_ROWS (8,192) routed rows per local expert where the GPU has it, per expert
+    from there (why and the measurements: that constant's comment)."""
 
     recompute_expert_inputs: bool = True
     """The routed experts keep only their gate and up projections' outputs for backward and recompute the inputs
