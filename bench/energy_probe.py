@@ -14,9 +14,10 @@ products FLOP per joule. Pieces at the proxy's 32K shapes, one layer's worth eac
 Opt-in pieces (``--pieces``) put the routed experts' products beside other ways of forming them, on the same
 tensors: ``moe_<w>_<form>`` for ``w`` in ``w13`` (6144 -> 4096), ``w2`` (2048 -> 6144), ``w13dx`` (the input
 gradient 4096 -> 6144) and ``w13dw`` (the weight gradient, summed over each expert's rows), each ``grouped``
-(``torch._grouped_mm``, what training runs), ``loop`` (one cuBLAS ``torch.mm`` per expert into slices of one output)
-or ``mm`` (one cuBLAS product of the same FLOPs with one expert's weight: the dense bound); ``head_gemm_t`` is the
-head's product in the other orientation (``W @ h^T``).
+(``torch._grouped_mm``), ``loop`` (one cuBLAS ``torch.mm`` per expert into slices of one output: ``expert_mm``, what
+training runs from 8,192 rows per expert, and its backward's ``weight_grad``) or ``mm`` (one cuBLAS product of the
+same FLOPs with one expert's weight: the dense bound); ``head_gemm_t`` is the head's product in the other
+orientation (``W @ h^T``).
 
     python3 bench/energy_probe.py [--seconds 3] [--pieces a,b,...] [--rounds 1]
 
@@ -34,6 +35,7 @@ import torch  # noqa: E402
 
 from titan_glm52.kernels import sparse_mla as SM  # noqa: E402
 from titan_glm52.kernels.indexer_topk import indexer_topk  # noqa: E402
+from titan_glm52.model.expert_mm import expert_mm, weight_grad  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 from ws_inputs import D_I, D_QK, D_V, DEV, H, H_I, TOPK, bwd_inputs  # noqa: E402
@@ -76,44 +78,34 @@ pieces = {
     "sparse_bwd": (lambda: SM._bwd(q, kv, idx, kend, out, lse, go, scale, D_V), 2 * H * n_sel * (3 * D_QK + 2 * D_V)),
     "indexer": (lambda: indexer_topk(qi, ki, wi, cu, TOPK, D_I ** -0.5, max_len=T),
                 2 * H_I * D_I * (T * (T + 1) // 2 - TOPK * (TOPK + 1) // 2)),
-    "moe_gemms": (lambda: (torch._grouped_mm(x, w13.transpose(-2, -1), offs=offs),
-                             torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs)),
-                  2 * E * rows * (6144 * 4096 + 2048 * 6144)),
     "head_gemm": (lambda: torch.mm(xh, wh.t()), 2 * 4096 * 6144 * 154880),
     "head_gemm_t": (lambda: torch.mm(wh, xh.t()), 2 * 4096 * 6144 * 154880),
 }
 dgu = torch.randn(E * rows, 4096, generator=g, device=DEV).to(torch.bfloat16)
-starts = [e * rows for e in range(E + 1)]
-loop_out = {}  # the per-expert loops' outputs, checked against the grouped products below
-# (the 3-D weight as training hands it to the product, the rows it multiplies, output shape, FLOP per row / 2)
-moe_forms = {
-    "w13": (w13.transpose(-2, -1), x, (E * rows, 4096), 6144 * 4096),
-    "w2": (w2.transpose(-2, -1), h, (E * rows, 6144), 2048 * 6144),
-    "w13dx": (w13, dgu, (E * rows, 6144), 6144 * 4096),
-}
-for wname, (w, a_rows, shape, per_row) in moe_forms.items():
-    o = loop_out[wname] = torch.empty(shape, device=DEV, dtype=torch.bfloat16)
-    flop = 2 * E * rows * per_row
-    pieces[f"moe_{wname}_grouped"] = (lambda a=a_rows, w=w: torch._grouped_mm(a, w, offs=offs), flop)
-    pieces[f"moe_{wname}_loop"] = (
-        lambda a=a_rows, w=w, o=o: [torch.mm(a[starts[e]:starts[e + 1]], w[e], out=o[starts[e]:starts[e + 1]])
-                                    for e in range(E)], flop)
-    pieces[f"moe_{wname}_mm"] = (lambda a=a_rows, w=w, o=o: torch.mm(a, w[0], out=o), flop)
-o = loop_out["w13dw"] = torch.empty(E, 4096, 6144, device=DEV, dtype=torch.bfloat16)
+splits = [rows] * E
+# (the weight as stored, [E, N, K]: out_e = rows_e @ w[e]^T; the rows it multiplies)
+moe_forms = {"w13": (w13, x), "w2": (w2, h), "w13dx": (w13.transpose(-2, -1), dgu)}
+for wname, (w, a_rows) in moe_forms.items():
+    flop = 2 * E * rows * w.shape[1] * w.shape[2]
+    pieces[f"moe_{wname}_grouped"] = (lambda a=a_rows, w=w: torch._grouped_mm(a, w.transpose(-2, -1), offs=offs), flop)
+    pieces[f"moe_{wname}_loop"] = (lambda a=a_rows, w=w: expert_mm(a, w, splits), flop)  # what training runs
+    pieces[f"moe_{wname}_mm"] = (lambda a=a_rows, w=w: torch.mm(a, w[0].t()), flop)
+(g13, f13), (g2, f2) = pieces["moe_w13_grouped"], pieces["moe_w2_grouped"]
+pieces["moe_gemms"] = (lambda: (g13(), g2()), f13 + f2)
+dw = torch.empty(E, 4096, 6144, device=DEV, dtype=torch.bfloat16)
 flop = 2 * E * rows * 6144 * 4096
 pieces["moe_w13dw_grouped"] = (lambda: torch._grouped_mm(dgu.t(), x, offs=offs), flop)
-pieces["moe_w13dw_loop"] = (lambda: [torch.mm(dgu[starts[e]:starts[e + 1]].t(), x[starts[e]:starts[e + 1]], out=o[e])
-                                     for e in range(E)], flop)
-pieces["moe_w13dw_mm"] = (lambda: torch.mm(dgu.t(), x, out=o[0]), flop)
+pieces["moe_w13dw_loop"] = (lambda: weight_grad(dgu, x, splits, dw), flop)  # expert_mm's backward
+pieces["moe_w13dw_mm"] = (lambda: torch.mm(dgu.t(), x), flop)
 unknown = set(a.pieces.split(",")) - set(pieces)
 if unknown:
     raise SystemExit(f"energy_probe: unknown pieces {sorted(unknown)}; known: {sorted(pieces)}")
 pieces = {k: pieces[k] for k in a.pieces.split(",")}
-for wname, got in loop_out.items():  # the per-expert loop forms the grouped product's numbers
+for wname in [*moe_forms, "w13dw"]:  # the per-expert products form the grouped product's numbers
     if f"moe_{wname}_loop" in pieces and f"moe_{wname}_grouped" in pieces:
         ref = pieces[f"moe_{wname}_grouped"][0]().float()
-        pieces[f"moe_{wname}_loop"][0]()
-        print(f"check {wname}: loop vs grouped max abs diff {(got.float() - ref).abs().max().item():.3g} "
+        got = pieces[f"moe_{wname}_loop"][0]().float()
+        print(f"check {wname}: loop vs grouped max abs diff {(got - ref).abs().max().item():.3g} "
               f"(max {ref.abs().max().item():.3g})", flush=True)
 
 res = {"T": T, "device": torch.cuda.get_device_name(), "seconds": a.seconds, "meter": "nvml energy counter",
