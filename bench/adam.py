@@ -28,7 +28,7 @@ from titan_glm52.kernels import adam as adam_kernel  # noqa: E402
 from titan_glm52.model.args import get_flavor  # noqa: E402
 from titan_glm52.model.model import GLM52Model  # noqa: E402
 from titan_glm52.optimizer import TritonAdamW  # noqa: E402
-from titan_glm52.parallelize import clip_in_fused_step  # noqa: E402
+from titan_glm52.optimizer import clip_in_fused_step  # noqa: E402
 
 HYPER = dict(lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 

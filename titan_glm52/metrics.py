@@ -65,10 +65,6 @@ def _pairs(doc_lengths: torch.Tensor, k: int | None) -> int:
     return int(capped.sum())
 
 
-def doc_lengths_of(cu_seqlens: torch.Tensor) -> torch.Tensor:
-    return (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.int64)
-
-
 def step_flops(args: GLM52ModelArgs, doc_lengths: torch.Tensor, with_mtp: bool, sparse: bool = True,
                dense_prefix: bool = False, dense_masked_ratio: float = 0.0) -> float:
     """Training FLOPs (forward + backward) for the given documents (their lengths sum to the token count).

@@ -38,19 +38,10 @@ from torch.distributed.pipelining import PipelineStage
 
 from titan_glm52.model.args import GLM52ModelArgs
 from titan_glm52.model.model import GLM52Model, next_token_embeddings
+from titan_glm52.packed import cu_seqlens_from_positions
 from titan_glm52.pipeline_split import PipelinePlan, plan_pipeline
 
 logger = logging.getLogger(__name__)
-
-
-def cu_seqlens_from_positions(positions: torch.Tensor) -> torch.Tensor:
-    """int32 ``cu_seqlens`` of the flattened ``[B, S]`` stream: a document starts wherever position == 0
-    (every row starts a document)."""
-    flat = positions.reshape(-1)
-    starts = torch.nonzero(flat == 0).flatten()
-    row_starts = torch.arange(0, flat.numel(), positions.shape[-1], device=flat.device)
-    starts = torch.unique(torch.cat((starts, row_starts)))
-    return torch.cat((starts, starts.new_tensor([flat.numel()]))).to(torch.int32)
 
 
 def micro_batch_bounds(positions: torch.Tensor, host_positions: torch.Tensor, n_microbatches: int

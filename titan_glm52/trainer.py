@@ -31,16 +31,18 @@ from titan_glm52.data import IGNORE_INDEX, Prefetcher, build_dataloader, build_t
 from titan_glm52.hf_checkpoint import load_hf_state
 from titan_glm52.hf_export import save_hf_distributed
 from titan_glm52.master_weights import MasterWeights
-from titan_glm52.metrics import (MetricsLogger, doc_lengths_of, format_line, memory_stats, peak_flops,
-                                 reset_peak_memory, step_flops)
+from titan_glm52.host_copy import host_to_device
+from titan_glm52.metrics import (MetricsLogger, format_line, memory_stats, peak_flops, reset_peak_memory,
+                                 step_flops)
 from titan_glm52.model.args import GLM52ModelArgs, get_flavor
-from titan_glm52.model.attention import Attention, host_to_device
+from titan_glm52.model.attention import Attention
 from titan_glm52.model.model import GLM52Model
 from titan_glm52.model.moe import MoE
-from titan_glm52.optimizer import TritonAdam, TritonAdamW
-from titan_glm52.parallelize import (clip_grad_norm_, clip_in_fused_step, folds_clip, parallelize_model,
-                                     total_grad_norm)
-from titan_glm52.pipeline import build_pipeline_stages, cu_seqlens_from_positions, make_plan, micro_batch_bounds
+from titan_glm52.optimizer import (TritonAdam, TritonAdamW, clip_grad_norm_, clip_in_fused_step, folds_clip,
+                                   total_grad_norm)
+from titan_glm52.parallelize import parallelize_model
+from titan_glm52.packed import cu_seqlens_from_positions, doc_lengths
+from titan_glm52.pipeline import build_pipeline_stages, make_plan, micro_batch_bounds
 from titan_glm52.profiling import profiling
 from torchtitan.tools.utils import GarbageCollection
 
@@ -753,7 +755,7 @@ class Trainer:
             step_s = since if since is not None else (st.t_data - st.t0) + fb_s + opt_s
         # This data-parallel rank's tokens and FLOPs are shared by its pipeline stages' devices.
         devices_per_replica = self.env.world_size // self.dp_world
-        doc_lengths = torch.cat([doc_lengths_of(b["cu_seqlens"]) for b in st.batches])
+        doc_lengths = torch.cat([doc_lengths(b["cu_seqlens"]) for b in st.batches])
         flops = step_flops(self.args, doc_lengths, self.with_mtp, sparse=self.cfg.dsa.mode == "sparse",
                            dense_prefix=self.cfg.dsa.dense_prefix, dense_masked_ratio=self.cfg.dsa.dense_masked_ratio)
         flops /= devices_per_replica

@@ -21,14 +21,22 @@ from titan_glm52.model import attention as attention_mod
 from titan_glm52.model.attention import Attention
 from titan_glm52.model.model import GLM52Model, cross_entropy_sum
 from titan_glm52.model.moe import MoE
-from titan_glm52.optimizer import TritonAdamW
-from titan_glm52.parallelize import (all_reduce_moe_load, clip_grad_norm_, clip_in_fused_step, folds_clip,
-                                     parallelize_model)
+from titan_glm52.optimizer import TritonAdamW, clip_grad_norm_, clip_in_fused_step, folds_clip
+from titan_glm52.parallelize import parallelize_model
 
 SEQ, GLOBAL_BATCH, IGNORE = 32, 8, -100
 RTOL, ATOL = 1e-4, 1e-5
 # cpu (gloo) by default, also on GPU hosts; TITAN_GLM52_TEST_DEVICE=cuda runs the same cases on nccl.
 DEVICE_TYPE = os.environ.get("TITAN_GLM52_TEST_DEVICE", "cpu")
+
+
+def all_reduce_moe_load(model, dp_mesh) -> None:
+    """Sums every ``MoE.tokens_per_expert`` over the data-parallel ranks in place (global expert loads)."""
+    if dp_mesh is None or dp_mesh.size() == 1:
+        return
+    for m in model.modules():
+        if isinstance(m, MoE):
+            dist.all_reduce(m.tokens_per_expert, group=dp_mesh.get_group())
 
 
 def debug_args():

@@ -16,7 +16,8 @@ from titan_glm52.config import parse_job_config
 from titan_glm52.distributed import build_mesh, init_distributed
 from titan_glm52.model.model import GLM52Model, cross_entropy_sum
 from titan_glm52.model.moe import MoE
-from titan_glm52.parallelize import clip_grad_norm_, parallelize_model
+from titan_glm52.optimizer import clip_grad_norm_
+from titan_glm52.parallelize import parallelize_model
 from titan_glm52.pipeline import build_pipeline_stages, make_plan
 from titan_glm52.trainer import mtp_labels
 

@@ -13,7 +13,7 @@ import torch
 from titan_glm52.kernels._triton_env import interpreting
 from titan_glm52.master_weights import MasterWeights
 from titan_glm52.optimizer import TritonAdam, TritonAdamW
-from titan_glm52.parallelize import clip_grad_norm_, clip_in_fused_step, folds_clip, total_grad_norm
+from titan_glm52.optimizer import clip_grad_norm_, clip_in_fused_step, folds_clip, total_grad_norm
 
 SHAPES = [(96, 40), (40,), (3, 5, 7), (1,), (5000,)]
 HYPER = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)

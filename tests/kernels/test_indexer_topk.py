@@ -10,6 +10,7 @@ try:
 except ImportError:
     from _cases import cu_seqlens, gen
 
+from titan_glm52 import packed
 from titan_glm52.kernels import reference as R
 from titan_glm52.kernels.indexer_topk import indexer_topk
 
@@ -28,7 +29,7 @@ def _inputs(lengths, h_i, d_i, seed, zero_frac=0.0, dup_keys=False):
 
 
 def _check(out, ref, lengths, topk):
-    starts = R.doc_starts(cu_seqlens(lengths), out.shape[0])
+    starts = packed.doc_starts(cu_seqlens(lengths), out.shape[0])
     assert out.dtype == torch.int32 and out.shape == ref.shape
     for t in range(out.shape[0]):
         row = out[t].tolist()

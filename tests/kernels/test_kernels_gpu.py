@@ -13,6 +13,7 @@ try:
 except ImportError:
     from _cases import cos_diff
 
+from titan_glm52 import packed
 from titan_glm52.kernels import reference as R
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -57,7 +58,7 @@ def test_indexer_topk_real_size():
     out = indexer_topk(q, k, w, cu, TOPK, scale)
     torch.cuda.synchronize()
     assert torch.equal(out, indexer_topk(q, k, w, cu, TOPK, scale)), "not deterministic"
-    starts = R.doc_starts(cu, total)
+    starts = packed.doc_starts(cu, total)
     n = torch.clamp(torch.arange(total, device=DEV) - starts + 1, max=TOPK)
     valid = out >= 0
     assert torch.equal(valid.sum(1), n), "wrong number of selected keys"
@@ -106,7 +107,7 @@ def test_indexer_score_ws_matches_triton(monkeypatch):
     q, k, w = _indexer_inputs(total, 3)
     q[::7] = 0
     cu = _cu(lengths)
-    starts = R.doc_starts(cu, total).to(torch.int32)
+    starts = packed.doc_starts(cu, total).to(torch.int32)
     scale = D_I ** -0.5
     hp, dp, bq = IT._config(H_I, D_I, q.dtype)
 

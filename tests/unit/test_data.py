@@ -11,7 +11,7 @@ import torch
 
 from titan_glm52.data import (EMBEDDED_DATASETS, IGNORE_INDEX, DocumentSource, PackedDataLoader, Tokenizer,
                               build_dataloader, build_tokenizer, collate, pack_row)
-from titan_glm52.kernels.reference import doc_positions
+from titan_glm52.packed import doc_positions
 
 EOS = "<eos>"
 

@@ -1,4 +1,4 @@
-"""Gradient clipping folded into the fused Adam/AdamW step (parallelize.clip_in_fused_step) against the in-place
+"""Gradient clipping folded into the fused Adam/AdamW step (optimizer.clip_in_fused_step) against the in-place
 clip followed by the same fused step; DTensor (FSDP2 / EP) cases are in tests/distributed (``*_fused_clip``)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from titan_glm52.parallelize import (FOREACH_NORM_MAX_NUMEL, clip_coefficient, clip_grad_norm_, clip_in_fused_step,
+from titan_glm52.optimizer import (FOREACH_NORM_MAX_NUMEL, clip_coefficient, clip_grad_norm_, clip_in_fused_step,
                                      folds_clip, total_grad_norm)
 
 SHAPES = [(64, 48), (48,), (3, 5, 7), (1,), (200,)]

@@ -13,7 +13,8 @@ from titan_glm52.model.args import get_flavor
 from titan_glm52.model.attention import Attention
 from titan_glm52.model.model import GLM52Model, cross_entropy_sum
 from titan_glm52.model.moe import MoE
-from titan_glm52.parallelize import _reshard_policy, apply_ac, clip_grad_norm_, parallelize_model
+from titan_glm52.optimizer import clip_grad_norm_
+from titan_glm52.parallelize import _reshard_policy, apply_ac, parallelize_model
 
 
 # ----------------------------------------------------------------------------------------- degrees

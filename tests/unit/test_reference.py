@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from titan_glm52 import packed
 from titan_glm52.kernels import reference as R
 
 
@@ -16,7 +17,7 @@ def test_topk_matches_brute_force_with_documents_and_padding():
     q, k, w = torch.randn(t, 8, 16), torch.randn(t, 16), torch.randn(t, 8)
     got = R.indexer_topk(q, k, w, cu, 5, 0.25, chunk=6)
     s = dense_scores(q, k, w, 0.25)
-    starts = R.doc_starts(cu, t)
+    starts = packed.doc_starts(cu, t)
     for i in range(t):
         keys = list(range(int(starts[i]), i + 1))
         ranked = sorted(keys, key=lambda j: (-float(s[i, j]), j))[:5]
@@ -68,7 +69,7 @@ def test_indexer_kl_matches_direct_formula(sparse):
     ki, wi = torch.randn(t, 6, dtype=torch.float64), torch.randn(t, 8, dtype=torch.float64)
     idx = R.indexer_topk(qi.detach(), ki, wi, cu, 4, 0.5) if sparse else None
     kl = R.indexer_kl(q, kv, 0.4, qi, ki, wi, 0.5, cu, indices=idx, chunk=4)
-    starts = R.doc_starts(cu, t)
+    starts = packed.doc_starts(cu, t)
     for i in range(t):
         keys = idx[i][idx[i] >= 0].long() if sparse else torch.arange(int(starts[i]), i + 1)
         p = torch.softmax(torch.einsum("hd,kd->hk", q[i].double(), kv[keys].double()) * 0.4, -1).sum(0)
@@ -83,14 +84,14 @@ def test_indexer_kl_matches_direct_formula(sparse):
 
 def test_cu_seqlens_checks():
     with pytest.raises(ValueError, match="end at T"):
-        R.check_cu_seqlens(torch.tensor([0, 5], dtype=torch.int32), 6)
+        packed.check_cu_seqlens(torch.tensor([0, 5], dtype=torch.int32), 6)
     with pytest.raises(ValueError, match="non-decreasing"):
-        R.check_cu_seqlens(torch.tensor([0, 4, 3, 6], dtype=torch.int32), 6)
-    assert R.check_cu_seqlens([0, 4, 6], 6) == R.check_cu_seqlens(torch.tensor([0, 4, 6]), 6) == [0, 4, 6]
+        packed.check_cu_seqlens(torch.tensor([0, 4, 3, 6], dtype=torch.int32), 6)
+    assert packed.check_cu_seqlens([0, 4, 6], 6) == packed.check_cu_seqlens(torch.tensor([0, 4, 6]), 6) == [0, 4, 6]
     with pytest.raises(ValueError, match=">= 2 entries"):
-        R.check_cu_seqlens([6], 6)
+        packed.check_cu_seqlens([6], 6)
     with pytest.raises(ValueError, match="non-decreasing"):
-        R.check_cu_seqlens((0, 4, 3, 6), 6)
+        packed.check_cu_seqlens((0, 4, 3, 6), 6)
     with pytest.raises(TypeError):
-        R.check_cu_seqlens([0, 2.5, 6], 6)
-    assert R.doc_positions(torch.tensor([0, 3, 5], dtype=torch.int32), 5).tolist() == [0, 1, 2, 0, 1]
+        packed.check_cu_seqlens([0, 2.5, 6], 6)
+    assert packed.doc_positions(torch.tensor([0, 3, 5], dtype=torch.int32), 5).tolist() == [0, 1, 2, 0, 1]

@@ -10,44 +10,12 @@ sparse attention (each chunk is recomputed in backward instead of keeping its ``
 
 from __future__ import annotations
 
-import operator
-from collections.abc import Sequence
-
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from titan_glm52.packed import check_cu_seqlens, doc_starts
+
 QUERY_CHUNK = 256
-
-
-# ----------------------------------------------------------------------------------------- packing
-def doc_starts(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
-    """``[T]`` int64: the first row of each token's document."""
-    cu = cu_seqlens.to(torch.int64)
-    lengths = cu[1:] - cu[:-1]
-    return torch.repeat_interleave(cu[:-1], lengths, output_size=total)
-
-
-def doc_positions(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
-    """``[T]`` int64: 0-based position of each token inside its document."""
-    return torch.arange(total, device=cu_seqlens.device) - doc_starts(cu_seqlens, total)
-
-
-def check_cu_seqlens(cu_seqlens: torch.Tensor | Sequence[int], total: int) -> list[int]:
-    """Validates ``cu_seqlens`` (a tensor, or a host sequence of ints) and returns it as a host list (a tensor on
-    the GPU costs one device-to-host copy)."""
-    if isinstance(cu_seqlens, torch.Tensor):
-        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
-            raise ValueError(f"cu_seqlens must be 1-D with >= 2 entries, got shape {tuple(cu_seqlens.shape)}")
-        bounds = cu_seqlens.tolist()
-    else:
-        bounds = [operator.index(b) for b in cu_seqlens]
-        if len(bounds) < 2:
-            raise ValueError(f"cu_seqlens must have >= 2 entries, got {len(bounds)}")
-    if bounds[0] != 0 or bounds[-1] != total:
-        raise ValueError(f"cu_seqlens must start at 0 and end at T={total}, got {bounds[:4]}...")
-    if any(b < a for a, b in zip(bounds[:-1], bounds[1:])):
-        raise ValueError("cu_seqlens must be non-decreasing")
-    return bounds
 
 
 def _acc(x: torch.Tensor) -> torch.Tensor:
@@ -230,5 +198,5 @@ def dense_causal_attention(q: torch.Tensor, kv: torch.Tensor, cu_seqlens: torch.
     return torch.cat(outs)
 
 
-__all__ = ["doc_starts", "doc_positions", "check_cu_seqlens", "indexer_topk", "sparse_mla", "indexer_kl",
+__all__ = ["indexer_topk", "sparse_mla", "indexer_kl",
            "dense_causal_attention"]

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from titan_glm52.host_copy import host_ints
 from titan_glm52.kernels import reference, triton_kernels
 from titan_glm52.model.args import GLM52ModelArgs
 from titan_glm52.model.aux_loss import AuxLoss, in_backward
@@ -43,6 +44,7 @@ from titan_glm52.model.fp32_linear import linear_fp32
 from titan_glm52.model.recompute import RecomputeSaved, can_recompute
 from titan_glm52.model.norms import RMSNorm
 from titan_glm52.model.rope import apply_rope
+from titan_glm52.packed import doc_starts
 
 BACKENDS = ("torch", "triton")
 
@@ -105,19 +107,9 @@ class DensePrefix:
             at += length
         if not starts:
             return None
-        rows = _host_ints(starts, device)[:, None] + torch.arange(topk, device=device)
+        rows = host_ints(starts, device)[:, None] + torch.arange(topk, device=device)
         is_prefix = torch.zeros(at, dtype=torch.bool, device=device).index_fill_(0, rows.reshape(-1), True)
         return DensePrefix(rows, is_prefix, tuple(starts))
-
-
-def host_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on ``device`` without a host sync (a pageable host-to-device copy waits for the stream; a
-    pinned one does not)."""
-    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
-
-
-def _host_ints(values: list[int], device: torch.device) -> torch.Tensor:
-    return host_to_device(torch.tensor(values, dtype=torch.int64), device)
 
 
 @dataclass
@@ -140,7 +132,7 @@ class DenseMasked:
             at += length
         if not groups:
             return None
-        keys = {length: _host_ints(starts, device)[:, None] + torch.arange(length, device=device)
+        keys = {length: host_ints(starts, device)[:, None] + torch.arange(length, device=device)
                 for length, starts in groups.items()}
         rows = torch.cat([k[:, topk:].reshape(-1) for k in keys.values()])
         is_masked = torch.zeros(at, dtype=torch.bool, device=device).index_fill_(0, rows, True)
@@ -520,7 +512,7 @@ def _indexer_outputs(attn: Attention, out, train_indexer: bool, q_abs, kv, lse, 
         t = q_abs.shape[0]
         n = min(attn.recall_queries, t // ctx.rows)
         rows = torch.arange(t // ctx.rows - n, t // ctx.rows, device=q_abs.device)
-        starts = reference.doc_starts(ctx.cu_seqlens, t)[rows]
+        starts = doc_starts(ctx.cu_seqlens, t)[rows]
         attn.last_recall = topk_recall(q_abs[rows].detach(), kv.detach(), topk[rows], rows, starts,
                                        attn.softmax_scale)
     return out

@@ -16,15 +16,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from titan_glm52.kernels.reference import check_cu_seqlens, doc_positions
 from titan_glm52.model.args import GLM52ModelArgs
 from titan_glm52.model.head import OutputHead
 from titan_glm52.model.init import init_weights_
-from titan_glm52.model.attention import (Attention, DenseMasked, DensePrefix, PackedContext, host_to_device,
-                                         prepare_compiled_calls)
+from titan_glm52.host_copy import host_to_device
+from titan_glm52.model.attention import Attention, DenseMasked, DensePrefix, PackedContext, prepare_compiled_calls
 from titan_glm52.model.moe import MoE, FeedForward
 from titan_glm52.model.norms import RMSNorm
 from titan_glm52.model.rope import rope_cos_sin
+from titan_glm52.packed import check_cu_seqlens, doc_positions
 
 
 class Block(nn.Module):
