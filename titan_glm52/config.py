@@ -13,6 +13,10 @@ from typing import Literal
 from torchtitan.config import ConfigManager
 from torchtitan.config import job_config as tt
 
+from titan_glm52.model.args import GLM52ModelArgs, get_flavor
+from titan_glm52.model.options import ModelOptions
+from titan_glm52.pipeline_split import LayoutError, parse_layout
+
 
 class ConfigError(ValueError):
     """A job config that cannot work; the message names the key and the fix."""
@@ -123,6 +127,11 @@ class Data:
 class DSA:
     backend: Literal["auto", "torch", "triton"] = "auto"
     """Attention kernels: "torch" (reference, any device), "triton" (CUDA), "auto" = triton on CUDA else torch."""
+
+    gluon_kernels: bool = True
+    """With the triton backend on Hopper GPUs (H100/H200): the sparse MLA forward and backward and the indexer's
+    scoring run warp-specialised Gluon kernels where they apply (GLM-5.2's head and indexer shapes, bf16); false
+    runs the Triton kernels only (the same results, slower)."""
 
     mode: Literal["sparse", "dense_warmup"] = "sparse"
     """"sparse": top-k attention (DeepSeek-V3.2 sparse stage). "dense_warmup": dense causal attention, everything
@@ -370,16 +379,51 @@ def validate(cfg: JobConfig, world_size: int | None = None) -> None:
                     "IndexShare full layers); give an explicit split with parallelism.pipeline_parallel_layout")
     if p.pipeline_parallel_layout is not None:
         try:
-            [int(v) for v in p.pipeline_parallel_layout.split(",")]
-        except ValueError:
-            _refuse("parallelism.pipeline_parallel_layout", f"{p.pipeline_parallel_layout!r} is not a comma-separated "
-                    "list of layer counts, e.g. \"14,8,8,8,8,8,8,16\"")
+            parse_layout(p.pipeline_parallel_layout)
+        except LayoutError as e:
+            _refuse("parallelism.pipeline_parallel_layout", str(e))
     if p.pipeline_parallel_degree > 1 and p.pipeline_parallel_expert_parallel_overlap and \
             p.pipeline_parallel_schedule.lower() == "dualpipev":
         _refuse("parallelism.pipeline_parallel_expert_parallel_overlap", "the DualPipeV EP overlap callback is "
                 "torchtitan's for its own MoE; set it to false")
     if p.pipeline_parallel_degree > 1 and cfg.training.local_batch_size % p.pipeline_parallel_microbatch_size:
         _refuse("parallelism.pipeline_parallel_microbatch_size", "must divide training.local_batch_size")
+
+
+def model_args(cfg: JobConfig) -> GLM52ModelArgs:
+    """The model args of a job: the flavor or ``model.hf_config``, with the ``[model]`` / ``[dsa]`` overrides."""
+    args = GLM52ModelArgs.from_hf_config(cfg.model.hf_config) if cfg.model.hf_config else get_flavor(cfg.model.flavor)
+    changes = {}
+    if cfg.model.num_layers is not None:
+        changes["num_hidden_layers"] = cfg.model.num_layers
+        changes["first_k_dense_replace"] = min(args.first_k_dense_replace, cfg.model.num_layers)
+    if cfg.model.n_routed_experts is not None:
+        changes["n_routed_experts"] = cfg.model.n_routed_experts
+    if cfg.dsa.index_topk is not None:
+        changes["index_topk"] = cfg.dsa.index_topk
+    try:
+        return args.replace(**changes) if changes else args
+    except ValueError as e:
+        raise ConfigError(f"model overrides ({', '.join(changes)}): {e}") from e
+
+
+def dsa_backend(cfg: JobConfig, device_type: str) -> str:
+    """``dsa.backend`` as the model runs it: "auto" is triton on CUDA, torch elsewhere."""
+    if cfg.dsa.backend == "auto":
+        return "triton" if device_type == "cuda" else "torch"
+    return cfg.dsa.backend
+
+
+def model_options(cfg: JobConfig, device_type: str) -> ModelOptions:
+    """The model's runtime options of a job on ``device_type`` ("cuda" or "cpu")."""
+    d, m = cfg.dsa, cfg.moe
+    trainable = ("indexers" if d.mode == "dense_warmup" else "all_but_indexers" if d.freeze_indexer else "all")
+    return ModelOptions(
+        dsa_backend=dsa_backend(cfg, device_type), gluon_kernels=d.gluon_kernels,
+        sparse_attention=d.mode == "sparse", dense_prefix=d.dense_prefix, dense_masked_ratio=d.dense_masked_ratio,
+        recompute_latent_query=d.recompute_latent_query, indexer_loss_coeff=d.indexer_loss_coeff,
+        seq_aux_loss_coeff=m.seq_aux_loss_coeff, grouped_mm={"auto": None, "on": True, "off": False}[m.grouped_mm],
+        recompute_expert_inputs=m.recompute_expert_inputs, trainable=trainable)
 
 
 class _ConfigManager(ConfigManager):

@@ -2,7 +2,7 @@
 
 ``plan_memory(request)`` initialises a FAKE process group of ``gpus`` ranks (``torch.testing``'s ``FakeStore``;
 no communication happens), then, for one representative rank of every pipeline rank, runs the real path of
-the trainer: ``build_mesh`` -> ``make_plan`` (the skip-aware splitter; an invalid explicit layout is refused
+the trainer: ``build_mesh`` -> ``choose_layout`` (the skip-aware splitter; an invalid explicit layout is refused
 exactly as ``plan layout`` refuses it) -> ``GLM52Stage`` on the meta device for each stage that rank holds ->
 ``parallelize_model`` (EP, AC, FSDP2). It then reads what FSDP2 really allocates (``FSDPParam`` padded shard
 sizes and all-gather sizes), adds activation estimates, and reports the PEAK of the bytes allocated over a
@@ -306,11 +306,6 @@ class MemoryReport:
 
 
 # ===================================================================================== activations
-def _is_full(args: GLM52ModelArgs, layer_id: int) -> bool:
-    """The MTP block (id == num_hidden_layers) has its own indexer."""
-    return layer_id >= args.num_hidden_layers or args.index_share.is_full(layer_id)
-
-
 def block_bytes_per_token(args: GLM52ModelArgs, layer_id: int, mode: str, act_bytes: int,
                           load: float = 1.0, ep: bool = True, prefix_share: float = 0.0,
                           recompute_experts: bool = False, recompute_query: bool = False) -> float:
@@ -323,7 +318,7 @@ def block_bytes_per_token(args: GLM52ModelArgs, layer_id: int, mode: str, act_by
     n, v, kk = args.qk_nope_head_dim, args.v_head_dim, args.index_topk
     e, k, f = args.n_routed_experts, args.num_experts_per_tok, args.moe_intermediate_size
     fd, fs = args.intermediate_size, args.moe_intermediate_size * args.n_shared_experts
-    moe, full = args.is_moe_layer(layer_id), _is_full(args, layer_id)
+    moe, full = args.is_moe_layer(layer_id), args.index_share.has_indexer(layer_id)
     topk = 4 * kk if full else 0
     if mode == "full":
         return a * d + topk
@@ -736,7 +731,7 @@ def pipeline_buffer_bytes_per_token(args: GLM52ModelArgs, stage: int, num_stages
 
 
 # ===================================================================================== the plan
-def _build_rank(req: MemoryRequest, plan, rank: int, pp_rank_expected: int):
+def _build_rank(req: MemoryRequest, layout, rank: int, pp_rank_expected: int):
     """Fake world at ``rank``: mesh, this rank's stages (meta, parallelized). Returns (mesh, modules, stage ids)."""
     from titan_glm52.distributed import build_mesh
     from titan_glm52.model.model import GLM52Model
@@ -750,7 +745,7 @@ def _build_rank(req: MemoryRequest, plan, rank: int, pp_rank_expected: int):
     assert pp_rank == pp_rank_expected, (rank, pp_rank, pp_rank_expected)
     dtype = PARAM_DTYPES[req.param_dtype]
 
-    def prepare(module: nn.Module) -> nn.Module:  # the trainer's _prepare, minus kernels/freezing
+    def prepare(module: nn.Module) -> nn.Module:  # the trainer's _parallelize
         return parallelize_model(module, mesh, param_dtype=dtype, reduce_dtype=torch.float32,
                                  reshard_after_forward=req.reshard_after_forward, ac_mode=req.ac_mode,
                                  selective_ac_option=req.selective_ac_option, ep_enabled=req.ep > 1)
@@ -758,7 +753,7 @@ def _build_rank(req: MemoryRequest, plan, rank: int, pp_rank_expected: int):
     if req.pp == 1:
         with torch.device("meta"):
             return mesh, [prepare(GLM52Model(args, with_mtp=req.with_mtp))], (0,)
-    built = [(s, prepare(module)) for s, module in stage_modules(args, plan, pp_rank, req.with_mtp)]
+    built = [(spec.index, prepare(module)) for spec, module in stage_modules(args, layout, pp_rank)]
     return mesh, [m for _, m in built], tuple(s for s, _ in built)
 
 
@@ -795,14 +790,14 @@ def plan_memory(req: MemoryRequest) -> MemoryReport:
 
     from titan_glm52.distributed import validate_degrees
     from titan_glm52.parallelize import _reshard_policy
-    from titan_glm52.pipeline import make_plan
+    from titan_glm52.pipeline_split import choose_layout
 
     _check_request(req)
     args = req.args
     deg = validate_degrees(req.gpus, req.dp_replicate, req.dp_shard, req.ep, req.pp, args.n_routed_experts)
-    plan = make_plan(args, req.schedule, req.pp, req.stages_per_rank, req.seq_len,
-                     list(req.layers_per_stage) if req.layers_per_stage is not None else None)
-    pl = plan.placement
+    layout = choose_layout(args, req.schedule, req.pp, req.stages_per_rank, seq_len=req.seq_len,
+                           layers_per_stage=req.layers_per_stage, with_mtp=req.with_mtp)
+    pl = layout.placement
     if req.pp == 1 and pl.num_stages != 1:
         raise ValueError(f"pp 1 runs no pipeline schedule; got {pl.num_stages} stages from schedule {pl.schedule}")
     if dist.is_initialized():
@@ -812,10 +807,8 @@ def plan_memory(req: MemoryRequest) -> MemoryReport:
     n_mb = req.local_batch_size // req.microbatch_size if pipelined else 1
     tokens = (req.microbatch_size if pipelined else req.local_batch_size) * req.seq_len
     act_bytes = torch.finfo(PARAM_DTYPES[req.param_dtype]).bits // 8
-    report = MemoryReport(req, plan.layers_per_stage, pl.stage_to_rank, pl.schedule, pl.stages_per_rank,
+    report = MemoryReport(req, layout.layers_per_stage, pl.stage_to_rank, pl.schedule, pl.stages_per_rank,
                           deg.dp_shard, deg.efsdp, n_mb, tokens)
-    starts = [sum(plan.layers_per_stage[:i]) for i in range(pl.num_stages)]
-    stage_layers = [range(b, b + n) for b, n in zip(starts, plan.layers_per_stage)]
     # One document per row: its first index_topk rows run on the dense prefix; if it is at most dense_masked_ratio x
     # index_topk long, its later rows run on the masked dense path, with plain keys and values for all its rows
     # (another share of 1, an upper bound: it also counts the prefix rows' queries and outputs again) and the
@@ -826,10 +819,10 @@ def plan_memory(req: MemoryRequest) -> MemoryReport:
     if req.dense_prefix and req.dense_masked_ratio > 0 and kk < seq <= int(req.dense_masked_ratio * kk):
         prefix_share += 1.0
         mask_per_token = 3.0 * (seq - kk)
-    acts = [stage_activations(args, stage_layers[s], s == 0, s == pl.num_stages - 1, req.with_mtp, req.ac_mode,
+    acts = [stage_activations(args, spec.layers, spec.embedding, spec.head, spec.with_mtp, req.ac_mode,
                               req.selective_ac_option, act_bytes, req.expert_load_factor, req.ep > 1, tokens,
                               prefix_share, mask_per_token, req.recompute_expert_inputs, req.recompute_latent_query)
-            for s in range(pl.num_stages)]
+            for spec in layout.stages]
     keep_all = pipelined or not _reshard_policy(req.reshard_after_forward, pipelined, deg.dp_shard)
     master = req.master_weights == "optimizer"
     ranks_per_pp = deg.dp_replicate * deg.dp_shard
@@ -840,7 +833,7 @@ def plan_memory(req: MemoryRequest) -> MemoryReport:
         rank = pp_rank * ranks_per_pp
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=req.gpus)
         try:
-            mesh, modules, stage_ids = _build_rank(req, plan, rank, pp_rank)
+            mesh, modules, stage_ids = _build_rank(req, layout, rank, pp_rank)
             units, steps, loose, loose_trainable = [], {}, 0, 0
             for s, module in zip(stage_ids, modules):
                 u, lo, lt = _fsdp_units(module)
@@ -876,7 +869,7 @@ def plan_memory(req: MemoryRequest) -> MemoryReport:
                                          4.0 * loose_trainable)
         peak = max(phases, key=lambda ph: ph.total)
         report.ranks.append(RankMemory(
-            pp_rank=pp_rank, rank=rank, stages=stage_ids, layers=tuple(stage_layers[s] for s in stage_ids),
+            pp_rank=pp_rank, rank=rank, stages=stage_ids, layers=tuple(layout.stages[s].layers for s in stage_ids),
             local_params=local, trainable_params=trainable, params=(4.0 + act_bytes * master) * local,
             grads=peak.grads,
             optimizer=8.0 * trainable, unsharded=peak.unsharded, grad_accum=peak.grad_accum,
@@ -890,19 +883,18 @@ def request_from_job_config(cfg, gpus: int | None = None, *, gpu_memory_gib: flo
     """The ``MemoryRequest`` of a parsed job config (``config.parse_job_config``): its model (as the trainer
     builds it), degrees, schedule, layout, batch, AC mode, precision and MTP. ``gpus`` defaults to
     pp x dp_replicate x dp_shard, which needs an explicit ``data_parallel_shard_degree``."""
-    from titan_glm52.config import resolve_master_weights
-    from titan_glm52.trainer import build_model_args
+    from titan_glm52.config import model_args, resolve_master_weights
+    from titan_glm52.pipeline_split import parse_layout
 
     p, t = cfg.parallelism, cfg.training
     if gpus is None:
         if p.data_parallel_shard_degree < 1:
             raise ValueError("parallelism.data_parallel_shard_degree = -1: pass gpus (the world size)")
         gpus = p.pipeline_parallel_degree * p.data_parallel_replicate_degree * p.data_parallel_shard_degree
-    args = build_model_args(cfg)
+    args = model_args(cfg)
     master = resolve_master_weights(cfg, gpus)  # the trainer's rule on a GPU
     per_step = t.local_batch_size * (gpus // p.pipeline_parallel_degree)  # samples per micro-batch, all ranks
-    layout = (tuple(int(v) for v in p.pipeline_parallel_layout.split(","))
-              if p.pipeline_parallel_layout else None)
+    layout = parse_layout(p.pipeline_parallel_layout) if p.pipeline_parallel_layout else None
     return MemoryRequest(
         args=args, gpus=gpus, pp=p.pipeline_parallel_degree, ep=p.expert_parallel_degree,
         dp_replicate=p.data_parallel_replicate_degree, dp_shard=p.data_parallel_shard_degree,

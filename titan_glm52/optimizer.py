@@ -287,3 +287,23 @@ def clip_in_fused_step(optimizers: Iterable[torch.optim.Optimizer], total_norm: 
             else:
                 o.__dict__.pop("grad_scale", None)
                 o.__dict__.pop("found_inf", None)
+
+
+# ============================================================================ building
+def build_optimizers(model_parts: list[torch.nn.Module], cfg, master_weights=None):
+    """torchtitan's ``OptimizersContainer`` over ``model_parts`` for the ``[optimizer]`` section ``cfg``: Adam or
+    AdamW, torch's ("fused", "foreach", "for-loop") or this project's Triton step ("triton"), which also holds
+    ``master_weights`` (``MasterWeights`` or None) where the trainer keeps fp32 masters in the optimizer."""
+    from torchtitan.components.optimizer import OptimizersContainer
+
+    if cfg.implementation == "triton":
+        opt_cls, impl = (TritonAdamW if cfg.name == "AdamW" else TritonAdam), {}
+    else:
+        opt_cls = torch.optim.AdamW if cfg.name == "AdamW" else torch.optim.Adam
+        impl = {"fused": {"fused": True}, "foreach": {"foreach": True},
+                "for-loop": {"foreach": False}}[cfg.implementation]
+    optimizers = OptimizersContainer(model_parts, opt_cls, dict(
+        lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay, **impl))
+    for opt in optimizers.optimizers:
+        opt.master_weights = master_weights  # (only the Triton step reads it; validate refuses other pairings)
+    return optimizers

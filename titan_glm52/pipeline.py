@@ -35,11 +35,15 @@ from collections.abc import Callable
 import torch
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.microbatch import TensorChunkSpec, _Replicate
+from torch.distributed.pipelining.schedules import PipelineScheduleMulti, get_schedule_class
 
 from titan_glm52.model.args import GLM52ModelArgs
+from titan_glm52.model.aux_loss import AuxTerms
 from titan_glm52.model.model import GLM52Model, next_token_embeddings
+from titan_glm52.model.options import ModelOptions
 from titan_glm52.packed import cu_seqlens_from_positions
-from titan_glm52.pipeline_split import PipelinePlan, plan_pipeline
+from titan_glm52.pipeline_split import PipelineLayout, StageSpec
 
 logger = logging.getLogger(__name__)
 
@@ -59,47 +63,48 @@ def micro_batch_bounds(positions: torch.Tensor, host_positions: torch.Tensor, n_
 
 
 class GLM52Stage(GLM52Model):
-    """One pipeline stage: GLM52Model holding only this stage's pieces (same parameter names as the full
-    model, so checkpoints move between layouts), with a tensor-in, tensor-out forward (module docstring)."""
+    """One pipeline stage: GLM52Model holding only what its ``StageSpec`` says (same parameter names as the
+    full model, so checkpoints move between layouts), with a tensor-in, tensor-out forward (module
+    docstring)."""
 
-    def __init__(self, args: GLM52ModelArgs, layer_ids: range, is_first: bool, is_last: bool,
-                 with_mtp: bool) -> None:
-        super().__init__(args, with_mtp=with_mtp and is_last)
+    def __init__(self, args: GLM52ModelArgs, spec: StageSpec, options: ModelOptions | None = None) -> None:
+        super().__init__(args, options, with_mtp=spec.mtp)
         for key in list(self.layers.keys()):
-            if int(key) not in layer_ids:
+            if int(key) not in spec.layers:
                 del self.layers[key]
-        if not is_first:
+        if not spec.embedding:
             self.tok_embeddings = None
-        if not is_last:
+        if not spec.head:
             self.norm, self.output = None, None
-        self.is_first, self.is_last, self.with_mtp = is_first, is_last, with_mtp
-        # Set by the trainer for one schedule step (``micro_batch_bounds``): the forward then reads no bounds back.
-        self.host_bounds: dict[tuple[int, tuple[int, ...]], list[int]] = {}
+        self.spec = spec
         self._missed_bounds = False
 
-    def forward(self, x: torch.Tensor, emb_next: torch.Tensor | None = None, *, positions: torch.Tensor):
+    def forward(self, x: torch.Tensor, emb_next: torch.Tensor | None = None, *, positions: torch.Tensor,
+                aux: AuxTerms | None = None, bounds: dict | None = None):
+        """``bounds``: ``micro_batch_bounds`` of the step, so that no stage reads document bounds from the GPU;
+        ``aux``: the step's auxiliary terms (``AuxTerms``), shared by every micro-batch and stage of the rank."""
         mb, s = positions.shape
-        bounds = self.host_bounds.get((positions.data_ptr(), tuple(positions.shape)))
-        if bounds is None and self.host_bounds and not self._missed_bounds:
+        cu = (bounds or {}).get((positions.data_ptr(), tuple(positions.shape)))
+        if cu is None and bounds and not self._missed_bounds:
             self._missed_bounds = True  # (the same values either way; only the sync differs)
             logger.warning("pipeline stage with layers %s: the schedule passed positions that are not a chunk of "
                            "the step's (micro_batch_bounds); their document bounds are read from the GPU, a host "
                            "sync per forward", list(self.layers.keys()))
-        ctx = self.packed_context(mb, s, bounds if bounds is not None else cu_seqlens_from_positions(positions),
-                                  positions.device)
-        if self.is_first:
+        ctx = self.packed_context(mb, s, cu if cu is not None else cu_seqlens_from_positions(positions),
+                                  positions.device, aux)
+        if self.spec.embedding:
             h = self.tok_embeddings(x).view(mb * s, -1)
-            if self.with_mtp:
+            if self.spec.with_mtp:
                 emb_next = next_token_embeddings(h, mb)
         else:
             h = x
         h = self.run_layers(h, ctx)
-        if not self.is_last:
-            if not self.with_mtp:
+        if not self.spec.head:
+            if not self.spec.with_mtp:
                 return h
-            return h, emb_next if self.is_first else emb_next.clone()
+            return h, emb_next if self.spec.embedding else emb_next.clone()
         h = self.norm(h)
-        if not self.with_mtp:
+        if self.mtp is None:
             return h
         return h, self.mtp(h, emb_next, ctx)
 
@@ -107,36 +112,44 @@ class GLM52Stage(GLM52Model):
         """Last stage: summed fp32 cross-entropy of the head over ``output`` (this stage's forward output) against
         ``labels [mb, S]``, and of the MTP hidden states against ``mtp_labels`` (None without MTP), chunked as
         in ``GLM52Model.forward``."""
-        h, x = output if self.with_mtp else (output, None)
+        h, x = output if self.mtp is not None else (output, None)
         return self.head_loss_sums(h, labels, x, mtp_labels)
 
 
-def stage_modules(args: GLM52ModelArgs, plan: PipelinePlan, pp_rank: int, with_mtp: bool):
-    """Yields ``(stage index, GLM52Stage on the meta device)`` for the stages pipeline rank ``pp_rank`` holds."""
-    num_stages = len(plan.layers_per_stage)
-    for stage_idx, rank in enumerate(plan.placement.stage_to_rank):
-        if rank == pp_rank:
-            start = sum(plan.layers_per_stage[:stage_idx])
-            layers = range(start, start + plan.layers_per_stage[stage_idx])
-            with torch.device("meta"):
-                yield stage_idx, GLM52Stage(args, layers, stage_idx == 0, stage_idx == num_stages - 1, with_mtp)
+def stage_modules(args: GLM52ModelArgs, layout: PipelineLayout, pp_rank: int, options: ModelOptions | None = None):
+    """Yields ``(StageSpec, GLM52Stage on the meta device)`` for the stages pipeline rank ``pp_rank`` holds."""
+    for spec in layout.stages_of_rank(pp_rank):
+        with torch.device("meta"):
+            yield spec, GLM52Stage(args, spec, options)
 
 
-def build_pipeline_stages(args: GLM52ModelArgs, plan: PipelinePlan, pp_rank: int, pp_group, device: torch.device,
-                          with_mtp: bool, prepare: Callable[[nn.Module], nn.Module]) -> tuple[list[PipelineStage],
-                                                                                              list[nn.Module]]:
+def build_pipeline_stages(args: GLM52ModelArgs, layout: PipelineLayout, pp_rank: int, pp_group,
+                          device: torch.device, options: ModelOptions | None,
+                          prepare: Callable[[nn.Module], nn.Module]) -> tuple[list[PipelineStage], list[nn.Module]]:
     """Builds this rank's stages on the meta device; ``prepare`` parallelizes each stage module (the caller
     materialises and initialises them). Returns the PipelineStages and their modules (the model parts)."""
     stages, parts = [], []
-    for stage_idx, module in stage_modules(args, plan, pp_rank, with_mtp):
+    for spec, module in stage_modules(args, layout, pp_rank, options):
         module = prepare(module)
-        stages.append(PipelineStage(module, stage_idx, len(plan.layers_per_stage), device, group=pp_group))
+        stages.append(PipelineStage(module, spec.index, len(layout.stages), device, group=pp_group))
         parts.append(module)
     return stages, parts
 
 
-def make_plan(args: GLM52ModelArgs, schedule: str, pp_degree: int, stages_per_rank: int | None, seq_len: int,
-              layers_per_stage: list[int] | None) -> PipelinePlan:
-    """The splitter's plan; a bad explicit layout raises before any work (LayoutError names the fix)."""
-    return plan_pipeline(args, schedule, pp_degree, stages_per_rank, seq_len=seq_len,
-                         layers_per_stage=layers_per_stage)
+# The stages' keyword inputs: ``positions`` is split into micro-batches like the tokens; the step's ``AuxTerms``
+# and host-side bounds go to every micro-batch as they are.
+KWARGS_CHUNK_SPEC = {"positions": TensorChunkSpec(0), "aux": _Replicate, "bounds": _Replicate}
+
+
+def build_schedule(stages: list[PipelineStage], schedule: str, n_microbatches: int, loss_fn: Callable):
+    """The ``torch.distributed.pipelining`` schedule ``schedule`` over this rank's stages, with the gradients left
+    unscaled (the loss is already normalised by the step's global token count) and the keyword inputs of
+    ``KWARGS_CHUNK_SPEC``. (torchtitan's ``build_pipeline_schedule`` takes no keyword chunk spec.)"""
+    cls = get_schedule_class(schedule)
+    looped = issubclass(cls, PipelineScheduleMulti)
+    if not looped and len(stages) != 1:
+        raise ValueError(f"schedule {schedule} runs one stage per rank, got {len(stages)}")
+    logger.info("pipeline schedule %s: %d micro-batches, %d stage(s) on this rank", schedule, n_microbatches,
+                len(stages))
+    return cls(stages if looped else stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn,
+               kwargs_chunk_spec=KWARGS_CHUNK_SPEC, scale_grads=False)

@@ -9,8 +9,10 @@ Pure logic (no process groups, no model): ``pipeline.py`` builds stages from wha
 * ``layer_costs(args, seq_len)`` and ``stage_extra_costs(args, seq_len)``: the cost model below.
 * ``split_layers(schedule, num_stages, costs, first_extra, last_extra)``: the best split; ``validate_layout``
   checks a given one; ``split(args, num_stages, ...)`` does either from the model args.
-* ``module_names_per_stage(layers_per_stage, has_mtp)``: the module FQNs each stage keeps.
-* ``plan_pipeline(args, schedule, pp_degree, ...)``: all of the above in one ``PipelinePlan``.
+* ``stage_specs(layers_per_stage, stage_to_rank, with_mtp)``: what each stage holds (``StageSpec``); stage
+  building (``pipeline.py``) executes that answer and decides nothing itself.
+* ``parse_layout(text)``: ``parallelism.pipeline_parallel_layout`` as layers per stage (the one parser).
+* ``choose_layout(args, schedule, pp_degree, ...)``: all of the above in one ``PipelineLayout``.
 
 Cost model. The cost of a piece is its forward FLOPs per token (2 per multiply-add) at a given sequence length,
 averaged over the causal positions of one sequence; backward and recompute scale every matmul alike, so the
@@ -30,7 +32,7 @@ stages, so every stage boundary sits right before a full layer. Among the splits
 non-empty stages that respect this, ``split_layers`` returns one with the smallest maximum stage cost (an
 exact dynamic program over the full layers, not a heuristic); among those, the one with the smallest sum of
 squared stage costs; remaining ties go to the earliest cuts. The splitter balances stages, not ranks: with
-several stages per rank the rank totals are reported (``PipelinePlan.rank_costs``) but not optimised. An
+several stages per rank the rank totals are reported (``PipelineLayout.rank_costs``) but not optimised. An
 explicit layout is validated before any work and refused with a ``LayoutError`` (a ``ValueError``) that names
 each stage starting on a shared layer, that layer's source layer, and the valid layout nearest to the given one
 (smallest L1 distance in layers per stage; ties go to the earliest cuts).
@@ -186,16 +188,17 @@ def layer_costs(args: GLM52ModelArgs, seq_len: int = DEFAULT_SEQ_LEN) -> list[fl
             for i in range(args.num_hidden_layers)]
 
 
-def stage_extra_costs(args: GLM52ModelArgs, seq_len: int = DEFAULT_SEQ_LEN) -> tuple[float, float]:
+def stage_extra_costs(args: GLM52ModelArgs, seq_len: int = DEFAULT_SEQ_LEN, with_mtp: bool | None = None
+                      ) -> tuple[float, float]:
     """(first-stage extra, last-stage extra) in the units of ``layer_costs``.
 
-    First: the embedding lookup, a gather counted as 0. Last: final norm + output head, and the MTP layer when
-    ``num_nextn_predict_layers`` is 1 (``eh_proj`` on the concatenated [embedding, hidden], one MoE decoder layer
-    with its own indexer, and the head again).
+    First: the embedding lookup, a gather counted as 0. Last: final norm + output head, and the MTP layer with
+    ``with_mtp`` (default: when ``num_nextn_predict_layers`` is 1): ``eh_proj`` on the concatenated [embedding,
+    hidden], one MoE decoder layer with its own indexer, and the head again.
     """
     _check_seq_len(seq_len)
     last = _head_flops(args)
-    if args.num_nextn_predict_layers:
+    if args.num_nextn_predict_layers if with_mtp is None else with_mtp:
         d = args.hidden_size
         last += (2.0 * 2 * d * d + _decoder_layer_flops(args, seq_len, moe=args.is_moe_layer(args.num_hidden_layers),
                                                            full=True) + _head_flops(args))
@@ -370,40 +373,87 @@ def validate_layout(schedule: IndexShareSchedule, num_stages: int, layers_per_st
 
 
 def split(args: GLM52ModelArgs, num_stages: int, *, seq_len: int = DEFAULT_SEQ_LEN,
-          explicit: Sequence[int] | None = None) -> list[int]:
+          explicit: Sequence[int] | None = None, with_mtp: bool | None = None) -> list[int]:
     """Layers per stage for the model: ``explicit`` validated (``LayoutError`` when bad, before any costing),
     else the best split under ``layer_costs``/``stage_extra_costs`` at ``seq_len``."""
     if explicit is not None:
         return validate_layout(args.index_share, num_stages, explicit)
-    first, last = stage_extra_costs(args, seq_len)
+    first, last = stage_extra_costs(args, seq_len, with_mtp)
     return split_layers(args.index_share, num_stages, layer_costs(args, seq_len), first, last)
 
 
-def module_names_per_stage(layers_per_stage: Sequence[int], has_mtp: bool) -> list[list[str]]:
-    """Module FQNs each stage keeps, in the model's naming: the first stage ``tok_embeddings`` + its
-    ``layers.{i}``; the last its layers + ``norm``, ``output`` (+ ``mtp``); a single stage all of them."""
+@dataclass(frozen=True)
+class StageSpec:
+    """What one pipeline stage holds: its decoder layers, and whether it also holds the embedding (the first
+    stage) and the final norm and output head (the last). ``with_mtp``: the job trains the MTP layer, which the
+    last stage holds (``mtp``); every stage then passes the next tokens' embeddings on to it."""
+
+    index: int
+    rank: int
+    layers: range
+    embedding: bool
+    head: bool
+    with_mtp: bool
+
+    @property
+    def mtp(self) -> bool:
+        return self.head and self.with_mtp
+
+    @property
+    def module_names(self) -> tuple[str, ...]:
+        """The module FQNs the stage keeps, in the model's naming."""
+        names = ["tok_embeddings"] if self.embedding else []
+        names += [f"layers.{i}" for i in self.layers]
+        if self.head:
+            names += ["norm", "output"] + (["mtp"] if self.mtp else [])
+        return tuple(names)
+
+
+def stage_specs(layers_per_stage: Sequence[int], stage_to_rank: Sequence[int], with_mtp: bool
+                ) -> tuple[StageSpec, ...]:
+    """The stages of a layout, in stage order (``stage_to_rank[s]`` holds stage s)."""
     if not layers_per_stage or any(n < 1 for n in layers_per_stage):
         raise ValueError(f"every stage needs at least one layer, got {list(layers_per_stage)}")
-    out, start = [], 0
-    for k, n in enumerate(layers_per_stage):
-        names = ["tok_embeddings"] if k == 0 else []
-        names += [f"layers.{i}" for i in range(start, start + n)]
-        if k == len(layers_per_stage) - 1:
-            names += ["norm", "output"] + (["mtp"] if has_mtp else [])
-        out.append(names)
+    if len(stage_to_rank) != len(layers_per_stage):
+        raise ValueError(f"{len(layers_per_stage)} stages but {len(stage_to_rank)} ranks in the placement")
+    specs, start, last = [], 0, len(layers_per_stage) - 1
+    for s, n in enumerate(layers_per_stage):
+        specs.append(StageSpec(s, stage_to_rank[s], range(start, start + n), embedding=s == 0, head=s == last,
+                               with_mtp=with_mtp))
         start += n
-    return out
+    return tuple(specs)
 
 
-# ------------------------------------------------------------------------------------- whole plan
+def parse_layout(text: str) -> tuple[int, ...]:
+    """``parallelism.pipeline_parallel_layout``, e.g. "14,8,8,8,8,8,8,16", as layers per stage."""
+    try:
+        return tuple(int(v) for v in text.replace(" ", "").split(",") if v != "")
+    except ValueError:
+        raise LayoutError(f"{text!r} is not a comma-separated list of layer counts, e.g. "
+                          "\"14,8,8,8,8,8,8,16\"") from None
+
+
+# ------------------------------------------------------------------------------------- whole layout
 @dataclass(frozen=True)
-class PipelinePlan:
+class PipelineLayout:
+    """The splitter's answer: the schedule's placement, what every stage holds and what it costs."""
+
     placement: StagePlacement
-    layers_per_stage: tuple[int, ...]
-    first_layers: tuple[int, ...]
+    stages: tuple[StageSpec, ...]
     stage_costs: tuple[float, ...]  # forward FLOPs per token, extras included
-    module_names: tuple[tuple[str, ...], ...]
     seq_len: int
+
+    @property
+    def layers_per_stage(self) -> tuple[int, ...]:
+        return tuple(len(s.layers) for s in self.stages)
+
+    @property
+    def first_layers(self) -> tuple[int, ...]:
+        return tuple(s.layers.start for s in self.stages)
+
+    @property
+    def module_names(self) -> tuple[tuple[str, ...], ...]:
+        return tuple(s.module_names for s in self.stages)
 
     @property
     def total_cost(self) -> float:
@@ -417,17 +467,24 @@ class PipelinePlan:
             out[self.placement.stage_to_rank[s]] += c
         return tuple(out)
 
+    def stages_of_rank(self, rank: int) -> tuple[StageSpec, ...]:
+        return tuple(s for s in self.stages if s.rank == rank)
 
-def plan_pipeline(args: GLM52ModelArgs, schedule: str, pp_degree: int, stages_per_rank: int | None = None, *,
-                  seq_len: int = DEFAULT_SEQ_LEN, layers_per_stage: Sequence[int] | None = None) -> PipelinePlan:
-    """Placement, layers, costs and module names for a schedule; ``layers_per_stage`` is validated when given.
-    Raises ``ValueError`` (``LayoutError`` for layouts) before any work when the request cannot run."""
+
+def choose_layout(args: GLM52ModelArgs, schedule: str, pp_degree: int, stages_per_rank: int | None = None, *,
+                  seq_len: int = DEFAULT_SEQ_LEN, layers_per_stage: Sequence[int] | None = None,
+                  with_mtp: bool | None = None) -> PipelineLayout:
+    """Placement, stages and costs for a schedule; ``layers_per_stage`` is validated when given. ``with_mtp``
+    (default: the args have an MTP layer) puts the MTP layer on the last stage and into its cost. Raises
+    ``ValueError`` (``LayoutError`` for layouts) before any work when the request cannot run."""
     _check_seq_len(seq_len)
+    if with_mtp is None:
+        with_mtp = bool(args.num_nextn_predict_layers)
+    elif with_mtp and not args.num_nextn_predict_layers:
+        raise ValueError("with_mtp=True but the model args have num_nextn_predict_layers = 0")
     placement = stage_placement(schedule, pp_degree, stages_per_rank)
-    layout = split(args, placement.num_stages, seq_len=seq_len, explicit=layers_per_stage)
-    first, last = stage_extra_costs(args, seq_len)
+    layout = split(args, placement.num_stages, seq_len=seq_len, explicit=layers_per_stage, with_mtp=with_mtp)
+    first, last = stage_extra_costs(args, seq_len, with_mtp)
     costs = stage_costs(layout, layer_costs(args, seq_len), first, last)
-    starts = [sum(layout[:k]) for k in range(len(layout))]
-    names = module_names_per_stage(layout, has_mtp=bool(args.num_nextn_predict_layers))
-    return PipelinePlan(placement=placement, layers_per_stage=tuple(layout), first_layers=tuple(starts),
-                        stage_costs=tuple(costs), module_names=tuple(tuple(n) for n in names), seq_len=seq_len)
+    return PipelineLayout(placement=placement, stages=stage_specs(layout, placement.stage_to_rank, with_mtp),
+                          stage_costs=tuple(costs), seq_len=seq_len)

@@ -47,11 +47,11 @@ def _load_model(ns: argparse.Namespace) -> tuple[str, GLM52ModelArgs]:
     return name, get_flavor(name)
 
 
-def _int_list(text: str) -> list[int]:
+def _layout(text: str) -> tuple[int, ...]:
     try:
-        return [int(x) for x in text.replace(" ", "").split(",") if x != ""]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+        return ps.parse_layout(text)
+    except ps.LayoutError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 # ------------------------------------------------------------------------------------- layout
@@ -67,7 +67,7 @@ def _add_layout_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--stages-per-rank", type=int, default=None, metavar="V",
                    help="stages per rank (default: 1 for single-stage schedules, 2 otherwise)")
     p.add_argument("--seq-len", type=int, default=ps.DEFAULT_SEQ_LEN, help="sequence length for the cost model")
-    p.add_argument("--layers-per-stage", type=_int_list, default=None, metavar="N,N,...",
+    p.add_argument("--layers-per-stage", type=_layout, default=None, metavar="N,N,...",
                    help="check this layout instead of choosing one")
     p.set_defaults(func=_cmd_layout)
 
@@ -78,7 +78,7 @@ def _layer_range(first: int, n: int) -> str:
 
 def _cmd_layout(ns: argparse.Namespace) -> int:
     model_name, args = _load_model(ns)
-    plan = ps.plan_pipeline(args, ns.schedule, ns.pp, ns.stages_per_rank, seq_len=ns.seq_len,
+    plan = ps.choose_layout(args, ns.schedule, ns.pp, ns.stages_per_rank, seq_len=ns.seq_len,
                             layers_per_stage=ns.layers_per_stage)
     sched, pl = args.index_share, plan.placement
     n_moe = sum(args.is_moe_layer(i) for i in range(args.num_hidden_layers))
@@ -122,7 +122,7 @@ def _add_memory_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dp-shard", type=int, default=-1, help="FSDP degree; -1 = the ranks left over (default)")
     p.add_argument("--schedule", default="1F1B", help="pipeline schedule name, as for `layout` (default 1F1B)")
     p.add_argument("--stages-per-rank", type=int, default=None, metavar="V", help="stages per pipeline rank")
-    p.add_argument("--layers-per-stage", type=_int_list, default=None, metavar="N,N,...",
+    p.add_argument("--layers-per-stage", type=_layout, default=None, metavar="N,N,...",
                    help="explicit layout (validated as by `layout`); default: the splitter's choice")
     p.add_argument("--seq-len", type=int, default=ps.DEFAULT_SEQ_LEN, help="tokens per sample (default 4096)")
     p.add_argument("--local-batch-size", type=int, default=1,

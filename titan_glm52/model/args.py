@@ -255,7 +255,8 @@ class GLM52ModelArgs:
 
     def _mtp_params(self, active: bool) -> int:
         d = self.hidden_size
-        return self._layer_params(self.num_hidden_layers, True, active) + 2 * d * d + 3 * d
+        mtp_id = self.num_hidden_layers
+        return self._layer_params(mtp_id, self.index_share.has_indexer(mtp_id), active) + 2 * d * d + 3 * d
 
     def num_params(self, include_mtp: bool = True) -> int:
         """Trainable parameters (buffers such as e_score_correction_bias excluded)."""

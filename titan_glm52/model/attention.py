@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -39,10 +39,11 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from titan_glm52.host_copy import host_ints
 from titan_glm52.kernels import reference, triton_kernels
 from titan_glm52.model.args import GLM52ModelArgs
-from titan_glm52.model.aux_loss import AuxLoss, in_backward
+from titan_glm52.model.aux_loss import AuxTerms
 from titan_glm52.model.fp32_linear import linear_fp32
 from titan_glm52.model.recompute import RecomputeSaved, can_recompute
 from titan_glm52.model.norms import RMSNorm
+from titan_glm52.model.options import ModelOptions
 from titan_glm52.model.rope import apply_rope
 from titan_glm52.packed import doc_starts
 
@@ -186,10 +187,11 @@ class PackedContext:
     cu_seqlens: torch.Tensor  # int32 [N + 1] over the flattened T tokens
     cos: torch.Tensor  # fp32 [T, qk_rope_head_dim // 2]
     sin: torch.Tensor
-    rows: int = 1  # B: the flattened stream is B rows of T / B tokens
+    batch: int = 1  # B: the flattened stream is B sequences of T / B tokens
     max_doc_len: int | None = None  # host-side, so that the indexer needs no device-to-host copy
     dense_prefix: DensePrefix | None = None  # set: sparse layers run these rows on a dense causal kernel
     dense_masked: DenseMasked | None = None  # set: and these rows on a dense kernel with a selection mask
+    aux: AuxTerms = field(default_factory=AuxTerms)  # the auxiliary losses' normalisers in, their sums out
 
 
 @torch.no_grad()
@@ -252,11 +254,12 @@ class Indexer(nn.Module):
 class Attention(nn.Module):
     """MLA + DSA for one layer. ``indexer`` is None on IndexShare-shared layers (as in the checkpoint).
 
-    Plain attributes set from outside (not config objects): ``backend`` ("torch" | "triton") and
-    ``sparse`` (False = dense causal attention over the document, e.g. the DSA dense warm-up).
+    ``options`` choose the kernels and the mode (``ModelOptions``); ``probes_recall`` makes this layer measure its
+    top-k recall when a forward's ``AuxTerms.recall_queries`` asks for it (layer 0 does).
     """
 
-    def __init__(self, args: GLM52ModelArgs, has_indexer: bool) -> None:
+    def __init__(self, args: GLM52ModelArgs, has_indexer: bool, options: ModelOptions | None = None,
+                 probes_recall: bool = False) -> None:
         super().__init__()
         self.n_heads = args.num_attention_heads
         self.nope, self.rope_dim, self.v_dim = args.qk_nope_head_dim, args.qk_rope_head_dim, args.v_head_dim
@@ -271,27 +274,12 @@ class Attention(nn.Module):
         self.wkv_b = nn.Linear(self.kv_rank, self.n_heads * (self.nope + self.v_dim), bias=False)
         self.wo = nn.Linear(self.n_heads * self.v_dim, args.hidden_size, bias=False)
         self.indexer = Indexer(args) if has_indexer else None
-        self.backend = "torch"
-        self.sparse = True
-        # The sparse attention's backward rebuilds its latent query instead of keeping it ([dsa]
-        # recompute_latent_query).
-        self.recompute_latent_query = True
-        # Indexer KL loss (DeepSeek-V3.2): None = off; else coefficient / normaliser, set per step by the trainer.
-        self.indexer_loss_scale = None  # property: also sets indexer_loss_on
-        self.recall_queries = 0  # > 0: measure the top-k recall of the last that many queries of row 0
-        self.last_indexer_kl: torch.Tensor | None = None  # detached KL summed over rows (and micro-batches)
-        self.last_recall: torch.Tensor | None = None
-
-    # The compiled forward reads only the bool ``indexer_loss_on``; the scale (a float that changes with the
-    # step's token count) is read in ``_indexer_outputs``, which runs eagerly, so that no step recompiles.
-    @property
-    def indexer_loss_scale(self) -> float | None:
-        return self._indexer_loss_scale
-
-    @indexer_loss_scale.setter
-    def indexer_loss_scale(self, scale: float | None) -> None:
-        self._indexer_loss_scale = scale
-        self.indexer_loss_on = scale is not None
+        options = options or ModelOptions()
+        self.backend, self.sparse = options.dsa_backend, options.sparse_attention
+        self.recompute_latent_query = options.recompute_latent_query
+        # The indexer KL loss (DeepSeek-V3.2) trains this layer's indexer where the coefficient is > 0.
+        self.indexer_loss_coeff = options.indexer_loss_coeff if has_indexer else 0.0
+        self.probes_recall = probes_recall and has_indexer
 
     def forward(self, x: torch.Tensor, ctx: PackedContext, topk_in: torch.Tensor | None):
         """``x [T, D]`` -> (``out [T, D]``, top-k ``[T, index_topk]`` int32 for the following layers)."""
@@ -309,7 +297,7 @@ class Attention(nn.Module):
         kv = torch.cat((c_kv, k_rope), dim=-1)  # [T, kv_rank + rope]
 
         indexer_topk, sparse_mla, _ = dsa_ops(self.backend)
-        train_indexer = self.indexer is not None and self.indexer_loss_on and torch.is_grad_enabled()
+        train_indexer = self.indexer_loss_coeff > 0 and torch.is_grad_enabled()
         if self.indexer is not None:
             # The indexer sees detached inputs: it learns only from its KL loss, the model only from the LM loss.
             with torch.set_grad_enabled(train_indexer):
@@ -351,7 +339,7 @@ class Attention(nn.Module):
             dense = _eager("_plain_masked")(self, masked, topk, q_nope, q_rope, c_kv, k_rope)
             o = _PutRows.apply(o, masked.rows, dense)
         out = self.wo(o.reshape(t, self.n_heads * self.v_dim))
-        if self.indexer is not None and (train_indexer or self.recall_queries):
+        if train_indexer or (self.probes_recall and ctx.aux.recall_queries):
             out = _eager("_indexer_outputs")(self, out, train_indexer, q_abs, kv, lse, q_i, k_i, w_i, topk, ctx)
         return out, topk
 
@@ -505,14 +493,11 @@ def _indexer_outputs(attn: Attention, out, train_indexer: bool, q_abs, kv, lse, 
         else:  # dense warm-up: KL over every visible key (chunked torch path on any backend)
             kl = reference.indexer_kl(q_abs.detach(), kv.detach(), attn.softmax_scale, q_i, k_i, w_i,
                                       attn.indexer.softmax_scale, ctx.cu_seqlens).sum()
-        if not in_backward():  # accumulate over micro-batches, not over checkpoint recomputes
-            attn.last_indexer_kl = kl.detach() + (0 if attn.last_indexer_kl is None else attn.last_indexer_kl)
-        out = AuxLoss.apply(out, kl * attn.indexer_loss_scale)
-    if attn.recall_queries:
-        t = q_abs.shape[0]
-        n = min(attn.recall_queries, t // ctx.rows)
-        rows = torch.arange(t // ctx.rows - n, t // ctx.rows, device=q_abs.device)
+        out = ctx.aux.attach_indexer_kl(out, kl, attn.indexer_loss_coeff)
+    if attn.probes_recall and ctx.aux.recall_queries:  # the last queries of the first sequence
+        t, seq = q_abs.shape[0], q_abs.shape[0] // ctx.batch
+        rows = torch.arange(seq - min(ctx.aux.recall_queries, seq), seq, device=q_abs.device)
         starts = doc_starts(ctx.cu_seqlens, t)[rows]
-        attn.last_recall = topk_recall(q_abs[rows].detach(), kv.detach(), topk[rows], rows, starts,
-                                       attn.softmax_scale)
+        ctx.aux.recall = topk_recall(q_abs[rows].detach(), kv.detach(), topk[rows], rows, starts,
+                                     attn.softmax_scale)
     return out

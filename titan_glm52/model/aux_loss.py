@@ -1,4 +1,15 @@
-"""Auxiliary losses attached to activations (PP- and recompute-safe)."""
+"""Auxiliary losses: attached to activations (pipeline- and recompute-safe), reported by name.
+
+The indexer KL and the MoE sequence balance loss are formed inside the blocks. Their gradient is attached to the
+block's activations by ``AuxLoss`` (so it needs no path to the final loss and works unchanged under pipeline
+parallelism and activation checkpointing), weighted by the model option's coefficient over the step's
+normaliser. The caller hands the normalisers in, and gets the detached sums back, in one ``AuxTerms`` per step
+(or per forward): explicit dataflow through the forward call, no state on the modules.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -6,9 +17,7 @@ import torch
 class AuxLoss(torch.autograd.Function):
     """Identity on ``x`` that makes backward through ``x`` also differentiate ``loss`` (with gradient 1).
 
-    An auxiliary loss (indexer KL, MoE balance) then needs no path to the final loss: it works unchanged under
-    pipeline parallelism and activation checkpointing. ``loss`` must already carry its coefficient and
-    normaliser.
+    ``loss`` must already carry its coefficient and normaliser.
     """
 
     @staticmethod
@@ -24,3 +33,44 @@ class AuxLoss(torch.autograd.Function):
 def in_backward() -> bool:
     """True while autograd runs a backward pass (e.g. an activation-checkpoint recompute)."""
     return torch._C._current_graph_task_id() != -1
+
+
+@dataclass
+class AuxTerms:
+    """The auxiliary terms of the forwards that receive it (one training step: all its micro-batches).
+
+    In:
+        tokens: the indexer KL's normaliser, the step's valid tokens over all ranks (the cross-entropy's): the
+            gradient attached is ``indexer_loss_coeff * KL_sum / tokens``.
+        sequences: the sequence balance loss's normaliser, the step's sequences over all ranks.
+        recall_queries: > 0 measures the top-k recall of layer 0 on that many queries (a metric).
+    Out (detached, summed over layers and forwards; activation-checkpoint recomputes are not counted again):
+        indexer_kl: the KL of every indexer layer, summed over its tokens (None: no layer trained its indexer).
+        seq_aux: the sequence balance loss as added to the loss (``seq_aux_loss_coeff`` x the loss summed over
+            sequences / ``sequences``), summed over MoE layers (None: off).
+        recall: layer 0's top-k recall (None: not measured).
+    """
+
+    tokens: torch.Tensor | float = 1.0
+    sequences: torch.Tensor | float = 1.0
+    recall_queries: int = 0
+    indexer_kl: torch.Tensor | None = None
+    seq_aux: torch.Tensor | None = None
+    recall: torch.Tensor | None = None
+
+    def attach_indexer_kl(self, out: torch.Tensor, kl: torch.Tensor, coeff: float) -> torch.Tensor:
+        """``out``, with the gradient of ``coeff * kl / tokens`` attached; ``kl`` (summed) recorded."""
+        if not in_backward():
+            self.indexer_kl = _added(self.indexer_kl, kl)
+        return AuxLoss.apply(out, kl * (coeff / self.tokens))
+
+    def attach_seq_aux(self, out: torch.Tensor, aux: torch.Tensor, coeff: float) -> torch.Tensor:
+        """``out``, with the gradient of ``coeff * aux / sequences`` attached; that term recorded."""
+        term = aux * (coeff / self.sequences)
+        if not in_backward():
+            self.seq_aux = _added(self.seq_aux, term)
+        return AuxLoss.apply(out, term)
+
+
+def _added(total: torch.Tensor | None, value: torch.Tensor) -> torch.Tensor:
+    return value.detach() if total is None else total + value.detach()

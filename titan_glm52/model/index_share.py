@@ -6,7 +6,7 @@ Precedence (architecture rule 4): an explicit ``indexer_types`` list > ``index_t
 full iff ``max(i - offset + 1, 0) % freq == 0`` (transformers, vLLM and SGLang; equal to Megatron/slime's
 1-indexed rule). GLM-5.2 (freq 4, offset 3) gives 21 full layers: 0, 1, 2, 6, 10, ..., 74.
 
-The MTP layer is not part of the schedule: it always runs its own indexer.
+The MTP layer is not part of the schedule: it always runs its own indexer (``has_indexer``).
 """
 
 from __future__ import annotations
@@ -42,6 +42,11 @@ class IndexShareSchedule:
 
     def is_full(self, layer_id: int) -> bool:
         return self.full[layer_id]
+
+    def has_indexer(self, layer_id: int) -> bool:
+        """Whether layer ``layer_id`` runs its own indexer: the full layers, and the MTP layer (the id after the
+        last decoder layer), which always does."""
+        return layer_id >= self.num_layers or self.full[layer_id]
 
     def source_layer(self, layer_id: int) -> int:
         """The full layer whose top-k ``layer_id`` uses (itself when it is full)."""

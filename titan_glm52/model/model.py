@@ -20,9 +20,11 @@ from titan_glm52.model.args import GLM52ModelArgs
 from titan_glm52.model.head import OutputHead
 from titan_glm52.model.init import init_weights_
 from titan_glm52.host_copy import host_to_device
-from titan_glm52.model.attention import Attention, DenseMasked, DensePrefix, PackedContext, prepare_compiled_calls
+from titan_glm52.model.attention import Attention, DenseMasked, DensePrefix, PackedContext
 from titan_glm52.model.moe import MoE, FeedForward
 from titan_glm52.model.norms import RMSNorm
+from titan_glm52.model.options import ModelOptions
+from titan_glm52.model.aux_loss import AuxTerms
 from titan_glm52.model.rope import rope_cos_sin
 from titan_glm52.packed import check_cu_seqlens, doc_positions
 
@@ -30,15 +32,16 @@ from titan_glm52.packed import check_cu_seqlens, doc_positions
 class Block(nn.Module):
     """Pre-norm block: ``h += attn(norm(h))``; ``h += mlp(norm(h))``; threads the IndexShare top-k."""
 
-    def __init__(self, layer_id: int, args: GLM52ModelArgs, has_indexer: bool) -> None:
+    def __init__(self, layer_id: int, args: GLM52ModelArgs, options: ModelOptions) -> None:
         super().__init__()
         self.layer_id = layer_id
         self.attention_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.attention = Attention(args, has_indexer)
+        self.attention = Attention(args, args.index_share.has_indexer(layer_id), options,
+                                   probes_recall=layer_id == 0)
         self.ffn_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.moe_enabled = args.is_moe_layer(layer_id)
         if self.moe_enabled:
-            self.moe = MoE(args)
+            self.moe = MoE(args, options)
         else:
             self.feed_forward = FeedForward(args.hidden_size, args.intermediate_size)
 
@@ -46,7 +49,7 @@ class Block(nn.Module):
         a, topk = self.attention(self.attention_norm(h), ctx, topk)
         h = h + a
         m = self.ffn_norm(h)
-        h = h + (self.moe(m, ctx.rows) if self.moe_enabled else self.feed_forward(m))
+        h = h + (self.moe(m, ctx.batch, ctx.aux) if self.moe_enabled else self.feed_forward(m))
         return h, topk
 
 
@@ -58,13 +61,13 @@ class MTPLayer(nn.Module):
     returns ``shared_head.norm(x)``; the caller applies the shared output head to predict ``t_{i+2}``.
     """
 
-    def __init__(self, args: GLM52ModelArgs) -> None:
+    def __init__(self, args: GLM52ModelArgs, options: ModelOptions) -> None:
         super().__init__()
         d = args.hidden_size
         self.enorm = RMSNorm(d, args.rms_norm_eps)
         self.hnorm = RMSNorm(d, args.rms_norm_eps)
         self.eh_proj = nn.Linear(2 * d, d, bias=False)
-        self.block = Block(args.num_hidden_layers, args, has_indexer=True)
+        self.block = Block(args.num_hidden_layers, args, options)
         self.norm = RMSNorm(d, args.rms_norm_eps)  # shared_head.norm
 
     def forward(self, h: torch.Tensor, emb_next: torch.Tensor, ctx: PackedContext) -> torch.Tensor:
@@ -82,25 +85,24 @@ def next_token_embeddings(emb: torch.Tensor, batch: int) -> torch.Tensor:
 
 
 class GLM52Model(nn.Module):
-    def __init__(self, args: GLM52ModelArgs, with_mtp: bool | None = None) -> None:
+    """The model of ``args`` computed as ``options`` say (``ModelOptions``; default: the torch reference, every
+    parameter trained); ``with_mtp`` builds the MTP layer (default: when the args have one)."""
+
+    def __init__(self, args: GLM52ModelArgs, options: ModelOptions | None = None, *,
+                 with_mtp: bool | None = None) -> None:
         super().__init__()
-        self.args = args
-        sched = args.index_share
+        self.args, self.options = args, options or ModelOptions()
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = nn.ModuleDict(
-            {str(i): Block(i, args, sched.is_full(i)) for i in range(args.num_hidden_layers)}
+            {str(i): Block(i, args, self.options) for i in range(args.num_hidden_layers)}
         )
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.output = OutputHead(args.hidden_size, args.vocab_size)
         if with_mtp is None:
             with_mtp = args.num_nextn_predict_layers > 0
-        self.mtp = MTPLayer(args) if with_mtp else None
-        # Rows within the first index_topk tokens of a document run on a dense causal kernel (``[dsa]
-        # dense_prefix``; same math, see model/attention.py). Read by ``packed_context``.
-        self.dense_prefix = True
-        # Documents of index_topk < length <= this ratio x index_topk run their later rows on a masked dense kernel
-        # (``[dsa] dense_masked_ratio``; same math). 0 = off. Read by ``packed_context``.
-        self.dense_masked_ratio = 0.0
+        self.mtp = MTPLayer(args, self.options) if with_mtp else None
+        for name, param in self.named_parameters():
+            param.requires_grad_(self.options.trains(name))
 
     # ------------------------------------------------------------------------------------- setup
     def init_weights(self, seed: int = 0) -> None:
@@ -108,20 +110,9 @@ class GLM52Model(nn.Module):
         the parallel layout (``model/init.py``); valid after ``to_empty``."""
         init_weights_(self, self.args.initializer_range, seed)
 
-    def set_dsa_backend(self, backend: str) -> None:
-        for m in self.modules():
-            if isinstance(m, Attention):
-                m.backend = backend
-        prepare_compiled_calls(backend)
-
-    def set_sparse_attention(self, sparse: bool) -> None:
-        for m in self.modules():
-            if isinstance(m, Attention):
-                m.sparse = sparse
-
     # ------------------------------------------------------------------------------------- forward
     def packed_context(self, batch: int, seq: int, cu_seqlens: torch.Tensor | Sequence[int] | None,
-                       device: torch.device) -> PackedContext:
+                       device: torch.device, aux: AuxTerms | None = None) -> PackedContext:
         total = batch * seq
         if cu_seqlens is None:
             cu_seqlens = torch.arange(0, total + 1, seq, dtype=torch.int32, device=device)
@@ -137,11 +128,12 @@ class GLM52Model(nn.Module):
             lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
         cos, sin = rope_cos_sin(doc_positions(cu_seqlens, total), self.args.qk_rope_head_dim, self.args.rope_theta)
         k = self.args.index_topk
-        prefix = DensePrefix.build(lengths, k, device) if self.dense_prefix else None
-        masked = (DenseMasked.build(lengths, k, int(self.dense_masked_ratio * k), device)
-                  if self.dense_prefix and self.dense_masked_ratio > 0 else None)
-        return PackedContext(cu_seqlens, cos, sin, rows=batch, max_doc_len=max(lengths), dense_prefix=prefix,
-                             dense_masked=masked)
+        opts = self.options
+        prefix = DensePrefix.build(lengths, k, device) if opts.dense_prefix else None
+        masked = (DenseMasked.build(lengths, k, int(opts.dense_masked_ratio * k), device)
+                  if opts.dense_prefix and opts.dense_masked_ratio > 0 else None)
+        return PackedContext(cu_seqlens, cos, sin, batch=batch, max_doc_len=max(lengths), dense_prefix=prefix,
+                             dense_masked=masked, aux=aux if aux is not None else AuxTerms())
 
     def run_layers(self, h: torch.Tensor, ctx: PackedContext) -> torch.Tensor:
         topk = None  # every stage starts on a full layer (pipeline splitter), so it begins with no top-k
@@ -151,7 +143,7 @@ class GLM52Model(nn.Module):
 
     def forward(self, tokens: torch.Tensor, cu_seqlens: torch.Tensor | Sequence[int] | None = None, *,
                 with_mtp: bool = False, labels: torch.Tensor | None = None,
-                mtp_labels: torch.Tensor | None = None):
+                mtp_labels: torch.Tensor | None = None, aux: AuxTerms | None = None):
         """Main-head logits ``[B, S, vocab]``; with ``with_mtp`` also the MTP head's ``[B, S, vocab]``
         (position i predicts token i + 2).
 
@@ -162,9 +154,12 @@ class GLM52Model(nn.Module):
         With ``labels`` (and ``mtp_labels`` when ``with_mtp``) it returns the summed token cross-entropies instead
         of logits (``OutputHead``: ``LOSS_CHUNK`` tokens at a time, the gradients formed in forward; the
         ``[T, vocab]`` logits never exist at once).
+
+        ``aux``: the auxiliary losses' normalisers for this forward, and where their detached sums are added
+        (``AuxTerms``; default: normalisers 1, the sums discarded).
         """
         b, s = tokens.shape[:2]
-        ctx = self.packed_context(b, s, cu_seqlens, tokens.device)
+        ctx = self.packed_context(b, s, cu_seqlens, tokens.device, aux)
         emb = self.tok_embeddings(tokens).view(b * s, -1)
         h = self.norm(self.run_layers(emb, ctx))
         if with_mtp and self.mtp is None:

@@ -17,9 +17,10 @@ from torch import nn
 
 from titan_glm52.kernels import triton_available
 from titan_glm52.model.args import GLM52ModelArgs
-from titan_glm52.model.aux_loss import AuxLoss, in_backward
+from titan_glm52.model.aux_loss import AuxTerms, in_backward
 from titan_glm52.model.expert_mm import expert_mm
 from titan_glm52.model.fp32_linear import linear_fp32
+from titan_glm52.model.options import ModelOptions
 from titan_glm52.model.recompute import RecomputeSaved, can_recompute
 
 
@@ -62,14 +63,15 @@ class GroupedExperts(nn.Module):
     leave two partial ``d_x`` to add: a pass over the routed rows, 6.9 ms per step at 32K tokens on the proxy).
     """
 
-    def __init__(self, num_experts: int, dim: int, hidden: int) -> None:
+    def __init__(self, num_experts: int, dim: int, hidden: int, use_grouped_mm: bool | None = None,
+                 recompute_inputs: bool = True) -> None:
         super().__init__()
         self.num_experts = num_experts
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * hidden, dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden))
-        self.use_grouped_mm: bool | None = None  # None = decide per call
+        self.use_grouped_mm = use_grouped_mm  # None = decide per call
         # Backward recomputes the inputs of the two GEMMs instead of keeping them ([moe] recompute_expert_inputs).
-        self.recompute_inputs = True
+        self.recompute_inputs = recompute_inputs
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor,
                 gathered_from: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
@@ -296,30 +298,32 @@ def expert_counts(flat: torch.Tensor, num_experts: int) -> torch.Tensor:
 
 
 class MoE(nn.Module):
-    def __init__(self, args: GLM52ModelArgs) -> None:
+    def __init__(self, args: GLM52ModelArgs, options: ModelOptions | None = None) -> None:
         super().__init__()
+        options = options or ModelOptions()
         self.num_experts = args.n_routed_experts
         self.router = Router(args)
-        self.experts = GroupedExperts(args.n_routed_experts, args.hidden_size, args.moe_intermediate_size)
+        self.experts = GroupedExperts(args.n_routed_experts, args.hidden_size, args.moe_intermediate_size,
+                                      options.grouped_mm, options.recompute_expert_inputs)
         self.shared_experts = FeedForward(args.hidden_size, args.moe_intermediate_size * args.n_shared_experts)
         self.register_buffer("tokens_per_expert", torch.zeros(args.n_routed_experts, dtype=torch.float32),
                              persistent=False)
-        # Sequence-level balance loss (DeepSeek-V3): None = off; else alpha / global number of sequences.
-        self.seq_aux_scale: float | None = None
-        self.last_seq_aux: torch.Tensor | None = None
+        # The sequence-level balance loss (DeepSeek-V3) where the coefficient is > 0.
+        self.seq_aux_loss_coeff = options.seq_aux_loss_coeff
 
-    def seq_aux_loss(self, scores: torch.Tensor, idx: torch.Tensor, rows: int) -> torch.Tensor:
+    def seq_aux_loss(self, scores: torch.Tensor, idx: torch.Tensor, batch: int) -> torch.Tensor:
         """``sum over sequences of sum_i f_i * P_i`` with ``f_i = E / (k S) * (tokens of the sequence routed to i)``
         and ``P_i`` the sequence mean of the normalised sigmoid scores."""
         e, k = self.num_experts, self.router.top_k
-        seq = scores.shape[0] // rows
-        chosen = torch.zeros_like(scores).scatter_(1, idx, 1.0).view(rows, seq, e)
+        seq = scores.shape[0] // batch
+        chosen = torch.zeros_like(scores).scatter_(1, idx, 1.0).view(batch, seq, e)
         f = chosen.sum(1) * (e / (k * seq))
-        p = (scores / scores.sum(-1, keepdim=True)).view(rows, seq, e).mean(1)
+        p = (scores / scores.sum(-1, keepdim=True)).view(batch, seq, e).mean(1)
         return (f.detach() * p).sum()
 
-    def forward(self, x: torch.Tensor, rows: int = 1) -> torch.Tensor:
-        """``x [N, D]`` (``rows`` sequences of N / rows tokens) -> ``[N, D]``."""
+    def forward(self, x: torch.Tensor, batch: int = 1, aux: AuxTerms | None = None) -> torch.Tensor:
+        """``x [N, D]`` (``batch`` sequences of N / batch tokens) -> ``[N, D]``. The sequence balance loss is
+        attached with ``aux``'s normaliser and recorded there (``AuxTerms``)."""
         k = self.router.top_k
         scores, idx, weights = self.router(x)
         flat = idx.reshape(-1)
@@ -332,9 +336,7 @@ class MoE(nn.Module):
         pos = token_positions(order, k)
         routed = self.experts(dispatch_rows(x, token_of, pos), counts, gathered_from=(x, token_of))
         out = combine_routed(routed, weights, order, x.dtype, pos) + self.shared_experts(x)
-        if self.seq_aux_scale is not None and torch.is_grad_enabled():
-            aux = self.seq_aux_loss(scores, idx, rows)
-            if not in_backward():
-                self.last_seq_aux = aux.detach() + (0 if self.last_seq_aux is None else self.last_seq_aux)
-            out = AuxLoss.apply(out, aux * self.seq_aux_scale)
+        if self.seq_aux_loss_coeff > 0 and torch.is_grad_enabled():
+            aux = AuxTerms() if aux is None else aux
+            out = aux.attach_seq_aux(out, self.seq_aux_loss(scores, idx, batch), self.seq_aux_loss_coeff)
         return out
