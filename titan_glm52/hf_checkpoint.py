@@ -20,6 +20,7 @@ from safetensors.torch import save_file
 from titan_glm52.model.args import GLM52ModelArgs
 from titan_glm52.model.init import local_view
 from titan_glm52.model.model import GLM52Model
+from titan_glm52.model.options import ModelOptions
 from titan_glm52.model.state_dict_adapter import FP32_KEYS, ExpertSlice, hf_to_ours, to_hf
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -112,8 +113,9 @@ def _copy_slice(src, hf_key: str, dst: torch.Tensor, where: ExpertSlice | None) 
 
 
 def load_hf_model(hf_dir: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                  with_mtp: bool | None = None, **arg_overrides) -> GLM52Model:
-    """Builds a GLM52Model from ``hf_dir/config.json`` and loads its safetensors weights.
+                  with_mtp: bool | None = None, options: ModelOptions | None = None, **arg_overrides) -> GLM52Model:
+    """Builds a GLM52Model from ``hf_dir/config.json`` (computed as ``options`` say) and loads its safetensors
+    weights.
 
     ``with_mtp=None`` keeps the MTP layer when the config has one and the checkpoint holds it.
     """
@@ -125,7 +127,7 @@ def load_hf_model(hf_dir: str, dtype: torch.dtype = torch.float32, device: str |
     if not with_mtp:
         args = args.replace(num_nextn_predict_layers=0)
     with torch.device("meta"):
-        model = GLM52Model(args, with_mtp=with_mtp)
+        model = GLM52Model(args, options, with_mtp=with_mtp)
     model.to_empty(device=device)
     model.to(dtype)
     for mod in model.modules():  # the routing bias stays fp32 whatever the dtype

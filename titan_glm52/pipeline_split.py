@@ -429,7 +429,7 @@ def parse_layout(text: str) -> tuple[int, ...]:
     try:
         return tuple(int(v) for v in text.replace(" ", "").split(",") if v != "")
     except ValueError:
-        raise LayoutError(f"{text!r} is not a comma-separated list of layer counts, e.g. "
+        raise LayoutError(f"{text!r}: expected comma-separated integers (layers per stage), e.g. "
                           "\"14,8,8,8,8,8,8,16\"") from None
 
 

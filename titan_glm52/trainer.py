@@ -215,9 +215,10 @@ class Trainer:
                     self._pp_step(b, losses, aux, n_tok, n_mtp, inject_nan)
                 else:
                     self._micro_step(b, losses, aux, n_tok, n_mtp, inject_nan)
-        if aux.indexer_kl is not None:
-            losses.indexer_kl = losses.indexer_kl + aux.indexer_kl * self.cfg.dsa.indexer_loss_coeff / n_tok
-            losses.kl_per_token = losses.kl_per_token + aux.indexer_kl / n_tok
+        kl = aux.indexer_kl_sum()
+        if kl is not None:
+            losses.indexer_kl = losses.indexer_kl + kl * self.cfg.dsa.indexer_loss_coeff / n_tok
+            losses.kl_per_token = losses.kl_per_token + kl / n_tok
         if aux.seq_aux is not None:
             losses.moe_aux = losses.moe_aux + aux.seq_aux
         pp_group = self.mesh["pp"].get_group() if self.pp else None

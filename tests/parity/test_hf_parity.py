@@ -14,6 +14,7 @@ transformers = pytest.importorskip("transformers")
 from packaging.version import Version  # noqa: E402
 
 from titan_glm52 import load_hf_model  # noqa: E402
+from titan_glm52.model.options import ModelOptions  # noqa: E402
 from titan_glm52.model.attention import Attention  # noqa: E402
 
 pytestmark = pytest.mark.skipif(Version(transformers.__version__) < Version("5.13"),
@@ -67,9 +68,14 @@ def build_pair(tmp_path, pattern: dict, seed: int, index_topk: int = 6):
     hf = GlmMoeDsaForCausalLM(tiny_hf_config(pattern, index_topk)).float().eval()
     randomise(hf, seed)
     hf.save_pretrained(tmp_path)
+    return hf, load_ours(tmp_path)
+
+
+def load_ours(tmp_path, **options):
+    """Our model of the checkpoint ``build_pair`` wrote, with ``ModelOptions(**options)``."""
     # transformers hard-codes eps 1e-6 for q_a/kv_a_layernorm; the trained model used rms_norm_eps.
-    ours = load_hf_model(str(tmp_path), dtype=torch.float32, latent_norm_eps=1e-6).eval()
-    return hf, ours
+    return load_hf_model(str(tmp_path), dtype=torch.float32, latent_norm_eps=1e-6,
+                         options=ModelOptions(**options)).eval()
 
 
 def capture_hf_topk(hf) -> dict[int, torch.Tensor]:
@@ -122,8 +128,7 @@ def test_dense_attention_is_a_different_model(tmp_path):
     tokens = torch.randint(0, 97, (2, 29), generator=torch.Generator().manual_seed(7))
     with torch.no_grad():
         ref = hf(tokens).logits
-        ours.set_sparse_attention(False)
-        dense = ours(tokens)
+        dense = load_ours(tmp_path, sparse_attention=False)(tokens)
     assert (dense - ref).abs().max() / ref.abs().max() > 1e-2
 
 
@@ -133,8 +138,7 @@ def test_short_sequences_are_dense_causal_attention(tmp_path):
     tokens = torch.randint(0, 97, (2, 20), generator=torch.Generator().manual_seed(8))
     with torch.no_grad():
         sparse = ours(tokens)
-        ours.set_sparse_attention(False)
-        dense = ours(tokens)
+        dense = load_ours(tmp_path, sparse_attention=False)(tokens)
     torch.testing.assert_close(sparse, dense, rtol=1e-5, atol=1e-5)
 
 

@@ -16,6 +16,8 @@ from titan_glm52 import get_flavor, pipeline, trainer as trainer_mod
 from titan_glm52.config import parse_job_config
 from titan_glm52.model.init import init_weights_
 from titan_glm52.model.model import GLM52Model
+from titan_glm52.model.options import ModelOptions
+from titan_glm52.pipeline_split import stage_specs
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
                           reason="needs a Hopper-class GPU (sync debug mode, the Triton DSA kernels)")
@@ -53,9 +55,8 @@ def test_a_training_step_makes_no_host_sync(tmp_path, monkeypatch, path):
 def test_cu_seqlens_as_a_host_list_gives_the_tensor_result():
     args = get_flavor("debug")
     torch.manual_seed(0)
-    model = GLM52Model(args)
+    model = GLM52Model(args, ModelOptions(dsa_backend="torch"))
     init_weights_(model, 0.02)
-    model.set_dsa_backend("torch")
     tokens = torch.randint(0, args.vocab_size, (2, 40))
     bounds = [0, 13, 40, 52, 80]
     with torch.no_grad():
@@ -70,11 +71,12 @@ def test_cu_seqlens_as_a_host_list_gives_the_tensor_result():
 def _stage_and_batch(device: str):
     args = get_flavor("debug")
     torch.manual_seed(0)
-    stage = pipeline.GLM52Stage(args, range(args.num_hidden_layers), True, True, with_mtp=False).to(device)
+    spec = stage_specs([args.num_hidden_layers], [0], with_mtp=False)[0]
+    options = ModelOptions(dsa_backend="torch" if device == "cpu" else "triton")
+    stage = pipeline.GLM52Stage(args, spec, options).to(device)
     init_weights_(stage, 0.02)
     if device != "cpu":  # as the GPU trains it (in fp32 the experts would run their per-expert loop, which syncs)
         stage = stage.to(torch.bfloat16)
-    stage.set_dsa_backend("torch" if device == "cpu" else "triton")
     tokens = torch.randint(0, args.vocab_size, (4, 48), device=device)
     positions = torch.cat([torch.arange(n) for n in (48, 20, 28, 48, 5, 30, 13)]).view(4, 48).to(device)
     return stage, tokens, positions
@@ -90,15 +92,16 @@ def test_pipeline_stages_find_the_host_bounds_of_every_chunk(monkeypatch):
     t_chunks, kw_chunks = split_args_kwargs_into_chunks((tokens,), {"positions": positions}, n)
     with torch.no_grad():
         expected = [stage(t, **kw) for (t,), kw in zip(t_chunks, kw_chunks)]  # bounds read from the positions
-        stage.host_bounds = pipeline.micro_batch_bounds(positions, positions.clone(), n)
+        bounds = pipeline.micro_batch_bounds(positions, positions.clone(), n)
         monkeypatch.setattr(pipeline, "cu_seqlens_from_positions", _refuse)
-        got = [stage(t, **kw) for (t,), kw in zip(t_chunks, kw_chunks)]
+        got = [stage(t, **kw, bounds=bounds) for (t,), kw in zip(t_chunks, kw_chunks)]
     assert all(torch.equal(a, b) for a, b in zip(expected, got))
-    assert sorted(len(b) for b in stage.host_bounds.values()) == [4, 5]  # 3 and 4 documents in the two halves
+    assert sorted(len(b) for b in bounds.values()) == [4, 5]  # 3 and 4 documents in the two halves
     assert not stage._missed_bounds
     with torch.no_grad():  # positions the trainer did not announce: read from them, with a warning
         monkeypatch.undo()
-        assert torch.equal(stage(t_chunks[0][0], positions=kw_chunks[0]["positions"].clone()), expected[0])
+        assert torch.equal(stage(t_chunks[0][0], positions=kw_chunks[0]["positions"].clone(), bounds=bounds),
+                           expected[0])
     assert stage._missed_bounds
     with pytest.raises(ValueError, match="host copy"):
         pipeline.micro_batch_bounds(positions, positions[:2], n)
@@ -107,11 +110,11 @@ def test_pipeline_stages_find_the_host_bounds_of_every_chunk(monkeypatch):
 @cuda
 def test_a_pipeline_stage_makes_no_host_sync():
     stage, tokens, positions = _stage_and_batch("cuda")
-    stage.host_bounds = pipeline.micro_batch_bounds(positions, positions.cpu(), 1)
+    bounds = pipeline.micro_batch_bounds(positions, positions.cpu(), 1)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        stage(tokens, positions=positions).float().square().mean().backward()
+        stage(tokens, positions=positions, bounds=bounds).float().square().mean().backward()
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert stage.tok_embeddings.weight.grad is not None  # the backward ran through the whole stage

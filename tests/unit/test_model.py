@@ -3,8 +3,12 @@
 import pytest
 import torch
 
+import dataclasses
+
 from titan_glm52 import GLM52Model, get_flavor
 from titan_glm52.model.attention import Attention
+from titan_glm52.model.aux_loss import AuxTerms
+from titan_glm52.model.options import ModelOptions
 from titan_glm52.model.init import init_weights_
 from titan_glm52.model.moe import GroupedExperts, MoE, Router
 from titan_glm52.model.rope import apply_rope, rope_cos_sin
@@ -32,7 +36,7 @@ def test_interleaved_rope_rotates_adjacent_pairs():
 
 def test_indexer_ropes_its_first_dims_only():
     args = get_flavor("debug")
-    attn = Attention(args, has_indexer=True)
+    attn = Attention(args, layer_id=0)  # layer 0 is full: it has an indexer
     init_weights_(attn, 0.1)
     x, cq = torch.randn(6, args.hidden_size), torch.randn(6, args.q_lora_rank)
     model = GLM52Model(args)
@@ -71,11 +75,10 @@ def test_group_limited_routing_keeps_chosen_groups():
 
 
 def test_grouped_experts_loop_equals_dense_math_and_grouped_mm():
-    ex = GroupedExperts(4, 16, 32)
+    ex = GroupedExperts(4, 16, 32, use_grouped_mm=False)
     init_weights_(ex, 0.2)
     counts = torch.tensor([3, 0, 5, 8])
     x = torch.randn(16, 16)
-    ex.use_grouped_mm = False
     got = ex(x, counts)
     ref, start = [], 0
     for e, n in enumerate(counts.tolist()):
@@ -85,13 +88,11 @@ def test_grouped_experts_loop_equals_dense_math_and_grouped_mm():
         start += n
     torch.testing.assert_close(got, torch.cat([r.T for r in ref]))
     if hasattr(torch, "_grouped_mm"):
-        exb = GroupedExperts(4, 16, 32).to(torch.bfloat16)
+        exb, exl = (GroupedExperts(4, 16, 32, use_grouped_mm=g).to(torch.bfloat16) for g in (True, False))
         exb.load_state_dict(ex.state_dict())
-        exb.use_grouped_mm = True
+        exl.load_state_dict(ex.state_dict())
         xb = x.bfloat16()
-        gmm = exb(xb, counts)
-        exb.use_grouped_mm = False
-        torch.testing.assert_close(gmm.float(), exb(xb, counts).float(), rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(exb(xb, counts).float(), exl(xb, counts).float(), rtol=2e-2, atol=2e-2)
 
 
 def test_moe_counts_tokens_but_not_checkpoint_recomputes():
@@ -199,26 +200,28 @@ def _dsa_layers_model(backend: str, kl: bool, seed: int):
     dtype = torch.float64 if backend == "torch" else torch.float32
     args = get_flavor("debug").replace(num_hidden_layers=4, first_k_dense_replace=1, num_nextn_predict_layers=0)
     torch.manual_seed(0)
-    model = GLM52Model(args).to(dtype)
+    # (the KL attached with weight 0.5: coefficient 0.5 over AuxTerms' default normaliser 1)
+    model = GLM52Model(args, ModelOptions(dsa_backend=backend, indexer_loss_coeff=0.5 if kl else 0.0)).to(dtype)
     model.init_weights(seed=seed)
-    model.set_dsa_backend(backend)
-    if kl:
-        for m in model.modules():
-            if isinstance(m, Attention) and m.indexer is not None:
-                m.indexer_loss_scale = 0.5
     tol = dict(rtol=1e-9, atol=1e-11) if dtype == torch.float64 else dict(rtol=2e-4, atol=2e-6)
     return args, model, tol
+
+
+def _with_options(model, **changes):
+    """``model``'s weights in a model built with its options changed as ``changes`` say."""
+    dtype = next(model.parameters()).dtype
+    other = GLM52Model(model.args, dataclasses.replace(model.options, **changes)).to(dtype)
+    other.load_state_dict(model.state_dict())
+    return other
 
 
 def _loss_kls_grads(model, tokens, cu):
     """(CE then each full layer's KL, every gradient) of one forward + backward."""
     model.zero_grad()
-    loss = model(tokens, cu, labels=tokens)
+    aux = AuxTerms()
+    loss = model(tokens, cu, labels=tokens, aux=aux)
     loss.backward()
-    kls = [m.last_indexer_kl for m in model.modules() if isinstance(m, Attention) and m.last_indexer_kl is not None]
-    for m in model.modules():
-        if isinstance(m, Attention):
-            m.last_indexer_kl = None
+    kls = [aux.indexer_kl[i] for i in sorted(aux.indexer_kl)]
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     return torch.stack([loss.detach(), *kls]), grads
 
@@ -249,8 +252,7 @@ def test_dense_prefix_equals_all_sparse(backend, kl, monkeypatch):
     monkeypatch.setattr(attention, "_causal_sdpa", lambda *a: calls.append(a[0].shape) or sdpa(*a))
     results = []
     for dense_prefix in (True, False):
-        model.dense_prefix = dense_prefix
-        results.append(_loss_kls_grads(model, tokens, cu))
+        results.append(_loss_kls_grads(_with_options(model, dense_prefix=dense_prefix), tokens, cu))
     assert results[0][0].numel() == (4 if kl else 1)  # CE, then the KL of each of the three full layers (FFFS)
     assert any("indexer" in n for n in results[0][1]) == kl
     assert calls == [torch.Size([3, args.num_attention_heads, 16, args.qk_head_dim])] * 4  # once per layer, on only
@@ -266,9 +268,9 @@ def test_dense_masked_equals_all_sparse(backend, kl, monkeypatch):
     args, model, tol = _dsa_layers_model(backend, kl, seed=5)
     tokens = torch.randint(0, args.vocab_size, (2, 60))
     cu = torch.tensor([0, 20, 27, 40, 60, 80, 120], dtype=torch.int32)  # 20, 7, 13, 20 | 20, 40
-    assert model.dense_masked_ratio == 0 and model.packed_context(2, 60, cu, torch.device("cpu")).dense_masked is None
-    model.dense_masked_ratio = 2.0
-    ctx = model.packed_context(2, 60, cu, torch.device("cpu"))
+    assert model.options.dense_masked_ratio == 0
+    assert model.packed_context(2, 60, cu, torch.device("cpu")).dense_masked is None
+    ctx = _with_options(model, dense_masked_ratio=2.0).packed_context(2, 60, cu, torch.device("cpu"))
     assert {n: k[:, 0].tolist() for n, k in ctx.dense_masked.keys.items()} == {20: [0, 40, 60]}
     assert ctx.dense_masked.rows.tolist() == [*range(16, 20), *range(56, 60), *range(76, 80)]
     assert ctx.dense_prefix.rows[:, 0].tolist() == [0, 40, 60, 80]
@@ -278,8 +280,8 @@ def test_dense_masked_equals_all_sparse(backend, kl, monkeypatch):
     monkeypatch.setattr(attention, "_masked_sdpa", lambda *a: calls.append((a[0].shape, a[3].shape)) or sdpa(*a))
     results = []
     for prefix, ratio in ((True, 2.0), (True, 0.0), (False, 2.0)):
-        model.dense_prefix, model.dense_masked_ratio = prefix, ratio
-        results.append(_loss_kls_grads(model, tokens, cu))
+        results.append(_loss_kls_grads(_with_options(model, dense_prefix=prefix, dense_masked_ratio=ratio), tokens,
+                                       cu))
     h, d = args.num_attention_heads, args.qk_head_dim
     assert calls == [(torch.Size([3, h, 4, d]), torch.Size([3, 1, 4, 20]))] * 4  # only in the first run
     for other in results[1:]:

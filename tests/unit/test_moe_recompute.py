@@ -10,24 +10,25 @@ from torch.utils.checkpoint import checkpoint
 
 from titan_glm52 import get_flavor
 from titan_glm52.model import recompute as recompute_mod
+from titan_glm52.model.aux_loss import AuxTerms
 from titan_glm52.model.init import init_weights_
 from titan_glm52.model.moe import MoE
+from titan_glm52.model.options import ModelOptions
 
 
-def _block(dtype, grouped: bool) -> MoE:
+def _block(dtype, grouped: bool, seq_aux_loss_coeff: float = 0.0) -> MoE:
     # Widths that are multiples of 8: torch._grouped_mm on CPU needs 16-byte strides.
     args = get_flavor("debug").replace(n_routed_experts=16, num_experts_per_tok=8, moe_intermediate_size=48)
     torch.manual_seed(0)
-    block = MoE(args)
+    block = MoE(args, ModelOptions(grouped_mm=grouped, seq_aux_loss_coeff=seq_aux_loss_coeff))
     init_weights_(block, 0.1)
     block = block.to(dtype)
     block.router.e_score_correction_bias.normal_(0, 0.05)
-    block.experts.use_grouped_mm = grouped
     return block
 
 
 def _grads(block: MoE, x: torch.Tensor, g: torch.Tensor, recompute: bool, wrap=None):
-    block.experts.recompute_inputs = recompute
+    block.experts.recompute_inputs = recompute  # (the option's switch, flipped on one block's weights)
     block.zero_grad(set_to_none=True)
     xi = x.clone().requires_grad_()
     out = (wrap or (lambda f, t: f(t)))(block, xi)
@@ -39,14 +40,14 @@ def _grads(block: MoE, x: torch.Tensor, g: torch.Tensor, recompute: bool, wrap=N
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_recompute_gives_the_same_bits(dtype, grouped):
     """Output and every gradient, with the sequence-level balance loss on over two sequences."""
-    block = _block(dtype, grouped)
-    block.seq_aux_scale = 0.5
+    block = _block(dtype, grouped, seq_aux_loss_coeff=0.5)
     x = torch.randn(40, block.router.weight.shape[1]).to(dtype)
     g = torch.randn_like(x)
-    two_rows = lambda f, t: f(t, rows=2)  # noqa: E731
+    aux = AuxTerms()
+    two_rows = lambda f, t: f(t, batch=2, aux=aux)  # noqa: E731
     kept = _grads(block, x, g, recompute=False, wrap=two_rows)
     rebuilt = _grads(block, x, g, recompute=True, wrap=two_rows)
-    assert block.last_seq_aux is not None
+    assert aux.seq_aux is not None
     for a, b in zip(kept, rebuilt):
         assert torch.equal(a, b)
 

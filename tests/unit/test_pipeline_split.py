@@ -208,11 +208,11 @@ def test_glm52_too_many_stages_is_refused(glm52):
     with pytest.raises(ps.LayoutError, match=r"into 22 pipeline stages.*only 21"):
         ps.split(glm52, 22)
     with pytest.raises(ps.LayoutError, match="only 21"):
-        ps.plan_pipeline(glm52, "Interleaved1F1B", 8, 3)
+        ps.choose_layout(glm52, "Interleaved1F1B", 8, 3)
 
 
-def test_glm52_plan_pipeline(glm52):
-    plan = ps.plan_pipeline(glm52, "ZBVZeroBubble", 4, layers_per_stage=[10, 8, 8, 12, 12, 12, 12, 4])
+def test_glm52_choose_layout(glm52):
+    plan = ps.choose_layout(glm52, "ZBVZeroBubble", 4, layers_per_stage=[10, 8, 8, 12, 12, 12, 12, 4])
     assert plan.placement.num_stages == 8
     assert plan.first_layers == (0, 10, 18, 26, 38, 50, 62, 74)
     assert plan.module_names[0][:2] == ("tok_embeddings", "layers.0")
@@ -220,7 +220,8 @@ def test_glm52_plan_pipeline(glm52):
     assert sum(plan.rank_costs) == pytest.approx(plan.total_cost, rel=REL)
     assert plan.rank_costs[0] == pytest.approx(plan.stage_costs[0] + plan.stage_costs[7], rel=REL)
     with pytest.raises(ps.LayoutError, match="Nearest valid layout"):
-        ps.plan_pipeline(glm52, "1F1B", 4, layers_per_stage=[20, 20, 20, 18])
+        ps.choose_layout(glm52, "1F1B", 4, layers_per_stage=[20, 20, 20, 18])
+    assert ps.choose_layout(glm52, "1F1B", 2, with_mtp=False).module_names[-1][-2:] == ("norm", "output")
 
 
 # ------------------------------------------------------------------------------------- properties
@@ -350,17 +351,28 @@ def _random_layout(rng, num_layers, num_stages):
 
 
 # ------------------------------------------------------------------------------------- module names
+def _module_names(layers_per_stage, has_mtp):
+    specs = ps.stage_specs(layers_per_stage, range(len(layers_per_stage)), with_mtp=has_mtp)
+    return [list(s.module_names) for s in specs]
+
+
 def test_module_names_per_stage():
-    assert ps.module_names_per_stage([2, 1, 2], has_mtp=True) == [
+    assert _module_names([2, 1, 2], has_mtp=True) == [
         ["tok_embeddings", "layers.0", "layers.1"],
         ["layers.2"],
         ["layers.3", "layers.4", "norm", "output", "mtp"],
     ]
-    assert ps.module_names_per_stage([3], has_mtp=False) == [
+    assert _module_names([3], has_mtp=False) == [
         ["tok_embeddings", "layers.0", "layers.1", "layers.2", "norm", "output"]]
-    names = ps.module_names_per_stage([14, 8, 8, 8, 8, 8, 8, 16], has_mtp=True)
+    names = _module_names([14, 8, 8, 8, 8, 8, 8, 16], has_mtp=True)
     flat = [n for stage in names for n in stage if n.startswith("layers.")]
     assert flat == [f"layers.{i}" for i in range(78)]
     for bad in ([], [3, 0]):
         with pytest.raises(ValueError, match="at least one layer"):
-            ps.module_names_per_stage(bad, has_mtp=True)
+            _module_names(bad, has_mtp=True)
+
+
+def test_parse_layout():
+    assert ps.parse_layout("14, 8,8,8,8,8,8,16") == (14, 8, 8, 8, 8, 8, 8, 16)
+    with pytest.raises(ps.LayoutError, match="comma-separated integers"):
+        ps.parse_layout("14,x")

@@ -224,8 +224,8 @@ def test_trainer_start_up_check_logs_the_plan_and_warns_past_the_gpu(monkeypatch
 
     import torch
 
-    from titan_glm52 import trainer
     from titan_glm52.config import parse_job_config
+    from titan_glm52.memory_check import log_memory_check
 
     proxy = ["--job.config_file", os.path.join(REPO, "train_configs", "glm52_proxy.toml")]
     h200 = types.SimpleNamespace(total_memory=int(139.8 * GIB))
@@ -237,7 +237,7 @@ def test_trainer_start_up_check_logs_the_plan_and_warns_past_the_gpu(monkeypatch
 
     def run(*extra):
         caplog.clear()
-        trainer.log_memory_plan(parse_job_config(proxy + list(extra)))
+        log_memory_check(parse_job_config(proxy + list(extra)))
         assert not dist.is_initialized()
         return [(r.levelname, r.getMessage()) for r in caplog.records]
 

@@ -254,12 +254,12 @@ class Indexer(nn.Module):
 class Attention(nn.Module):
     """MLA + DSA for one layer. ``indexer`` is None on IndexShare-shared layers (as in the checkpoint).
 
-    ``options`` choose the kernels and the mode (``ModelOptions``); ``probes_recall`` makes this layer measure its
-    top-k recall when a forward's ``AuxTerms.recall_queries`` asks for it (layer 0 does).
+    ``layer_id`` is the checkpoint's layer (``num_hidden_layers`` for the MTP layer); ``options`` choose the kernels
+    and the mode (``ModelOptions``). Layer 0 measures its top-k recall when a forward's
+    ``AuxTerms.recall_queries`` asks for it.
     """
 
-    def __init__(self, args: GLM52ModelArgs, has_indexer: bool, options: ModelOptions | None = None,
-                 probes_recall: bool = False) -> None:
+    def __init__(self, args: GLM52ModelArgs, layer_id: int, options: ModelOptions | None = None) -> None:
         super().__init__()
         self.n_heads = args.num_attention_heads
         self.nope, self.rope_dim, self.v_dim = args.qk_nope_head_dim, args.qk_rope_head_dim, args.v_head_dim
@@ -273,13 +273,15 @@ class Attention(nn.Module):
         self.kv_norm = RMSNorm(self.kv_rank, args.latent_eps)
         self.wkv_b = nn.Linear(self.kv_rank, self.n_heads * (self.nope + self.v_dim), bias=False)
         self.wo = nn.Linear(self.n_heads * self.v_dim, args.hidden_size, bias=False)
+        has_indexer = args.index_share.has_indexer(layer_id)
         self.indexer = Indexer(args) if has_indexer else None
+        self.layer_id = layer_id
         options = options or ModelOptions()
         self.backend, self.sparse = options.dsa_backend, options.sparse_attention
         self.recompute_latent_query = options.recompute_latent_query
         # The indexer KL loss (DeepSeek-V3.2) trains this layer's indexer where the coefficient is > 0.
         self.indexer_loss_coeff = options.indexer_loss_coeff if has_indexer else 0.0
-        self.probes_recall = probes_recall and has_indexer
+        self.probes_recall = layer_id == 0
 
     def forward(self, x: torch.Tensor, ctx: PackedContext, topk_in: torch.Tensor | None):
         """``x [T, D]`` -> (``out [T, D]``, top-k ``[T, index_topk]`` int32 for the following layers)."""
@@ -493,7 +495,7 @@ def _indexer_outputs(attn: Attention, out, train_indexer: bool, q_abs, kv, lse, 
         else:  # dense warm-up: KL over every visible key (chunked torch path on any backend)
             kl = reference.indexer_kl(q_abs.detach(), kv.detach(), attn.softmax_scale, q_i, k_i, w_i,
                                       attn.indexer.softmax_scale, ctx.cu_seqlens).sum()
-        out = ctx.aux.attach_indexer_kl(out, kl, attn.indexer_loss_coeff)
+        out = ctx.aux.attach_indexer_kl(out, kl, attn.indexer_loss_coeff, attn.layer_id)
     if attn.probes_recall and ctx.aux.recall_queries:  # the last queries of the first sequence
         t, seq = q_abs.shape[0], q_abs.shape[0] // ctx.batch
         rows = torch.arange(seq - min(ctx.aux.recall_queries, seq), seq, device=q_abs.device)

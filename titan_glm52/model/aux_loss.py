@@ -9,7 +9,7 @@ normaliser. The caller hands the normalisers in, and gets the detached sums back
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -44,8 +44,9 @@ class AuxTerms:
             gradient attached is ``indexer_loss_coeff * KL_sum / tokens``.
         sequences: the sequence balance loss's normaliser, the step's sequences over all ranks.
         recall_queries: > 0 measures the top-k recall of layer 0 on that many queries (a metric).
-    Out (detached, summed over layers and forwards; activation-checkpoint recomputes are not counted again):
-        indexer_kl: the KL of every indexer layer, summed over its tokens (None: no layer trained its indexer).
+    Out (detached, summed over forwards; activation-checkpoint recomputes are not counted again):
+        indexer_kl: layer id -> that layer's indexer KL summed over its tokens (empty: no layer trained its
+            indexer; ``indexer_kl_sum`` adds the layers up).
         seq_aux: the sequence balance loss as added to the loss (``seq_aux_loss_coeff`` x the loss summed over
             sequences / ``sequences``), summed over MoE layers (None: off).
         recall: layer 0's top-k recall (None: not measured).
@@ -54,14 +55,19 @@ class AuxTerms:
     tokens: torch.Tensor | float = 1.0
     sequences: torch.Tensor | float = 1.0
     recall_queries: int = 0
-    indexer_kl: torch.Tensor | None = None
+    indexer_kl: dict[int, torch.Tensor] = field(default_factory=dict)
     seq_aux: torch.Tensor | None = None
     recall: torch.Tensor | None = None
 
-    def attach_indexer_kl(self, out: torch.Tensor, kl: torch.Tensor, coeff: float) -> torch.Tensor:
-        """``out``, with the gradient of ``coeff * kl / tokens`` attached; ``kl`` (summed) recorded."""
+    def indexer_kl_sum(self) -> torch.Tensor | None:
+        """The KL of every indexer layer, in forward order (None: none trained its indexer)."""
+        return sum(self.indexer_kl.values()) if self.indexer_kl else None
+
+    def attach_indexer_kl(self, out: torch.Tensor, kl: torch.Tensor, coeff: float, layer_id: int) -> torch.Tensor:
+        """``out``, with the gradient of ``coeff * kl / tokens`` attached; ``kl`` (summed) recorded for layer
+        ``layer_id``."""
         if not in_backward():
-            self.indexer_kl = _added(self.indexer_kl, kl)
+            self.indexer_kl[layer_id] = _added(self.indexer_kl.get(layer_id), kl)
         return AuxLoss.apply(out, kl * (coeff / self.tokens))
 
     def attach_seq_aux(self, out: torch.Tensor, aux: torch.Tensor, coeff: float) -> torch.Tensor:

@@ -36,8 +36,7 @@ class Block(nn.Module):
         super().__init__()
         self.layer_id = layer_id
         self.attention_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.attention = Attention(args, args.index_share.has_indexer(layer_id), options,
-                                   probes_recall=layer_id == 0)
+        self.attention = Attention(args, layer_id, options)
         self.ffn_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.moe_enabled = args.is_moe_layer(layer_id)
         if self.moe_enabled:
