@@ -1,6 +1,6 @@
 """Train one config under several parallel layouts on the same global batches and compare with the first layout.
 
-For the multi-GPU checks of the parallelism issues: e.g. on 2 H200s, the proxy config on 1 GPU vs FSDP=2 vs
+For the multi-GPU checks of the parallel layouts: e.g. on 2 H200s, the proxy config on 1 GPU vs FSDP=2 vs
 EP=2 (vs PP=2). Every run uses ``--data.same_global_batch`` and the layout-independent init, so the loss curves
 must agree up to bf16 rounding (and the nondeterministic fp32 atomics of the attention backward).
 

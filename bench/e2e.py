@@ -20,7 +20,7 @@ an OOM or a crash loses only that cell, recorded as "OOM" / "error" with the las
 * peer: ``bench/e2e_tt_dsv3.py`` (torchtitan's DeepSeekV3Model, its AC / compile / MoE / SDPA attention, FSDP2
   mixed precision on a 1-rank mesh, AdamW); MFU counts dense causal attention (see that file). On one GPU
   ``--peer-mp autocast`` runs the peer's own one-device path (torch.autocast) instead, which is often faster than
-  its one-rank FSDP path (bench/results/e2e_h200.md, sessions 7 and 13); ``--peer-mp fsdp,autocast`` runs both
+  its one-rank FSDP path (bench/results/2026-11-30_h200_e2e.md); ``--peer-mp fsdp,autocast`` runs both
   (the cell's "peer" and "peer_autocast") and reports ours against the faster ("ratio_best_peer"). A peer run that
   runs out of memory runs once more with full activation checkpointing (``--peer-oom-ac``; at 32K on one H200 it
   fits only so), marked in the table, so every cell has a ratio.
@@ -93,7 +93,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per cell (compile, allocator)")
     p.add_argument("--warmup-compiled", type=int, default=4,
                    help="untimed steps per compile-on cell, both sides (at least --warmup): with 2, ours still "
-                        "compiled in the first timed step at 4K (session 3)")
+                        "compiled in the first timed step at 4K")
     p.add_argument("--batch", type=int, default=1, help="local batch size (sequences per step per rank), both sides")
     p.add_argument("--nproc", type=int, default=1, help="GPUs (processes, under torchrun when > 1) per side and cell")
     p.add_argument("--parallel", choices=("fsdp", "ep"), default="fsdp",
@@ -117,7 +117,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--config", default="train_configs/glm52_proxy.toml", help="our job config")
     p.add_argument("--our-args", default="", help="extra train.py arguments (e.g. '--model.flavor debug')")
     p.add_argument("--peer-args", default="", help="extra bench/e2e_tt_dsv3.py arguments (e.g. '--tiny')")
-    p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "e2e_h200.json"), help="JSON results")
+    p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "e2e_latest.json"),
+                   help="JSON results (bench/results/e2e_h200.json holds the current table's cells; see bench/README.md)")
     p.add_argument("--md", default=None, help="markdown table (default: --out with .md)")
     p.add_argument("--logs", default=None, help="folder for every subprocess log (default: a temporary one, "
                    "copied to $OUT/e2e_logs when $OUT is set)")
@@ -464,8 +465,8 @@ def markdown(report: dict) -> str:
             "- ours: `train.py` with the proxy config (4 layers: 1 dense + 3 MoE, 16 experts top-8 + 1 shared, "
             "IndexShare FFFS, DSA top-2048, MTP as configured), bf16 compute with fp32 master weights (on one GPU in "
             "the Triton optimizer, training.master_weights 'auto'; on several FSDP2's MixedPrecisionPolicy), AdamW "
-            "as the config sets it (optimizer.implementation; the proxy config's is 'triton' since session 6, "
-            "'fused' before), one sequence per sample (no document masking). "
+            "as the config sets it (optimizer.implementation; the proxy config's is 'triton'), one sequence per "
+            "sample (no document masking). "
             "MFU = the trainer's DSA-aware FLOPs (sparse MLA core over top-k keys, indexer over causal pairs, "
             "MTP layer and second head pass when MTP is on) / 989 TFLOP/s.",
             "- peer: torchtitan 0.2.2 `DeepSeekV3Model` at the same widths (no indexer, no MTP), SDPA causal "

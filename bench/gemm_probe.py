@@ -1,11 +1,11 @@
 """Times the proxy's large GEMMs at 32K tokens alone and in the order one MoE layer's backward runs them.
 
-Session 24: in the s22 32K training trace the attention output projection's backward products
-(``dX = dY @ W_o`` [32768, 6144] x [6144, 16384] and ``dW = dY^T @ X``) took 10.4-17.0 ms each in the MoE layers
-against 7.9-8.9 ms for the forward product of the same FLOPs (and 8.0-8.3 in the dense layer). This script
-separates the product's own speed from its context: each product alone (CUDA events around every call), then the
-backward sequence of one MoE layer (grouped expert products, then the output projection's two) repeated, then the
-same sequence with the output-projection products computed in other layouts.
+In a profiled 32K training step (bench/results/2026-12-03_h200_e2e.md) the attention output projection's
+backward products (``dX = dY @ W_o`` [32768, 6144] x [6144, 16384] and ``dW = dY^T @ X``) took 10.4-17.0 ms each
+in the MoE layers against 7.9-8.9 ms for the forward product of the same FLOPs (and 8.0-8.3 in the dense layer).
+This script separates the product's own speed from its context: each product alone (CUDA events around every
+call), then the backward sequence of one MoE layer (grouped expert products, then the output projection's two)
+repeated, then the same sequence with the output-projection products computed in other layouts.
 
     python3 bench/gemm_probe.py [--reps 8] [--out probe.json]
 

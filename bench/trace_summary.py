@@ -6,7 +6,7 @@
 ``bmm`` / ``_grouped_mm`` (traces recorded with shapes, as ``bench/e2e.py --trace`` records them), grouped by op
 and input dims, with their calls, time and TFLOP/s, and every call of at least 1 ms in launch order.
 
-Used by ``bench/e2e.py --trace`` (issue 6: profile-driven work) on both sides of a cell; also works on the traces
+Used by ``bench/e2e.py --trace`` on both sides of a cell; also works on the traces
 ``train.py --profiling.enable_profiling`` writes. Times are the sum of kernel durations on the GPU (overlapping
 streams are added, so the total can exceed the step's wall time when communication overlaps compute).
 """

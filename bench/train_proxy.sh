@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Issue 3's GPU check: the proxy config (GLM-5.2 widths, 4 layers, 16 experts, MTP) trains on one H200.
-# Usage on the GPU machine (device tool, .whl carried): bash bench/train_proxy.sh [steps] [extra train.py args...]
+# The proxy config (GLM-5.2 widths, 4 layers, 16 experts, MTP) trained by train.py on one H200.
+# Usage on the GPU machine (.whl carried): bash bench/train_proxy.sh [steps] [extra train.py args...]
 set -uo pipefail
 source bench/gpu_env.sh
 steps=${1:-200}; shift || true
