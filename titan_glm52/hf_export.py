@@ -17,7 +17,8 @@ FP8 format (``fp8_checkpoint.quantize_hf_tensors``) by its writer, after the gat
 the matching ``quantization_config``.
 
 Peak memory: one unit's full weights in the export dtype on each writer's host (a 744B MoE layer is about 19 GB
-in bf16), and one full parameter at a time on every rank's device.
+in bf16; with ``fp8=True`` plus their e4m3 copies, about 10 GB more), and one full parameter at a time on every
+rank's device.
 """
 
 from __future__ import annotations
