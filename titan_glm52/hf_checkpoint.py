@@ -2,9 +2,11 @@
 
 ``load_hf_model(hf_dir)`` builds the model from ``config.json`` and fills every parameter and buffer from the
 safetensors files (single file or sharded with ``model.safetensors.index.json``); missing or unexpected keys
-and shape mismatches are errors. ``save_hf_model(model, out_dir)`` writes ``config.json`` plus shards and an
-index; ``e_score_correction_bias`` stays fp32 as in the published checkpoint. It needs the whole model in one
-process; a sharded or pipelined model is written unit by unit by ``hf_export.save_hf_distributed``.
+and shape mismatches are errors. The published block-wise FP8 checkpoint is read as well: its quantised weights
+are dequantised to the model's dtype as they are read (``fp8_checkpoint``). ``save_hf_model(model, out_dir)``
+writes ``config.json`` plus shards and an index, in bf16 by default or in the block-wise FP8 format with
+``fp8=True``; ``e_score_correction_bias`` stays fp32 as in the published checkpoint. It needs the whole model in
+one process; a sharded or pipelined model is written unit by unit by ``hf_export.save_hf_distributed``.
 """
 
 from __future__ import annotations
@@ -12,11 +14,14 @@ from __future__ import annotations
 import json
 import os
 from collections import defaultdict
+from contextlib import ExitStack
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from titan_glm52.fp8_checkpoint import (BlockFp8, checked_slice, kept_modules, pair_scales, quantize_hf_tensors,
+                                        read_format)
 from titan_glm52.model.args import GLM52ModelArgs
 from titan_glm52.model.init import local_view
 from titan_glm52.model.model import GLM52Model
@@ -54,36 +59,82 @@ def load_hf_state(model: GLM52Model, hf_dir: str, partial: bool = False) -> None
     checkpoint tensors of other stages are skipped. Every tensor of ``model`` must be found, with the published
     shape. A model built without its MTP layer (``with_mtp=False``, ``[mtp] enable = false``) skips the
     checkpoint's MTP layer (``model.layers.<num_hidden_layers>.*``).
+
+    A block-wise FP8 checkpoint (``quantization_config`` in ``hf_dir/config.json``, fp8 weights with their
+    ``*_scale_inv``) loads the same way: each rank dequantises only the part of a weight it holds, with the scale
+    blocks covering it, and the result is cast to the model's dtype (``fp8_checkpoint``).
     """
     args = model.args
     mtp_prefix = None if getattr(model, "mtp", None) is not None else f"model.layers.{args.num_hidden_layers}."
     targets = dict(model.named_parameters())
     targets.update({k: v for k, v in model.named_buffers() if "tokens_per_expert" not in k})
     seen: dict[str, set[ExpertSlice] | bool] = {}  # per 3-D weight: the per-expert slices copied
-    by_file: dict[str, list[str]] = defaultdict(list)
-    for key, path in hf_weight_files(hf_dir).items():
-        by_file[path].append(key)
-    for path, keys in sorted(by_file.items()):
-        with safe_open(path, "pt", device="cpu") as f:
-            for hf_key in keys:
-                if mtp_prefix is not None and hf_key.startswith(mtp_prefix):
-                    continue  # the MTP layer of a model trained without it
-                name, where = hf_to_ours(hf_key, args)
-                if name not in targets:
-                    if partial:
-                        continue
-                    raise KeyError(f"{hf_key!r} maps to {name!r}, which this model does not have "
-                                   "(indexer weights on a shared layer? MTP layer disabled?)")
-                _copy_slice(f.get_slice(hf_key), hf_key, targets[name], where)
-                if where is None:
-                    seen[name] = True
-                else:
-                    seen.setdefault(name, set()).add(where)
+    with _Checkpoint(hf_dir) as ckpt:
+        for path, keys in ckpt.keys_by_file():
+            with safe_open(path, "pt", device="cpu") as f:
+                for hf_key in keys:
+                    if mtp_prefix is not None and hf_key.startswith(mtp_prefix):
+                        continue  # the MTP layer of a model trained without it
+                    name, where = hf_to_ours(hf_key, args)
+                    if name not in targets:
+                        if partial:
+                            continue
+                        raise KeyError(f"{hf_key!r} maps to {name!r}, which this model does not have "
+                                       "(indexer weights on a shared layer? MTP layer disabled?)")
+                    _copy_slice(ckpt.slice(f, path, hf_key), hf_key, targets[name], where)
+                    if where is None:
+                        seen[name] = True
+                    else:
+                        seen.setdefault(name, set()).add(where)
     missing = [name for name, t in targets.items()
                if seen.get(name) is None
                or (isinstance(seen[name], set) and len(seen[name]) != t.shape[0] * next(iter(seen[name])).parts)]
     if missing:
         raise KeyError(f"{len(missing)} tensors missing from {hf_dir}: {missing[:8]}")
+
+
+class _Checkpoint:
+    """The tensors of an HF checkpoint directory, bf16 / fp32 or block-wise FP8, as slices to read from.
+
+    FP8 block scales are not tensors to load of their own: each is read with its weight (``slice``), whose reads
+    it dequantises. Refuses a broken or unsupported FP8 checkpoint on entry, before anything is read.
+    """
+
+    def __init__(self, hf_dir: str) -> None:
+        self.files = hf_weight_files(hf_dir)
+        self.fmt = read_format(hf_dir)
+        self.scales = pair_scales(self.files, self.fmt, hf_dir)  # weight key -> its scale's key
+        self._stack = ExitStack()
+        self._others: dict[str, object] = {}  # files opened for a scale that sits apart from its weight
+
+    def __enter__(self) -> _Checkpoint:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stack.close()
+
+    def keys_by_file(self) -> list[tuple[str, list[str]]]:
+        """(file, its keys to load), in file order; the scales left out."""
+        scale_keys = set(self.scales.values())
+        by_file: dict[str, list[str]] = defaultdict(list)
+        for key, path in self.files.items():
+            if key not in scale_keys:
+                by_file[path].append(key)
+        return sorted(by_file.items())
+
+    def slice(self, f, path: str, key: str):
+        """Tensor ``key`` of the open file ``f`` (at ``path``) to read from: its safetensors slice, or for an FP8
+        weight a slice that dequantises what is read of it."""
+        scale = self.scales.get(key)
+        if scale is not None:
+            scale_path = self.files[scale]
+            if scale_path == path:
+                scale = f.get_slice(scale)
+            else:
+                if scale_path not in self._others:
+                    self._others[scale_path] = self._stack.enter_context(safe_open(scale_path, "pt", device="cpu"))
+                scale = self._others[scale_path].get_slice(scale)
+        return checked_slice(f.get_slice(key), key, scale, self.fmt)
 
 
 def _copy_slice(src, hf_key: str, dst: torch.Tensor, where: ExpertSlice | None) -> None:
@@ -160,20 +211,28 @@ def to_hf_tensors(state: dict[str, torch.Tensor], args: GLM52ModelArgs,
 
 
 def save_hf_model(model: GLM52Model, out_dir: str, dtype: torch.dtype = torch.bfloat16,
-                  max_shard_bytes: int = 5 * 1024 ** 3) -> None:
-    """Writes ``config.json`` and safetensors (sharded with an index when over ``max_shard_bytes``)."""
+                  max_shard_bytes: int = 5 * 1024 ** 3, fp8: bool = False) -> None:
+    """Writes ``config.json`` and safetensors (sharded with an index when over ``max_shard_bytes``).
+
+    ``fp8=True`` writes the published block-wise FP8 format: the linear weights of attention, MLP and experts in
+    e4m3 with 128 x 128 block scales (quantised from their ``dtype`` values), the rest in ``dtype``.
+    """
     args = model.args
     if model.mtp is None and args.num_nextn_predict_layers:
         args = args.replace(num_nextn_predict_layers=0)
-    save_hf_state(model.state_dict(), args, out_dir, dtype, max_shard_bytes)
+    save_hf_state(model.state_dict(), args, out_dir, dtype, max_shard_bytes, fp8)
 
 
 def save_hf_state(state: dict[str, torch.Tensor], args: GLM52ModelArgs, out_dir: str,
-                  dtype: torch.dtype = torch.bfloat16, max_shard_bytes: int = 5 * 1024 ** 3) -> None:
+                  dtype: torch.dtype = torch.bfloat16, max_shard_bytes: int = 5 * 1024 ** 3,
+                  fp8: bool = False) -> None:
     """``save_hf_model`` for a state dict under our names (e.g. gathered from a sharded model)."""
     os.makedirs(out_dir, exist_ok=True)
-    write_hf_config(args, out_dir, dtype)
     tensors = to_hf_tensors(state, args, dtype)
+    fmt = BlockFp8() if fp8 else None
+    if fmt is not None:
+        tensors = quantize_hf_tensors(tensors, fmt)
+    write_hf_config(args, out_dir, dtype, fmt and fmt.config(kept_modules(tensors)))
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for key in sorted(tensors):
@@ -202,9 +261,18 @@ def shard_file_name(i: int, n: int) -> str:
     return f"model-{i + 1:05d}-of-{n:05d}.safetensors"
 
 
-def write_hf_config(args: GLM52ModelArgs, out_dir: str, dtype: torch.dtype) -> None:
-    """``config.json`` of ``args`` with ``dtype`` = the export dtype."""
-    args.replace(dtype=str(dtype).removeprefix("torch.")).save_hf_config(out_dir)
+def write_hf_config(args: GLM52ModelArgs, out_dir: str, dtype: torch.dtype,
+                    quantization_config: dict | None = None) -> None:
+    """``config.json`` of ``args`` with ``dtype`` = the export dtype and the written files' own
+    ``quantization_config`` (none for an unquantised export, whatever format the model was loaded from)."""
+    cfg = args.replace(dtype=str(dtype).removeprefix("torch.")).to_hf_config()
+    cfg.pop("quantization_config", None)
+    if quantization_config is not None:
+        cfg["quantization_config"] = quantization_config
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(dict(sorted(cfg.items())), f, indent=2)
+        f.write("\n")
 
 
 def write_hf_index(out_dir: str, weight_map: dict[str, str], total_size: int) -> None:

@@ -12,8 +12,13 @@ gather. Routed experts come out whole: the gather runs over the expert-FSDP and 
 (``to_hf_tensors``) and writes its file; the other ranks drop each tensor at once. Rank 0 then gathers the small
 key -> file maps and writes ``model.safetensors.index.json`` and ``config.json`` as ``save_hf_state`` does.
 
+With ``fp8=True`` each unit's attention, MLP and expert linear weights are written in the published block-wise
+FP8 format (``fp8_checkpoint.quantize_hf_tensors``) by its writer, after the gather, and ``config.json`` carries
+the matching ``quantization_config``.
+
 Peak memory: one unit's full weights in the export dtype on each writer's host (a 744B MoE layer is about 19 GB
-in bf16), and one full parameter at a time on every rank's device.
+in bf16; with ``fp8=True`` plus their e4m3 copies, about 10 GB more), and one full parameter at a time on every
+rank's device.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from titan_glm52.fp8_checkpoint import BlockFp8, kept_modules, quantize_hf_tensors
 from titan_glm52.hf_checkpoint import shard_file_name, to_hf_tensors, write_hf_config, write_hf_index
 from titan_glm52.model.args import GLM52ModelArgs
 from titan_glm52.model.state_dict_adapter import FP32_KEYS, to_hf
@@ -59,15 +65,17 @@ def _export_dtype(key: str, t: torch.Tensor, args: GLM52ModelArgs, dtype: torch.
 
 @torch.no_grad()
 def save_hf_distributed(parts: list[nn.Module], args: GLM52ModelArgs, out_dir: str,
-                        dtype: torch.dtype = torch.bfloat16, writer: bool = True) -> None:
+                        dtype: torch.dtype = torch.bfloat16, writer: bool = True, fp8: bool = False) -> None:
     """Writes the model held by ``parts`` (this rank's model or pipeline stages, sharded or not) as an HF
     safetensors directory, streaming one unit at a time (module docstring).
 
     Collective over the default process group when there is one: every rank calls it with its parts, and
     ``writer`` is True on exactly one rank of each pipeline stage (its data-parallel rank 0; rank 0 must be one).
     ``args`` decide the files and ``config.json``: ``num_nextn_predict_layers`` = 0 when the MTP layer is not
-    exported. Returns when the directory is complete, on every rank.
+    exported. ``fp8=True``: the block-wise FP8 format (module docstring). Returns when the directory is complete,
+    on every rank.
     """
+    fmt = BlockFp8() if fp8 else None
     distributed = dist.is_initialized()
     n = num_units(args)
     sizes: dict[str, tuple[str, int]] = {}  # HF key -> (file, bytes), of the units this rank wrote
@@ -89,6 +97,8 @@ def save_hf_distributed(parts: list[nn.Module], args: GLM52ModelArgs, out_dir: s
             if writer:
                 name = shard_file_name(unit, n)
                 tensors = to_hf_tensors(state, args, dtype)
+                if fmt is not None:
+                    tensors = quantize_hf_tensors(tensors, fmt)
                 save_file(tensors, os.path.join(out_dir, name), metadata={"format": "pt"})
                 sizes.update({k: (name, v.numel() * v.element_size()) for k, v in tensors.items()})
                 del state, tensors  # the unit is on disk: free it before the next unit's gather
@@ -97,13 +107,13 @@ def save_hf_distributed(parts: list[nn.Module], args: GLM52ModelArgs, out_dir: s
         pieces = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
         dist.gather_object(sizes, pieces, dst=0)
     if not distributed or dist.get_rank() == 0:
-        _write_index_and_config(pieces, args, out_dir, dtype)
+        _write_index_and_config(pieces, args, out_dir, dtype, fmt)
     if distributed:
         dist.barrier()
 
 
 def _write_index_and_config(pieces: list[dict[str, tuple[str, int]]], args: GLM52ModelArgs, out_dir: str,
-                            dtype: torch.dtype) -> None:
+                            dtype: torch.dtype, fmt: BlockFp8 | None) -> None:
     merged = {k: v for piece in pieces for k, v in piece.items()}
     expected = {shard_file_name(u, num_units(args)) for u in range(num_units(args))}
     missing = sorted(expected - {name for name, _ in merged.values()})
@@ -111,4 +121,4 @@ def _write_index_and_config(pieces: list[dict[str, tuple[str, int]]], args: GLM5
         raise RuntimeError(f"HF export to {out_dir}: no rank wrote {missing} (is every pipeline stage's writer set, "
                            "and does num_nextn_predict_layers match the MTP layer?)")
     write_hf_index(out_dir, {k: merged[k][0] for k in sorted(merged)}, sum(size for _, size in merged.values()))
-    write_hf_config(args, out_dir, dtype)
+    write_hf_config(args, out_dir, dtype, fmt and fmt.config(kept_modules(merged)))

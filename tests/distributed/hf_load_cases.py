@@ -1,4 +1,5 @@
-"""Per-rank body: an HF checkpoint loaded into a sharded (FSDP / EP) or pipelined model equals the full model."""
+"""Per-rank bodies: an HF checkpoint (bf16 / fp32, or block-wise FP8) loaded into a sharded (FSDP / EP) or pipelined
+model equals the full model."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import torch
 from tests.distributed.cases import debug_args, full
 from titan_glm52.distributed import build_mesh, init_distributed
 from titan_glm52.hf_checkpoint import load_hf_state
+from titan_glm52.hf_export import save_hf_distributed
+from titan_glm52.model.args import GLM52ModelArgs
 from titan_glm52.model.model import GLM52Model
 from titan_glm52.parallelize import parallelize_model
 from titan_glm52.pipeline import make_plan, stage_modules
@@ -26,9 +29,16 @@ def loaded_model(args, mesh, hf_dir: str, pp: int, ep: int, with_mtp: bool = Tru
     return model
 
 
-def check_hf_load(hf_dir: str, dp_shard: int = 1, ep: int = 1, pp: int = 1) -> None:
+def check_hf_load(hf_dir: str, dp_shard: int = 1, ep: int = 1, pp: int = 1, args_from_checkpoint: bool = False,
+                  fp8_export_dir: str | None = None) -> None:
+    """Every tensor of this rank's shards equals the single-process load, bitwise.
+
+    ``args_from_checkpoint``: the model args come from ``hf_dir/config.json`` (else the debug flavor's).
+    ``fp8_export_dir``: the sharded model is then exported there in the block-wise FP8 format, streamed
+    (``save_hf_distributed``), for the caller to compare with the single-process export.
+    """
     env = init_distributed()
-    args = debug_args()
+    args = GLM52ModelArgs.from_hf_config(hf_dir) if args_from_checkpoint else debug_args()
     ref = GLM52Model(args)
     load_hf_state(ref, hf_dir)
     mesh = build_mesh(env.world_size, dp_shard=dp_shard, ep=ep, pp=pp, device_type="cpu",
@@ -38,3 +48,6 @@ def check_hf_load(hf_dir: str, dp_shard: int = 1, ep: int = 1, pp: int = 1) -> N
     for name, t in model.state_dict().items():
         if "tokens_per_expert" not in name:
             assert torch.equal(full(t), expected[name]), name
+    if fp8_export_dir is not None:
+        writer = mesh["dp"].get_local_rank() == 0
+        save_hf_distributed([model], args, fp8_export_dir, torch.bfloat16, writer=writer, fp8=True)
