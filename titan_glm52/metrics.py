@@ -1,31 +1,8 @@
-"""Training metrics: the DSA-aware FLOP count behind MFU, and the console + TensorBoard logger.
+"""Training metrics: the device's peak FLOP/s behind MFU, peak memory, and the console + TensorBoard logger.
 
-FLOPs of one training step (forward x 3: backward costs twice the forward; recomputation is not counted):
-
-    forward = 2 * N_active * tokens                                   (every matmul with a weight)
-            + sum over attention layers of 2 * H * (D_qk + D_v) * P_sparse        (sparse MLA core)
-            + sum over full-indexer layers of 2 * H_I * D_I * P_causal            (indexer scores)
-
-* ``N_active``: parameters touched per token: attention projections, indexers of the full layers only, dense
-  MLPs, router + top-k routed + shared experts, final norm, output head; plus, with MTP, the MTP layer's and
-  ``eh_proj`` and the head once more. The embedding lookup is not a matmul and is excluded.
-* The sparse core runs in the absorbed form: ``D_qk = kv_lora_rank + qk_rope_head_dim`` (576) and
-  ``D_v = kv_lora_rank`` (512); the up-projections around it are weights, counted in ``N_active``.
-* ``P_sparse = sum over documents of sum_p min(index_topk, p + 1)``: each query attends to at most top-k of its
-  visible keys; ``P_causal = sum over documents of L (L + 1) / 2``: the indexer scores every visible key.
-  In dense mode (DSA warm-up) ``P_sparse`` is replaced by ``P_causal``.
-* Dense prefix (``[dsa] dense_prefix``): on every attention layer, the first ``index_topk`` rows of each document of
-  at least ``index_topk`` tokens (``P_prefix = index_topk (index_topk + 1) / 2`` pairs per such document) run in
-  the plain form instead: ``2 * H * (qk_head_dim + v_head_dim)`` per pair (256 + 256 for GLM-5.2), plus their
-  keys' up-projection ``2 * kv_lora_rank * H * (qk_nope_head_dim + v_head_dim)`` per row. The absorbed-form work
-  those rows still do and discard (and, on layers that train their indexer, the gradient-free sparse forward
-  that gives the KL their log-sum-exp) is not counted.
-* Masked dense (``[dsa] dense_masked_ratio``): a document of ``index_topk < L <= ratio * index_topk`` tokens runs its
-  later rows in the plain form too, counted per selected pair (``index_topk`` per row; the masked-out pairs the
-  kernel also visits are not counted), plus the up-projection of all its ``L`` keys.
-
-Per device: a data-parallel rank's tokens and FLOPs are divided by the devices that share them (its pipeline
-stages), as torchtitan does; MFU = FLOPs per device / step time / bf16 peak.
+MFU = training FLOPs per device (``model/flops.py``, the one FLOP model; a data-parallel rank's tokens and FLOPs
+are divided by the devices that share them, its pipeline stages, as torchtitan does) / step time / the device's
+dense bf16 peak.
 """
 
 from __future__ import annotations
@@ -38,7 +15,6 @@ import time
 
 import torch
 
-from titan_glm52.model.args import GLM52ModelArgs
 
 logger = logging.getLogger("titan_glm52")
 
@@ -54,49 +30,6 @@ def peak_flops(device: torch.device) -> float | None:
         if key in name:
             return value
     return None
-
-
-def _pairs(doc_lengths: torch.Tensor, k: int | None) -> int:
-    lengths = doc_lengths.to(torch.int64)
-    causal = lengths * (lengths + 1) // 2
-    if k is None:
-        return int(causal.sum())
-    capped = torch.where(lengths <= k, causal, k * (k + 1) // 2 + (lengths - k) * k)
-    return int(capped.sum())
-
-
-def step_flops(args: GLM52ModelArgs, doc_lengths: torch.Tensor, with_mtp: bool, sparse: bool = True,
-               dense_prefix: bool = False, dense_masked_ratio: float = 0.0) -> float:
-    """Training FLOPs (forward + backward) for the given documents (their lengths sum to the token count).
-    ``dense_prefix``: the model runs with ``[dsa] dense_prefix``; ``dense_masked_ratio``: with its
-    ``[dsa] dense_masked_ratio`` (0 = off)."""
-    tokens = int(doc_lengths.sum())
-    n_active = args.num_active_params(include_mtp=False, include_head=True)
-    attn_layers = args.num_hidden_layers
-    index_layers = len(args.index_share.full_layers)
-    if with_mtp:
-        n_active += args._mtp_params(active=True) + args.vocab_size * args.hidden_size
-        attn_layers += 1
-        index_layers += 1
-    p_sparse = _pairs(doc_lengths, args.index_topk if sparse else None)
-    p_causal = _pairs(doc_lengths, None)
-    d_qk, d_v = args.kv_lora_rank + args.qk_rope_head_dim, args.kv_lora_rank
-    h = args.num_attention_heads
-    forward = (2 * n_active * tokens
-               + attn_layers * 2 * h * (d_qk + d_v) * p_sparse
-               + index_layers * 2 * args.index_n_heads * args.index_head_dim * p_causal)
-    if dense_prefix and sparse:
-        k = args.index_topk
-        lengths = doc_lengths.to(torch.int64)
-        docs = int((lengths >= k).sum())
-        # per selected pair, the plain form's work over the absorbed form's; per key, its up-projection
-        extra = 2 * h * (args.qk_head_dim + args.v_head_dim) - 2 * h * (d_qk + d_v)
-        up = 2 * args.kv_lora_rank * h * (args.qk_nope_head_dim + args.v_head_dim)
-        forward += attn_layers * docs * (extra * (k * (k + 1) // 2) + up * k)
-        if dense_masked_ratio > 0:
-            short = lengths[(lengths > k) & (lengths <= int(dense_masked_ratio * k))]
-            forward += attn_layers * int((extra * k * (short - k) + up * short).sum())
-    return 3.0 * forward
 
 
 def memory_stats(device: torch.device) -> dict[str, float]:

@@ -14,18 +14,14 @@ Pure logic (no process groups, no model): ``pipeline.py`` builds stages from wha
 * ``parse_layout(text)``: ``parallelism.pipeline_parallel_layout`` as layers per stage (the one parser).
 * ``choose_layout(args, schedule, pp_degree, ...)``: all of the above in one ``PipelineLayout``.
 
-Cost model. The cost of a piece is its forward FLOPs per token (2 per multiply-add) at a given sequence length,
-averaged over the causal positions of one sequence; backward and recompute scale every matmul alike, so the
-forward count balances training as well. A decoder layer costs its MLA projections (q down/up, kv down/up, o),
-its sparse attention in the absorbed latent form the kernels use (scores over ``kv_lora_rank + qk_rope_head_dim``
-and values over ``kv_lora_rank``, for each of ``num_attention_heads`` heads, against min(index_topk, position)
-keys), plus, on full layers only, the DSA indexer (its projections, then ``index_n_heads * index_head_dim``
-per key against every causal key: the O(seq_len) part), plus its MLP: the dense SwiGLU, or the router and
-``num_experts_per_tok`` routed + ``n_shared_experts`` shared experts. Norms, activations, RoPE and top-k
-selection are left out (small next to the matmuls). The first stage adds the embedding (a gather: 0 FLOPs);
-the last stage adds the final norm and output head (``vocab_size * hidden_size``) and, when the model has one,
-the MTP layer (``eh_proj``, one MoE decoder layer with its own indexer, and the head again), because MTP
-needs the last hidden states and the labels. Communication (all-to-all, stage sends) and memory are not costed.
+Cost model. The cost of a piece is its forward FLOPs per token at a given sequence length, from the one FLOP
+model (``model/flops.py``, which the MFU metric uses too), averaged over the causal positions of one sequence:
+a decoder layer's MLA projections, its sparse attention against min(index_topk, position) keys, its indexer on
+full layers (against every causal key: the O(seq_len) part) and its MLP. Backward and recompute scale every
+matmul alike, so the forward count balances training as well. The first stage adds the embedding (a gather: 0
+FLOPs); the last stage adds the output head and, when the job trains it, the MTP layer (``eh_proj``, one MoE
+decoder layer with its own indexer, and the head again), because MTP needs the last hidden states and the
+labels. Communication (all-to-all, stage sends) and memory are not costed.
 
 Splitter semantics. A stage never starts on a shared layer: IndexShare top-k indices are not sent between
 stages, so every stage boundary sits right before a full layer. Among the splits into exactly ``num_stages``
@@ -45,6 +41,7 @@ import numbers
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Sequence
 
+from titan_glm52.model import flops
 from titan_glm52.model.index_share import IndexShareSchedule
 
 if TYPE_CHECKING:
@@ -133,59 +130,16 @@ def stage_placement(schedule: str, pp_degree: int, stages_per_rank: int | None =
 
 
 # ------------------------------------------------------------------------------------- cost model
-def _mean_causal_keys(seq_len: int, cap: int | None = None) -> float:
-    """Mean over query positions t = 1..seq_len of min(cap, t) (all t keys when cap is None)."""
-    if cap is None or cap >= seq_len:
-        return (seq_len + 1) / 2
-    return (cap * (cap + 1) / 2 + (seq_len - cap) * cap) / seq_len
-
-
 def _check_seq_len(seq_len: int) -> None:
     if not isinstance(seq_len, int) or seq_len < 1:
         raise ValueError(f"seq_len must be an integer >= 1, got {seq_len!r}")
 
 
-def _attention_flops(args: GLM52ModelArgs, seq_len: int) -> float:
-    d, h = args.hidden_size, args.num_attention_heads
-    proj_macs = (d * args.q_lora_rank + args.q_lora_rank * h * args.qk_head_dim  # q down, q up
-                 + d * (args.kv_lora_rank + args.qk_rope_head_dim)  # kv down (+ the shared rope key)
-                 + args.kv_lora_rank * h * (args.qk_nope_head_dim + args.v_head_dim)  # kv up (or its absorption)
-                 + h * args.v_head_dim * d)  # o
-    per_key_macs = h * (2 * args.kv_lora_rank + args.qk_rope_head_dim)  # absorbed: scores + values in the latent
-    keys = _mean_causal_keys(seq_len, args.index_topk)
-    return 2.0 * (proj_macs + per_key_macs * keys)
-
-
-def _indexer_flops(args: GLM52ModelArgs, seq_len: int) -> float:
-    d, hi, di = args.hidden_size, args.index_n_heads, args.index_head_dim
-    proj_macs = args.q_lora_rank * hi * di + d * di + d * hi  # wq_b, wk, weights_proj
-    per_key_macs = hi * di + hi  # per-head scores, then the weighted sum over heads
-    return 2.0 * (proj_macs + per_key_macs * _mean_causal_keys(seq_len))
-
-
-def _mlp_flops(args: GLM52ModelArgs, moe: bool) -> float:
-    d = args.hidden_size
-    if not moe:
-        return 2.0 * 3 * d * args.intermediate_size
-    experts = args.num_experts_per_tok + args.n_shared_experts
-    return 2.0 * (experts * 3 * d * args.moe_intermediate_size + d * args.n_routed_experts)
-
-
-def _head_flops(args: GLM52ModelArgs) -> float:
-    return 2.0 * args.vocab_size * args.hidden_size
-
-
-def _decoder_layer_flops(args: GLM52ModelArgs, seq_len: int, moe: bool, full: bool) -> float:
-    return (_attention_flops(args, seq_len) + _mlp_flops(args, moe)
-            + (_indexer_flops(args, seq_len) if full else 0.0))
-
-
 def layer_costs(args: GLM52ModelArgs, seq_len: int = DEFAULT_SEQ_LEN) -> list[float]:
     """Forward FLOPs per token of each decoder layer (see the module docstring)."""
     _check_seq_len(seq_len)
-    sched = args.index_share
-    return [_decoder_layer_flops(args, seq_len, args.is_moe_layer(i), sched.is_full(i))
-            for i in range(args.num_hidden_layers)]
+    selected, visible = flops.mean_keys(seq_len, args.index_topk), flops.mean_keys(seq_len)
+    return [flops.layer_flops(args, i, 1.0, selected, visible) for i in range(args.num_hidden_layers)]
 
 
 def stage_extra_costs(args: GLM52ModelArgs, seq_len: int = DEFAULT_SEQ_LEN, with_mtp: bool | None = None
@@ -197,11 +151,9 @@ def stage_extra_costs(args: GLM52ModelArgs, seq_len: int = DEFAULT_SEQ_LEN, with
     hidden], one MoE decoder layer with its own indexer, and the head again.
     """
     _check_seq_len(seq_len)
-    last = _head_flops(args)
+    last = flops.head_flops(args)
     if args.num_nextn_predict_layers if with_mtp is None else with_mtp:
-        d = args.hidden_size
-        last += (2.0 * 2 * d * d + _decoder_layer_flops(args, seq_len, moe=args.is_moe_layer(args.num_hidden_layers),
-                                                           full=True) + _head_flops(args))
+        last += flops.mtp_flops(args, 1.0, flops.mean_keys(seq_len, args.index_topk), flops.mean_keys(seq_len))
     return 0.0, last
 
 

@@ -29,9 +29,9 @@ from titan_glm52.data import IGNORE_INDEX, Prefetcher, build_dataloader, build_t
 from titan_glm52.host_copy import host_to_device
 from titan_glm52.master_weights import MasterWeights
 from titan_glm52.memory_check import log_memory_check
-from titan_glm52.metrics import (MetricsLogger, format_line, memory_stats, peak_flops, reset_peak_memory,
-                                 step_flops)
+from titan_glm52.metrics import MetricsLogger, format_line, memory_stats, peak_flops, reset_peak_memory
 from titan_glm52.model.aux_loss import AuxTerms
+from titan_glm52.model.flops import step_flops
 from titan_glm52.model.model import GLM52Model
 from titan_glm52.model.moe import MoE
 from titan_glm52.optimizer import build_optimizers, clip_grad_norm_, clip_in_fused_step, folds_clip, total_grad_norm

@@ -21,6 +21,7 @@ from titan_glm52.model import attention as attention_mod
 from titan_glm52.model.attention import Attention
 from titan_glm52.model.model import GLM52Model, cross_entropy_sum
 from titan_glm52.model.moe import MoE
+from titan_glm52.model.options import ModelOptions
 from titan_glm52.optimizer import TritonAdamW, clip_grad_norm_, clip_in_fused_step, folds_clip
 from titan_glm52.parallelize import parallelize_model
 
@@ -91,9 +92,8 @@ def check_train_step(dp_replicate: int = 1, dp_shard: int = -1, ep: int = 1, ac_
     env = init_distributed(device_type=DEVICE_TYPE)
     args = debug_args().replace(**arg_overrides)
     torch.manual_seed(0)
-    ref = GLM52Model(args)
+    ref = GLM52Model(args, ModelOptions(dsa_backend=dsa_backend))
     ref.init_weights()
-    ref.set_dsa_backend(dsa_backend)
     if route_to_first_experts:
         with torch.no_grad():
             for m in ref.modules():

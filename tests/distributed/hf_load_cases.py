@@ -12,14 +12,15 @@ from titan_glm52.hf_export import save_hf_distributed
 from titan_glm52.model.args import GLM52ModelArgs
 from titan_glm52.model.model import GLM52Model
 from titan_glm52.parallelize import parallelize_model
-from titan_glm52.pipeline import make_plan, stage_modules
+from titan_glm52.pipeline import stage_modules
+from titan_glm52.pipeline_split import choose_layout
 
 
 def loaded_model(args, mesh, hf_dir: str, pp: int, ep: int, with_mtp: bool = True):
     """The model (or this rank's 1F1B stage when ``pp > 1``) parallelized on ``mesh``, with ``hf_dir``'s weights."""
     if pp > 1:
-        plan = make_plan(args, "1F1B", pp, None, 32, None)
-        ((_, model),) = stage_modules(args, plan, mesh["pp"].get_local_rank(), with_mtp)
+        layout = choose_layout(args, "1F1B", pp, seq_len=32, with_mtp=with_mtp)
+        ((_, model),) = stage_modules(args, layout, mesh["pp"].get_local_rank())
     else:
         with torch.device("meta"):
             model = GLM52Model(args, with_mtp=with_mtp)

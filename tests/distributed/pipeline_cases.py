@@ -9,17 +9,17 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torchtitan.distributed.pipeline_parallel import build_pipeline_schedule
 
 from tests.distributed.cases import GLOBAL_BATCH, IGNORE, SEQ, debug_args, full, labels_of, make_batch
-from titan_glm52.config import parse_job_config
 from titan_glm52.distributed import build_mesh, init_distributed
+from titan_glm52.model.aux_loss import AuxTerms
 from titan_glm52.model.model import GLM52Model, cross_entropy_sum
 from titan_glm52.model.moe import MoE
 from titan_glm52.optimizer import clip_grad_norm_
 from titan_glm52.parallelize import parallelize_model
-from titan_glm52.pipeline import build_pipeline_stages, make_plan
-from titan_glm52.trainer import mtp_labels
+from titan_glm52.pipeline import build_pipeline_stages, build_schedule, micro_batch_bounds
+from titan_glm52.pipeline_split import choose_layout
+from titan_glm52.step import mtp_labels
 
 RTOL, ATOL = 1e-4, 1e-5
 
@@ -46,10 +46,10 @@ def check_pipeline(schedule: str, pp: int, dp_shard: int = 1, ep: int = 1, stage
     tokens = make_batch(args.vocab_size)
     ref, ref_loss, n_main, n_mtp, ref_counts = _reference(args, tokens)
 
-    plan = make_plan(args, schedule, pp, stages_per_rank, SEQ, layout)
+    plan = choose_layout(args, schedule, pp, stages_per_rank, seq_len=SEQ, layers_per_stage=layout)
     pp_mesh = mesh["pp"]
     stages, parts = build_pipeline_stages(
-        args, plan, pp_mesh.get_local_rank(), pp_mesh.get_group(), env.device, True,
+        args, plan, pp_mesh.get_local_rank(), pp_mesh.get_group(), env.device, None,
         lambda m: parallelize_model(m, mesh, ac_mode=ac_mode, ep_enabled=ep > 1))
     for part in parts:
         part.to_empty(device=env.device)
@@ -57,12 +57,9 @@ def check_pipeline(schedule: str, pp: int, dp_shard: int = 1, ep: int = 1, stage
 
     dp_rank, dp_size = mesh["dp"].get_local_rank(), mesh["dp"].size()
     local = tokens.chunk(dp_size)[dp_rank]
-    cfg = parse_job_config(["--parallelism.pipeline_parallel_degree", str(pp), "--parallelism.pipeline_parallel_schedule",
-                            schedule, "--training.local_batch_size", str(local.shape[0]),
-                            "--parallelism.pipeline_parallel_microbatch_size", "1"])
     losses = []
 
-    last = next((part for part in parts if part.is_last), None)
+    last = next((part for part in parts if part.spec.head), None)
 
     def loss_fn(output, labels):
         ce, mtp = last.loss_sums(output, labels, mtp_labels(labels))
@@ -70,7 +67,7 @@ def check_pipeline(schedule: str, pp: int, dp_shard: int = 1, ep: int = 1, stage
         losses.append(loss.detach())
         return loss
 
-    sched = build_pipeline_schedule(cfg, stages, loss_fn)
+    sched = build_schedule(stages, schedule, local.shape[0], loss_fn)  # micro-batches of one sample
     positions = torch.arange(SEQ).repeat(local.shape[0], 1)
     labels = labels_of(local, 1)
     has_first = any(s.is_first for s in stages)
@@ -82,10 +79,12 @@ def check_pipeline(schedule: str, pp: int, dp_shard: int = 1, ep: int = 1, stage
             for m in part.modules():
                 if isinstance(m, MoE):
                     m.tokens_per_expert.zero_()
+        kwargs = dict(target=labels if has_last else None, positions=positions, aux=AuxTerms(),
+                      bounds=micro_batch_bounds(positions, positions, local.shape[0]))
         if has_first:
-            sched.step(local, target=labels if has_last else None, positions=positions)
+            sched.step(local, **kwargs)
         else:
-            sched.step(target=labels if has_last else None, positions=positions)
+            sched.step(**kwargs)
 
     total = torch.stack(losses).sum() if losses else torch.zeros(())
     dist.all_reduce(total)  # last-stage ranks hold the loss of their data-parallel slice

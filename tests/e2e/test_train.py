@@ -424,7 +424,7 @@ def test_initial_load_from_hf_checkpoint(tmp_path):
               "--checkpoint.initial_load_in_hf", "--checkpoint.no-enable", *args, nproc=1)
     from titan_glm52 import load_hf_model
     from titan_glm52.data import build_dataloader, build_tokenizer
-    from titan_glm52.trainer import mtp_labels
+    from titan_glm52.step import mtp_labels
 
     model = load_hf_model(str(hf_dir), dtype=torch.float32)
     batch = next(build_dataloader(build_tokenizer("embedded"), "embedded", 64, 2))

@@ -16,6 +16,7 @@ from titan_glm52.model import attention as attention_mod
 from titan_glm52.model import recompute as recompute_mod
 from titan_glm52.model.attention import Attention
 from titan_glm52.model.model import cross_entropy_sum
+from titan_glm52.model.options import ModelOptions
 from titan_glm52.parallelize import apply_compile
 
 TOKENS = torch.randint(0, 2048, (2, 32), generator=torch.Generator().manual_seed(0))
@@ -27,12 +28,9 @@ def _model(backend: str, rebuild: bool) -> GLM52Model:
         pytest.skip("the Triton backend on CPU tensors needs the interpreter (TRITON_INTERPRET=1, which "
                     "tests/conftest.py sets without a GPU); on a GPU tests/unit/test_forward_determinism.py covers it")
     # sparse at 32 tokens; 2 layers (IndexShare FF) + MTP keep the interpreter's runs short
-    model = GLM52Model(get_flavor("debug").replace(index_topk=8, num_hidden_layers=2))
+    options = ModelOptions(dsa_backend=backend, recompute_latent_query=rebuild)
+    model = GLM52Model(get_flavor("debug").replace(index_topk=8, num_hidden_layers=2), options)
     model.init_weights(seed=3)
-    model.set_dsa_backend(backend)
-    for m in model.modules():
-        if isinstance(m, Attention):
-            m.recompute_latent_query = rebuild
     return model
 
 

@@ -5,19 +5,17 @@ import pytest
 import torch
 
 from titan_glm52 import GLM52Model, get_flavor
-from titan_glm52.model.attention import Attention
+from titan_glm52.model.aux_loss import AuxTerms
 from titan_glm52.model.model import cross_entropy_sum
+from titan_glm52.model.options import ModelOptions
 from titan_glm52.parallelize import apply_compile
 
 
 def run(backend: str, compile: bool):
     args = get_flavor("debug").replace(index_topk=8)  # sparse at 32 tokens; IndexShare FFFSSSFS; MTP
-    model = GLM52Model(args)
+    # the indexers train through the sparse KL too (weight 0.5: the coefficient over a normaliser of 1)
+    model = GLM52Model(args, ModelOptions(dsa_backend=backend, indexer_loss_coeff=0.5))
     model.init_weights(seed=3)
-    model.set_dsa_backend(backend)
-    for m in model.modules():
-        if isinstance(m, Attention) and m.indexer is not None:
-            m.indexer_loss_scale = 0.5  # train the indexers through the sparse KL too
     if compile:
         apply_compile(model, backend="aot_eager")
     g = torch.Generator().manual_seed(0)
@@ -40,25 +38,21 @@ def test_triton_backend_equals_torch_backend(compile):
 
 
 def test_compiled_blocks_do_not_recompile_when_the_kl_scale_changes():
-    """The trainer sets a new indexer-KL scale every step (coefficient / the step's token count); the compiled
+    """Every step brings a new indexer-KL normaliser (the step's token count, in ``AuxTerms``); the compiled
     blocks read only whether the KL is on, so a new value must not recompile anything."""
     args = get_flavor("debug").replace(index_topk=8)
-    model = GLM52Model(args)
+    model = GLM52Model(args, ModelOptions(indexer_loss_coeff=0.5))
     model.init_weights(seed=3)
     apply_compile(model, backend="eager")
     tokens = torch.randint(0, args.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
     cu = torch.tensor([0, 20, 32, 64], dtype=torch.int32)
     kls = []
-    for scale in (0.5, 0.25):
-        for m in model.modules():
-            if isinstance(m, Attention) and m.indexer is not None:
-                m.indexer_loss_scale = scale
-                m.last_indexer_kl = None
-        with torch._dynamo.config.patch(error_on_recompile=scale == 0.25):
-            logits = model(tokens, cu)
+    for normaliser in (1.0, 2.0):  # KL weights 0.5, then 0.25
+        aux = AuxTerms(tokens=torch.tensor(normaliser))
+        with torch._dynamo.config.patch(error_on_recompile=normaliser == 2.0):
+            logits = model(tokens, cu, aux=aux)
             logits.float().pow(2).mean().backward()
-        kls.append(sum(m.last_indexer_kl for m in model.modules() if isinstance(m, Attention)
-                       and m.last_indexer_kl is not None))
+        kls.append(aux.indexer_kl_sum())
     assert torch.isfinite(kls[1]) and kls[1] > 0
 
 
@@ -71,9 +65,8 @@ def test_compiled_blocks_break_only_at_the_eager_calls(prepared):
     from titan_glm52.model import attention
 
     args = get_flavor("debug").replace(index_topk=8, num_hidden_layers=4, num_nextn_predict_layers=0)
-    model = GLM52Model(args)
+    model = GLM52Model(args, ModelOptions(dsa_backend="triton"))
     model.init_weights(seed=3)
-    model.set_dsa_backend("triton")
     apply_compile(model, backend="eager")
     if not prepared:
         attention._EAGER.clear()

@@ -11,6 +11,7 @@ from titan_glm52 import get_flavor
 from titan_glm52.model import attention as attention_mod
 from titan_glm52.model.init import init_weights_
 from titan_glm52.model.model import GLM52Model
+from titan_glm52.model.options import ModelOptions
 
 hopper = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
                             reason="needs a Hopper-class GPU (the Triton DSA kernels, torch._grouped_mm)")
@@ -20,12 +21,10 @@ def _proxy_model() -> tuple[GLM52Model, torch.Tensor, torch.Tensor]:
     args = get_flavor("glm52_proxy").replace(vocab_size=4096)
     torch.manual_seed(0)
     with torch.device("meta"):
-        model = GLM52Model(args)
+        model = GLM52Model(args, ModelOptions(dsa_backend="triton", sparse_attention=True))
     model = model.to_empty(device="cuda")
     init_weights_(model, 0.02)
     model = model.to(torch.bfloat16)
-    model.set_dsa_backend("triton")
-    model.set_sparse_attention(True)
     tokens = torch.randint(0, args.vocab_size, (1, 4096), device="cuda")
     return model, tokens, torch.roll(tokens, -1, dims=1)
 

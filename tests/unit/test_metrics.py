@@ -1,10 +1,26 @@
-"""The DSA-aware FLOP count behind MFU, against a row-by-row count."""
+"""The DSA-aware FLOP count behind MFU (``model/flops.py``), against a row-by-row count whose weights are read off
+the model's own parameters."""
 
 import pytest
 import torch
 
-from titan_glm52 import get_flavor
-from titan_glm52.metrics import step_flops
+from titan_glm52 import GLM52Model, get_flavor
+from titan_glm52.model.flops import step_flops
+
+
+def _weights_per_token(args, with_mtp) -> float:
+    """Multiply-adds per token of the weight matrices a token meets: every matmul weight of the model (norms,
+    biases and the embedding lookup are not matmuls), the routed experts' by the share a token uses, and the
+    output head a second time for the MTP loss."""
+    with torch.device("meta"):
+        model = GLM52Model(args, with_mtp=with_mtp)
+    total = 0.0
+    for name, p in model.named_parameters():
+        if name.endswith(("norm.weight", ".bias")) or name.startswith("tok_embeddings"):
+            continue
+        share = args.num_experts_per_tok / args.n_routed_experts if ".experts.w" in name else 1.0
+        total += p.numel() * share
+    return total + (model.output.weight.numel() if with_mtp else 0)
 
 
 def _row_by_row(args, lengths, with_mtp, dense_prefix, masked_ratio=0.0):
@@ -12,18 +28,16 @@ def _row_by_row(args, lengths, with_mtp, dense_prefix, masked_ratio=0.0):
     absorbed = 2 * h * (args.kv_lora_rank + args.qk_rope_head_dim + args.kv_lora_rank)
     plain = 2 * h * (args.qk_head_dim + args.v_head_dim)
     up = 2 * args.kv_lora_rank * h * (args.qk_nope_head_dim + args.v_head_dim)
-    n_active = args.num_active_params(include_mtp=False, include_head=True)
     attn_layers, index_layers = args.num_hidden_layers, len(args.index_share.full_layers)
     if with_mtp:
-        n_active += args._mtp_params(active=True) + args.vocab_size * args.hidden_size
         attn_layers, index_layers = attn_layers + 1, index_layers + 1
     prefix_layers = attn_layers if dense_prefix else 0
-    fwd = 2 * n_active * sum(lengths)
+    fwd = 2 * _weights_per_token(args, with_mtp) * sum(lengths)
     for length in lengths:
         if dense_prefix and k < length <= masked_ratio * k:  # the masked rows' keys include the prefix rows' again
             fwd += attn_layers * up * k
         for p in range(length):
-            fwd += index_layers * 2 * args.index_n_heads * args.index_head_dim * (p + 1)
+            fwd += index_layers * 2 * args.index_n_heads * (args.index_head_dim + 1) * (p + 1)  # scores, weighted sum
             if length >= k and p < k:  # a prefix row: plain form on the prefix layers
                 fwd += prefix_layers * (plain * (p + 1) + up) + (attn_layers - prefix_layers) * absorbed * (p + 1)
             elif dense_prefix and k < length <= masked_ratio * k:  # a masked dense row, and its key's up-projection

@@ -14,6 +14,7 @@ import re
 import pytest
 
 from titan_glm52 import pipeline_split as ps
+from titan_glm52.model import flops
 from titan_glm52.model.args import _debug_args, get_flavor
 from titan_glm52.model.index_share import IndexShareSchedule, build_schedule
 
@@ -127,27 +128,30 @@ def test_cost_model_pieces(glm52):
     # Same kind of MLP: a full layer costs exactly one indexer more than a shared one.
     full_moe, shared_moe = costs[6], costs[7]
     assert a.is_moe_layer(6) and a.is_moe_layer(7) and sched.is_full(6) and not sched.is_full(7)
-    assert full_moe - shared_moe == pytest.approx(ps._indexer_flops(a, 4096), rel=REL)
+    indexer = 2.0 * (flops.indexer_macs_per_token(a) + flops.indexer_macs_per_pair(a) * flops.mean_keys(4096))
+    assert full_moe - shared_moe == pytest.approx(indexer, rel=REL)
     # Layers 0-2 are dense and full; 6 is MoE and full.
-    assert costs[6] - costs[2] == pytest.approx(ps._mlp_flops(a, True) - ps._mlp_flops(a, False), rel=REL)
+    mlp = 2.0 * (flops.mlp_macs_per_token(a, True) - flops.mlp_macs_per_token(a, False))
+    assert costs[6] - costs[2] == pytest.approx(mlp, rel=REL)
     assert costs[2] < costs[7] < costs[6]  # dense < MoE shared < MoE full for GLM-5.2's widths
     assert len({costs[i] for i in range(3, 78) if sched.is_full(i)}) == 1
     assert len({costs[i] for i in range(3, 78) if not sched.is_full(i)}) == 1
     # Head and MTP.
     first, last = ps.stage_extra_costs(a, 4096)
     head = 2.0 * 154880 * 6144
-    assert ps._head_flops(a) == head and first == 0.0
+    assert flops.head_flops(a) == head and first == 0.0
     assert last == pytest.approx(head + (2.0 * 2 * 6144 * 6144 + full_moe + head), rel=REL)
     assert ps.stage_extra_costs(a.replace(num_nextn_predict_layers=0), 4096) == (0.0, head)
     # The indexer is the O(seq_len) part; attention is capped by index_topk.
-    assert ps._indexer_flops(a, 32768) > 4 * ps._indexer_flops(a, 4096)
-    assert ps._attention_flops(a, 32768) < 1.3 * ps._attention_flops(a, 4096)
+    costs_32k, moe_mlp = ps.layer_costs(a, 32768), 2.0 * flops.mlp_macs_per_token(a, True)
+    assert costs_32k[6] - costs_32k[7] > 4 * (full_moe - shared_moe)  # indexers
+    assert costs_32k[7] - moe_mlp < 1.3 * (shared_moe - moe_mlp)  # attention
 
 
 def test_mean_causal_keys_matches_direct_average():
     for seq_len, cap in [(1, None), (7, None), (7, 3), (7, 7), (7, 100), (100, 16), (2048, 2048)]:
         direct = sum(t if cap is None else min(cap, t) for t in range(1, seq_len + 1)) / seq_len
-        assert ps._mean_causal_keys(seq_len, cap) == pytest.approx(direct, rel=1e-12)
+        assert flops.mean_keys(seq_len, cap) == pytest.approx(direct, rel=1e-12)
 
 
 def test_seq_len_is_checked(glm52):
