@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -48,18 +49,28 @@ from titan_glm52.pipeline_split import PipelineLayout, StageSpec
 logger = logging.getLogger(__name__)
 
 
-def micro_batch_bounds(positions: torch.Tensor, host_positions: torch.Tensor, n_microbatches: int
-                       ) -> dict[tuple[int, tuple[int, ...]], list[int]]:
-    """For ``GLM52Stage.host_bounds``: each micro-batch's ``cu_seqlens``, read from ``host_positions`` on the host,
-    keyed by the storage and shape of the chunk of ``positions`` (the same values, on the device) that the
-    schedule hands the stage. The schedule chunks keyword tensors with ``torch.tensor_split`` along dim 0, into
-    views of ``positions``; a chunk never seen here is read from the device instead (one sync)."""
+@dataclass(frozen=True)
+class HostBounds:
+    """Each micro-batch's ``cu_seqlens`` read on the host (``micro_batch_bounds``), keyed by the storage and shape
+    of its chunk of the step's device ``positions``. (A plain class, not a dict: the schedule hands it to every
+    micro-batch as it is instead of splitting it as a pytree.)"""
+
+    by_chunk: dict[tuple[int, tuple[int, ...]], list[int]]
+
+    def of(self, positions: torch.Tensor) -> list[int] | None:
+        return self.by_chunk.get((positions.data_ptr(), tuple(positions.shape)))
+
+
+def micro_batch_bounds(positions: torch.Tensor, host_positions: torch.Tensor, n_microbatches: int) -> HostBounds:
+    """For the stages' ``bounds``: each micro-batch's ``cu_seqlens``, read from ``host_positions`` on the host,
+    keyed by the chunk of ``positions`` (the same values, on the device) that the schedule hands the stage. The
+    schedule chunks keyword tensors with ``torch.tensor_split`` along dim 0, into views of ``positions``; a chunk
+    never seen here is read from the device instead (one sync)."""
     if host_positions.device.type != "cpu" or host_positions.shape != positions.shape:
         raise ValueError(f"host_positions must be the host copy of positions {tuple(positions.shape)}, got "
                          f"{tuple(host_positions.shape)} on {host_positions.device}")
-    return {(d.data_ptr(), tuple(d.shape)): cu_seqlens_from_positions(h).tolist()
-            for d, h in zip(torch.tensor_split(positions, n_microbatches), torch.tensor_split(host_positions,
-                                                                                            n_microbatches))}
+    chunks = zip(torch.tensor_split(positions, n_microbatches), torch.tensor_split(host_positions, n_microbatches))
+    return HostBounds({(d.data_ptr(), tuple(d.shape)): cu_seqlens_from_positions(h).tolist() for d, h in chunks})
 
 
 class GLM52Stage(GLM52Model):
@@ -80,12 +91,12 @@ class GLM52Stage(GLM52Model):
         self._missed_bounds = False
 
     def forward(self, x: torch.Tensor, emb_next: torch.Tensor | None = None, *, positions: torch.Tensor,
-                aux: AuxTerms | None = None, bounds: dict | None = None):
+                aux: AuxTerms | None = None, bounds: HostBounds | None = None):
         """``bounds``: ``micro_batch_bounds`` of the step, so that no stage reads document bounds from the GPU;
         ``aux``: the step's auxiliary terms (``AuxTerms``), shared by every micro-batch and stage of the rank."""
         mb, s = positions.shape
-        cu = (bounds or {}).get((positions.data_ptr(), tuple(positions.shape)))
-        if cu is None and bounds and not self._missed_bounds:
+        cu = bounds.of(positions) if bounds is not None else None
+        if cu is None and bounds is not None and bounds.by_chunk and not self._missed_bounds:
             self._missed_bounds = True  # (the same values either way; only the sync differs)
             logger.warning("pipeline stage with layers %s: the schedule passed positions that are not a chunk of "
                            "the step's (micro_batch_bounds); their document bounds are read from the GPU, a host "

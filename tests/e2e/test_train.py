@@ -291,18 +291,18 @@ events, collections, gc_on = [], [], []
 T = trainer.Trainer
 step_fb, finish, log = T.train_step, T._finish, T._log
 collect = trainer.GarbageCollection.collect
-def spy_fb(self, batches):
+def spy_fb(self, batches, **kwargs):
     events.append(("fb", self._launching))
     gc_on.append(gc.isenabled())
-    return step_fb(self, batches)
+    return step_fb(self, batches, **kwargs)
 def spy_finish(self, s, later_queued=False):
     events.append(("finish", s.step))
     finish(self, s, later_queued)
 def spy_collect(reason, generation=1):
     collections.append((events[-1][1] if events else 0, reason))
     collect(reason, generation)
-def spy_log(self, st, losses, vals, host_s):
-    log(self, st, losses, vals, host_s)
+def spy_log(self, st, vals, host_s):
+    log(self, st, vals, host_s)
     with open(self.cfg.job.dump_folder + "/order.json", "w") as f:  # main() leaves by os._exit
         json.dump(dict(events=events, collections=collections, gc_on=gc_on), f)
 T.train_step, T._finish, T._log = spy_fb, spy_finish, spy_log

@@ -96,7 +96,7 @@ def test_pipeline_stages_find_the_host_bounds_of_every_chunk(monkeypatch):
         monkeypatch.setattr(pipeline, "cu_seqlens_from_positions", _refuse)
         got = [stage(t, **kw, bounds=bounds) for (t,), kw in zip(t_chunks, kw_chunks)]
     assert all(torch.equal(a, b) for a, b in zip(expected, got))
-    assert sorted(len(b) for b in bounds.values()) == [4, 5]  # 3 and 4 documents in the two halves
+    assert sorted(len(b) for b in bounds.by_chunk.values()) == [4, 5]  # 3 and 4 documents in the two halves
     assert not stage._missed_bounds
     with torch.no_grad():  # positions the trainer did not announce: read from them, with a warning
         monkeypatch.undo()
