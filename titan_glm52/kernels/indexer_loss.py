@@ -20,17 +20,17 @@ target) * grad``; dw and dq_idx accumulate in registers, dk_idx with fp32 atomic
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
-from . import _triton_env  # noqa: F401  (interpreter switch before triton)
+from . import tuning
 from ._triton_env import check_device, pow2
 from .sparse_mla import LOG2E, _dot, _gather
 
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
-
-# launch-parameter overrides for tuning (bench/kernels.py): fwd keys BK, num_warps; bwd keys BK, num_warps
-TUNE: dict[str, dict] = {"fwd": {}, "bwd": {}}
-_triton_env.load_tune("indexer_loss", TUNE)
+# What ``tuning.launch_overrides({"indexer_loss": {part: {...}}})`` may set over the defaults (``_config``,
+# ``_fwd_stages``, ``_bwd_launch``), per kernel: the slots per step and the launch's warps and stages.
+LAUNCH_KEYS = {"fwd": frozenset({"BK", "num_warps", "num_stages"}),
+               "bwd": frozenset({"BK", "num_warps", "num_stages"})}
 
 
 @triton.jit
@@ -212,7 +212,8 @@ class _IndexerKL(torch.autograd.Function):
                 q.stride(0), q.stride(1), kv.stride(0), lse.stride(0), q_idx.stride(0), q_idx.stride(1),
                 k_idx.stride(0), w_idx.stride(0), indices.stride(0), tgt.stride(0),
                 IEEE=q.dtype == torch.float32, IEEE_I=q_idx.dtype == torch.float32,
-                **{**c, "num_warps": nw, "num_stages": _fwd_stages(c), **TUNE["fwd"]})
+                **{**c, "num_warps": nw, "num_stages": _fwd_stages(c),
+                   **tuning.overrides("indexer_loss", "fwd")})
         ctx.save_for_backward(q_idx, k_idx, w_idx, indices, tgt, stat)
         ctx.idx_scale = idx_scale
         ctx.cfg = (h, d_qk)
@@ -234,7 +235,7 @@ class _IndexerKL(torch.autograd.Function):
                 q_idx.stride(0), q_idx.stride(1), k_idx.stride(0), w_idx.stride(0), indices.stride(0), tgt.stride(0),
                 dq.stride(0), dq.stride(1), dk.stride(0), dw.stride(0),
                 DI=c["DI"], DIP=c["DIP"], HIP=c["HIP"], IEEE_I=q_idx.dtype == torch.float32,
-                **{**_bwd_launch(c["DIP"]), **TUNE["bwd"]})
+                **{**_bwd_launch(c["DIP"]), **tuning.overrides("indexer_loss", "bwd")})
         return None, None, None, dq, dk.to(k_idx.dtype), dw, None, None, None
 
 
@@ -280,5 +281,3 @@ def compile_specs(small: bool = False):
 
 
 __all__ = ["indexer_kl_sparse"]
-
-_triton_env.make_module_callable(__name__, "indexer_kl_sparse")

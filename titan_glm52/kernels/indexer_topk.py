@@ -7,8 +7,8 @@ selected rows come in ascending row order, not in score order.
 
 How (per chunk of R query rows, so memory is O(R * longest document), never [T, T]):
 
-1. ``_score_kernel`` (on Hopper at GLM-5.2's indexer shape: ``indexer_topk_ws``'s warp-specialised Gluon kernel,
-   the same scores): BQ queries x all heads per program; streams the key tiles of the documents once, computes
+1. ``_score_kernel`` (on Hopper at GLM-5.2's indexer shape, unless the caller passes ``gluon=False``:
+   ``indexer_topk_ws``'s warp-specialised Gluon kernel, the same scores): BQ queries x all heads per program; streams the key tiles of the documents once, computes
    ``K_tile @ Q^T`` on tensor cores, ReLU, weight and head sum in registers, and writes one fp32 score per
    visible (query, key) pair into the chunk's scratch, plus the row's max and min. Rows with at most ``topk``
    visible keys are skipped (they keep all their keys).
@@ -25,24 +25,24 @@ How (per chunk of R query rows, so memory is O(R * longest document), never [T, 
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
-from . import _triton_env
-from ._triton_env import check_device, pow2
-
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
-
-from . import indexer_topk_ws as _ws  # noqa: E402
+from . import indexer_topk_ws as _ws
+from . import tuning
+from ._triton_env import check_device, interpreting, pow2
 
 SCRATCH_BYTES = 1 << 30  # budget for one chunk's scores (fp32) + stash
 STASH_CAP = 16384  # threshold-bucket candidates kept per row before falling back to a full-row radix select
 NBINS = 256
 
-# launch parameters (chosen on one H200 at T = 32K, bench/results/kernels_h200.md) and overrides for tuning
+# launch parameters (chosen on one H200 at T = 32K, bench/results/kernels_h200.md); a benchmark lays variants
+# over them with ``tuning.launch_overrides({"indexer_topk": {part: {...}}})``, keys as in LAUNCH_KEYS: the
+# scoring's BQ (queries per program; default from the heads, ``_config``), and the selection's "skip" (no
+# selection: times the scoring alone)
 SCORE_LAUNCH = {"BN": 64, "num_warps": 8, "num_stages": 3}
 SELECT_LAUNCH = {"BLOCK": 1024, "num_warps": 4}
-TUNE: dict[str, dict] = {"score": {}, "select": {}}
-_triton_env.load_tune("indexer_topk", TUNE)
+LAUNCH_KEYS = {"score": frozenset({*SCORE_LAUNCH, "BQ"}), "select": frozenset({*SELECT_LAUNCH, "skip"})}
 
 
 @triton.jit
@@ -233,11 +233,14 @@ def _config(h_i: int, d_i: int, dtype: torch.dtype):
 @torch.no_grad()
 def indexer_topk(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, cu_seqlens: torch.Tensor, topk: int,
                  scale: float, *, max_len: int | None = None, scratch_bytes: int = SCRATCH_BYTES,
-                 stash_cap: int = STASH_CAP) -> torch.Tensor:
+                 stash_cap: int = STASH_CAP, gluon: bool = True) -> torch.Tensor:
     """Same contract as ``reference.indexer_topk`` (selected set identical; rows listed in ascending order).
 
     ``max_len``: the longest document's length, when the caller knows it on the host (the model's packed
-    context does); then ``cu_seqlens`` is taken as valid and the call makes no device-to-host copy."""
+    context does); then ``cu_seqlens`` is taken as valid and the call makes no device-to-host copy.
+    ``gluon``: True scores with the warp-specialised Gluon kernel (``indexer_topk_ws``) where it applies (CUDA
+    sm_90, 32 heads of 128 in bf16, not under the interpreter) and with the Triton kernel elsewhere; False with
+    the Triton kernel only (the same scores, so the same selection)."""
     total, h_i, d_i = q.shape
     if k.shape != (total, d_i) or weights.shape != (total, h_i):
         raise ValueError(f"shape mismatch: q {tuple(q.shape)}, k {tuple(k.shape)}, weights {tuple(weights.shape)}")
@@ -256,10 +259,11 @@ def indexer_topk(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, cu_seq
     weights = weights.float().contiguous()
     k = k.to(q.dtype)
     hp, dp, bq = _config(h_i, d_i, q.dtype)
-    sc_cfg = {**SCORE_LAUNCH, **TUNE["score"]}
+    sc_cfg = {**SCORE_LAUNCH, **tuning.overrides("indexer_topk", "score")}
     bq = sc_cfg.pop("BQ", bq)  # queries per scoring program (each key tile is read once per BQ queries)
-    gluon = not _triton_env.interpreting() and _ws.supported(q, k)  # Hopper: the warp-specialised scoring
-    if gluon:
+    # Hopper: the warp-specialised scoring
+    ws = gluon and not interpreting() and _ws.supported(q, k) and _ws.config()["enable"]
+    if ws:
         bq = _ws.rows_per_program()
     ieee = q.dtype == torch.float32
 
@@ -274,11 +278,11 @@ def indexer_topk(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, cu_seq
     stash_idx = torch.empty((rows, cap), dtype=torch.int32, device=q.device)
     rmax = torch.empty(rows, dtype=torch.float32, device=q.device)
     rmin = torch.empty(rows, dtype=torch.float32, device=q.device)
-    se_cfg = {**SELECT_LAUNCH, **TUNE["select"]}
+    se_cfg = {**SELECT_LAUNCH, **tuning.overrides("indexer_topk", "select")}
     skip_select = se_cfg.pop("skip", False)  # benchmark hook: time the scoring alone
     for a in range(0, total, rows):
         b = min(total, a + rows)
-        if gluon:
+        if ws:
             _ws.score(q, k, weights, starts, scores, rmax, rmin, a, b, scale, topk)
         else:
             _score_kernel[(triton.cdiv(b - a, bq),)](
@@ -294,8 +298,6 @@ def indexer_topk(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, cu_seq
 
 
 __all__ = ["indexer_topk"]
-
-_triton_env.make_module_callable(__name__, "indexer_topk")
 
 
 def compile_specs(small: bool = False):
