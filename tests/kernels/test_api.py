@@ -27,17 +27,22 @@ def test_triton_entry_points():
     assert set(ops) == {"indexer_topk", "sparse_mla", "indexer_kl_sparse"}
     assert k.triton_sparse_mla is ops["sparse_mla"] and k.triton_indexer_topk is ops["indexer_topk"]
     assert k.triton_indexer_kl_sparse is ops["indexer_kl_sparse"]
-    # they are the modules' functions; a module stays a plain module (``k.indexer_topk`` once imported)
+    # they are the modules' functions; a module stays a plain module (``k.indexer_topk`` once it
+    # is imported)
     from titan_glm52.kernels import indexer_loss, indexer_topk, sparse_mla
-    assert ops["indexer_topk"] is indexer_topk.indexer_topk and ops["sparse_mla"] is sparse_mla.sparse_mla
+    assert ops["indexer_topk"] is indexer_topk.indexer_topk
+    assert ops["sparse_mla"] is sparse_mla.sparse_mla
     assert ops["indexer_kl_sparse"] is indexer_loss.indexer_kl_sparse
-    assert k.indexer_topk is indexer_topk and not any(callable(m) for m in (indexer_topk, sparse_mla, indexer_loss))
+    assert k.indexer_topk is indexer_topk
+    assert not any(callable(m) for m in (indexer_topk, sparse_mla, indexer_loss))
     from titan_glm52.kernels._triton_env import interpreting
     dev = "cpu" if interpreting() else "cuda"
     q, kk, w = torch.randn(6, 2, 16, device=dev), torch.randn(6, 16, device=dev), torch.randn(6, 2, device=dev)
     cu = torch.tensor([0, 2, 6], dtype=torch.int32, device=dev)
-    rows = [fn(q, kk, w, cu, 3, 1.0).sort(dim=1).values for fn in (ops["indexer_topk"], reference.indexer_topk)]
-    assert torch.equal(*rows)  # the same set per row (the Triton kernel lists it in row order)
+    # the same set per row (the Triton kernel lists it in row order)
+    rows = [fn(q, kk, w, cu, 3, 1.0).sort(dim=1).values
+            for fn in (ops["indexer_topk"], reference.indexer_topk)]
+    assert torch.equal(*rows)
 
 
 def test_scale_kernel_equals_the_torch_product():

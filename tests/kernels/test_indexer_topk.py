@@ -79,8 +79,8 @@ def test_deterministic():
 
 
 def test_queries_per_scoring_program():
-    """The scoring's BQ (queries per program, 4 by default at 32 heads): other blocks, including one that
-    straddles documents and a last block past the rows, select the same keys."""
+    """The scoring's BQ (queries per program, 4 by default at 32 heads): other blocks, including
+    one that straddles documents and a last block past the rows, select the same keys."""
     from titan_glm52.kernels.tuning import launch_overrides
     lengths = [7, 20, 23]
     q, k, w = _inputs(lengths, 4, 16, 1)

@@ -1,6 +1,7 @@
-"""kernels/indexer_topk_ws.py on the CPU: launch overrides lay over the defaults, a CPU tensor never takes the
-Gluon scoring kernel (it needs sm_90; its scores are checked bit for bit against the Triton kernel's in
-tests/kernels/test_kernels_gpu.py, its compile in test_kernels_compile.py), and a launch it cannot run is refused."""
+"""kernels/indexer_topk_ws.py on the CPU: launch overrides lay over the defaults, a CPU tensor
+never takes the Gluon scoring kernel (it needs sm_90; its scores are checked bit for bit against the
+Triton kernel's in tests/kernels/test_kernels_gpu.py, its compile in test_kernels_compile.py), and
+a launch it cannot run is refused."""
 
 from __future__ import annotations
 

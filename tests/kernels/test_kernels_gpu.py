@@ -279,8 +279,9 @@ def test_sparse_mla_ws_backward_part2(group_rows):
     for ws in (True, False):
         dq = torch.zeros_like(q)
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=DEV)
+        part2 = WS.bwd_grad if ws else SM._triton_bwd_grad
         with launch_overrides({"sparse_mla_ws": {"bwd_grad": {"group_rows": group_rows}}}):
-            (WS.bwd_grad if ws else SM._triton_bwd_grad)(q, kv, idx, kend, go, p, ds, dkv, dq, row0, n)
+            part2(q, kv, idx, kend, go, p, ds, dkv, dq, row0, n)
         grads.append((dq, dkv))
     (dq, dkv), (t_dq, t_dkv) = grads
     d_dq = float((dq.float() - t_dq.float()).abs().max())

@@ -80,7 +80,7 @@ def test_backward_variants(tune):
     kv = torch.randn(total, d_qk, generator=g)
     idx = indices_for(lengths, topk, 21, empty_rows=(3,))
     go = torch.randn(total, h, d_v, generator=g)
-    with launch_overrides({"sparse_mla": tune}):  # forward and backward inside: the launches read it
+    with launch_overrides({"sparse_mla": tune}):  # both passes inside: their launches read it
         _, _, dq, dkv = _run(sparse_mla, q, kv, idx, 0.2, d_v, go)
     _, _, r_dq, r_dkv = _run(R.sparse_mla, q, kv, idx, 0.2, d_v, go)
     torch.testing.assert_close(dq, r_dq, atol=2e-5, rtol=1e-5)
@@ -95,7 +95,8 @@ def test_grad_column_block_is_checked():
     with launch_overrides({"sparse_mla": {"bwd_grad": {"DC": 32}}}):
         with pytest.raises(ValueError, match="bwd_grad.*DC.*64 or 128"):
             SM._config(64, 576, 512, "bwd_grad")
-        assert SM._config(2, 40, 32, "bwd_grad")[0]["DC"] == 32  # small widths: any block (interpreter tests)
+        # small widths: any block (interpreter tests)
+        assert SM._config(2, 40, 32, "bwd_grad")[0]["DC"] == 32
 
 
 def test_backward_chunks_fit_the_grid():
@@ -108,8 +109,8 @@ def test_backward_chunks_fit_the_grid():
 
 
 def test_gluon_choice_reaches_the_backward(monkeypatch):
-    """``gluon=False`` (the Triton kernels only) gives the default call's numbers where the Gluon kernels do not
-    apply (here: the CPU), and the backward runs with the forward's choice."""
+    """``gluon=False`` (the Triton kernels only) gives the default call's numbers where the Gluon
+    kernels do not apply (here: the CPU), and the backward runs with the forward's choice."""
     from titan_glm52.kernels import sparse_mla as SM
     lengths, h, d_qk, d_v, topk = [9, 14], 2, 40, 32, 8
     g = gen(23)

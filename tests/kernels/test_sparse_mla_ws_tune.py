@@ -1,6 +1,7 @@
-"""kernels/sparse_mla_ws.py on the CPU: launch overrides lay over the defaults, a CPU tensor never takes the Gluon
-kernels (they need sm_90; their numerics are checked in tests/kernels/test_kernels_gpu.py, their compile in
-test_kernels_compile.py), and a launch they cannot run is refused."""
+"""kernels/sparse_mla_ws.py on the CPU: launch overrides lay over the defaults, a CPU tensor never
+takes the Gluon kernels (they need sm_90; their numerics are checked in
+tests/kernels/test_kernels_gpu.py, their compile in test_kernels_compile.py), and a launch they
+cannot run is refused."""
 
 from __future__ import annotations
 
@@ -35,8 +36,8 @@ def test_cpu_tensors_take_the_triton_kernels():
 
 
 def test_part1_ring_checked_before_launch():
-    """Part 1's ring needs two slots per consumer (one held while the next is awaited): a smaller or odd ring is
-    refused before any launch (it would hang on the GPU)."""
+    """Part 1's ring needs two slots per consumer (one held while the next is awaited): a smaller or
+    odd ring is refused before any launch (it would hang on the GPU)."""
     for bad in ({"stages": 2}, {"stages": 7}):
         with launch_overrides({"sparse_mla_ws": {"bwd_ps": bad}}):
             with pytest.raises(ValueError, match="must be even and >= 4"):

@@ -1,10 +1,11 @@
-"""Shared set-up for the Triton kernels: the interpreter switch as the caller set it, fixes to the interpreter, and
-small launch helpers.
+"""Shared set-up for the Triton kernels: the interpreter switch as the caller set it, fixes to the
+interpreter, and small launch helpers.
 
-Whether kernels run in the Triton interpreter (slow, numpy-backed; meant for CPU tests) is the caller's choice:
-``TRITON_INTERPRET=1`` in the environment before the kernel modules are imported (triton reads it when it decorates
-each ``@triton.jit`` kernel; ``tests/conftest.py`` sets it where there is no GPU). This module reads it only when a
-wrapper runs (``interpreting``), and applies its fixes to the interpreter on the first launch under it.
+Whether kernels run in the Triton interpreter (slow, numpy-backed; meant for CPU tests) is the
+caller's choice: ``TRITON_INTERPRET=1`` in the environment before the kernel modules are imported
+(triton reads it when it decorates each ``@triton.jit`` kernel; ``tests/conftest.py`` sets it where
+there is no GPU). This module reads it only when a wrapper runs (``interpreting``), and applies its
+fixes to the interpreter at the first launch under it.
 """
 
 from __future__ import annotations
@@ -179,17 +180,17 @@ def _fix_interpreter() -> None:
 
 
 def check_device(*tensors: torch.Tensor) -> None:
-    """Ready a launch on ``tensors``: under the interpreter, its fixes in place (applied at the first call); otherwise
-    every tensor must be on CUDA (a compiled kernel would read host memory). Every wrapper calls this before its
-    first launch."""
+    """Ready a launch on ``tensors``: under the interpreter, its fixes in place (applied at the
+    first call); otherwise every tensor must be on CUDA (a compiled kernel would read host memory).
+    Every wrapper calls this before its first launch."""
     if interpreting():
         _fix_interpreter()
         return
     for t in tensors:
         if t.device.type != "cuda":
-            raise RuntimeError(
-                "the triton kernels need CUDA tensors (or TRITON_INTERPRET=1, set before the kernels are imported, "
-                f"for the CPU interpreter); got a tensor on {t.device}")
+            raise RuntimeError("the triton kernels need CUDA tensors (or TRITON_INTERPRET=1, set "
+                               "before the kernels are imported, for the CPU interpreter); got one "
+                               f"on {t.device}")
 
 
 def pow2(n: int, minimum: int = 16) -> int:

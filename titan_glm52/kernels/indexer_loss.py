@@ -27,8 +27,9 @@ from . import tuning
 from ._triton_env import check_device, pow2
 from .sparse_mla import LOG2E, _dot, _gather
 
-# What ``tuning.launch_overrides({"indexer_loss": {part: {...}}})`` may set over the defaults (``_config``,
-# ``_fwd_stages``, ``_bwd_launch``), per kernel: the slots per step and the launch's warps and stages.
+# What ``tuning.launch_overrides({"indexer_loss": {part: {...}}})`` may set over the defaults
+# (``_config``, ``_fwd_stages``, ``_bwd_launch``), per kernel: the slots per step and the launch's
+# warps and stages.
 LAUNCH_KEYS = {"fwd": frozenset({"BK", "num_warps", "num_stages"}),
                "bwd": frozenset({"BK", "num_warps", "num_stages"})}
 
@@ -259,15 +260,18 @@ def indexer_kl_sparse(q: torch.Tensor, kv: torch.Tensor, sm_scale: float, lse: t
 
 
 def compile_specs(small: bool = False):
-    """Launch configurations for ``bench/compile_check.py`` (offline sm_90 compile)."""
+    """Launch configurations for ``bench/compile_check.py`` (offline sm_90 compile), with the
+    active ``tuning`` overrides laid over them as the launches lay them."""
     h, d_qk, h_i, d_i = (4, 24, 4, 16) if small else (64, 576, 32, 128)
     c, nw = _config(h, d_qk, h_i, d_i)
     c.update(IEEE=False, IEEE_I=False)
+    fwd = {**c, "num_warps": nw, "num_stages": _fwd_stages(c),
+           **tuning.overrides("indexer_loss", "fwd")}
+    bwd = {"DI": c["DI"], "DIP": c["DIP"], "HIP": c["HIP"], "IEEE_I": False,
+           **_bwd_launch(c["DIP"]), **tuning.overrides("indexer_loss", "bwd")}
     out = []
-    for name, fn, cc, w in (("indexer_kl_fwd", _kl_fwd_kernel, c, nw),
-                            ("indexer_kl_bwd", _kl_bwd_kernel,
-                             dict(DI=c["DI"], DIP=c["DIP"], HIP=c["HIP"], BK=_bwd_launch(c["DIP"])["BK"],
-                                  IEEE_I=False), _bwd_launch(c["DIP"])["num_warps"])):
+    for name, fn, launch in (("indexer_kl_fwd", _kl_fwd_kernel, fwd),
+                             ("indexer_kl_bwd", _kl_bwd_kernel, bwd)):
         sig = {n: "i32" for n in fn.arg_names if n.startswith("stride") or n in ("T", "H", "HI", "K")}
         sig.update({n: "*bf16" for n in fn.arg_names if n.endswith("_ptr")})
         sig.update({n: "*fp32" for n in ("lse_ptr", "wi_ptr", "tgt_ptr", "lg_ptr", "kl_ptr", "stat_ptr", "g_ptr",
@@ -275,8 +279,8 @@ def compile_specs(small: bool = False):
         sig.update({"idx_ptr": "*i32", "qk_scale": "fp32", "idx_scale": "fp32"})
         sig = {k: v for k, v in sig.items() if k in fn.arg_names}
         div = tuple(n for n in fn.arg_names if n.endswith("_ptr"))
-        ns = _fwd_stages(c) if fn is _kl_fwd_kernel else _bwd_launch(c["DIP"])["num_stages"]
-        out.append((name, (fn, sig, {k: v for k, v in cc.items() if k in fn.arg_names}, w, ns, div)))
+        consts = {k: v for k, v in launch.items() if k in fn.arg_names}
+        out.append((name, (fn, sig, consts, launch["num_warps"], launch["num_stages"], div)))
     return out
 
 

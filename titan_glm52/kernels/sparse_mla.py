@@ -5,24 +5,26 @@ heads; values are ``kv[:, :d_v]``), indices int32 ``[T, K]`` of global rows, ``-
 ``out [T, H, d_v]`` (q's dtype) and ``lse [T, H]`` (fp32, natural log, ``-inf`` for a row without a valid key,
 whose output and gradients are 0). Differentiable in q and kv; lse is returned without gradient.
 
-Layout: D_qk is split into the value part A = ``[:d_v]`` and the tail B = ``[d_v:]`` (512 + 64 for GLM-5.2);
-each part is padded to a power of two (masked), so any D_qk/d_v works. One program handles one query and a
-block of BH heads and walks the K selected rows in blocks of BK: gather the rows once (masked for -1, clamped
-before addressing), S = Q_A K_A^T + Q_B K_B^T, online softmax in base 2, O += P V with V = K_A. On an H100/H200
-with GLM-5.2's shape (64 heads, 576 / 512, bf16) the forward and both backward parts run the warp-specialised
-Gluon kernels of ``sparse_mla_ws`` instead, unless the caller passes ``gluon=False`` (same outputs; one H200 at
-T = 32K: forward 426 against 271 TFLOP/s, backward 81.9 against 117.6 ms).
+Layout: D_qk is split into the value part A = ``[:d_v]`` and the tail B = ``[d_v:]`` (512 + 64 for
+GLM-5.2); each part is padded to a power of two (masked), so any D_qk/d_v works. One program handles
+one query and a block of BH heads and walks the K selected rows in blocks of BK: gather the rows
+once (masked for -1, clamped before addressing), S = Q_A K_A^T + Q_B K_B^T, online softmax in base
+2, O += P V with V = K_A. On an H100/H200 with GLM-5.2's shape (64 heads, 576 / 512, bf16) the
+forward and both backward parts run the warp-specialised Gluon kernels of ``sparse_mla_ws`` instead,
+unless the caller passes ``gluon=False`` (same outputs; one H200 at T = 32K: forward 426 against 271
+TFLOP/s, backward 81.9 against 117.6 ms).
 
-Backward, two kernels per chunk of queries. Part 1 (same grid as forward, all 64 heads per program) recomputes
-S and P = exp(S - lse) from the saved lse, dP = dO V^T, dS = P (dP - Delta) with Delta = rowsum(O dO), and writes
-P and dS ([chunk, K, H], q's dtype) to a scratch. Part 2 runs one program per (64-column block of D_qk, query):
-dKV[idx, cols] += dS^T Q_cols * scale + P^T dO_cols (heads are the GEMM reduction) into an fp32 buffer with
-atomics, cast to kv's dtype at the end (non-deterministic summation order, fp32 accuracy), and
-dQ[:, cols] = dS KV[idx, cols]. Column blocks keep each program small, so several share an SM and hide one
-another's load latency (what bounds part 2, by ncu); part 1 holds no dQ accumulator, so its 64 heads share one
-gather. Measured on one H200 (T = 32K, top-2048): 122 ms against 160 for a split with dQ in part 1 and 32 heads
-per program (bench/results/kernels_h200.md), 117 ms with part 2's registers capped at 128 (a fourth program per
-SM); a one-kernel backward needs Q and dO in two operand layouts each and was slower.
+Backward, two kernels per chunk of queries. Part 1 (same grid as forward, all 64 heads per program)
+recomputes S and P = exp(S - lse) from the saved lse, dP = dO V^T, dS = P (dP - Delta) with Delta =
+rowsum(O dO), and writes P and dS ([chunk, K, H], q's dtype) to a scratch. Part 2 runs one program
+per (64-column block of D_qk, query): dKV[idx, cols] += dS^T Q_cols * scale + P^T dO_cols (heads are
+the GEMM reduction) into an fp32 buffer with atomics, cast to kv's dtype at the end
+(non-deterministic summation order, fp32 accuracy), and dQ[:, cols] = dS KV[idx, cols]. Column
+blocks keep each program small, so several share an SM and hide one another's load latency (what
+bounds part 2, by ncu); part 1 holds no dQ accumulator, so its 64 heads share one gather. Measured
+on one H200 (T = 32K, top-2048): 122 ms against 160 for a split with dQ in part 1 and 32 heads per
+program (bench/results/kernels_h200.md), 117 ms with part 2's registers capped at 128 (a fourth
+program per SM); a one-kernel backward needs Q and dO in two operand layouts each and was slower.
 
 Launch parameters: ``_config``'s measured defaults; a benchmark lays variants over them with
 ``tuning.launch_overrides`` (parts and keys: ``LAUNCH_KEYS``).
@@ -41,9 +43,10 @@ from ._triton_env import check_device, interpreting, pow2
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 
-# What ``tuning.launch_overrides`` may set, per part: the kernels' blocks (BH heads, BK slots, DC columns of
-# part 2), num_warps, num_stages, maxnreg (the register cap per thread; None = the compiler's choice); "bwd":
-# scratch_bytes, the backward's P / dS budget (SCRATCH_BYTES), i.e. its chunk of queries.
+# What ``tuning.launch_overrides`` may set, per part: the kernels' blocks (BH heads, BK slots, DC
+# columns of part 2), num_warps, num_stages, maxnreg (the register cap per thread; None = the
+# compiler's choice); "bwd": scratch_bytes, the backward's P / dS budget (SCRATCH_BYTES), i.e. its
+# chunk of queries.
 LAUNCH_KEYS = {"fwd": frozenset({"BH", "BK", "num_warps", "num_stages", "maxnreg"}),
                "bwd_ps": frozenset({"BH", "BK", "num_warps", "num_stages", "maxnreg"}),
                "bwd_grad": frozenset({"BH", "BK", "DC", "num_warps", "num_stages", "maxnreg"}),
@@ -243,9 +246,9 @@ def _bwd_grad_kernel(q_ptr, kv_ptr, idx_ptr, kend_ptr, do_ptr, p_ptr, ds_ptr, dk
 
 
 def _config(h: int, d_qk: int, d_v: int, part: str = "fwd"):
-    """Launch parameters of one kernel, ``(constexprs, num_warps, num_stages)``: the defaults for the shape with
-    the part's active ``tuning`` overrides laid over them. part: "fwd", "bwd_ps" (backward part 1), "bwd_grad"
-    (part 2)."""
+    """Launch parameters of one kernel, ``(constexprs, num_warps, num_stages)``: the defaults for
+    the shape with the part's active ``tuning`` overrides laid over them. part: "fwd", "bwd_ps"
+    (backward part 1), "bwd_grad" (part 2)."""
     dap = pow2(d_v)
     db = d_qk - d_v
     dbp = pow2(db) if db > 0 else 16
@@ -307,9 +310,10 @@ def valid_extent(indices: torch.Tensor) -> torch.Tensor:
 
 
 def _gluon_parts(q, kv, d_v, gluon: bool) -> set[str]:
-    """The parts ("fwd", "bwd_ps", "bwd_grad") that run the Gluon kernels of ``sparse_mla_ws`` for this call: with
-    ``gluon``, where ``sparse_mla_ws.supported`` holds, not under the interpreter (Gluon has no interpreter mode),
-    and the part not disabled by a ``tuning`` override of its ``enable``."""
+    """The parts ("fwd", "bwd_ps", "bwd_grad") that run the Gluon kernels of ``sparse_mla_ws`` for
+    this call: with ``gluon``, where ``sparse_mla_ws.supported`` holds, not under the interpreter
+    (Gluon has no interpreter mode), and the part not disabled by a ``tuning`` override of its
+    ``enable``."""
     if not gluon or interpreting() or not _ws.supported(q, kv, d_v):
         return set()
     return {part for part in ("fwd", "bwd_ps", "bwd_grad") if _ws.config(part)["enable"]}
@@ -339,9 +343,11 @@ SCRATCH_BYTES = 1 << 30  # P and dS of one chunk of queries (backward)
 MAX_GRID_Y = 65535  # CUDA's limit on a grid's second dimension, where part 2 puts a chunk's rows
 
 
-def chunk_rows(total: int, h: int, n_k: int, element_size: int, scratch_bytes: int = SCRATCH_BYTES) -> int:
-    """Queries per backward chunk: as many as fit P and dS ([rows, n_k, h] each) in ``scratch_bytes``, at least 1,
-    and at most MAX_GRID_Y (reached with a small top-k: 64 slots at 64 heads would fit 65,536 rows)."""
+def chunk_rows(total: int, h: int, n_k: int, element_size: int,
+               scratch_bytes: int = SCRATCH_BYTES) -> int:
+    """Queries per backward chunk: as many as fit P and dS ([rows, n_k, h] each) in
+    ``scratch_bytes``, at least 1, and at most MAX_GRID_Y (reached with a small top-k: 64 slots at
+    64 heads would fit 65,536 rows)."""
     return max(1, min(total, MAX_GRID_Y, scratch_bytes // max(1, 2 * h * n_k * element_size)))
 
 
@@ -370,8 +376,8 @@ def _triton_bwd_grad(q, kv, indices, kend, grad_out, p, ds, dkv, dq, row0, n, cf
 
 
 def _bwd(q, kv, indices, kend, out, lse, grad_out, sm_scale, d_v, gluon: bool = True):
-    """(dq, dkv): part 1 (P and dS, q's dtype, into a scratch) then part 2 (dKV, dQ), per chunk of queries;
-    ``gluon`` as in ``sparse_mla``."""
+    """(dq, dkv): part 1 (P and dS, q's dtype, into a scratch) then part 2 (dKV, dQ), per chunk of
+    queries; ``gluon`` as in ``sparse_mla``."""
     total, h, d_qk = q.shape
     n_k = indices.shape[1]
     dq = torch.empty_like(q)
@@ -422,14 +428,14 @@ class _SparseMLA(torch.autograd.Function):
         return dq, dkv, None, None, None, None
 
 
-def sparse_mla(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scale: float, d_v: int, *,
-               gluon: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as ``reference.sparse_mla``: ``(out [T, H, d_v], lse [T, H] fp32)``, differentiable in q and
-    kv.
+def sparse_mla(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scale: float,
+               d_v: int, *, gluon: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as ``reference.sparse_mla``: ``(out [T, H, d_v], lse [T, H] fp32)``,
+    differentiable in q and kv.
 
-    ``gluon``: True runs the warp-specialised Gluon kernels (``sparse_mla_ws``) where they apply (CUDA sm_90,
-    GLM-5.2's shape, not under the interpreter) and the Triton kernels elsewhere; False runs the Triton kernels
-    only. The backward takes the forward's choice."""
+    ``gluon``: True runs the warp-specialised Gluon kernels (``sparse_mla_ws``) where they apply
+    (CUDA sm_90, GLM-5.2's shape, not under the interpreter) and the Triton kernels elsewhere; False
+    runs the Triton kernels only. The backward takes the forward's choice."""
     _check(q, kv, indices, d_v)
     return _SparseMLA.apply(q, kv, indices, float(sm_scale), int(d_v), bool(gluon))
 

@@ -23,8 +23,8 @@ memory and release each stage when their products are done; each warpgroup gets 
 
 Gluon has no interpreter mode: these kernels run on the GPU only (``tests/kernels/test_kernels_gpu.py`` checks
 them against the fp32 reference and the Triton kernels). ``sparse_mla`` uses them where ``supported`` holds and
-its caller asks for them (``gluon=True``), unless a ``tuning`` override disables a part (``enable``); the Triton
-kernels everywhere else.
+its caller asks for them (``gluon=True``), unless a ``tuning`` override disables a part
+(``enable``); the Triton kernels everywhere else.
 """
 
 from __future__ import annotations
@@ -559,37 +559,39 @@ def _bwd_grad_ws_kernel(q_ptr, kv_ptr, idx_ptr, kend_ptr, do_ptr, p_ptr, ds_ptr,
 
 
 # Launch parameters per part, measured on one H200; a benchmark lays variants over them with
-# ``tuning.launch_overrides({"sparse_mla_ws": {part: {...}}})`` (keys: LAUNCH_KEYS, those of DEFAULTS).
-# enable: ``sparse_mla`` (with gluon=True) takes this part's kernel where ``supported`` holds (False: the
-# Triton kernel, for comparisons).
-# fwd: maxnreg: the launch's register cap (12 warps x 168 fill the register file); pv_regs / loader_regs: the
-# two workers' budgets (the softmax warpgroup gets the rest: 12 x 168 - 4 x (192 + 80) = 4 x 232); bk /
-# stages: gathered rows per step and the depth of the ring (shared memory: Q 72 KB + stages x bk x 1152 B).
-# bwd_ps: the backward's part 1 (two consumers on alternate steps of bk rows, each owning stages / 2 slots of a
-# ring of 64-column chunks: Q, dO 136 KB + stages x bk x 128 B; a loader warpgroup per consumer; 16 warps x
-# 128 registers: consumers 200, loaders 56). Whole backward at T = 32K: 81.9 ms, against 82.6 with one loader
-# for both consumers and 85.3 with 32-row steps of whole rows in 2 stages; at 4K 7.66 against 8.10 for the
-# latter (bench/results/kernels_h200.md).
-# bwd_grad: part 2 (16 warps x 128 registers: three consumers at 152, the loader 56; a ring of `stages`
-# steps). group_rows: the programs' order, see _grad_program; -1, one column group at a time: 88.5 ms of
-# backward at T = 32K against 91.3 with a row's groups side by side (0), 4K unchanged
-# (bench/ws_grad_order.py).
-# idx_early (forward, part 2): the loader loads a step's indices before it waits for the step's stage (the
-# forward's softmax warpgroup its valid-slot mask while S = Q K^T runs; part 1's loaders always do); False:
-# after (forward 21.04 against 21.36 ms, whole backward 86.2 against 87.3 ms at T = 32K;
-# bench/results/kernels_h200.md).
-DEFAULTS = {"fwd": {"enable": True, "maxnreg": 168, "pv_regs": 192, "loader_regs": 80, "bk": 64, "stages": 2,
-                    "idx_early": True},
-            "bwd_ps": {"enable": True, "maxnreg": 128, "consumer_regs": 200, "loader_regs": 56, "bk": 64,
-                       "stages": 10},
-            "bwd_grad": {"enable": True, "maxnreg": 128, "consumer_regs": 152, "loader_regs": 56, "stages": 3,
-                         "group_rows": -1, "idx_early": True}}
+# ``tuning.launch_overrides({"sparse_mla_ws": {part: {...}}})`` (keys: LAUNCH_KEYS, those of
+# DEFAULTS).
+# enable: ``sparse_mla`` (with gluon=True) takes this part's kernel where ``supported`` holds
+# (False: the Triton kernel, for comparisons).
+# fwd: maxnreg: the launch's register cap (12 warps x 168 fill the register file); pv_regs /
+# loader_regs: the two workers' budgets (the softmax warpgroup gets the rest: 12 x 168 -
+# 4 x (192 + 80) = 4 x 232); bk / stages: gathered rows per step and the depth of the ring (shared
+# memory: Q 72 KB + stages x bk x 1152 B).
+# bwd_ps: the backward's part 1 (two consumers on alternate steps of bk rows, each owning
+# stages / 2 slots of a ring of 64-column chunks: Q, dO 136 KB + stages x bk x 128 B; a loader
+# warpgroup per consumer; 16 warps x 128 registers: consumers 200, loaders 56). Whole backward at
+# T = 32K: 81.9 ms, against 82.6 with one loader for both consumers and 85.3 with 32-row steps of
+# whole rows in 2 stages; at 4K 7.66 against 8.10 for the latter (bench/results/kernels_h200.md).
+# bwd_grad: part 2 (16 warps x 128 registers: three consumers at 152, the loader 56; a ring of
+# `stages` steps). group_rows: the programs' order, see _grad_program; -1, one column group at a
+# time: 88.5 ms of backward at T = 32K against 91.3 with a row's groups side by side (0), 4K
+# unchanged (bench/ws_grad_order.py).
+# idx_early (forward, part 2): the loader loads a step's indices before it waits for the step's
+# stage (the forward's softmax warpgroup its valid-slot mask while S = Q K^T runs; part 1's loaders
+# always do); False: after (forward 21.04 against 21.36 ms, whole backward 86.2 against 87.3 ms at
+# T = 32K; bench/results/kernels_h200.md).
+DEFAULTS = {"fwd": {"enable": True, "maxnreg": 168, "pv_regs": 192, "loader_regs": 80, "bk": 64,
+                    "stages": 2, "idx_early": True},
+            "bwd_ps": {"enable": True, "maxnreg": 128, "consumer_regs": 200, "loader_regs": 56,
+                       "bk": 64, "stages": 10},
+            "bwd_grad": {"enable": True, "maxnreg": 128, "consumer_regs": 152, "loader_regs": 56,
+                         "stages": 3, "group_rows": -1, "idx_early": True}}
 LAUNCH_KEYS = {part: frozenset(cfg) for part, cfg in DEFAULTS.items()}
 
 
 def config(part: str) -> dict:
-    """The launch parameters of a part ("fwd", "bwd_ps", "bwd_grad"): ``DEFAULTS[part]`` with the part's active
-    ``tuning`` overrides laid over them (a new dict)."""
+    """The launch parameters of a part ("fwd", "bwd_ps", "bwd_grad"): ``DEFAULTS[part]`` with the
+    part's active ``tuning`` overrides laid over them (a new dict)."""
     return {**DEFAULTS[part], **tuning.overrides("sparse_mla_ws", part)}
 
 
@@ -645,8 +647,8 @@ def bwd_grad(q, kv, indices, kend, grad_out, p, ds, dkv, dq, row0, n):
 
 def compile_specs(small: bool = False):
     """Launch configurations for ``bench/compile_check.py`` (offline sm_90 compile: registers, spills, shared
-    memory), with the active ``tuning`` overrides. These kernels exist at GLM-5.2's shape only, so ``small`` gives
-    the same ones."""
+    memory), with the active ``tuning`` overrides. These kernels exist at GLM-5.2's shape only, so
+    ``small`` gives the same ones."""
     ptr = {n: "*bf16" for n in ("q_ptr", "kv_ptr", "out_ptr", "do_ptr", "p_ptr", "ds_ptr", "dq_ptr")}
     ptr.update(idx_ptr="*i32", kend_ptr="*i32", lse_ptr="*fp32", dkv_ptr="*fp32", qk_scale="fp32", sm_scale="fp32")
     f, p1, p2 = config("fwd"), config("bwd_ps"), config("bwd_grad")
