@@ -1,11 +1,13 @@
-"""Rate of plain fp32 reductions into a [T, 576] buffer, the pattern of the sparse MLA backward's dKV (issue 6).
+"""Rate of plain fp32 reductions into a [T, 576] buffer, the pattern of the sparse MLA backward's
+dKV.
 
     python3 bench/atomic_probe.py --out atomic_rate.json
 
 Each program adds a [64, DC] tile of ones at 64 rows per step (random rows, or consecutive ones with "seq") and
 DC columns of its column block, as part 2 of the backward does, but with no loads or products around it: the rate
-the L2 sustains for ``red.global.add.v4.f32``. One H200 (session 10, ``results/runs/s10_atomic_rate_probe.json``):
-9.7e11 adds/s into a 4K-row buffer (9.4 MB, in L2), 5.5e11 into a 32K-row one (75 MB, past L2).
+the L2 sustains for ``red.global.add.v4.f32``. One H200
+(``results/runs/s10_atomic_rate_probe.json``): 9.7e11 adds/s into a 4K-row buffer (9.4 MB, in L2),
+5.5e11 into a 32K-row one (75 MB, past L2).
 """
 
 from __future__ import annotations

@@ -3,6 +3,11 @@ shared memory per kernel (``ptxas -v`` on the generated PTX).
 
     python bench/compile_check.py            # real GLM-5.2 shapes
     python bench/compile_check.py --small    # the small test shapes
+    python bench/compile_check.py --only ws_bwd_ps \\
+        --overrides '{"sparse_mla_ws": {"bwd_ps": {"stages": 6}}}'
+
+``--overrides``: launch variants (``titan_glm52.kernels.tuning.launch_overrides``; JSON, or a
+file of it such as ``bench/kernels.py --tune-out`` writes) compiled instead of the defaults.
 
 Catches compile errors the interpreter cannot see (types of loop-carried values, unsupported layouts, shared
 memory overflow) before spending GPU time.
@@ -18,7 +23,8 @@ import sys
 import tempfile
 import time
 
-os.environ["TRITON_INTERPRET"] = "0"  # we want real JITFunctions, not the interpreter
+# real JITFunctions, not the interpreter (triton reads this when it decorates a kernel)
+os.environ["TRITON_INTERPRET"] = "0"
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
@@ -72,14 +78,19 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--small", action="store_true")
     ap.add_argument("--only", default="")
+    ap.add_argument("--overrides", default="", help="launch overrides: JSON or a JSON file")
     args = ap.parse_args()
-    from titan_glm52.kernels import (adam, cross_entropy, indexer_loss, indexer_topk, indexer_topk_ws, linear_fp32,
-                                     moe_routing, sparse_mla, sparse_mla_ws)
+    from titan_glm52.kernels import (adam, cross_entropy, indexer_loss, indexer_topk,
+                                     indexer_topk_ws, linear_fp32, moe_routing, sparse_mla,
+                                     sparse_mla_ws)
+    from titan_glm52.kernels.tuning import launch_overrides, parse
     failed = False
-    for line in collect(args.small, args.only, indexer_topk, indexer_topk_ws, sparse_mla, sparse_mla_ws, indexer_loss,
-                        cross_entropy, adam, moe_routing, linear_fp32):
-        failed |= "FAILED" in line
-        print(line, flush=True)
+    modules = (indexer_topk, indexer_topk_ws, sparse_mla, sparse_mla_ws, indexer_loss,
+               cross_entropy, adam, moe_routing, linear_fp32)
+    with launch_overrides(parse(args.overrides)):
+        for line in collect(args.small, args.only, *modules):
+            failed |= "FAILED" in line
+            print(line, flush=True)
     sys.exit(1 if failed else 0)
 
 

@@ -1,9 +1,10 @@
 """Energy per call of the 32K step's main kernels, each alone on one H200: where a power-capped step's joules go.
 
-At 32K both sides of bench/e2e.py run at the 700 W cap (e2e_h200.md, session 24), so a kernel saves time in training
-only as far as it saves energy. This runs each piece back to back for ``--seconds`` and reads the GPU's energy
-counter (NVML ``nvmlDeviceGetTotalEnergyConsumption``, mJ) around it: joules per call, mean power, and for the
-products FLOP per joule. Pieces at the proxy's 32K shapes, one layer's worth each:
+At 32K both sides of bench/e2e.py run at the 700 W cap (e2e_h200.md), so a kernel saves time in
+training only as far as it saves energy. This runs each piece back to back for ``--seconds`` and
+reads the GPU's energy counter (NVML ``nvmlDeviceGetTotalEnergyConsumption``, mJ) around it: joules
+per call, mean power, and for the products FLOP per joule. Pieces at the proxy's 32K shapes, one
+layer's worth each:
 
 * ``sparse_fwd`` / ``sparse_bwd``: the sparse MLA forward, the whole backward (parts 1 + 2, chunked as in training);
 * ``indexer``: the indexer's scoring + exact top-2048 over one 32K document;

@@ -2,6 +2,12 @@
 causal attention of the same model.
 
     python bench/kernels.py [--sizes 4096,16384,32768,65536,131072] [--out bench/results/kernels_h200.json]
+    python bench/kernels.py --sweep-only --tune-out chosen.json  # launch alternatives, fastest kept
+    python bench/kernels.py --overrides chosen.json              # every size with those launches
+
+``--overrides``: launch variants (``titan_glm52.kernels.tuning.launch_overrides``; JSON or a file
+of it) for the whole run; ``--no-gluon``: the Triton kernels only (``gluon=False``) where the Gluon
+ones would run.
 
 Shapes: H = 64, D_qk = 576, d_v = 512, topk = 2048, H_I = 32, D_I = 128, bf16. One document of T tokens
 ("single"), plus packed 8K documents ("packed8k") for the indexer and the sparse forward. FLOPs (per query, K_valid
@@ -16,6 +22,8 @@ what it measured); with $OUT set a copy goes to $OUT/kernels_h200.json.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import json
 import os
 import sys
@@ -115,8 +123,10 @@ def make_inputs(T, lengths, seed=0):
 def run_size(args, T, layout, deadline):
     from titan_glm52.kernels import reference as R
     from titan_glm52.kernels.indexer_loss import indexer_kl_sparse
-    from titan_glm52.kernels.indexer_topk import indexer_topk
-    from titan_glm52.kernels.sparse_mla import sparse_mla
+    from titan_glm52.kernels import indexer_topk as IT
+    from titan_glm52.kernels import sparse_mla as SM
+    indexer_topk = functools.partial(IT.indexer_topk, gluon=args.gluon)
+    sparse_mla = functools.partial(SM.sparse_mla, gluon=args.gluon)
     out = args.out
     lengths = layout_lengths(T, layout)
     pairs, kvalid = counts(lengths)
@@ -223,34 +233,38 @@ SWEEP = {  # (module, part) -> alternatives to the built-in default ({}); the fa
 }
 
 
-def sweep(args, deadline):
-    """Time the launch alternatives of SWEEP at one size (single document), keep the fastest of each group
-    (applied in this process, written to --tune-out for $TITAN_DSA_TUNE_FILE), and time the indexer's scoring
-    alone (selection skipped) to split its time."""
+def sweep(args, deadline) -> dict:
+    """Time the launch alternatives of SWEEP at one size (single document), each group with the
+    fastest of the groups before it, and time the indexer's scoring alone (selection skipped) to
+    split its time. Returns the fastest of each group that beat the defaults
+    (``{module: {part: {...}}}``, the form of ``launch_overrides``), also written to --tune-out."""
     from titan_glm52.kernels import indexer_loss as IL
     from titan_glm52.kernels import indexer_topk as IT
     from titan_glm52.kernels import sparse_mla as SM
-    mods = {"indexer_topk": IT, "sparse_mla": SM, "indexer_loss": IL}
+    from titan_glm52.kernels.tuning import launch_overrides
+    gluon = args.gluon
     T = args.sweep_T
     lengths = [T]
     pairs, kvalid = counts(lengths)
     cu, qi, ki, wi = make_inputs(T, lengths)
-    idx = IT.indexer_topk(qi, ki, wi, cu, TOPK, 1.0)
+    idx = IT.indexer_topk(qi, ki, wi, cu, TOPK, 1.0, gluon=gluon)
     g = torch.Generator(device="cuda").manual_seed(1)
     q = torch.randn(T, H, D_QK, generator=g, device="cuda").to(torch.bfloat16)
     kv = torch.randn(T, D_QK, generator=g, device="cuda").to(torch.bfloat16)
     do = torch.randn(T, H, D_V, generator=g, device="cuda").to(torch.bfloat16)
     kend = SM.valid_extent(idx)
-    o, lse = SM._fwd(q, kv, idx, kend, 0.04, D_V)
+    o, lse = SM._fwd(q, kv, idx, kend, 0.04, D_V, gluon)
     qi_, ki_, wi_ = (x.clone().requires_grad_() for x in (qi, ki, wi))
 
     def kl_step():
         kl = IL.indexer_kl_sparse(q, kv, 0.04, lse, qi_, ki_, wi_, 0.09, idx)
         torch.autograd.grad(kl, (qi_, ki_, wi_), torch.ones_like(kl))
     work = {
-        "indexer_topk": (lambda: IT.indexer_topk(qi, ki, wi, cu, TOPK, 1.0), 2 * H_I * D_I * pairs),
-        "fwd": (lambda: SM._fwd(q, kv, idx, kend, 0.04, D_V), 2 * H * kvalid * (D_QK + D_V)),
-        "bwd": (lambda: SM._bwd(q, kv, idx, kend, o, lse, do, 0.04, D_V), 2 * H * kvalid * (3 * D_QK + 2 * D_V)),
+        "indexer_topk": (lambda: IT.indexer_topk(qi, ki, wi, cu, TOPK, 1.0, gluon=gluon),
+                         2 * H_I * D_I * pairs),
+        "fwd": (lambda: SM._fwd(q, kv, idx, kend, 0.04, D_V, gluon), 2 * H * kvalid * (D_QK + D_V)),
+        "bwd": (lambda: SM._bwd(q, kv, idx, kend, o, lse, do, 0.04, D_V, gluon),
+                2 * H * kvalid * (3 * D_QK + 2 * D_V)),
         "indexer_loss": (kl_step, 2 * H * kvalid * D_QK + 3 * 2 * H_I * D_I * kvalid),
     }
     chosen = {}
@@ -264,21 +278,20 @@ def sweep(args, deadline):
             record(args.out, f"sweep_{name}", "triton", T, "single", status=f"error: {e}"[:300], config=cfg)
             return float("inf")
 
-    IT.TUNE["select"] = {"skip": True}
-    measure("indexer_score_only", *work["indexer_topk"], {"skip": True})
-    IT.TUNE["select"] = {}
+    with launch_overrides({"indexer_topk": {"select": {"skip": True}}}):
+        measure("indexer_score_only", *work["indexer_topk"], {"skip": True})
     for (mod, part), alts in SWEEP.items():
         if time.time() > deadline:
             break
         fn, flop = work[mod if mod != "sparse_mla" else ("fwd" if part == "fwd" else "bwd")]
-        tune = mods[mod].TUNE
         best_ms, best = float("inf"), {}
         for cfg in [{}, *alts]:
-            tune[part] = dict(cfg)
-            ms = measure(f"{mod}.{part}", fn, flop, cfg)
+            trial = {m: dict(parts) for m, parts in chosen.items()}
+            trial.setdefault(mod, {})[part] = cfg
+            with launch_overrides(trial):
+                ms = measure(f"{mod}.{part}", fn, flop, cfg)
             if ms < best_ms:
                 best_ms, best = ms, cfg
-        tune[part] = dict(best)
         if best:
             chosen.setdefault(mod, {})[part] = best
     META["tune"] = chosen
@@ -287,6 +300,7 @@ def sweep(args, deadline):
         with open(args.tune_out, "w") as f:
             json.dump(chosen, f, indent=1)
     print("chosen:", json.dumps(chosen), flush=True)
+    return chosen
 
 
 def main():
@@ -300,10 +314,16 @@ def main():
     ap.add_argument("--sweep", action="store_true", help="also time a few launch configurations, keep the best")
     ap.add_argument("--sweep-only", action="store_true", help="only the sweep")
     ap.add_argument("--tune-out", default="", help="write the chosen launch parameters here (JSON)")
+    ap.add_argument("--overrides", default="",
+                    help="launch overrides for the whole run: JSON or a JSON file")
+    ap.add_argument("--no-gluon", dest="gluon", action="store_false",
+                    help="the Triton kernels only, also where the Gluon ones would run")
     ap.add_argument("--sweep-T", type=int, default=32768)
     ap.add_argument("--time-budget", type=float, default=330.0, help="seconds; later work is recorded as skipped")
     args = ap.parse_args()
     import triton
+
+    from titan_glm52.kernels import tuning
     t_start = time.time()
     deadline = t_start + args.time_budget
     META.update(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
@@ -316,26 +336,30 @@ def main():
         work = [("sweep", None)]
     elif args.sweep:  # first, so that every size runs with the chosen parameters
         work.insert(0, ("sweep", None))
-    META["tune_file"] = os.environ.get("TITAN_DSA_TUNE_FILE", "")
-    for T, layout in work:
-        if time.time() > deadline:
-            record(args.out, "all", "-", 0 if T == "sweep" else T, layout or "-", status="skipped: time budget")
-            continue
-        try:
-            if T == "sweep":
-                print("sweep", flush=True)
-                sweep(args, deadline)
-            else:
-                print(f"T={T} {layout}", flush=True)
-                run_size(args, T, layout, deadline)
-                torch.cuda.empty_cache()
-                if layout == "single":
-                    run_dense(args, T, layout, deadline)
-        except Exception as e:
-            traceback.print_exc()
-            record(args.out, "all", "-", 0 if T == "sweep" else T, layout or "-",
-                   status=f"error: {type(e).__name__}: {e}"[:300])
-        torch.cuda.empty_cache()
+    META["gluon"] = args.gluon
+    with contextlib.ExitStack() as launches:
+        launches.enter_context(tuning.launch_overrides(tuning.parse(args.overrides)))
+        META["overrides"] = tuning.active()
+        for T, layout in work:
+            at = (0 if T == "sweep" else T, layout or "-")
+            if time.time() > deadline:
+                record(args.out, "all", "-", *at, status="skipped: time budget")
+                continue
+            try:
+                if T == "sweep":
+                    print("sweep", flush=True)
+                    # the sizes after the sweep run with its choice
+                    launches.enter_context(tuning.launch_overrides(sweep(args, deadline)))
+                else:
+                    print(f"T={T} {layout}", flush=True)
+                    run_size(args, T, layout, deadline)
+                    torch.cuda.empty_cache()
+                    if layout == "single":
+                        run_dense(args, T, layout, deadline)
+            except Exception as e:
+                traceback.print_exc()
+                record(args.out, "all", "-", *at, status=f"error: {type(e).__name__}: {e}"[:300])
+            torch.cuda.empty_cache()
     META["elapsed_s"] = round(time.time() - t_start, 1)
     _save(args.out)
     print_table()

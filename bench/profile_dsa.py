@@ -1,4 +1,4 @@
-"""Per-kernel profile of the Triton DSA kernels at one size (issue 5: what limits them).
+"""Per-kernel profile of the Triton DSA kernels at one size: what limits them.
 
     python bench/profile_dsa.py --T 32768                       # torch.profiler: time of every kernel launch
     ncu --clock-control none --set full -k regex:'^_(fwd|bwd_ps|bwd_grad|score|select|kl_fwd|kl_bwd)_kernel' \\
@@ -11,11 +11,13 @@ S, dP = 2*H*K_valid*(D_qk + d_v); part 2, grad: dK, dV, dQ = 2*H*K_valid*(2*D_qk
 
     python bench/profile_dsa.py --T 32768 --chunked 1024,1024:maxnreg=none,1024:maxnreg=96   # chunked backward
 
-``--chunked`` instead times the sparse MLA backward as training runs it, in chunks of queries, per variant
-``SCRATCH_MiB[:KEY=VALUE...]`` (the P / dS scratch, SCRATCH_BYTES, and overrides of part 2's launch parameters,
-TUNE['bwd_grad'], e.g. maxnreg=none for the compiler's register choice): CUDA-event ms per backward (median of
---reps, after one warm-up), and the largest difference of dQ / dKV to the first variant (dKV sums with atomics, so
-only its order differs).
+``--chunked`` instead times the sparse MLA backward as training runs it, in chunks of queries, per
+variant ``SCRATCH_MiB[:KEY=VALUE...]`` (the P / dS scratch, and launch overrides of the Triton part
+2, ``sparse_mla``'s "bwd_grad", e.g. maxnreg=none for the compiler's register choice): CUDA-event
+ms per backward (median of --reps, after one warm-up), and the largest difference of dQ / dKV to
+the first variant (dKV sums with atomics, so only its order differs). ``--no-gluon``: the Triton
+kernels only, also where the Gluon ones would run (on an H100 / H200 part 2's overrides only
+matter then).
 """
 
 from __future__ import annotations
@@ -40,12 +42,15 @@ def main(argv: list[str]) -> int:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--out", default=None)
     p.add_argument("--chunked", default=None, help="variants SCRATCH_MiB[:KEY=VALUE...],... (see above)")
+    p.add_argument("--no-gluon", dest="gluon", action="store_false", help="the Triton kernels only")
     a = p.parse_args(argv)
     if a.chunked:
         return chunked(a)
     from titan_glm52.kernels import indexer_topk as it_mod, sparse_mla as sm_mod
     from titan_glm52.kernels.indexer_loss import indexer_kl_sparse
-    sm_mod.SCRATCH_BYTES = 1 << 40  # one chunk: one launch of each backward kernel
+    from titan_glm52.kernels.tuning import launch_overrides
+    # one chunk: one launch of each backward kernel
+    one_chunk = launch_overrides({"sparse_mla": {"bwd": {"scratch_bytes": 1 << 40}}})
     T = a.T
     pairs, kvalid = counts([T])
     cu, qi, ki, wi, q, kv, do = _inputs(T)
@@ -54,20 +59,21 @@ def main(argv: list[str]) -> int:
     grow = torch.ones(T, device="cuda")
 
     def step():
-        idx = it_mod.indexer_topk(qi, ki, wi, cu, TOPK, iscale)
-        o, lse = sm_mod.sparse_mla(q, kv, idx, scale, D_V)
+        idx = it_mod.indexer_topk(qi, ki, wi, cu, TOPK, iscale, gluon=a.gluon)
+        o, lse = sm_mod.sparse_mla(q, kv, idx, scale, D_V, gluon=a.gluon)
         torch.autograd.grad(o, (q, kv), do)
         kl = indexer_kl_sparse(q.detach(), kv.detach(), scale, lse, qi_, ki_, wi_, iscale, idx)
         torch.autograd.grad(kl, (qi_, ki_, wi_), grow)
 
-    step()  # compile everything (under ncu: these are the profiled launches)
-    torch.cuda.synchronize()
-    if a.once:
-        return 0
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(a.reps):
-            step()
+    with one_chunk:
+        step()  # compile everything (under ncu: these are the profiled launches)
         torch.cuda.synchronize()
+        if a.once:
+            return 0
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(a.reps):
+                step()
+            torch.cuda.synchronize()
     times: dict[str, list[float]] = defaultdict(list)
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:
@@ -108,29 +114,33 @@ def _inputs(T: int):
 
 def chunked(a) -> int:
     from titan_glm52.kernels import indexer_topk as it_mod, sparse_mla as sm_mod
+    from titan_glm52.kernels.tuning import launch_overrides
     T = a.T
     cu, qi, ki, wi, q, kv, do = _inputs(T)
-    idx = it_mod.indexer_topk(qi, ki, wi, cu, TOPK, D_I ** -0.5)
-    o, _ = sm_mod.sparse_mla(q, kv, idx, D_QK ** -0.5, D_V)
+    idx = it_mod.indexer_topk(qi, ki, wi, cu, TOPK, D_I ** -0.5, gluon=a.gluon)
+    o, _ = sm_mod.sparse_mla(q, kv, idx, D_QK ** -0.5, D_V, gluon=a.gluon)
     rows, first = [], None
     for spec in a.chunked.split(","):
         mib, *kvs = spec.split(":")
-        sm_mod.SCRATCH_BYTES = int(mib) << 20
-        sm_mod.TUNE["bwd_grad"] = {k: None if v == "none" else int(v) for k, v in (x.split("=") for x in kvs)}
-        cap = sm_mod._config(H, D_QK, D_V, "bwd_grad")[0].get("maxnreg")
+        scratch = int(mib) << 20
+        grad_cfg = {k: None if v == "none" else int(v) for k, v in (x.split("=") for x in kvs)}
         ms = []
-        for r in range(a.reps + 1):
-            t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            t0.record()
-            dq, dkv = torch.autograd.grad(o, (q, kv), do, retain_graph=True)
-            t1.record()
-            torch.cuda.synchronize()
-            if r:
-                ms.append(t0.elapsed_time(t1))
+        variant = {"sparse_mla": {"bwd": {"scratch_bytes": scratch}, "bwd_grad": grad_cfg}}
+        with launch_overrides(variant):
+            cap = sm_mod._config(H, D_QK, D_V, "bwd_grad")[0].get("maxnreg")
+            for r in range(a.reps + 1):
+                t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                t0.record()
+                dq, dkv = torch.autograd.grad(o, (q, kv), do, retain_graph=True)
+                t1.record()
+                torch.cuda.synchronize()
+                if r:
+                    ms.append(t0.elapsed_time(t1))
         if first is None:
             first = (dq, dkv)
         diff = [float((x.float() - y.float()).abs().max()) for x, y in zip((dq, dkv), first)]
-        rows.append({"variant": spec, "maxnreg": cap, "chunk_rows": sm_mod.chunk_rows(T, H, TOPK, q.element_size()),
+        chunk = sm_mod.chunk_rows(T, H, TOPK, q.element_size(), scratch)
+        rows.append({"variant": spec, "maxnreg": cap, "chunk_rows": chunk,
                      "ms": sorted(ms)[len(ms) // 2],
                      "ms_all": ms, "max_diff_dq": diff[0], "max_diff_dkv": diff[1],
                      "peak_gib": torch.cuda.max_memory_allocated() / 2 ** 30})

@@ -1,12 +1,13 @@
 """Rate of fp32 reductions into a [T, 576] buffer by TMA (``cp.reduce.async.bulk.tensor`` .add, one row of DC
 columns per operation) against ``red.global.add.v4.f32`` (``bench/atomic_probe.py``), in the pattern of the sparse
-MLA backward's dKV: 64 random rows per step, DC columns of the program's column block (issue 6).
+MLA backward's dKV: 64 random rows per step, DC columns of the program's column block.
 
     python3 bench/tma_reduce_probe.py --out tma_reduce_rate.json
     python3 bench/tma_reduce_probe.py --ptx     # no GPU: lower the Gluon kernel for sm_90, print its reductions
 
-One H200 (session 25, ``results/runs/s25/tma_reduce_rate.json``): no faster than ``red.v4``: 7.9e11 against 9.6e11
-adds/s into dKV's 192-column slice at 32K rows (25 MB, in L2), 5.6e11 for both into all 576 columns (75 MB).
+One H200 (``results/runs/s25/tma_reduce_rate.json``): no faster than ``red.v4``: 7.9e11 against
+9.6e11 adds/s into dKV's 192-column slice at 32K rows (25 MB, in L2), 5.6e11 for both into all 576
+columns (75 MB).
 
 Each Gluon program stages a [64, DC] fp32 tile in shared memory and issues one TMA reduction per row at the step's
 64 row indices; with ``restage`` it rewrites the tile before every step (waiting for the previous step's reductions

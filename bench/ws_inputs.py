@@ -39,10 +39,10 @@ def cos(a, b) -> float:
     return float(1 - (a @ b) / (a.norm() * b.norm()))
 
 
-def variant(tune: dict) -> dict:
-    """The TUNE variant given as the first argument (JSON; "base" = the defaults), applied to ``tune``."""
+def variant() -> dict:
+    """The launch variant given as the first argument (JSON of one part's keys, for
+    ``tuning.launch_overrides``; "base" or none = the defaults)."""
     var = json.loads(sys.argv[1]) if len(sys.argv) > 1 and sys.argv[1] != "base" else {}
-    tune.update(var)
     print("variant", var, flush=True)
     return var
 

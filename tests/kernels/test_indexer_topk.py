@@ -79,14 +79,14 @@ def test_deterministic():
     assert torch.equal(indexer_topk(q, k, w, cu, 7, 0.5), indexer_topk(q, k, w, cu, 7, 0.5))
 
 
-def test_queries_per_scoring_program(monkeypatch):
-    """TUNE["score"]["BQ"] (queries per scoring program, 4 by default at 32 heads): other blocks, including one that
-    straddles documents and a last block past the rows, select the same keys."""
-    from titan_glm52.kernels import indexer_topk as IT
+def test_queries_per_scoring_program():
+    """The scoring's BQ (queries per program, 4 by default at 32 heads): other blocks, including
+    one that straddles documents and a last block past the rows, select the same keys."""
+    from titan_glm52.kernels.tuning import launch_overrides
     lengths = [7, 20, 23]
     q, k, w = _inputs(lengths, 4, 16, 1)
     cu = cu_seqlens(lengths)
     ref = R.indexer_topk(q, k, w, cu, 5, 0.37)
     for bq in (8, 16):
-        monkeypatch.setitem(IT.TUNE, "score", {"BQ": bq})
-        _check(indexer_topk(q, k, w, cu, 5, 0.37), ref, lengths, 5)
+        with launch_overrides({"indexer_topk": {"score": {"BQ": bq}}}):
+            _check(indexer_topk(q, k, w, cu, 5, 0.37), ref, lengths, 5)

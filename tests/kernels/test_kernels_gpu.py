@@ -15,6 +15,7 @@ except ImportError:
 
 from titan_glm52 import packed
 from titan_glm52.kernels import reference as R
+from titan_glm52.kernels.tuning import launch_overrides
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -95,7 +96,7 @@ def test_indexer_topk_real_size():
     assert agree / cnt > 0.999, f"set overlap with the reference {agree / cnt:.5f}"
 
 
-def test_indexer_score_ws_matches_triton(monkeypatch):
+def test_indexer_score_ws_matches_triton():
     """The Gluon scoring kernel (``indexer_topk_ws``) writes the Triton kernel's scores bit for bit, and the same row
     max / min, over packed documents (one shorter than topk, queries of all-zero scores); ``indexer_topk`` then
     selects the same keys through either kernel."""
@@ -123,10 +124,9 @@ def test_indexer_score_ws_matches_triton(monkeypatch):
 
     for name, a, b in zip(("scores", "row max", "row min"), scores(True), scores(False)):
         assert torch.equal(a, b), f"{name}: {int((a != b).sum())} entries differ from the Triton kernel's"
-    monkeypatch.setitem(WS.TUNE["score"], "enable", True)
-    ws = IT.indexer_topk(q, k, w, cu, TOPK, scale)
-    monkeypatch.setitem(WS.TUNE["score"], "enable", False)
-    assert torch.equal(ws, IT.indexer_topk(q, k, w, cu, TOPK, scale)), "selection differs from the Triton path's"
+    ws = IT.indexer_topk(q, k, w, cu, TOPK, scale, gluon=True)
+    triton_only = IT.indexer_topk(q, k, w, cu, TOPK, scale, gluon=False)
+    assert torch.equal(ws, triton_only), "selection differs from the Triton path's"
 
 
 def _mla_inputs(lengths, seed, empty=(0, 1, 2)):
@@ -144,18 +144,17 @@ def _mla_inputs(lengths, seed, empty=(0, 1, 2)):
 
 # part 2 of the backward: the defaults and the other accepted column block (64 is the default)
 @pytest.mark.parametrize("tune", [{}, {"DC": 128}])
-def test_sparse_mla_real_size(tune, monkeypatch):
-    from titan_glm52.kernels import sparse_mla as SM
+def test_sparse_mla_real_size(tune):
     from titan_glm52.kernels.sparse_mla import sparse_mla
-    monkeypatch.setitem(SM.TUNE, "bwd_grad", {**SM.TUNE["bwd_grad"], **tune})
     lengths = [1000, 3096]
     q, kv, idx, _, g = _mla_inputs(lengths, 1)
     total = q.shape[0]
     scale = D_QK ** -0.5
     go = torch.randn(total, H, D_V, generator=g, device=DEV).to(torch.bfloat16)
     qt, kvt = q.clone().requires_grad_(), kv.clone().requires_grad_()
-    out, lse = sparse_mla(qt, kvt, idx, scale, D_V)
-    out.backward(go)
+    with launch_overrides({"sparse_mla": {"bwd_grad": tune}}):
+        out, lse = sparse_mla(qt, kvt, idx, scale, D_V)
+        out.backward(go)
     qr, kvr = q.float().requires_grad_(), kv.float().requires_grad_()
     r_out, r_lse = R.sparse_mla(qr, kvr, idx, scale, D_V)
     r_out.backward(go.float())
@@ -189,12 +188,11 @@ def test_sparse_mla_real_size(tune, monkeypatch):
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
                     reason="the warp-specialised forward is for sm_90")
 @pytest.mark.parametrize("tune", [{}, {"bk": 32, "stages": 4}])
-def test_sparse_mla_ws_forward(tune, monkeypatch):
+def test_sparse_mla_ws_forward(tune):
     """The Gluon forward (sparse_mla_ws) against the fp32 reference and the Triton kernel: short documents (rows
     with a -1 tail), rows without a valid index, -1 holes inside rows, a kv row count other than q's."""
     from titan_glm52.kernels import sparse_mla as SM
     from titan_glm52.kernels import sparse_mla_ws as WS
-    monkeypatch.setitem(WS.TUNE, "fwd", {**WS.TUNE["fwd"], **tune})
     lengths = [37, 2100, 1959]
     q, kv, idx, _, _ = _mla_inputs(lengths, 5, empty=(0, 40, 41))
     idx[100, 3] = -1
@@ -205,9 +203,9 @@ def test_sparse_mla_ws_forward(tune, monkeypatch):
     assert WS.supported(q, kv, D_V)
     scale = D_QK ** -0.5
     kend = SM.valid_extent(idx)
-    out, lse = SM._fwd(q, kv, idx, kend, scale, D_V)
-    monkeypatch.setitem(WS.TUNE, "fwd", {**WS.TUNE["fwd"], "enable": False})
-    t_out, t_lse = SM._fwd(q, kv, idx, kend, scale, D_V)
+    with launch_overrides({"sparse_mla_ws": {"fwd": tune}}):
+        out, lse = SM._fwd(q, kv, idx, kend, scale, D_V, gluon=True)
+    t_out, t_lse = SM._fwd(q, kv, idx, kend, scale, D_V, gluon=False)
     r_out, r_lse = R.sparse_mla(q.float(), kv.float(), idx, scale, D_V)
     d_out = (out.float() - r_out).abs()
     fin = torch.isfinite(r_lse)
@@ -228,12 +226,11 @@ def test_sparse_mla_ws_forward(tune, monkeypatch):
                     reason="the warp-specialised backward part 1 is for sm_90")
 # the defaults (a 10-slot ring), a shallower ring, the smallest one
 @pytest.mark.parametrize("tune", [{}, {"stages": 6}, {"stages": 4}])
-def test_sparse_mla_ws_backward_part1(tune, monkeypatch):
+def test_sparse_mla_ws_backward_part1(tune):
     """The Gluon part 1 of the backward (P, dS into the scratch) against the Triton kernel, on a chunk that starts
     mid-pack (row0 > 0); the whole backward through it is checked against the reference above."""
     from titan_glm52.kernels import sparse_mla as SM
     from titan_glm52.kernels import sparse_mla_ws as WS
-    monkeypatch.setitem(WS.TUNE, "bwd_ps", {**WS.TUNE["bwd_ps"], **tune})
     lengths = [37, 2100, 1959]
     q, kv, idx, _, g = _mla_inputs(lengths, 6, empty=(0, 40, 41))
     idx[2500, :700] = -1
@@ -245,7 +242,8 @@ def test_sparse_mla_ws_backward_part1(tune, monkeypatch):
     go = torch.randn(q.shape[0], H, D_V, generator=g, device=DEV).to(torch.bfloat16)
     row0, n = 30, 3000
     got = [torch.full((n, TOPK, H), 7.0, dtype=q.dtype, device=DEV) for _ in range(2)]
-    WS.bwd_ps(q, kv, idx, kend, out, go, lse, got[0], got[1], scale, row0, n)
+    with launch_overrides({"sparse_mla_ws": {"bwd_ps": tune}}):
+        WS.bwd_ps(q, kv, idx, kend, out, go, lse, got[0], got[1], scale, row0, n)
     want = [torch.full_like(got[0], 7.0) for _ in range(2)]
     SM._triton_bwd_ps(q, kv, idx, kend, out, go, lse, want[0], want[1], scale, row0, n)
     # only the slots part 2 reads (below each row's valid extent); past it each kernel leaves its own step's tail
@@ -259,13 +257,12 @@ def test_sparse_mla_ws_backward_part1(tune, monkeypatch):
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
                     reason="the warp-specialised backward part 2 is for sm_90")
 @pytest.mark.parametrize("group_rows", [0, -1, 256])
-def test_sparse_mla_ws_backward_part2(group_rows, monkeypatch):
+def test_sparse_mla_ws_backward_part2(group_rows):
     """The Gluon part 2 (dKV by atomics, dQ) against the Triton kernel from the same P / dS scratch, on a chunk that
     starts mid-pack; dKV in fp32 before the cast (the atomics' order differs, so not bit for bit). In each program
     order (``group_rows``; 256 does not divide the chunk's 3000 rows: the programs past it must do nothing)."""
     from titan_glm52.kernels import sparse_mla as SM
     from titan_glm52.kernels import sparse_mla_ws as WS
-    monkeypatch.setitem(WS.TUNE, "bwd_grad", {**WS.TUNE["bwd_grad"], "group_rows": group_rows})
     lengths = [37, 2100, 1959]
     q, kv, idx, _, g = _mla_inputs(lengths, 7, empty=(0, 40, 41))
     idx[2500, :700] = -1
@@ -283,7 +280,9 @@ def test_sparse_mla_ws_backward_part2(group_rows, monkeypatch):
     for ws in (True, False):
         dq = torch.zeros_like(q)
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=DEV)
-        (WS.bwd_grad if ws else SM._triton_bwd_grad)(q, kv, idx, kend, go, p, ds, dkv, dq, row0, n)
+        part2 = WS.bwd_grad if ws else SM._triton_bwd_grad
+        with launch_overrides({"sparse_mla_ws": {"bwd_grad": {"group_rows": group_rows}}}):
+            part2(q, kv, idx, kend, go, p, ds, dkv, dq, row0, n)
         grads.append((dq, dkv))
     (dq, dkv), (t_dq, t_dkv) = grads
     d_dq = float((dq.float() - t_dq.float()).abs().max())

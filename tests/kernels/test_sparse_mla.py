@@ -12,6 +12,7 @@ except ImportError:
 
 from titan_glm52.kernels import reference as R
 from titan_glm52.kernels.sparse_mla import sparse_mla
+from titan_glm52.kernels.tuning import launch_overrides
 
 CASES = [
     # lengths, H, D_qk, d_v, K, seed, rows with no key
@@ -69,15 +70,9 @@ def test_all_rows_empty():
     {"bwd_grad": {"DC": 16}},  # column blocks narrower than d_v (the d_v = 512 layout), a tail-only block
     {"bwd_grad": {"DC": 64}},  # one column block holding the values and the tail
     {"bwd_ps": {"BH": 1}, "bwd_grad": {"BH": 1}},  # one head per program: head blocks in both parts
-    {"scratch": 3 * 2 * 2 * 8 * 4},  # P / dS scratch of 3 queries: several chunks
+    {"bwd": {"scratch_bytes": 3 * 2 * 2 * 8 * 4}},  # P / dS scratch of 3 queries: several chunks
 ])
-def test_backward_variants(tune, monkeypatch):
-    from titan_glm52.kernels import sparse_mla as SM
-    for part, cfg in tune.items():
-        if part == "scratch":
-            monkeypatch.setattr(SM, "SCRATCH_BYTES", cfg)
-        else:
-            monkeypatch.setitem(SM.TUNE, part, cfg)
+def test_backward_variants(tune):
     lengths, h, d_qk, d_v, topk = [9, 14], 2, 40, 32, 8
     g = gen(21)
     total = sum(lengths)
@@ -85,21 +80,23 @@ def test_backward_variants(tune, monkeypatch):
     kv = torch.randn(total, d_qk, generator=g)
     idx = indices_for(lengths, topk, 21, empty_rows=(3,))
     go = torch.randn(total, h, d_v, generator=g)
-    _, _, dq, dkv = _run(sparse_mla, q, kv, idx, 0.2, d_v, go)
+    with launch_overrides({"sparse_mla": tune}):  # both passes inside: their launches read it
+        _, _, dq, dkv = _run(sparse_mla, q, kv, idx, 0.2, d_v, go)
     _, _, r_dq, r_dkv = _run(R.sparse_mla, q, kv, idx, 0.2, d_v, go)
     torch.testing.assert_close(dq, r_dq, atol=2e-5, rtol=1e-5)
     torch.testing.assert_close(dkv, r_dkv, atol=5e-5, rtol=1e-5)
 
 
-def test_grad_column_block_is_checked(monkeypatch):
+def test_grad_column_block_is_checked():
     """At GLM-5.2's widths only the column blocks checked on the GPU are accepted (DC = 32 faulted there)."""
     from titan_glm52.kernels import sparse_mla as SM
     assert SM._config(64, 576, 512, "bwd_grad")[0]["DC"] == 64
-    assert SM._config(64, 576, 512, "bwd_grad")[0]["maxnreg"] == 128  # 4 programs per SM (session 10)
-    monkeypatch.setitem(SM.TUNE, "bwd_grad", {"DC": 32})
-    with pytest.raises(ValueError, match="bwd_grad.*DC.*64 or 128"):
-        SM._config(64, 576, 512, "bwd_grad")
-    assert SM._config(2, 40, 32, "bwd_grad")[0]["DC"] == 32  # small widths: any block (interpreter tests)
+    assert SM._config(64, 576, 512, "bwd_grad")[0]["maxnreg"] == 128  # 4 programs per SM
+    with launch_overrides({"sparse_mla": {"bwd_grad": {"DC": 32}}}):
+        with pytest.raises(ValueError, match="bwd_grad.*DC.*64 or 128"):
+            SM._config(64, 576, 512, "bwd_grad")
+        # small widths: any block (interpreter tests)
+        assert SM._config(2, 40, 32, "bwd_grad")[0]["DC"] == 32
 
 
 def test_backward_chunks_fit_the_grid():
@@ -109,3 +106,29 @@ def test_backward_chunks_fit_the_grid():
     assert SM.chunk_rows(10, 64, 2048, 2) == 10
     assert SM.chunk_rows(1 << 20, 64, 2048, 2) == 2048  # GLM-5.2: 1 GiB of P and dS
     assert SM.chunk_rows(1 << 20, 64, 64, 2) == SM.MAX_GRID_Y == 65535
+
+
+def test_gluon_choice_reaches_the_backward(monkeypatch):
+    """``gluon=False`` (the Triton kernels only) gives the default call's numbers where the Gluon
+    kernels do not apply (here: the CPU), and the backward runs with the forward's choice."""
+    from titan_glm52.kernels import sparse_mla as SM
+    lengths, h, d_qk, d_v, topk = [9, 14], 2, 40, 32, 8
+    g = gen(23)
+    total = sum(lengths)
+    q = torch.randn(total, h, d_qk, generator=g)
+    kv = torch.randn(total, d_qk, generator=g)
+    idx = indices_for(lengths, topk, 23)
+    go = torch.randn(total, h, d_v, generator=g)
+    seen = []
+    bwd = SM._bwd
+
+    def spy(*args):
+        seen.append(args[-1])
+        return bwd(*args)
+
+    monkeypatch.setattr(SM, "_bwd", spy)
+    runs = [_run(lambda *a, flag=flag: sparse_mla(*a, gluon=flag), q, kv, idx, 0.2, d_v, go)
+            for flag in (False, True)]
+    assert seen == [False, True]
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)

@@ -1,16 +1,22 @@
 """DSA kernels.
 
-``reference`` is plain torch (the definition and the ``torch`` backend). The Triton implementations load lazily
-on first use, so importing this package never imports triton:
+``reference`` is plain torch (the definition and the ``torch`` backend). The Triton implementations
+load lazily on first use, so importing this package never imports triton:
 
-* ``triton_indexer_topk(q, k, weights, cu_seqlens, topk, scale) -> int32 [T, topk]``
-* ``triton_sparse_mla(q, kv, indices, sm_scale, d_v) -> (out [T, H, d_v], lse [T, H] fp32)``
-* ``triton_indexer_kl_sparse(q, kv, sm_scale, lse, q_idx, k_idx, w_idx, idx_scale, indices) -> fp32 [T]``
+* ``triton_indexer_topk(q, k, weights, cu_seqlens, topk, scale, *, max_len=None, gluon=True)
+  -> int32 [T, topk]``
+* ``triton_sparse_mla(q, kv, indices, sm_scale, d_v, *, gluon=True)
+  -> (out [T, H, d_v], lse [T, H] fp32)``
+* ``triton_indexer_kl_sparse(q, kv, sm_scale, lse, q_idx, k_idx, w_idx, idx_scale, indices)
+  -> fp32 [T]``
 
-(``titan_glm52.kernels.indexer_topk`` etc. are the modules; the functions carry a ``triton_`` prefix here so that
-a package attribute never changes meaning when a submodule gets imported.) ``triton_kernels()`` returns the three
-at once and raises a clear error when triton is missing. Without CUDA the kernels run in the Triton interpreter
-(slow; for tests).
+``gluon=False`` keeps a call on the Triton kernels where the warp-specialised Gluon ones would
+otherwise run (Hopper, GLM-5.2's shapes). ``titan_glm52.kernels.indexer_topk`` etc. are the modules;
+the functions carry a ``triton_`` prefix here so that a package attribute never changes meaning when
+a submodule gets imported. ``triton_kernels()`` returns the three at once and raises a clear error
+when triton is missing. The kernels take CUDA tensors, or CPU tensors when the caller runs triton's
+interpreter (``TRITON_INTERPRET=1`` in the environment before the kernel modules are imported; slow,
+for tests). Benchmarks vary the launch parameters with ``tuning.launch_overrides``.
 """
 
 from __future__ import annotations

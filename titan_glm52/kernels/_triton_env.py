@@ -1,26 +1,22 @@
-"""Shared set-up for the Triton DSA kernels: interpreter fallback on CPU and small launch helpers.
+"""Shared set-up for the Triton kernels: the interpreter switch as the caller set it, fixes to the
+interpreter, and small launch helpers.
 
-Importing this module makes a machine without CUDA run every ``@triton.jit`` kernel defined afterwards in the
-Triton interpreter (slow, numpy-backed; meant for tests), unless ``TRITON_INTERPRET`` was set explicitly.
+Whether kernels run in the Triton interpreter (slow, numpy-backed; meant for CPU tests) is the
+caller's choice: ``TRITON_INTERPRET=1`` in the environment before the kernel modules are imported
+(triton reads it when it decorates each ``@triton.jit`` kernel; ``tests/conftest.py`` sets it where
+there is no GPU). This module reads it only when a wrapper runs (``interpreting``), and applies its
+fixes to the interpreter at the first launch under it.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import sys
-import types
-
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import triton  # noqa: E402  (after the interpreter switch on purpose)
+import triton
 
 
 def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    """Whether triton runs kernels in its interpreter (``TRITON_INTERPRET``, read at this call)."""
+    return bool(triton.knobs.runtime.interpret)
 
 
 def elementwise_block(block: int) -> int:
@@ -168,20 +164,33 @@ def _fix_interpreter_nested_repatch() -> None:
     grid_cls.__call__, fn_cls.__call__ = run_kernel, call_helper
 
 
-if interpreting():
+_interpreter_fixed = False  # the fixes below are in place (they stay for the process)
+
+
+def _fix_interpreter() -> None:
+    """Apply the interpreter fixes once; each fix also checks that it is not in place already."""
+    global _interpreter_fixed
+    if _interpreter_fixed:
+        return
     _fix_interpreter_scalar_index()
     _fix_interpreter_bf16_rounding()
     _fix_interpreter_bf16_dot()
     _fix_interpreter_nested_repatch()
+    _interpreter_fixed = True
 
 
 def check_device(*tensors: torch.Tensor) -> None:
-    """Refuse CPU tensors unless the interpreter is on (a compiled kernel would read host memory)."""
+    """Ready a launch on ``tensors``: under the interpreter, its fixes in place (applied at the
+    first call); otherwise every tensor must be on CUDA (a compiled kernel would read host memory).
+    Every wrapper calls this before its first launch."""
+    if interpreting():
+        _fix_interpreter()
+        return
     for t in tensors:
-        if t.device.type != "cuda" and not interpreting():
-            raise RuntimeError(
-                "the triton DSA kernels need CUDA tensors (or TRITON_INTERPRET=1 for the CPU interpreter); "
-                f"got a tensor on {t.device}")
+        if t.device.type != "cuda":
+            raise RuntimeError("the triton kernels need CUDA tensors (or TRITON_INTERPRET=1, set "
+                               "before the kernels are imported, for the CPU interpreter); got one "
+                               f"on {t.device}")
 
 
 def pow2(n: int, minimum: int = 16) -> int:
@@ -189,39 +198,4 @@ def pow2(n: int, minimum: int = 16) -> int:
     return max(minimum, triton.next_power_of_2(max(int(n), 1)))
 
 
-def load_tune(module: str, tune: dict) -> None:
-    """Launch-parameter overrides from the JSON file named by $TITAN_DSA_TUNE_FILE (written by
-    ``bench/kernels.py --sweep-only``): ``{"sparse_mla": {"bwd_grad": {"DC": 128, ...}}, ...}``."""
-    path = os.environ.get("TITAN_DSA_TUNE_FILE")
-    if not path:
-        return
-    with open(path) as f:
-        data = json.load(f)
-    for part, cfg in data.get(module, {}).items():
-        if part in tune:
-            tune[part] = dict(cfg)
-
-
-def tune_over_defaults(module: str, defaults: dict) -> dict:
-    """``defaults`` ({part: {key: value}}) with each part's keys from $TITAN_DSA_TUNE_FILE's ``module`` entry laid
-    over them (a file's part need name only the keys it changes)."""
-    tune = {k: dict(v) for k, v in defaults.items()}
-    load_tune(module, tune)
-    return {k: {**v, **tune[k]} for k, v in defaults.items()}
-
-
-def make_module_callable(module_name: str, fn_name: str) -> None:
-    """Let ``titan_glm52.kernels.<module>(...)`` call the module's function of the same contract.
-
-    ``from titan_glm52.kernels import sparse_mla`` yields the submodule once it is imported (a package attribute);
-    making the module callable means code written as ``kernels.sparse_mla(q, kv, ...)`` works either way."""
-    mod = sys.modules[module_name]
-
-    class _CallableModule(types.ModuleType):
-        def __call__(self, *args, **kwargs):
-            return getattr(self, fn_name)(*args, **kwargs)
-
-    mod.__class__ = _CallableModule
-
-
-__all__ = ["interpreting", "check_device", "pow2", "load_tune", "make_module_callable"]
+__all__ = ["interpreting", "check_device", "elementwise_block", "pow2"]

@@ -24,11 +24,10 @@ import math
 import struct
 
 import torch
+import triton
+import triton.language as tl
 
-from ._triton_env import check_device, elementwise_block  # (first: the interpreter switch before triton)
-
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
+from ._triton_env import check_device, elementwise_block
 
 # Launch parameters (bench/adam.py sweeps them on the GPU).
 BLOCK = 1024

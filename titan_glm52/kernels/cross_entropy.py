@@ -12,11 +12,10 @@ path's up to fp32 rounding (summation order, exp).
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
-from ._triton_env import check_device  # (first: the interpreter switch before triton)
-
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
+from ._triton_env import check_device
 
 BLOCK = 8192
 

@@ -20,17 +20,18 @@ target) * grad``; dw and dq_idx accumulate in registers, dk_idx with fp32 atomic
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
-from . import _triton_env  # noqa: F401  (interpreter switch before triton)
+from . import tuning
 from ._triton_env import check_device, pow2
 from .sparse_mla import LOG2E, _dot, _gather
 
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
-
-# launch-parameter overrides for tuning (bench/kernels.py): fwd keys BK, num_warps; bwd keys BK, num_warps
-TUNE: dict[str, dict] = {"fwd": {}, "bwd": {}}
-_triton_env.load_tune("indexer_loss", TUNE)
+# What ``tuning.launch_overrides({"indexer_loss": {part: {...}}})`` may set over the defaults
+# (``_config``, ``_fwd_stages``, ``_bwd_launch``), per kernel: the slots per step and the launch's
+# warps and stages.
+LAUNCH_KEYS = {"fwd": frozenset({"BK", "num_warps", "num_stages"}),
+               "bwd": frozenset({"BK", "num_warps", "num_stages"})}
 
 
 @triton.jit
@@ -212,7 +213,8 @@ class _IndexerKL(torch.autograd.Function):
                 q.stride(0), q.stride(1), kv.stride(0), lse.stride(0), q_idx.stride(0), q_idx.stride(1),
                 k_idx.stride(0), w_idx.stride(0), indices.stride(0), tgt.stride(0),
                 IEEE=q.dtype == torch.float32, IEEE_I=q_idx.dtype == torch.float32,
-                **{**c, "num_warps": nw, "num_stages": _fwd_stages(c), **TUNE["fwd"]})
+                **{**c, "num_warps": nw, "num_stages": _fwd_stages(c),
+                   **tuning.overrides("indexer_loss", "fwd")})
         ctx.save_for_backward(q_idx, k_idx, w_idx, indices, tgt, stat)
         ctx.idx_scale = idx_scale
         ctx.cfg = (h, d_qk)
@@ -234,7 +236,7 @@ class _IndexerKL(torch.autograd.Function):
                 q_idx.stride(0), q_idx.stride(1), k_idx.stride(0), w_idx.stride(0), indices.stride(0), tgt.stride(0),
                 dq.stride(0), dq.stride(1), dk.stride(0), dw.stride(0),
                 DI=c["DI"], DIP=c["DIP"], HIP=c["HIP"], IEEE_I=q_idx.dtype == torch.float32,
-                **{**_bwd_launch(c["DIP"]), **TUNE["bwd"]})
+                **{**_bwd_launch(c["DIP"]), **tuning.overrides("indexer_loss", "bwd")})
         return None, None, None, dq, dk.to(k_idx.dtype), dw, None, None, None
 
 
@@ -258,15 +260,18 @@ def indexer_kl_sparse(q: torch.Tensor, kv: torch.Tensor, sm_scale: float, lse: t
 
 
 def compile_specs(small: bool = False):
-    """Launch configurations for ``bench/compile_check.py`` (offline sm_90 compile)."""
+    """Launch configurations for ``bench/compile_check.py`` (offline sm_90 compile), with the
+    active ``tuning`` overrides laid over them as the launches lay them."""
     h, d_qk, h_i, d_i = (4, 24, 4, 16) if small else (64, 576, 32, 128)
     c, nw = _config(h, d_qk, h_i, d_i)
     c.update(IEEE=False, IEEE_I=False)
+    fwd = {**c, "num_warps": nw, "num_stages": _fwd_stages(c),
+           **tuning.overrides("indexer_loss", "fwd")}
+    bwd = {"DI": c["DI"], "DIP": c["DIP"], "HIP": c["HIP"], "IEEE_I": False,
+           **_bwd_launch(c["DIP"]), **tuning.overrides("indexer_loss", "bwd")}
     out = []
-    for name, fn, cc, w in (("indexer_kl_fwd", _kl_fwd_kernel, c, nw),
-                            ("indexer_kl_bwd", _kl_bwd_kernel,
-                             dict(DI=c["DI"], DIP=c["DIP"], HIP=c["HIP"], BK=_bwd_launch(c["DIP"])["BK"],
-                                  IEEE_I=False), _bwd_launch(c["DIP"])["num_warps"])):
+    for name, fn, launch in (("indexer_kl_fwd", _kl_fwd_kernel, fwd),
+                             ("indexer_kl_bwd", _kl_bwd_kernel, bwd)):
         sig = {n: "i32" for n in fn.arg_names if n.startswith("stride") or n in ("T", "H", "HI", "K")}
         sig.update({n: "*bf16" for n in fn.arg_names if n.endswith("_ptr")})
         sig.update({n: "*fp32" for n in ("lse_ptr", "wi_ptr", "tgt_ptr", "lg_ptr", "kl_ptr", "stat_ptr", "g_ptr",
@@ -274,11 +279,9 @@ def compile_specs(small: bool = False):
         sig.update({"idx_ptr": "*i32", "qk_scale": "fp32", "idx_scale": "fp32"})
         sig = {k: v for k, v in sig.items() if k in fn.arg_names}
         div = tuple(n for n in fn.arg_names if n.endswith("_ptr"))
-        ns = _fwd_stages(c) if fn is _kl_fwd_kernel else _bwd_launch(c["DIP"])["num_stages"]
-        out.append((name, (fn, sig, {k: v for k, v in cc.items() if k in fn.arg_names}, w, ns, div)))
+        consts = {k: v for k, v in launch.items() if k in fn.arg_names}
+        out.append((name, (fn, sig, consts, launch["num_warps"], launch["num_stages"], div)))
     return out
 
 
 __all__ = ["indexer_kl_sparse"]
-
-_triton_env.make_module_callable(__name__, "indexer_kl_sparse")

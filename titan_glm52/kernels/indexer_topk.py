@@ -7,11 +7,12 @@ selected rows come in ascending row order, not in score order.
 
 How (per chunk of R query rows, so memory is O(R * longest document), never [T, T]):
 
-1. ``_score_kernel`` (on Hopper at GLM-5.2's indexer shape: ``indexer_topk_ws``'s warp-specialised Gluon kernel,
-   the same scores): BQ queries x all heads per program; streams the key tiles of the documents once, computes
-   ``K_tile @ Q^T`` on tensor cores, ReLU, weight and head sum in registers, and writes one fp32 score per
-   visible (query, key) pair into the chunk's scratch, plus the row's max and min. Rows with at most ``topk``
-   visible keys are skipped (they keep all their keys).
+1. ``_score_kernel`` (on Hopper at GLM-5.2's indexer shape, unless the caller passes
+   ``gluon=False``: ``indexer_topk_ws``'s warp-specialised Gluon kernel, the same scores): BQ
+   queries x all heads per program; streams the key tiles of the documents once, computes
+   ``K_tile @ Q^T`` on tensor cores, ReLU, weight and head sum in registers, and writes one fp32
+   score per visible (query, key) pair into the chunk's scratch, plus the row's max and min. Rows
+   with at most ``topk`` visible keys are skipped (they keep all their keys).
 2. ``_select_kernel``: one program per row. Pass 1: 256-bin histogram of the scores bucketed linearly between
    the row's min and max; the threshold bucket follows from the suffix counts. Pass 2: emit every key of a
    higher bucket, stash the keys of the threshold bucket (score + row, in row order). Then an exact 4 x 8-bit
@@ -25,24 +26,25 @@ How (per chunk of R query rows, so memory is O(R * longest document), never [T, 
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
-from . import _triton_env
-from ._triton_env import check_device, pow2
-
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
-
-from . import indexer_topk_ws as _ws  # noqa: E402
+from . import indexer_topk_ws as _ws
+from . import tuning
+from ._triton_env import check_device, interpreting, pow2
 
 SCRATCH_BYTES = 1 << 30  # budget for one chunk's scores (fp32) + stash
 STASH_CAP = 16384  # threshold-bucket candidates kept per row before falling back to a full-row radix select
 NBINS = 256
 
-# launch parameters (chosen on one H200 at T = 32K, bench/results/kernels_h200.md) and overrides for tuning
+# launch parameters (chosen on one H200 at T = 32K, bench/results/kernels_h200.md); a benchmark lays
+# variants over them with ``tuning.launch_overrides({"indexer_topk": {part: {...}}})``, keys as in
+# LAUNCH_KEYS: also the scoring's BQ (queries per program; by default from the heads, ``_config``)
+# and the selection's "skip" (no selection: times the scoring alone)
 SCORE_LAUNCH = {"BN": 64, "num_warps": 8, "num_stages": 3}
 SELECT_LAUNCH = {"BLOCK": 1024, "num_warps": 4}
-TUNE: dict[str, dict] = {"score": {}, "select": {}}
-_triton_env.load_tune("indexer_topk", TUNE)
+LAUNCH_KEYS = {"score": frozenset({*SCORE_LAUNCH, "BQ"}),
+               "select": frozenset({*SELECT_LAUNCH, "skip"})}
 
 
 @triton.jit
@@ -233,11 +235,14 @@ def _config(h_i: int, d_i: int, dtype: torch.dtype):
 @torch.no_grad()
 def indexer_topk(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, cu_seqlens: torch.Tensor, topk: int,
                  scale: float, *, max_len: int | None = None, scratch_bytes: int = SCRATCH_BYTES,
-                 stash_cap: int = STASH_CAP) -> torch.Tensor:
+                 stash_cap: int = STASH_CAP, gluon: bool = True) -> torch.Tensor:
     """Same contract as ``reference.indexer_topk`` (selected set identical; rows listed in ascending order).
 
     ``max_len``: the longest document's length, when the caller knows it on the host (the model's packed
-    context does); then ``cu_seqlens`` is taken as valid and the call makes no device-to-host copy."""
+    context does); then ``cu_seqlens`` is taken as valid and the call makes no device-to-host copy.
+    ``gluon``: True scores with the warp-specialised Gluon kernel (``indexer_topk_ws``) where it
+    applies (CUDA sm_90, 32 heads of 128 in bf16, not under the interpreter) and with the Triton
+    kernel elsewhere; False with the Triton kernel only (the same scores, so the same selection)."""
     total, h_i, d_i = q.shape
     if k.shape != (total, d_i) or weights.shape != (total, h_i):
         raise ValueError(f"shape mismatch: q {tuple(q.shape)}, k {tuple(k.shape)}, weights {tuple(weights.shape)}")
@@ -256,10 +261,11 @@ def indexer_topk(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, cu_seq
     weights = weights.float().contiguous()
     k = k.to(q.dtype)
     hp, dp, bq = _config(h_i, d_i, q.dtype)
-    sc_cfg = {**SCORE_LAUNCH, **TUNE["score"]}
+    sc_cfg = {**SCORE_LAUNCH, **tuning.overrides("indexer_topk", "score")}
     bq = sc_cfg.pop("BQ", bq)  # queries per scoring program (each key tile is read once per BQ queries)
-    gluon = not _triton_env.interpreting() and _ws.supported(q, k)  # Hopper: the warp-specialised scoring
-    if gluon:
+    # Hopper: the warp-specialised scoring
+    ws = gluon and not interpreting() and _ws.supported(q, k) and _ws.config()["enable"]
+    if ws:
         bq = _ws.rows_per_program()
     ieee = q.dtype == torch.float32
 
@@ -274,11 +280,11 @@ def indexer_topk(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, cu_seq
     stash_idx = torch.empty((rows, cap), dtype=torch.int32, device=q.device)
     rmax = torch.empty(rows, dtype=torch.float32, device=q.device)
     rmin = torch.empty(rows, dtype=torch.float32, device=q.device)
-    se_cfg = {**SELECT_LAUNCH, **TUNE["select"]}
+    se_cfg = {**SELECT_LAUNCH, **tuning.overrides("indexer_topk", "select")}
     skip_select = se_cfg.pop("skip", False)  # benchmark hook: time the scoring alone
     for a in range(0, total, rows):
         b = min(total, a + rows)
-        if gluon:
+        if ws:
             _ws.score(q, k, weights, starts, scores, rmax, rmin, a, b, scale, topk)
         else:
             _score_kernel[(triton.cdiv(b - a, bq),)](
@@ -295,24 +301,26 @@ def indexer_topk(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, cu_seq
 
 __all__ = ["indexer_topk"]
 
-_triton_env.make_module_callable(__name__, "indexer_topk")
-
 
 def compile_specs(small: bool = False):
-    """Launch configurations for ``bench/compile_check.py`` (offline sm_90 compile)."""
+    """Launch configurations for ``bench/compile_check.py`` (offline sm_90 compile), with the
+    active ``tuning`` overrides."""
     h_i, d_i = (4, 16) if small else (32, 128)
     hp, dp, bq = _config(h_i, d_i, torch.bfloat16)
+    sc = {**SCORE_LAUNCH, **tuning.overrides("indexer_topk", "score")}
+    se = {**SELECT_LAUNCH, **tuning.overrides("indexer_topk", "select")}
     ptr = {n: "*fp32" for n in ("w_ptr", "scores_ptr", "rmax_ptr", "rmin_ptr")}
     score_sig = {"q_ptr": "*bf16", "k_ptr": "*bf16", "starts_ptr": "*i32", **ptr, "row0": "i32", "row_end": "i32",
                  "scale": "fp32", "topk": "i32", "stride_qt": "i32", "stride_qh": "i32", "stride_kt": "i32",
                  "stride_wt": "i32", "stride_sr": "i32"}
-    score_c = {"H": h_i, "D": d_i, "HP": hp, "DP": dp, "BQ": bq, "BN": SCORE_LAUNCH["BN"], "IEEE": False}
+    score_c = {"H": h_i, "D": d_i, "HP": hp, "DP": dp, "BQ": sc.get("BQ", bq), "BN": sc["BN"],
+               "IEEE": False}
     sel_sig = {"scores_ptr": "*fp32", "stash_idx_ptr": "*i32", "rmax_ptr": "*fp32", "rmin_ptr": "*fp32",
                "starts_ptr": "*i32", "out_ptr": "*i32", "row0": "i32", "topk": "i32", "stride_sr": "i32",
                "stride_ir": "i32", "stride_ot": "i32", "stash_off": "i32", "stash_cap": "i32"}
     div = ("q_ptr", "k_ptr", "stride_qt", "stride_qh", "stride_kt", "stride_sr")
-    return [("indexer_score", (_score_kernel, score_sig, score_c, SCORE_LAUNCH["num_warps"],
-                               SCORE_LAUNCH["num_stages"], div)),
-            ("indexer_select", (_select_kernel, sel_sig, {"BLOCK": SELECT_LAUNCH["BLOCK"], "NB": NBINS},
-                                SELECT_LAUNCH["num_warps"], 1,
+    sel_c = {"BLOCK": se["BLOCK"], "NB": NBINS}
+    return [("indexer_score", (_score_kernel, score_sig, score_c, sc["num_warps"], sc["num_stages"],
+                               div)),
+            ("indexer_select", (_select_kernel, sel_sig, sel_c, se["num_warps"], 1,
                                 ("scores_ptr", "stride_sr")))]

@@ -11,7 +11,8 @@ one reads it for 8.
 
 Gluon has no interpreter mode: the kernel runs on the GPU only (``tests/kernels/test_kernels_gpu.py`` checks its
 scores bit for bit against the Triton kernel's and its selection against the reference). ``indexer_topk`` uses it
-where ``supported`` holds (with ``TUNE["score"]["enable"]`` set), and the Triton kernel everywhere else.
+where ``supported`` holds and its caller asks for it (``gluon=True``), unless a ``tuning`` override
+disables it (``enable``); the Triton kernel everywhere else.
 """
 
 from __future__ import annotations
@@ -19,11 +20,12 @@ from __future__ import annotations
 import torch
 import triton
 
-from . import _triton_env
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_async_shared, mbarrier,
                                                                warpgroup_mma, warpgroup_mma_wait)
+
+from . import tuning
 
 H = 32   # indexer heads
 D = 128  # indexer head dim
@@ -163,35 +165,47 @@ def _score_ws_kernel(q_ptr, k_ptr, w_ptr, starts_ptr, scores_ptr, rmax_ptr, rmin
     ], [4, 4], [CONSUMER_REGS, LOADER_REGS])
 
 
-# enable: indexer_topk scores with this kernel where ``supported`` holds (False: the Triton kernel, for comparisons);
-# bq: query rows per program (N = bq x 32 of each product); bn: keys per tile; stages: the key ring's depth;
-# maxnreg: the launch's register cap (12 warps x 168 fill the register file: the default consumer gets
-# 3 x 168 - consumer_regs - loader_regs). Overrides: $TITAN_DSA_TUNE_FILE, {"indexer_topk_ws": {"score": {...}}}.
+# Launch parameters, measured on one H200 (bench/indexer_sweep.py; bench/results/kernels_h200.md);
+# a benchmark lays variants over them with
+# ``tuning.launch_overrides({"indexer_topk_ws": {"score": {...}}})``.
+# enable: ``indexer_topk`` (with gluon=True) scores with this kernel where ``supported`` holds
+# (False: the Triton kernel, for comparisons); bq: query rows per program (N = bq x 32 of each
+# product); bn: keys per tile; stages: the key ring's depth; maxnreg: the launch's register cap
+# (12 warps x 168 fill the register file: the default consumer gets 3 x 168 - consumer_regs -
+# loader_regs).
 DEFAULTS = {"score": {"enable": True, "bq": 8, "bn": 64, "stages": 4, "maxnreg": 168, "consumer_regs": 224,
                       "loader_regs": 56}}
-TUNE = _triton_env.tune_over_defaults("indexer_topk_ws", DEFAULTS)
+LAUNCH_KEYS = {part: frozenset(cfg) for part, cfg in DEFAULTS.items()}
+
+
+def config(part: str = "score") -> dict:
+    """The launch parameters of ``score``: ``DEFAULTS["score"]`` with its active ``tuning``
+    overrides laid over them (a new dict)."""
+    return {**DEFAULTS[part], **tuning.overrides("indexer_topk_ws", part)}
 
 
 def supported(q: torch.Tensor, k: torch.Tensor) -> bool:
-    """Whether ``score`` takes the call: CUDA sm_90, bf16, 32 heads of 128, unit inner strides, and enabled."""
-    return (TUNE["score"]["enable"] and q.is_cuda and q.dtype == torch.bfloat16 and k.dtype == torch.bfloat16
+    """Whether ``score`` can take the call: CUDA sm_90, bf16, 32 heads of 128, unit inner
+    strides."""
+    return (q.is_cuda and q.dtype == torch.bfloat16 and k.dtype == torch.bfloat16
             and torch.cuda.get_device_capability(q.device) == (9, 0)
             and q.dim() == 3 and q.shape[1] == H and q.shape[2] == D and k.shape[1] == D
             and q.stride(2) == 1 and k.stride(1) == 1)
 
 
 def rows_per_program() -> int:
-    return TUNE["score"]["bq"]
+    """Query rows per ``score`` program (its launch's ``bq``)."""
+    return config()["bq"]
 
 
 def score(q, k, weights, starts, scores, rmax, rmin, row0, row_end, scale, topk):
     """Scores of rows row0 .. row_end - 1 into the chunk's scratch (see ``indexer_topk._score_kernel``)."""
-    c = TUNE["score"]
+    c = config()
     bq = c["bq"]
     if bq not in (1, 2, 4, 8) or c["bn"] != 64 or c["stages"] < 1:
         # N = bq x 32 columns must be a wgmma width (<= 256); one consumer warpgroup covers M = 64 keys
-        raise ValueError(f"indexer_topk_ws TUNE['score'] needs bq in (1, 2, 4, 8), bn = 64 and stages >= 1, got "
-                         f"bq={bq}, bn={c['bn']}, stages={c['stages']}")
+        raise ValueError(f"indexer_topk_ws score needs bq in (1, 2, 4, 8), bn = 64 and stages "
+                         f">= 1, got bq={bq}, bn={c['bn']}, stages={c['stages']}")
     _score_ws_kernel[(triton.cdiv(row_end - row0, bq),)](
         q, k, weights, starts, scores, rmax, rmin, row0, row_end, float(scale), topk,
         q.stride(0), q.stride(1), k.stride(0), weights.stride(0), scores.stride(0),
@@ -200,9 +214,10 @@ def score(q, k, weights, starts, scores, rmax, rmin, row0, row_end, scale, topk)
 
 
 def compile_specs(small: bool = False):
-    """Launch configuration for ``bench/compile_check.py`` (offline sm_90 compile). The kernel exists at GLM-5.2's
-    indexer shape only, so ``small`` gives the same one."""
-    c = TUNE["score"]
+    """Launch configuration for ``bench/compile_check.py`` (offline sm_90 compile), with the
+    active ``tuning`` overrides. The kernel exists at GLM-5.2's indexer shape only, so ``small``
+    gives the same one."""
+    c = config()
     consts = dict(H=H, D=D, BQ=c["bq"], BN=c["bn"], STAGES=c["stages"], LOADER_ARRIVALS=LOADER_ARRIVALS,
                   CONSUMER_REGS=c["consumer_regs"], LOADER_REGS=c["loader_regs"])
     sig = {"q_ptr": "*bf16", "k_ptr": "*bf16", "w_ptr": "*fp32", "starts_ptr": "*i32", "scores_ptr": "*fp32",

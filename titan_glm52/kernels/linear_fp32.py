@@ -23,11 +23,10 @@ bounds it against fp64):
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
-from ._triton_env import check_device, pow2  # (first: the interpreter switch before triton)
-
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
+from ._triton_env import check_device, pow2
 
 MAX_N = 64
 BT = 64  # rows per program (forward, input gradient) and per step (weight gradient)

@@ -18,11 +18,10 @@ order (bitwise equal), the weights' gradient up to the order of its fp32 dot pro
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
-from ._triton_env import check_device, interpreting, pow2  # (first: the interpreter switch before triton)
-
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
+from ._triton_env import check_device, interpreting, pow2
 
 BLOCK = 1024       # hidden columns per program of gather_sum
 BWD_BLOCK = 512    # hidden columns per loop step of combine_backward (k rows of them at a time)

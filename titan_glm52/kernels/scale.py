@@ -7,11 +7,10 @@ operand of a bf16 tensor is otherwise rounded to bf16 first), three passes over 
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
-from ._triton_env import check_device, elementwise_block  # (first: the interpreter switch before triton)
-
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
+from ._triton_env import check_device, elementwise_block
 
 BLOCK = 4096
 

@@ -5,47 +5,52 @@ heads; values are ``kv[:, :d_v]``), indices int32 ``[T, K]`` of global rows, ``-
 ``out [T, H, d_v]`` (q's dtype) and ``lse [T, H]`` (fp32, natural log, ``-inf`` for a row without a valid key,
 whose output and gradients are 0). Differentiable in q and kv; lse is returned without gradient.
 
-Layout: D_qk is split into the value part A = ``[:d_v]`` and the tail B = ``[d_v:]`` (512 + 64 for GLM-5.2);
-each part is padded to a power of two (masked), so any D_qk/d_v works. One program handles one query and a
-block of BH heads and walks the K selected rows in blocks of BK: gather the rows once (masked for -1, clamped
-before addressing), S = Q_A K_A^T + Q_B K_B^T, online softmax in base 2, O += P V with V = K_A. On an H100/H200
-with GLM-5.2's shape (64 heads, 576 / 512, bf16) the forward and both backward parts run the warp-specialised
-Gluon kernels of ``sparse_mla_ws`` instead (same outputs; one H200 at T = 32K: forward 426 against 271 TFLOP/s,
-backward 81.9 against 117.6 ms).
+Layout: D_qk is split into the value part A = ``[:d_v]`` and the tail B = ``[d_v:]`` (512 + 64 for
+GLM-5.2); each part is padded to a power of two (masked), so any D_qk/d_v works. One program handles
+one query and a block of BH heads and walks the K selected rows in blocks of BK: gather the rows
+once (masked for -1, clamped before addressing), S = Q_A K_A^T + Q_B K_B^T, online softmax in base
+2, O += P V with V = K_A. On an H100/H200 with GLM-5.2's shape (64 heads, 576 / 512, bf16) the
+forward and both backward parts run the warp-specialised Gluon kernels of ``sparse_mla_ws`` instead,
+unless the caller passes ``gluon=False`` (same outputs; one H200 at T = 32K: forward 426 against 271
+TFLOP/s, backward 81.9 against 117.6 ms).
 
-Backward, two kernels per chunk of queries. Part 1 (same grid as forward, all 64 heads per program) recomputes
-S and P = exp(S - lse) from the saved lse, dP = dO V^T, dS = P (dP - Delta) with Delta = rowsum(O dO), and writes
-P and dS ([chunk, K, H], q's dtype) to a scratch. Part 2 runs one program per (64-column block of D_qk, query):
-dKV[idx, cols] += dS^T Q_cols * scale + P^T dO_cols (heads are the GEMM reduction) into an fp32 buffer with
-atomics, cast to kv's dtype at the end (non-deterministic summation order, fp32 accuracy), and
-dQ[:, cols] = dS KV[idx, cols]. Column blocks keep each program small, so several share an SM and hide one
-another's load latency (what bounds part 2: ncu, session 10); part 1 holds no dQ accumulator, so its 64 heads
-share one gather. Measured on one H200 (T = 32K, top-2048): 122 ms against 160 for the previous split (dQ in
-part 1, 32 heads per program; bench/results/kernels_h200.md, session 9), 117 ms with part 2's registers capped at
-128 (session 10: a fourth program per SM); a one-kernel backward needs Q and dO in two operand layouts each and
-was slower still.
+Backward, two kernels per chunk of queries. Part 1 (same grid as forward, all 64 heads per program)
+recomputes S and P = exp(S - lse) from the saved lse, dP = dO V^T, dS = P (dP - Delta) with Delta =
+rowsum(O dO), and writes P and dS ([chunk, K, H], q's dtype) to a scratch. Part 2 runs one program
+per (64-column block of D_qk, query): dKV[idx, cols] += dS^T Q_cols * scale + P^T dO_cols (heads are
+the GEMM reduction) into an fp32 buffer with atomics, cast to kv's dtype at the end
+(non-deterministic summation order, fp32 accuracy), and dQ[:, cols] = dS KV[idx, cols]. Column
+blocks keep each program small, so several share an SM and hide one another's load latency (what
+bounds part 2, by ncu); part 1 holds no dQ accumulator, so its 64 heads share one gather. Measured
+on one H200 (T = 32K, top-2048): 122 ms against 160 for a split with dQ in part 1 and 32 heads per
+program (bench/results/kernels_h200.md), 117 ms with part 2's registers capped at 128 (a fourth
+program per SM); a one-kernel backward needs Q and dO in two operand layouts each and was slower.
+
+Launch parameters: ``_config``'s measured defaults; a benchmark lays variants over them with
+``tuning.launch_overrides`` (parts and keys: ``LAUNCH_KEYS``).
 """
 
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
-from . import _triton_env  # noqa: F401  (interpreter switch before triton)
-from ._triton_env import check_device, pow2
-
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
-
-from . import sparse_mla_ws as _ws  # noqa: E402
+from . import sparse_mla_ws as _ws
+from . import tuning
+from ._triton_env import check_device, interpreting, pow2
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 
-# launch-parameter overrides for tuning (bench/kernels.py, $TITAN_DSA_TUNE_FILE), per kernel: keys BH, BK,
-# num_warps, num_stages, maxnreg (the register cap per thread; none = the compiler's choice) and DC (the column
-# block of bwd_grad)
-TUNE: dict[str, dict] = {"fwd": {}, "bwd_ps": {}, "bwd_grad": {}}
-_triton_env.load_tune("sparse_mla", TUNE)
+# What ``tuning.launch_overrides`` may set, per part: the kernels' blocks (BH heads, BK slots, DC
+# columns of part 2), num_warps, num_stages, maxnreg (the register cap per thread; None = the
+# compiler's choice); "bwd": scratch_bytes, the backward's P / dS budget (SCRATCH_BYTES), i.e. its
+# chunk of queries.
+LAUNCH_KEYS = {"fwd": frozenset({"BH", "BK", "num_warps", "num_stages", "maxnreg"}),
+               "bwd_ps": frozenset({"BH", "BK", "num_warps", "num_stages", "maxnreg"}),
+               "bwd_grad": frozenset({"BH", "BK", "DC", "num_warps", "num_stages", "maxnreg"}),
+               "bwd": frozenset({"scratch_bytes"})}
 
 
 @triton.jit
@@ -241,7 +246,9 @@ def _bwd_grad_kernel(q_ptr, kv_ptr, idx_ptr, kend_ptr, do_ptr, p_ptr, ds_ptr, dk
 
 
 def _config(h: int, d_qk: int, d_v: int, part: str = "fwd"):
-    """Launch parameters of one kernel. part: "fwd", "bwd_ps" (backward part 1), "bwd_grad" (part 2)."""
+    """Launch parameters of one kernel, ``(constexprs, num_warps, num_stages)``: the defaults for
+    the shape with the part's active ``tuning`` overrides laid over them. part: "fwd", "bwd_ps"
+    (backward part 1), "bwd_grad" (part 2)."""
     dap = pow2(d_v)
     db = d_qk - d_v
     dbp = pow2(db) if db > 0 else 16
@@ -262,7 +269,7 @@ def _config(h: int, d_qk: int, d_v: int, part: str = "fwd"):
         # (DC = 128: 3% slower with 1 stage, 50% slower with 2; 8 warps 50% slower; 128 slots per step 11% slower).
         # The kernel is latency-bound (ncu: 3 warps per scheduler, half the stalls on global loads), so registers
         # are capped at 128 (from 146): 4 programs per SM instead of 3, 4-7% less backward time at 32K, 3.5-4.5%
-        # at 4K in two calls (96: 5 per SM, 21% slower; bench/results/kernels_h200.md, session 10)
+        # at 4K in two calls (96: 5 per SM, 21% slower; bench/results/kernels_h200.md)
         bk, num_stages = (64, 1) if big else (16, 2)
         num_warps = 4
         cfg = dict(DA=d_v, DQK=d_qk, BH=bh, BK=bk, DC=64)
@@ -270,14 +277,14 @@ def _config(h: int, d_qk: int, d_v: int, part: str = "fwd"):
             cfg["maxnreg"] = 128
     else:
         raise ValueError(f"unknown kernel part {part!r}")
-    tune = dict(TUNE[part])
+    tune = tuning.overrides("sparse_mla", part)
     num_warps = tune.pop("num_warps", num_warps)
     num_stages = tune.pop("num_stages", num_stages)
     cfg.update(tune)
     if part == "bwd_grad" and big and cfg["DC"] not in (64, 128):
         # DC = 32 at 64 heads x 576 faulted with an illegal memory access on one H200 under Triton 3.6 (every run,
-        # T = 512, 1024 and 32K; bench/results/kernels_h200.md, session 9); 64 and 128 are checked on the GPU
-        raise ValueError(f"sparse_mla TUNE['bwd_grad']['DC'] = {cfg['DC']}: at d_v >= 256 use 64 or 128")
+        # T = 512, 1024 and 32K; bench/results/kernels_h200.md); 64 and 128 are checked on the GPU
+        raise ValueError(f"sparse_mla bwd_grad DC = {cfg['DC']}: at d_v >= 256 use 64 or 128")
     return cfg, num_warps, num_stages
 
 
@@ -302,13 +309,24 @@ def valid_extent(indices: torch.Tensor) -> torch.Tensor:
     return torch.where(indices >= 0, slot, 0).amax(dim=1).to(torch.int32)
 
 
-def _fwd(q, kv, indices, kend, sm_scale, d_v):
+def _gluon_parts(q, kv, d_v, gluon: bool) -> set[str]:
+    """The parts ("fwd", "bwd_ps", "bwd_grad") that run the Gluon kernels of ``sparse_mla_ws`` for
+    this call: with ``gluon``, where ``sparse_mla_ws.supported`` holds, not under the interpreter
+    (Gluon has no interpreter mode), and the part not disabled by a ``tuning`` override of its
+    ``enable``."""
+    if not gluon or interpreting() or not _ws.supported(q, kv, d_v):
+        return set()
+    return {part for part in ("fwd", "bwd_ps", "bwd_grad") if _ws.config(part)["enable"]}
+
+
+def _fwd(q, kv, indices, kend, sm_scale, d_v, gluon: bool = True):
+    """(out, lse) of the forward; ``gluon`` as in ``sparse_mla``."""
     total, h, d_qk = q.shape
     out = torch.empty((total, h, d_v), dtype=q.dtype, device=q.device)
     lse = torch.empty((total, h), dtype=torch.float32, device=q.device)
     if total == 0:
         return out, lse
-    if _ws.TUNE["fwd"]["enable"] and not _triton_env.interpreting() and _ws.supported(q, kv, d_v):
+    if "fwd" in _gluon_parts(q, kv, d_v, gluon):
         _ws.fwd(q, kv, indices, kend, sm_scale * LOG2E, out, lse)
         return out, lse
     c, nw, ns = _config(h, d_qk, d_v)
@@ -325,10 +343,12 @@ SCRATCH_BYTES = 1 << 30  # P and dS of one chunk of queries (backward)
 MAX_GRID_Y = 65535  # CUDA's limit on a grid's second dimension, where part 2 puts a chunk's rows
 
 
-def chunk_rows(total: int, h: int, n_k: int, element_size: int) -> int:
-    """Queries per backward chunk: as many as fit P and dS ([rows, n_k, h] each) in SCRATCH_BYTES, at least 1, and
-    at most MAX_GRID_Y (reached with a small top-k: 64 slots at 64 heads would fit 65,536 rows)."""
-    return max(1, min(total, MAX_GRID_Y, SCRATCH_BYTES // max(1, 2 * h * n_k * element_size)))
+def chunk_rows(total: int, h: int, n_k: int, element_size: int,
+               scratch_bytes: int = SCRATCH_BYTES) -> int:
+    """Queries per backward chunk: as many as fit P and dS ([rows, n_k, h] each) in
+    ``scratch_bytes``, at least 1, and at most MAX_GRID_Y (reached with a small top-k: 64 slots at
+    64 heads would fit 65,536 rows)."""
+    return max(1, min(total, MAX_GRID_Y, scratch_bytes // max(1, 2 * h * n_k * element_size)))
 
 
 def _triton_bwd_ps(q, kv, indices, kend, out, grad_out, lse, p, ds, sm_scale, row0, n, cfg=None):
@@ -355,8 +375,9 @@ def _triton_bwd_grad(q, kv, indices, kend, grad_out, p, ds, dkv, dq, row0, n, cf
         num_warps=nw, num_stages=ns, **c)
 
 
-def _bwd(q, kv, indices, kend, out, lse, grad_out, sm_scale, d_v):
-    """Part 1 (P and dS, q's dtype, into a scratch) then part 2 (dKV, dQ), per chunk of queries."""
+def _bwd(q, kv, indices, kend, out, lse, grad_out, sm_scale, d_v, gluon: bool = True):
+    """(dq, dkv): part 1 (P and dS, q's dtype, into a scratch) then part 2 (dKV, dQ), per chunk of
+    queries; ``gluon`` as in ``sparse_mla``."""
     total, h, d_qk = q.shape
     n_k = indices.shape[1]
     dq = torch.empty_like(q)
@@ -364,17 +385,18 @@ def _bwd(q, kv, indices, kend, out, lse, grad_out, sm_scale, d_v):
     if total == 0:
         return dq, dkv.to(kv.dtype)
     cfg_ps, cfg_grad = _config(h, d_qk, d_v, "bwd_ps"), _config(h, d_qk, d_v, "bwd_grad")
-    rows = chunk_rows(total, h, n_k, q.element_size())
+    budget = tuning.overrides("sparse_mla", "bwd").get("scratch_bytes", SCRATCH_BYTES)
+    rows = chunk_rows(total, h, n_k, q.element_size(), budget)
     p = torch.empty((rows, n_k, h), dtype=q.dtype, device=q.device)
     ds = torch.empty_like(p)
-    gluon = not _triton_env.interpreting() and _ws.supported(q, kv, d_v)
+    parts = _gluon_parts(q, kv, d_v, gluon)
     for a in range(0, total, rows):
         n = min(rows, total - a)
-        if gluon and _ws.TUNE["bwd_ps"]["enable"]:
+        if "bwd_ps" in parts:
             _ws.bwd_ps(q, kv, indices, kend, out, grad_out, lse, p, ds, sm_scale, a, n)
         else:
             _triton_bwd_ps(q, kv, indices, kend, out, grad_out, lse, p, ds, sm_scale, a, n, cfg_ps)
-        if gluon and _ws.TUNE["bwd_grad"]["enable"]:
+        if "bwd_grad" in parts:
             _ws.bwd_grad(q, kv, indices, kend, grad_out, p, ds, dkv, dq, a, n)
         else:
             _triton_bwd_grad(q, kv, indices, kend, grad_out, p, ds, dkv, dq, a, n, cfg_grad)
@@ -387,12 +409,12 @@ def _contig(x: torch.Tensor) -> torch.Tensor:
 
 class _SparseMLA(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, kv, indices, sm_scale, d_v):
+    def forward(ctx, q, kv, indices, sm_scale, d_v, gluon):
         q, kv, indices = _contig(q), _contig(kv.to(q.dtype)), _contig(indices.to(torch.int32))
         kend = valid_extent(indices)
-        out, lse = _fwd(q, kv, indices, kend, sm_scale, d_v)
+        out, lse = _fwd(q, kv, indices, kend, sm_scale, d_v, gluon)
         ctx.save_for_backward(q, kv, indices, kend, out, lse)
-        ctx.sm_scale, ctx.d_v = sm_scale, d_v
+        ctx.sm_scale, ctx.d_v, ctx.gluon = sm_scale, d_v, gluon
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -401,15 +423,21 @@ class _SparseMLA(torch.autograd.Function):
         q, kv, indices, kend, out, lse = ctx.saved_tensors
         if grad_out is None:
             grad_out = torch.zeros_like(out)
-        dq, dkv = _bwd(q, kv, indices, kend, out, lse, _contig(grad_out.to(out.dtype)), ctx.sm_scale, ctx.d_v)
-        return dq, dkv, None, None, None
+        grad_out = _contig(grad_out.to(out.dtype))
+        dq, dkv = _bwd(q, kv, indices, kend, out, lse, grad_out, ctx.sm_scale, ctx.d_v, ctx.gluon)
+        return dq, dkv, None, None, None, None
 
 
 def sparse_mla(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scale: float,
-               d_v: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as ``reference.sparse_mla``: ``(out [T, H, d_v], lse [T, H] fp32)``."""
+               d_v: int, *, gluon: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as ``reference.sparse_mla``: ``(out [T, H, d_v], lse [T, H] fp32)``,
+    differentiable in q and kv.
+
+    ``gluon``: True runs the warp-specialised Gluon kernels (``sparse_mla_ws``) where they apply
+    (CUDA sm_90, GLM-5.2's shape, not under the interpreter) and the Triton kernels elsewhere; False
+    runs the Triton kernels only. The backward takes the forward's choice."""
     _check(q, kv, indices, d_v)
-    return _SparseMLA.apply(q, kv, indices, float(sm_scale), int(d_v))
+    return _SparseMLA.apply(q, kv, indices, float(sm_scale), int(d_v), bool(gluon))
 
 
 def compile_specs(small: bool = False):
@@ -433,5 +461,3 @@ def compile_specs(small: bool = False):
 
 
 __all__ = ["sparse_mla"]
-
-_triton_env.make_module_callable(__name__, "sparse_mla")

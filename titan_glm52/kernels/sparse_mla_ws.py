@@ -23,7 +23,8 @@ memory and release each stage when their products are done; each warpgroup gets 
 
 Gluon has no interpreter mode: these kernels run on the GPU only (``tests/kernels/test_kernels_gpu.py`` checks
 them against the fp32 reference and the Triton kernels). ``sparse_mla`` uses them where ``supported`` holds and
-``TUNE[part]["enable"]`` is set, and the Triton kernels everywhere else.
+its caller asks for them (``gluon=True``), unless a ``tuning`` override disables a part
+(``enable``); the Triton kernels everywhere else.
 """
 
 from __future__ import annotations
@@ -31,11 +32,12 @@ from __future__ import annotations
 import torch
 import triton
 
-from . import _triton_env
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_async_shared, mbarrier,
                                                                warpgroup_mma, warpgroup_mma_wait)
+
+from . import tuning
 
 H = 64          # heads (the M side of every wgmma)
 DA = 512        # latent part of a kv row (= d_v)
@@ -556,29 +558,41 @@ def _bwd_grad_ws_kernel(q_ptr, kv_ptr, idx_ptr, kend_ptr, do_ptr, p_ptr, ds_ptr,
     ], [4, 4, 4], [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS])
 
 
-# enable: sparse_mla's forward takes this kernel where ``supported`` holds (False: the Triton kernel everywhere, for
-# comparisons); maxnreg: the launch's register cap (12 warps x 168 fill the register file); pv_regs / loader_regs: the
-# two workers' budgets (the softmax warpgroup gets the rest: 12 x 168 - 4 x (192 + 80) = 4 x 232); bk / stages:
-# gathered rows per step and the depth of the ring (shared memory: Q 72 KB + stages x bk x 1152 B).
-# Overrides: $TITAN_DSA_TUNE_FILE, {"sparse_mla_ws": {"fwd": {...}}} (bench/kernels.py's file).
-# bwd_ps: the backward's part 1 (two consumers on alternate steps of bk rows, each owning stages / 2 slots of a ring
-# of 64-column chunks: Q, dO 136 KB + stages x bk x 128 B; a loader warpgroup per consumer; 16 warps x 128
-# registers: consumers 200, loaders 56. Whole backward at T = 32K: 85.3 ms with the session-16 kernel (32-row steps
-# of whole rows, 2 stages) -> 82.6 (chunked, one loader for both consumers) -> 81.9 (a loader each); 4K 8.10 ->
-# 7.66; bench/results/kernels_h200.md, "Session 22").
-# bwd_grad: part 2 (16 warps x 128 registers: three consumers at 152, the loader 56; a ring of `stages` steps;
-# group_rows: the programs' order, see _grad_program; -1, one column group at a time: 91.3 -> 88.5 ms of backward
-# at T = 32K, 4K unchanged, bench/ws_grad_order.py).
-# idx_early (forward, part 2): the loader loads a step's indices before it waits for the step's stage (the
-# forward's softmax warpgroup its valid-slot mask while S = Q K^T runs; part 1's loaders always do); False: after,
-# as in session 17 (forward 21.36 -> 21.04 ms, whole backward 87.3 -> 86.2 ms at T = 32K; bench/results/
-# kernels_h200.md, "Session 18").
-DEFAULTS = {"fwd": {"enable": True, "maxnreg": 168, "pv_regs": 192, "loader_regs": 80, "bk": 64, "stages": 2,
-                    "idx_early": True},
-            "bwd_ps": {"enable": True, "maxnreg": 128, "consumer_regs": 200, "loader_regs": 56, "bk": 64, "stages": 10},
-            "bwd_grad": {"enable": True, "maxnreg": 128, "consumer_regs": 152, "loader_regs": 56, "stages": 3,
-                         "group_rows": -1, "idx_early": True}}
-TUNE = _triton_env.tune_over_defaults("sparse_mla_ws", DEFAULTS)
+# Launch parameters per part, measured on one H200; a benchmark lays variants over them with
+# ``tuning.launch_overrides({"sparse_mla_ws": {part: {...}}})`` (keys: LAUNCH_KEYS, those of
+# DEFAULTS).
+# enable: ``sparse_mla`` (with gluon=True) takes this part's kernel where ``supported`` holds
+# (False: the Triton kernel, for comparisons).
+# fwd: maxnreg: the launch's register cap (12 warps x 168 fill the register file); pv_regs /
+# loader_regs: the two workers' budgets (the softmax warpgroup gets the rest: 12 x 168 -
+# 4 x (192 + 80) = 4 x 232); bk / stages: gathered rows per step and the depth of the ring (shared
+# memory: Q 72 KB + stages x bk x 1152 B).
+# bwd_ps: the backward's part 1 (two consumers on alternate steps of bk rows, each owning
+# stages / 2 slots of a ring of 64-column chunks: Q, dO 136 KB + stages x bk x 128 B; a loader
+# warpgroup per consumer; 16 warps x 128 registers: consumers 200, loaders 56). Whole backward at
+# T = 32K: 81.9 ms, against 82.6 with one loader for both consumers and 85.3 with 32-row steps of
+# whole rows in 2 stages; at 4K 7.66 against 8.10 for the latter (bench/results/kernels_h200.md).
+# bwd_grad: part 2 (16 warps x 128 registers: three consumers at 152, the loader 56; a ring of
+# `stages` steps). group_rows: the programs' order, see _grad_program; -1, one column group at a
+# time: 88.5 ms of backward at T = 32K against 91.3 with a row's groups side by side (0), 4K
+# unchanged (bench/ws_grad_order.py).
+# idx_early (forward, part 2): the loader loads a step's indices before it waits for the step's
+# stage (the forward's softmax warpgroup its valid-slot mask while S = Q K^T runs; part 1's loaders
+# always do); False: after (forward 21.04 against 21.36 ms, whole backward 86.2 against 87.3 ms at
+# T = 32K; bench/results/kernels_h200.md).
+DEFAULTS = {"fwd": {"enable": True, "maxnreg": 168, "pv_regs": 192, "loader_regs": 80, "bk": 64,
+                    "stages": 2, "idx_early": True},
+            "bwd_ps": {"enable": True, "maxnreg": 128, "consumer_regs": 200, "loader_regs": 56,
+                       "bk": 64, "stages": 10},
+            "bwd_grad": {"enable": True, "maxnreg": 128, "consumer_regs": 152, "loader_regs": 56,
+                         "stages": 3, "group_rows": -1, "idx_early": True}}
+LAUNCH_KEYS = {part: frozenset(cfg) for part, cfg in DEFAULTS.items()}
+
+
+def config(part: str) -> dict:
+    """The launch parameters of a part ("fwd", "bwd_ps", "bwd_grad"): ``DEFAULTS[part]`` with the
+    part's active ``tuning`` overrides laid over them (a new dict)."""
+    return {**DEFAULTS[part], **tuning.overrides("sparse_mla_ws", part)}
 
 
 def supported(q: torch.Tensor, kv: torch.Tensor, d_v: int) -> bool:
@@ -595,7 +609,7 @@ def fwd(q, kv, indices, kend, qk_scale_log2, out, lse):
     total = q.shape[0]
     if total == 0:
         return
-    c = TUNE["fwd"]
+    c = config("fwd")
     _fwd_ws_kernel[(total,)](
         q, kv, indices, kend, out, lse, kv.shape[0], indices.shape[1], qk_scale_log2,
         q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), out.stride(0), out.stride(1), lse.stride(0),
@@ -606,10 +620,10 @@ def fwd(q, kv, indices, kend, qk_scale_log2, out, lse):
 
 def bwd_ps(q, kv, indices, kend, out, grad_out, lse, p, ds, sm_scale, row0, n):
     """Part 1 of the backward for rows row0 .. row0 + n - 1 into the scratches p, ds [>= n, K, 64]."""
-    c = TUNE["bwd_ps"]
+    c = config("bwd_ps")
     if c["stages"] % 2 or c["stages"] < 4:
         # a consumer holds one slot while it waits for the next, so each half of the ring needs two
-        raise ValueError(f"sparse_mla_ws TUNE['bwd_ps']['stages'] must be even and >= 4, got {c['stages']}")
+        raise ValueError(f"sparse_mla_ws bwd_ps stages must be even and >= 4, got {c['stages']}")
     _bwd_ps_ws_kernel[(n,)](
         q, kv, indices, kend, out, grad_out, lse, p, ds, kv.shape[0], indices.shape[1], sm_scale, row0,
         q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), out.stride(0), out.stride(1), grad_out.stride(0),
@@ -620,7 +634,7 @@ def bwd_ps(q, kv, indices, kend, out, grad_out, lse, p, ds, sm_scale, row0, n):
 
 def bwd_grad(q, kv, indices, kend, grad_out, p, ds, dkv, dq, row0, n):
     """Part 2 of the backward for rows row0 .. row0 + n - 1: dKV (fp32, atomics) and dQ from the scratches."""
-    c = TUNE["bwd_grad"]
+    c = config("bwd_grad")
     nc, dc, rows = 3, 64, c["group_rows"]  # three column groups of 192 (_grad_program's order)
     _bwd_grad_ws_kernel[(3 * (triton.cdiv(n, rows) * rows if rows > 0 else n),)](
         q, kv, indices, kend, grad_out, p, ds, dkv, dq, kv.shape[0], indices.shape[1], row0, n,
@@ -633,10 +647,11 @@ def bwd_grad(q, kv, indices, kend, grad_out, p, ds, dkv, dq, row0, n):
 
 def compile_specs(small: bool = False):
     """Launch configurations for ``bench/compile_check.py`` (offline sm_90 compile: registers, spills, shared
-    memory). These kernels exist at GLM-5.2's shape only, so ``small`` gives the same ones."""
+    memory), with the active ``tuning`` overrides. These kernels exist at GLM-5.2's shape only, so
+    ``small`` gives the same ones."""
     ptr = {n: "*bf16" for n in ("q_ptr", "kv_ptr", "out_ptr", "do_ptr", "p_ptr", "ds_ptr", "dq_ptr")}
     ptr.update(idx_ptr="*i32", kend_ptr="*i32", lse_ptr="*fp32", dkv_ptr="*fp32", qk_scale="fp32", sm_scale="fp32")
-    f, p1, p2 = TUNE["fwd"], TUNE["bwd_ps"], TUNE["bwd_grad"]
+    f, p1, p2 = config("fwd"), config("bwd_ps"), config("bwd_grad")
     kernels = (
         ("sparse_mla_ws_fwd", _fwd_ws_kernel, f, dict(H=H, DA=DA, DB=DB, DH=DH, BK=f["bk"], STAGES=f["stages"],
                                                       PV_REGS=f["pv_regs"], LOADER_REGS=f["loader_regs"])),

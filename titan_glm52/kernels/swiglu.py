@@ -15,11 +15,10 @@ forward (silu, product) and three backward (two products, silu's backward), each
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
-from ._triton_env import check_device, elementwise_block  # (first: the interpreter switch before triton)
-
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
+from ._triton_env import check_device, elementwise_block
 
 BLOCK = 2048
 
