@@ -6,6 +6,7 @@ work, with a message that names the key and the fix. ``python train.py --help`` 
 """
 
 import dataclasses
+import os
 import re
 from dataclasses import dataclass, field
 from typing import Literal
@@ -95,8 +96,8 @@ class Optimizer(tt.Optimizer):
     project's kernel: one pass of 28 bytes per fp32 parameter on the local shards, the clip folded in; same
     math and state dict as torch's). "triton" launches one kernel per parameter tensor, ~40-100 us of host time
     each: it pays off where tensors are large (the proxy's 103: +3.9% end to end on an H200), not where there
-    are many small ones (the debug flavor's step: 10.9 ms against 0.7 for "fused"); on CPU it runs in the
-    Triton interpreter, slowly. With "fused" and "triton" the gradient clip and the skip of a non-finite step
+    are many small ones (the debug flavor's step: 10.9 ms against 0.7 for "fused"); on CPU it runs only in the
+    Triton interpreter (``TRITON_INTERPRET=1``; slow). With "fused" and "triton" the gradient clip and the skip of a non-finite step
     run inside the kernel (no host sync)."""
 
 
@@ -126,7 +127,8 @@ class Data:
 @dataclass
 class DSA:
     backend: Literal["auto", "torch", "triton"] = "auto"
-    """Attention kernels: "torch" (reference, any device), "triton" (CUDA), "auto" = triton on CUDA else torch."""
+    """Attention kernels: "torch" (reference, any device), "triton" (CUDA; on CPU only in the Triton interpreter,
+    ``TRITON_INTERPRET=1``), "auto" = triton on CUDA else torch."""
 
     gluon_kernels: bool = True
     """With the triton backend on Hopper GPUs (H100/H200): the sparse MLA forward and backward and the indexer's
@@ -290,9 +292,16 @@ def _refuse_not_implemented(cfg: JobConfig) -> None:
                 _refuse(f"{section}.{name}", f"{why}; remove it (default {getattr(default, name)!r})")
 
 
-def validate(cfg: JobConfig, world_size: int | None = None) -> None:
-    """Refuses combinations this project cannot run; the message names the key and the fix."""
+def validate(cfg: JobConfig, world_size: int | None = None, device_type: str | None = None) -> None:
+    """Refuses combinations this project cannot run; the message names the key and the fix. ``world_size`` and
+    ``device_type`` ("cuda" or "cpu"), where known, are checked against too."""
     p = cfg.parallelism
+    if device_type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") != "1":
+        for key, value in (("dsa.backend", cfg.dsa.backend), ("optimizer.implementation",
+                                                              cfg.optimizer.implementation)):
+            if value == "triton":
+                _refuse(key, "'triton' on a machine without CUDA runs only in the Triton interpreter (slow, for "
+                        "tests): set TRITON_INTERPRET=1 before starting, or choose another value")
     _refuse_not_implemented(cfg)
     if cfg.model.name != "glm52":
         _refuse("model.name", f"{cfg.model.name!r} is not supported; titan_glm52 trains 'glm52'")

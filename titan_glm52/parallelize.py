@@ -237,7 +237,7 @@ def apply_compile(model: nn.Module, backend: str = "inductor", fullgraph: bool =
     """
     for m in model.modules():  # the eager DSA calls built before tracing: no graph break to build them
         if isinstance(m, Attention):
-            prepare_compiled_calls(m.backend)
+            prepare_compiled_calls(m.backend, m.gluon)
     for block in transformer_blocks(model):
         if getattr(block, "moe_enabled", False):
             block.moe.experts.forward = torch.compiler.disable(block.moe.experts.forward)

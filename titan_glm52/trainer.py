@@ -58,7 +58,7 @@ class Trainer:
             log_memory_check(cfg)  # before the process group: the plan builds a fake world of its own
         self.env = tdist.init_distributed()
         self.device = self.env.device
-        validate(cfg, self.env.world_size)
+        validate(cfg, self.env.world_size, self.device.type)
         torch.manual_seed(cfg.debug.seed if cfg.debug.seed is not None else 0)
         self.args = model_args(cfg)
         self.options = model_options(cfg, self.device.type)

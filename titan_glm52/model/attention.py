@@ -50,26 +50,27 @@ from titan_glm52.packed import doc_starts
 BACKENDS = ("torch", "triton")
 
 
-_DSA_OPS: dict[str, tuple] = {}
+_DSA_OPS: dict[tuple[str, bool], tuple] = {}
 
 
-def dsa_ops(backend: str):
-    """(indexer_topk, sparse_mla, indexer_kl_sparse) of a backend; signatures as in ``kernels/reference.py``
+def dsa_ops(backend: str, gluon: bool = True):
+    """(indexer_topk, sparse_mla, indexer_kl_sparse) of a backend (with ``gluon``, the Triton backend takes the
+    warp-specialised Gluon kernels where they apply); signatures as in ``kernels/reference.py``
     (``indexer_topk`` also takes ``max_len``, the longest document when known on the host;
     ``indexer_kl_sparse(q, kv, sm_scale, lse, q_idx, k_idx, w_idx, idx_scale, indices) -> [T]``).
 
     Under torch.compile they stay opaque (``torch.compiler.disable``): the blocks' projections and MoE compile
     around them, the DSA kernels run as they are (the torch reference has data-dependent chunk bounds, the
-    Triton wrappers allocate scratch and pick launch shapes from the packing). Built once per backend and kept in
+    Triton wrappers allocate scratch and pick launch shapes from the packing). Built once per choice and kept in
     a plain dict: a compiled block that finds them there looks them up without a graph break
     (``prepare_compiled_calls``)."""
-    ops = _DSA_OPS.get(backend)
+    ops = _DSA_OPS.get((backend, gluon))
     if ops is None:
-        ops = _DSA_OPS[backend] = tuple(torch.compiler.disable(fn) for fn in _dsa_ops(backend))
+        ops = _DSA_OPS[backend, gluon] = tuple(torch.compiler.disable(fn) for fn in _dsa_ops(backend, gluon))
     return ops
 
 
-def _dsa_ops(backend: str):
+def _dsa_ops(backend: str, gluon: bool):
     if backend == "torch":
         def topk_fn(q, k, w, cu_seqlens, topk, scale, max_len=None):
             return reference.indexer_topk(q, k, w, cu_seqlens, topk, scale)
@@ -81,11 +82,14 @@ def _dsa_ops(backend: str):
         k = triton_kernels()
 
         def topk_fn(q, kk, w, cu_seqlens, topk, scale, max_len=None):
-            return k["indexer_topk"](q, kk, w, cu_seqlens, topk, scale, max_len=max_len)
+            return k["indexer_topk"](q, kk, w, cu_seqlens, topk, scale, max_len=max_len, gluon=gluon)
+
+        def mla_fn(q, kv, indices, sm_scale, d_v):
+            return k["sparse_mla"](q, kv, indices, sm_scale, d_v, gluon=gluon)
 
         def kl_sparse(q, kv, sm_scale, lse, q_idx, k_idx, w_idx, idx_scale, indices, cu_seqlens):
             return k["indexer_kl_sparse"](q, kv, sm_scale, lse, q_idx, k_idx, w_idx, idx_scale, indices)
-        return topk_fn, k["sparse_mla"], kl_sparse
+        return topk_fn, mla_fn, kl_sparse
     raise ValueError(f"unknown DSA backend {backend!r}; choose one of {BACKENDS}")
 
 
@@ -154,12 +158,12 @@ def _eager(name: str):
     return fn
 
 
-def prepare_compiled_calls(backend: str) -> None:
+def prepare_compiled_calls(backend: str, gluon: bool = True) -> None:
     """Builds ``backend``'s DSA ops and the eager helpers before a compiled block first runs. A block that has to
     build them while dynamo traces it breaks its graph there (``torch.compiler.disable`` cannot be traced), on
     top of the break at the call itself: two more graphs per attention layer, each a host round trip per step
     (the debug model's 4 layers on the Triton backend: 19 -> 17 compiled graphs, 20 -> 14 graph breaks per step)."""
-    dsa_ops(backend)
+    dsa_ops(backend, gluon)
     for name in _EAGER_NAMES:
         _eager(name)
 
@@ -277,7 +281,7 @@ class Attention(nn.Module):
         self.indexer = Indexer(args) if has_indexer else None
         self.layer_id = layer_id
         options = options or ModelOptions()
-        self.backend, self.sparse = options.dsa_backend, options.sparse_attention
+        self.backend, self.gluon, self.sparse = options.dsa_backend, options.gluon_kernels, options.sparse_attention
         self.recompute_latent_query = options.recompute_latent_query
         # The indexer KL loss (DeepSeek-V3.2) trains this layer's indexer where the coefficient is > 0.
         self.indexer_loss_coeff = options.indexer_loss_coeff if has_indexer else 0.0
@@ -298,7 +302,7 @@ class Attention(nn.Module):
         w_uk, w_uv = w_kv_b[:, : self.nope], w_kv_b[:, self.nope:]
         kv = torch.cat((c_kv, k_rope), dim=-1)  # [T, kv_rank + rope]
 
-        indexer_topk, sparse_mla, _ = dsa_ops(self.backend)
+        indexer_topk, sparse_mla, _ = dsa_ops(self.backend, self.gluon)
         train_indexer = self.indexer_loss_coeff > 0 and torch.is_grad_enabled()
         if self.indexer is not None:
             # The indexer sees detached inputs: it learns only from its KL loss, the model only from the LM loss.
@@ -489,7 +493,7 @@ def _indexer_outputs(attn: Attention, out, train_indexer: bool, q_abs, kv, lse, 
     """The indexer's KL loss (attached to ``out``) and its logged numbers (eager: it keeps Python state)."""
     if train_indexer:
         if attn.sparse:  # KL over the selected keys, from the attention's own LSE
-            _, _, indexer_kl_sparse = dsa_ops(attn.backend)
+            _, _, indexer_kl_sparse = dsa_ops(attn.backend, attn.gluon)
             kl = indexer_kl_sparse(q_abs.detach(), kv.detach(), attn.softmax_scale, lse.detach(), q_i, k_i, w_i,
                                    attn.indexer.softmax_scale, topk, ctx.cu_seqlens).sum()
         else:  # dense warm-up: KL over every visible key (chunked torch path on any backend)
