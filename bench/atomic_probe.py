@@ -6,7 +6,7 @@ dKV.
 Each program adds a [64, DC] tile of ones at 64 rows per step (random rows, or consecutive ones with "seq") and
 DC columns of its column block, as part 2 of the backward does, but with no loads or products around it: the rate
 the L2 sustains for ``red.global.add.v4.f32``. One H200
-(``results/runs/s10_atomic_rate_probe.json``): 9.7e11 adds/s into a 4K-row buffer (9.4 MB, in L2),
+(``results/2026-12-01_h200_dsa_kernels.md``): 9.7e11 adds/s into a 4K-row buffer (9.4 MB, in L2),
 5.5e11 into a 32K-row one (75 MB, past L2).
 """
 

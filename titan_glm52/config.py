@@ -164,7 +164,7 @@ class DSA:
     selected. Same math, different rounding order. Such a row selects at least 1 / ratio of the keys it sees, and the
     masked dense kernel then costs less than the sparse kernels (bench/attn_paths.py: at 4K tokens with top-2048,
     masked cuDNN 1.2 ns per visible pair against 3.1 ns per selected pair on the sparse kernels). 0 = off (default).
-    Measured on one H200 (proxy, 4K, compiled, bench/results/e2e_h200.md session 5): with ratio 2, attention
+    Measured on one H200 (proxy, 4K, compiled, bench/results/2026-11-30_h200_e2e.md): with ratio 2, attention
     kernel time falls from 62 to 47 ms per step, but the step gains only 2.9% with AC none, and it loses 4.5%
     with selective AC (every second block recomputed; not explained yet). Hence off by default."""
 

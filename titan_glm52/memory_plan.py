@@ -154,8 +154,9 @@ Backward bytes of a step (on top of what it saved):
                         a*kF per token without R.)
                         On an H200 (eager, bf16, grouped GEMMs, 8192 tokens, three widths, rebuilt or kept;
                         tests/unit/test_moe_backward_memory.py) a MoE block's backward peaked 0.19-0.86 of
-                        T x (this term + 3aD) + its gradients above its start (0.41 / 0.86 at the proxy's widths;
-                        session 19: the one-pass combine, the stacked gate/up weight)
+                        T x (this term + 3aD) + its gradients above its start (0.41 / 0.86 at the proxy's widths,
+                        with the one-pass combine and the stacked gate/up weight;
+                        bench/results/2026-12-02_h200_memory.md)
              dense MLP  a*(3Fd + 3D)
   head       the fused loss (model/head.py) forms each chunk's gradients at the end of forward, with every
              activation still held: one chunk of min(tokens, LOSS_CHUNK) tokens x vocab x 8 (the fp32 logits and
@@ -164,13 +165,13 @@ Backward bytes of a step (on top of what it saved):
              the larger of the chunk and that copy is counted); with MTP the second loss runs while the first
              one's gradient is held. Counted in the head's backward step (the same tensors, all alive)
 
-Checked against ``torch.cuda.max_memory_allocated`` on H200s (bench/results/e2e_h200.md, layouts_h200x2.md;
-tests/unit/test_plan_memory.py): the estimate is above every measured peak, by 0.3-4.3% on one GPU without MTP
-(session 3 code) and 5.0-5.1% on two; the MTP runs (session 2 code, before the gather-based MoE combine lowered
-real peaks) by 5% on one GPU and 12% on two. Session 5's peaks (the Triton loss kernel) are at or below those.
-With the masters in the optimizer (sessions 7-14, one GPU, compiled and eager): 0.4-11.9% above 24 measured
+Checked against ``torch.cuda.max_memory_allocated`` on H200s (bench/results/2026-12-02_h200_memory.md, "The
+measured peaks the plan is checked against"; tests/unit/test_plan_memory.py): the estimate is above every measured
+peak, by 0.3-4.3% on one GPU without MTP and 5.0-5.1% on two; the MTP runs (before the gather-based MoE combine
+lowered real peaks) by 5.4% on one GPU and 11.6% on two. The peaks with the Triton loss kernel are at or below
+those. With the masters in the optimizer (one GPU, compiled and eager): 0.4-11.9% above 24 measured
 peaks (4K: 3-5%, 16K: 0.4-8%, 32K: 3-12%), 26.5% above the 25th ("op" selective checkpointing at 32K); the same
-cells planned as FSDP on one rank are 3.5-7 GiB higher. By phase (``bench/memory_phases.py``, eager, 32K AC
+cells planned as FSDP on one rank are 2.5-7.1 GiB higher. By phase (``bench/memory_phases.py``, eager, 32K AC
 none): each phase planned 0.5-8.1 GiB above its measured peak (the MoE blocks 4.8-5.3, the dense first block with
 the embedding 8.1).
 

@@ -163,8 +163,8 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm_ty
 
 # Gradients of at least this many elements get their own ``vector_norm`` on CUDA instead of a share of the foreach
 # kernel: over the proxy's gradients (4.7 G bf16 values, 78 tensors; one H200) the foreach kernel reads 2.3 TB/s
-# (4.20 ms, 225 launches of 320 blocks each), one reduction per large tensor with the rest on foreach 3.3 TB/s
-# (2.92 ms; bench/results/runs/s19/grad_norm_probe.json).
+# (4.20 ms), one reduction per large tensor with the rest on foreach 3.3 TB/s (2.92 ms;
+# bench/results/2026-12-02_h200_e2e.md, "The stacked gate / up weight; the gradient norm").
 FOREACH_NORM_MAX_NUMEL = 1 << 22
 
 

@@ -7,7 +7,7 @@ replace a module's ``forward`` on the instance (no ``_checkpoint_wrapped_module`
 FSDP2 shards in place. A state dict therefore has the same keys with and without parallelism.
 
 Gradients are SUMMED over data-parallel ranks (no division by the DP degree): the loss of every rank is
-already normalised by the global number of valid tokens (architecture rule 6), so the sum over ranks of
+already normalised by the global number of valid tokens (docs/architecture.md), so the sum over ranks of
 the per-rank gradients is the single-process gradient.
 """
 

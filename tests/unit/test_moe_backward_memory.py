@@ -3,8 +3,8 @@ allocator on a Hopper GPU: eager, bf16, ``torch._grouped_mm``, with and without 
 at widths where the combine (the proxy's), the SwiGLU product (F much wider than D) or the weights' gradient (top-2)
 is the largest moment. The plan's MoE term (that peak + 3aD per token) plus the block's gradients must bound the
 measured peak above the backward's start; at the proxy's widths it must also not be loose by more than 2.5x
-(on an H200, torch 2.11: 0.41 with the inputs kept, 0.86 rebuilt; session 19's code, the plan's combine term as
-the one-pass combine forms it)."""
+(on an H200, torch 2.11: 0.41 with the inputs kept, 0.86 rebuilt, with the plan's combine term as the one-pass
+combine forms it; bench/results/2026-12-02_h200_memory.md, "A MoE block's backward against its planned term")."""
 
 import pytest
 import torch

@@ -347,22 +347,21 @@ def test_too_small_gpu_does_not_fit():
 # Peak torch.cuda.max_memory_allocated (GiB; the largest per-step peak of the timed steps, the fullest rank) of the
 # glm52_proxy flavor on one and two H200s, torch 2.11: bf16 compute with fp32 master weights (FSDP2, also on one
 # GPU), fused AdamW, one sequence per row (no document masking), selective AC "2" unless said, local batch 1 per
-# rank unless said. MTP off: session 3's runs (bench/results/e2e_h200.md, runs/s3_e2e_*.json; the dense prefix and
-# the gather-based MoE combine in); session 4's runs with the fused loss (runs/s4_*.json) gave the same 1-GPU peaks
-# to 0.01 GiB (they are reached in the last layer's backward, not at the head). MTP on:
-# bench/results/layouts_h200x2.md (session 2 code, before that MoE combine, which lowered the real peak since; the
-# plan must still bound them).
-# (Not here: the PP=2 run of layouts_h200x2.md, measured while the last stage still kept full logits.)
+# rank unless said. The figures and their commits: bench/results/2026-12-02_h200_memory.md, "The measured peaks the
+# plan is checked against". MTP off: the runs of 2026-11-30 with the dense prefix and the gather-based MoE combine
+# (the fused loss left the 1-GPU peaks unchanged to 0.01 GiB: they are reached in the last layer's backward, not at
+# the head). MTP on: bench/results/2026-11-30_h200x2_layouts.md, before that MoE combine, which lowered the real
+# peak since; the plan must still bound them. (Not here: that report's PP=2 run, measured while the last stage
+# still kept full logits.)
 # All of these ran before [moe] recompute_expert_inputs existed: the experts kept their GEMM inputs. (None of
-# the cases below rebuilt the latent query unless they say so: [dsa] recompute_latent_query came in session 14.)
+# the cases below rebuilt the latent query unless they say so: [dsa] recompute_latent_query came later.)
 MEASURED_H200 = {
     "1 GPU, 4K": (dict(gpus=1, with_mtp=False, seq_len=4096), 77.52),
     "1 GPU, 4K, AC none": (dict(gpus=1, with_mtp=False, seq_len=4096, ac_mode="none"), 81.12),
     "1 GPU, 16K": (dict(gpus=1, with_mtp=False, seq_len=16384), 101.38),
     "1 GPU, 16K, AC none": (dict(gpus=1, with_mtp=False, seq_len=16384, ac_mode="none"), 111.49),
-    # re-measured in session 13 after the MoE combine's backward stopped forming a [k, T, D] fp32 product
-    # (runs/s13_mem_32k_{sel2,full}_fsdp_keep.json, bench/memory_phases.py, the fused AdamW; session 3: 134.77,
-    # 103.61)
+    # re-measured (bench/memory_phases.py, the fused AdamW; commit 64ff343) after the MoE combine's backward
+    # stopped forming a [k, T, D] fp32 product; before: 134.77, 103.61
     "1 GPU, 32K": (dict(gpus=1, with_mtp=False, seq_len=32768), 127.81),
     "1 GPU, 32K, AC full": (dict(gpus=1, with_mtp=False, seq_len=32768, ac_mode="full"), 98.00),
     "1 GPU, 4K, MTP, batch 2": (dict(gpus=1, with_mtp=True, seq_len=4096, local_batch_size=2), 99.8),
@@ -370,9 +369,9 @@ MEASURED_H200 = {
     "2 GPUs EP 2, 4K": (dict(gpus=2, ep=2, with_mtp=False, seq_len=4096), 42.44),
     "2 GPUs FSDP 2, 4K, MTP": (dict(gpus=2, dp_shard=2, with_mtp=True, seq_len=4096), 50.8),
 }
-# Sessions 7-12 (bench/results/e2e_h200.md, runs/s7_* .. s12_*.json): one GPU with the fp32 masters in the optimizer
-# (master weights "optimizer"), the Triton AdamW step; compiled unless "eager"; the routed experts keep their GEMM
-# inputs unless "rebuilt" (session 11 on). Planned as what they are, and (the first three) as FSDP on one rank.
+# bench/results/2026-12-02_h200_memory.md ("masters in the optimizer" rows): one GPU with the fp32 masters in the
+# optimizer (master weights "optimizer"), the Triton AdamW step; compiled unless "eager"; the routed experts keep
+# their GEMM inputs unless "rebuilt". Planned as what they are, and (the first three) as FSDP on one rank.
 _OPT = dict(gpus=1, with_mtp=False, master_weights="optimizer")
 _REBUILT = dict(_OPT, ac_mode="none", recompute_expert_inputs=True)
 MEASURED_H200.update({
@@ -387,8 +386,8 @@ MEASURED_H200.update({
                                                                     89.24),
     "masters in the optimizer, 16K, AC none, experts rebuilt": (dict(_REBUILT, seq_len=16384), 95.56),
     "masters in the optimizer, 32K, AC none, experts rebuilt": (dict(_REBUILT, seq_len=32768), 125.24),
-    # session 13, eager, experts rebuilt (runs/s13_32k_off_none.json, the e2e cell; runs/s13_mem_*.json,
-    # bench/memory_phases.py): 32K ran out of memory before the combine change
+    # eager, experts rebuilt (the e2e cell and bench/memory_phases.py, commit 64ff343): 32K ran out of memory
+    # before the combine change
     "masters in the optimizer, 32K, AC none, experts rebuilt, eager": (dict(_REBUILT, seq_len=32768), 129.90),
     "masters in the optimizer, 16K, AC none, experts rebuilt, eager": (dict(_REBUILT, seq_len=16384), 99.32),
     "masters in the optimizer, 4K, AC none, MTP, experts rebuilt, eager": (
@@ -409,7 +408,7 @@ MEASURED_H200.update({
     "masters in the optimizer, 32K, selective 3": (dict(_OPT, seq_len=32768, selective_ac_option="3"), 118.40),
     "masters in the optimizer, 32K, selective 4": (dict(_OPT, seq_len=32768, selective_ac_option="4"), 135.44),
     "masters in the optimizer, 32K, AC full": (dict(_OPT, seq_len=32768, ac_mode="full"), 88.64),
-    # session 14, [dsa] recompute_latent_query on (runs/s14_32k_on_none_latentq.json, s14_4k_latentq_on_a.json)
+    # [dsa] recompute_latent_query on (bench/results/2026-12-02_h200_memory.md, "What each saving option buys")
     "masters in the optimizer, 32K, AC none, experts and latent query rebuilt": (
         dict(_REBUILT, seq_len=32768, recompute_latent_query=True), 117.24),
     "masters in the optimizer, 4K, AC none, experts and latent query rebuilt": (

@@ -37,7 +37,7 @@ SCRATCH_BYTES = 1 << 30  # budget for one chunk's scores (fp32) + stash
 STASH_CAP = 16384  # threshold-bucket candidates kept per row before falling back to a full-row radix select
 NBINS = 256
 
-# launch parameters (chosen on one H200 at T = 32K, bench/results/kernels_h200.md); a benchmark lays
+# launch parameters (chosen on one H200 at T = 32K, bench/results/2026-11-30_h200_dsa_kernels.md); a benchmark lays
 # variants over them with ``tuning.launch_overrides({"indexer_topk": {part: {...}}})``, keys as in
 # LAUNCH_KEYS: also the scoring's BQ (queries per program; by default from the heads, ``_config``)
 # and the selection's "skip" (no selection: times the scoring alone)

@@ -165,7 +165,7 @@ def _score_ws_kernel(q_ptr, k_ptr, w_ptr, starts_ptr, scores_ptr, rmax_ptr, rmin
     ], [4, 4], [CONSUMER_REGS, LOADER_REGS])
 
 
-# Launch parameters, measured on one H200 (bench/indexer_sweep.py; bench/results/kernels_h200.md);
+# Launch parameters, measured on one H200 (bench/indexer_sweep.py; bench/results/2026-12-03_h200_kernels.md);
 # a benchmark lays variants over them with
 # ``tuning.launch_overrides({"indexer_topk_ws": {"score": {...}}})``.
 # enable: ``indexer_topk`` (with gluon=True) scores with this kernel where ``supported`` holds

@@ -23,7 +23,7 @@ the GEMM reduction) into an fp32 buffer with atomics, cast to kv's dtype at the 
 blocks keep each program small, so several share an SM and hide one another's load latency (what
 bounds part 2, by ncu); part 1 holds no dQ accumulator, so its 64 heads share one gather. Measured
 on one H200 (T = 32K, top-2048): 122 ms against 160 for a split with dQ in part 1 and 32 heads per
-program (bench/results/kernels_h200.md), 117 ms with part 2's registers capped at 128 (a fourth
+program (bench/results/2026-11-30_h200_dsa_kernels.md), 117 ms with part 2's registers capped at 128 (a fourth
 program per SM); a one-kernel backward needs Q and dO in two operand layouts each and was slower.
 
 Launch parameters: ``_config``'s measured defaults; a benchmark lays variants over them with
@@ -269,7 +269,7 @@ def _config(h: int, d_qk: int, d_v: int, part: str = "fwd"):
         # (DC = 128: 3% slower with 1 stage, 50% slower with 2; 8 warps 50% slower; 128 slots per step 11% slower).
         # The kernel is latency-bound (ncu: 3 warps per scheduler, half the stalls on global loads), so registers
         # are capped at 128 (from 146): 4 programs per SM instead of 3, 4-7% less backward time at 32K, 3.5-4.5%
-        # at 4K in two calls (96: 5 per SM, 21% slower; bench/results/kernels_h200.md)
+        # at 4K in two calls (96: 5 per SM, 21% slower; bench/results/2026-12-01_h200_dsa_kernels.md)
         bk, num_stages = (64, 1) if big else (16, 2)
         num_warps = 4
         cfg = dict(DA=d_v, DQK=d_qk, BH=bh, BK=bk, DC=64)
@@ -283,7 +283,7 @@ def _config(h: int, d_qk: int, d_v: int, part: str = "fwd"):
     cfg.update(tune)
     if part == "bwd_grad" and big and cfg["DC"] not in (64, 128):
         # DC = 32 at 64 heads x 576 faulted with an illegal memory access on one H200 under Triton 3.6 (every run,
-        # T = 512, 1024 and 32K; bench/results/kernels_h200.md); 64 and 128 are checked on the GPU
+        # T = 512, 1024 and 32K; bench/results/2026-11-30_h200_dsa_kernels.md); 64 and 128 are checked on the GPU
         raise ValueError(f"sparse_mla bwd_grad DC = {cfg['DC']}: at d_v >= 256 use 64 or 128")
     return cfg, num_warps, num_stages
 

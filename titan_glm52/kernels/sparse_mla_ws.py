@@ -571,15 +571,15 @@ def _bwd_grad_ws_kernel(q_ptr, kv_ptr, idx_ptr, kend_ptr, do_ptr, p_ptr, ds_ptr,
 # stages / 2 slots of a ring of 64-column chunks: Q, dO 136 KB + stages x bk x 128 B; a loader
 # warpgroup per consumer; 16 warps x 128 registers: consumers 200, loaders 56). Whole backward at
 # T = 32K: 81.9 ms, against 82.6 with one loader for both consumers and 85.3 with 32-row steps of
-# whole rows in 2 stages; at 4K 7.66 against 8.10 for the latter (bench/results/kernels_h200.md).
+# whole rows in 2 stages; at 4K 7.66 against 8.10 for the latter (bench/results/2026-12-02_h200_dsa_kernels.md).
 # bwd_grad: part 2 (16 warps x 128 registers: three consumers at 152, the loader 56; a ring of
 # `stages` steps). group_rows: the programs' order, see _grad_program; -1, one column group at a
 # time: 88.5 ms of backward at T = 32K against 91.3 with a row's groups side by side (0), 4K
-# unchanged (bench/ws_grad_order.py).
+# unchanged (bench/ws_bwd_sweep.py; bench/results/2026-12-01_h200_dsa_kernels.md).
 # idx_early (forward, part 2): the loader loads a step's indices before it waits for the step's
 # stage (the forward's softmax warpgroup its valid-slot mask while S = Q K^T runs; part 1's loaders
 # always do); False: after (forward 21.04 against 21.36 ms, whole backward 86.2 against 87.3 ms at
-# T = 32K; bench/results/kernels_h200.md).
+# T = 32K; bench/results/2026-12-02_h200_dsa_kernels.md).
 DEFAULTS = {"fwd": {"enable": True, "maxnreg": 168, "pv_regs": 192, "loader_regs": 80, "bk": 64,
                     "stages": 2, "idx_early": True},
             "bwd_ps": {"enable": True, "maxnreg": 128, "consumer_regs": 200, "loader_regs": 56,

@@ -20,7 +20,7 @@ than the sparse kernels while a row selects at least about 40% of its visible ke
 Same math again; the indexer and the selection are unchanged. Off by default (``[dsa] dense_masked_ratio``: the
 end-to-end gain measured so far is small, and negative with selective AC).
 
-IndexShare is explicit dataflow (architecture rule 2): ``forward`` takes the top-k of the previous block and
+IndexShare is explicit dataflow (docs/architecture.md): ``forward`` takes the top-k of the previous block and
 returns the top-k its successors use. A full layer computes new indices (deterministically, so a recompute
 under activation checkpointing selects the same keys); a shared layer passes its input on.
 """

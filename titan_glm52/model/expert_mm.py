@@ -6,7 +6,7 @@ e's rows. Forward and backward write each expert's product straight into its sli
 with ``out=``; the weight gradient into ``dw[e]``), so nothing is concatenated, split or scattered.
 
 It is ``torch._grouped_mm``'s product computed by cuBLAS one expert at a time. On one H200 at the proxy's 32K shapes
-(16 experts x 16,384 rows; ``bench/energy_probe.py``, ``bench/results/kernels_h200.md`` session 27) cuBLAS formed
+(16 experts x 16,384 rows; ``bench/energy_probe.py``, ``bench/results/2026-12-03_h200_kernels.md``) cuBLAS formed
 the same bits (max abs difference 0 in all four products) with 9-11 % less energy and time than the grouped CUTLASS
 kernel for the forward and input-gradient products and 4-5 % less for the weight gradient; the power-capped
 training step gains what the GEMMs save. Its price is ``splits`` on the host: one device-to-host read of the

@@ -1,7 +1,7 @@
 """IndexShare: the one place that decides which layers run the DSA indexer ("full") and which reuse the
 top-k of the nearest earlier full layer ("shared").
 
-Precedence (architecture rule 4): an explicit ``indexer_types`` list > ``index_topk_pattern`` (a string of
+Precedence: an explicit ``indexer_types`` list > ``index_topk_pattern`` (a string of
 ``F``/``S``) > (``index_topk_freq``, ``index_skip_topk_offset``). With the last form, 0-indexed layer ``i`` is
 full iff ``max(i - offset + 1, 0) % freq == 0`` (transformers, vLLM and SGLang; equal to Megatron/slime's
 1-indexed rule). GLM-5.2 (freq 4, offset 3) gives 21 full layers: 0, 1, 2, 6, 10, ..., 74.

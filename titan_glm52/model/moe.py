@@ -41,7 +41,7 @@ class FeedForward(nn.Module):
 # (expert_mm) instead of one torch._grouped_mm: on one H200 at 16,384 rows per expert (32K tokens, the proxy) the
 # training step ran 3.2% faster that way, at 2,048 (4K tokens) 25% slower, since the host then waits for the
 # expert counts in every MoE layer and its kernel launches no longer run ahead of the GPU
-# (bench/results/e2e_h200.md, session 27).
+# (bench/results/2026-12-03_h200_e2e.md).
 PER_EXPERT_MIN_ROWS = 8192
 
 
