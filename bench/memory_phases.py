@@ -12,7 +12,7 @@ bytes allocated when it starts and the peak of ``max_memory_allocated`` within i
 The embedding takes token ids (no backward hook fires for it): its backward, the gradient norm and the update
 are measured within the first block's phase, the last of a step. The steps run as ``train.py`` runs them
 (``--training.steps``, default 3); the table is the last step's, next to the plan's total at the phase of the same
-name (``memory_plan.request_from_job_config``: params, AdamW states and what that phase holds). Compile is refused:
+name (``memory_estimate.request_from_job_config``: params, AdamW states and what that phase holds). Compile is refused:
 hooks on compiled blocks would be traced into them.
 
 Prints one table last (GiB) and writes JSON to ``--out`` (and ``$OUT/memory_phases.json`` when $OUT is set).
@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from titan_glm52 import trainer as trainer_mod  # noqa: E402
 from titan_glm52.config import parse_job_config  # noqa: E402
-from titan_glm52.memory_plan import GIB, plan_memory, request_from_job_config  # noqa: E402
+from titan_glm52.memory_estimate import GIB, estimate_memory, request_from_job_config  # noqa: E402
 
 
 class PhaseRecorder:
@@ -88,7 +88,7 @@ def main() -> int:
         print("memory_phases.py measures eager steps: drop --compile.enable (hooks would be traced)", file=sys.stderr)
         return 1
     trainer_mod.one_process_env()
-    plan = plan_memory(request_from_job_config(cfg, gpus=1))
+    plan = estimate_memory(request_from_job_config(cfg, gpus=1))
     cfg.training.memory_check = False  # the trainer's start-up check would plan the same job again
     trainer = trainer_mod.Trainer(cfg)
     rec = PhaseRecorder()

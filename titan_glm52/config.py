@@ -16,7 +16,8 @@ from torchtitan.config import job_config as tt
 
 from titan_glm52.model.args import GLM52ModelArgs, get_flavor
 from titan_glm52.model.options import ModelOptions
-from titan_glm52.pipeline_split import LayoutError, parse_layout
+from titan_glm52.parallelize import AC_MODES, RESHARD_POLICIES
+from titan_glm52.pipeline_split import LayoutError, microbatches, parse_layout
 
 
 class ConfigError(ValueError):
@@ -73,7 +74,7 @@ class Training(tt.Training):
 
     memory_check: bool = True
     """On CUDA, before the process group starts, the first process of each node plans the job's peak memory per GPU
-    (``memory_plan.py``, as ``python -m titan_glm52.plan memory`` does; a few seconds), logs it beside the GPU's
+    (``memory_estimate.py``, as ``python -m titan_glm52.plan memory`` does; a few seconds), logs it beside the GPU's
     size, and warns when the plan exceeds the GPU (the plan is an upper bound: a warning, not an error). False skips
     it."""
 
@@ -239,18 +240,19 @@ def _refuse(key: str, why: str) -> None:
     raise ConfigError(f"{key}: {why}")
 
 
-def master_weights_blocker(cfg: JobConfig, world_size: int | None) -> str | None:
-    """Why the optimizer cannot hold the fp32 master weights (``training.master_weights = "optimizer"``), or None
-    where it can: the rule ``validate`` refuses by and "auto" chooses by."""
+def master_weights_blocker(world_size: int | None, implementation: str, param_dtype: str) -> str | None:
+    """Why the optimizer cannot hold the fp32 master weights (``training.master_weights = "optimizer"``) of a job
+    on ``world_size`` ranks with ``optimizer.implementation`` and ``training.mixed_precision_param``, or None where
+    it can: the rule ``validate`` refuses by, "auto" chooses by and the memory planner checks by."""
     if world_size is not None and world_size != 1:
-        return (f"'optimizer' is for one process; with {world_size} ranks FSDP holds the master weights: set it to "
-                "'fsdp'")
-    if cfg.optimizer.implementation != "triton":
+        return (f"'optimizer' is for one process with bf16 compute; with {world_size} ranks FSDP holds the master "
+                "weights: set it to 'fsdp'")
+    if implementation != "triton":
         return ("'optimizer' needs the Triton step, which updates the masters and their bf16 copies in one pass: set "
-                f"optimizer.implementation = 'triton' (is {cfg.optimizer.implementation!r}) or master_weights = 'fsdp'")
-    if cfg.training.mixed_precision_param != "bfloat16":
-        return ("'optimizer' keeps bf16 compute copies of fp32 masters: it needs training.mixed_precision_param = "
-                f"'bfloat16' (is {cfg.training.mixed_precision_param!r})")
+                f"optimizer.implementation = 'triton' (is {implementation!r}) or master_weights = 'fsdp'")
+    if param_dtype != "bfloat16":
+        return ("'optimizer' keeps bf16 compute copies of fp32 masters: it is for one process with bf16 compute, "
+                f"training.mixed_precision_param = 'bfloat16' (is {param_dtype!r})")
     return None
 
 
@@ -258,8 +260,9 @@ def resolve_master_weights(cfg: JobConfig, world_size: int | None, bf16_compute:
     """``training.master_weights`` as the trainer runs it: "auto" is "optimizer" where nothing blocks it and the model
     computes in bf16 (``bf16_compute``: False on CPU without ``mixed_precision_on_cpu``), else "fsdp"."""
     mode = cfg.training.master_weights
+    blocked = master_weights_blocker(world_size, cfg.optimizer.implementation, cfg.training.mixed_precision_param)
     if mode == "auto":
-        mode = "optimizer" if bf16_compute and master_weights_blocker(cfg, world_size) is None else "fsdp"
+        mode = "optimizer" if bf16_compute and blocked is None else "fsdp"
     return mode
 
 
@@ -362,8 +365,11 @@ def validate(cfg: JobConfig, world_size: int | None = None, device_type: str | N
                 "use 0 (keep all) or >= 2")
     if cfg.checkpoint.async_mode != "disabled":
         _refuse("checkpoint.async_mode", "asynchronous checkpointing is not supported; use 'disabled'")
-    if cfg.activation_checkpoint.mode not in ("none", "full", "selective"):
-        _refuse("activation_checkpoint.mode", f"{cfg.activation_checkpoint.mode!r}: choose none, full or selective")
+    if cfg.activation_checkpoint.mode not in AC_MODES:
+        _refuse("activation_checkpoint.mode", f"{cfg.activation_checkpoint.mode!r}: choose one of {AC_MODES}")
+    if p.fsdp_reshard_after_forward not in RESHARD_POLICIES:
+        _refuse("parallelism.fsdp_reshard_after_forward", f"{p.fsdp_reshard_after_forward!r}: choose one of "
+                f"{RESHARD_POLICIES}")
     if cfg.compile.enable and "model" not in cfg.compile.components:
         _refuse("compile.components", f"{cfg.compile.components}: titan_glm52 compiles the model's blocks (the loss "
                 "is a fused kernel); include 'model' or set compile.enable false")
@@ -371,7 +377,8 @@ def validate(cfg: JobConfig, world_size: int | None = None, device_type: str | N
         _refuse("compile.backend", "choose inductor, aot_eager or eager")
     if cfg.training.master_weights not in ("auto", "fsdp", "optimizer"):
         _refuse("training.master_weights", f"{cfg.training.master_weights!r}: choose auto, fsdp or optimizer")
-    if cfg.training.master_weights == "optimizer" and (why := master_weights_blocker(cfg, world_size)):
+    if cfg.training.master_weights == "optimizer" and (why := master_weights_blocker(
+            world_size, cfg.optimizer.implementation, cfg.training.mixed_precision_param)):
         _refuse("training.master_weights", why)
     if cfg.training.global_batch_size > 0 and world_size is not None:
         dp = world_size // max(p.pipeline_parallel_degree, 1)
@@ -395,8 +402,11 @@ def validate(cfg: JobConfig, world_size: int | None = None, device_type: str | N
             p.pipeline_parallel_schedule.lower() == "dualpipev":
         _refuse("parallelism.pipeline_parallel_expert_parallel_overlap", "the DualPipeV EP overlap callback is "
                 "torchtitan's for its own MoE; set it to false")
-    if p.pipeline_parallel_degree > 1 and cfg.training.local_batch_size % p.pipeline_parallel_microbatch_size:
-        _refuse("parallelism.pipeline_parallel_microbatch_size", "must divide training.local_batch_size")
+    if p.pipeline_parallel_degree > 1:
+        try:
+            microbatches(cfg.training.local_batch_size, p.pipeline_parallel_microbatch_size)
+        except ValueError as e:
+            _refuse("parallelism.pipeline_parallel_microbatch_size", str(e))
 
 
 def model_args(cfg: JobConfig) -> GLM52ModelArgs:

@@ -20,7 +20,7 @@ def log_memory_check(cfg) -> None:
     job the plan cannot model still trains)."""
     if not torch.cuda.is_available() or os.environ.get("LOCAL_RANK", "0") != "0":
         return
-    from titan_glm52.memory_plan import GIB, job_memory_check
+    from titan_glm52.memory_estimate import GIB, job_memory_check
 
     gib = torch.cuda.get_device_properties(0).total_memory / GIB
     try:

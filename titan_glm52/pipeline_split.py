@@ -376,6 +376,14 @@ def stage_specs(layers_per_stage: Sequence[int], stage_to_rank: Sequence[int], w
     return tuple(specs)
 
 
+def microbatches(local_batch_size: int, microbatch_size: int) -> int:
+    """Pipeline micro-batches per step: ``local_batch_size`` samples in micro-batches of ``microbatch_size``."""
+    if microbatch_size < 1 or local_batch_size % microbatch_size:
+        raise ValueError(f"the micro-batch size {microbatch_size} must divide the local batch size "
+                         f"{local_batch_size} (training.local_batch_size)")
+    return local_batch_size // microbatch_size
+
+
 def parse_layout(text: str) -> tuple[int, ...]:
     """``parallelism.pipeline_parallel_layout``, e.g. "14,8,8,8,8,8,8,16", as layers per stage."""
     try:

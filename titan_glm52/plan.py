@@ -15,7 +15,7 @@ With ``--layers-per-stage`` it checks that layout instead: exit status 1 and the
 invalid, 0 and the same printout when it is valid. ``--hf-config`` reads a ``config.json`` instead of a flavor.
 
 ``memory`` builds each pipeline rank's stages on the meta device over a fake process group of ``--gpus`` ranks
-with the real mesh, pipeline and parallelize code and prints a per-rank table (``memory_plan.py`` computes it
+with the real mesh, pipeline and parallelize code and prints a per-rank table (``memory_estimate.py`` computes it
 and documents the activation formulas), the ``layers per stage:`` line and the budget. Exit status 0 when every
 rank fits in ``--gpu-memory-gib`` less ``--headroom``, 2 when one does not, 1 (message on stderr) when the
 request is invalid, e.g. a layout ``layout`` would refuse.
@@ -115,41 +115,44 @@ def _add_memory_parser(sub: argparse._SubParsersAction) -> None:
                                    "sizes, add an activation estimate and check the budget. Exit status 0: every "
                                    "rank fits; 2: some rank does not; 1: the request is invalid (as `layout`).")
     _add_model_options(p)
+    p.add_argument("--config", metavar="TOML", default=None,
+                   help="a training config (train_configs/*.toml) to plan; the options below override it. "
+                        "Without it: the 744B model, seq_len 4096, local batch 1, AC full, bf16, as below")
     p.add_argument("--gpus", type=int, required=True, help="world size (ranks, one GPU each)")
-    p.add_argument("--pp", type=int, default=1, help="pipeline parallel degree (default 1)")
-    p.add_argument("--ep", type=int, default=1, help="expert parallel degree, carved out of dp_shard (default 1)")
-    p.add_argument("--dp-replicate", type=int, default=1, help="HSDP replicas (default 1)")
-    p.add_argument("--dp-shard", type=int, default=-1, help="FSDP degree; -1 = the ranks left over (default)")
-    p.add_argument("--schedule", default="1F1B", help="pipeline schedule name, as for `layout` (default 1F1B)")
+    p.add_argument("--pp", type=int, default=None, help="pipeline parallel degree (default 1)")
+    p.add_argument("--ep", type=int, default=None, help="expert parallel degree, carved out of dp_shard (default 1)")
+    p.add_argument("--dp-replicate", type=int, default=None, help="HSDP replicas (default 1)")
+    p.add_argument("--dp-shard", type=int, default=None, help="FSDP degree; -1 = the ranks left over (default)")
+    p.add_argument("--schedule", default=None, help="pipeline schedule name, as for `layout` (default 1F1B)")
     p.add_argument("--stages-per-rank", type=int, default=None, metavar="V", help="stages per pipeline rank")
     p.add_argument("--layers-per-stage", type=_layout, default=None, metavar="N,N,...",
                    help="explicit layout (validated as by `layout`); default: the splitter's choice")
-    p.add_argument("--seq-len", type=int, default=ps.DEFAULT_SEQ_LEN, help="tokens per sample (default 4096)")
-    p.add_argument("--local-batch-size", type=int, default=1,
+    p.add_argument("--seq-len", type=int, default=None, help="tokens per sample (default 4096)")
+    p.add_argument("--local-batch-size", type=int, default=None,
                    help="samples per data-parallel rank per step (training.local_batch_size; default 1)")
-    p.add_argument("--microbatch-size", type=int, default=1,
+    p.add_argument("--microbatch-size", type=int, default=None,
                    help="samples per pipeline micro-batch (parallelism.pipeline_parallel_microbatch_size)")
-    p.add_argument("--ac", choices=("full", "selective", "none"), default="full",
+    p.add_argument("--ac", choices=("full", "selective", "none"), default=None,
                    help="activation checkpointing mode (default full)")
-    p.add_argument("--selective-ac-option", default="op", help="'op' or N (every N-th block); default op")
-    p.add_argument("--param-dtype", choices=("bf16", "fp32"), default="bf16",
+    p.add_argument("--selective-ac-option", default=None, help="'op' or N (every N-th block); default op")
+    p.add_argument("--param-dtype", choices=("bf16", "fp32"), default=None,
                    help="FSDP compute dtype (training.mixed_precision_param); master weights are fp32")
-    p.add_argument("--reshard-after-forward", choices=("default", "always", "never"), default="default",
+    p.add_argument("--reshard-after-forward", choices=("default", "always", "never"), default=None,
                    help="parallelism.fsdp_reshard_after_forward (default: default)")
-    p.add_argument("--mtp", action=argparse.BooleanOptionalAction, default=True,
+    p.add_argument("--mtp", action=argparse.BooleanOptionalAction, default=None,
                    help="train the MTP layer (mtp.enable; default on)")
-    p.add_argument("--dense-prefix", action=argparse.BooleanOptionalAction, default=True,
+    p.add_argument("--dense-prefix", action=argparse.BooleanOptionalAction, default=None,
                    help="dsa.dense_prefix (default on): the first index_topk rows of each sequence on SDPA")
-    p.add_argument("--recompute-expert-inputs", action=argparse.BooleanOptionalAction, default=True,
+    p.add_argument("--recompute-expert-inputs", action=argparse.BooleanOptionalAction, default=None,
                    help="moe.recompute_expert_inputs (default on): routed experts rebuild their GEMM inputs in "
                         "backward instead of keeping them")
-    p.add_argument("--recompute-latent-query", action=argparse.BooleanOptionalAction, default=True,
+    p.add_argument("--recompute-latent-query", action=argparse.BooleanOptionalAction, default=None,
                    help="dsa.recompute_latent_query (default on): the sparse attention's backward rebuilds its latent "
                         "query instead of keeping it")
-    p.add_argument("--dense-masked-ratio", type=float, default=0.0,
+    p.add_argument("--dense-masked-ratio", type=float, default=None,
                    help="dsa.dense_masked_ratio (default 0 = off): sequences of index_topk < S <= ratio x "
                         "index_topk run their later rows on SDPA with a selection mask")
-    p.add_argument("--master-weights", choices=("fsdp", "optimizer"), default="fsdp",
+    p.add_argument("--master-weights", choices=("fsdp", "optimizer"), default=None,
                    help="training.master_weights as the trainer resolves it: 'optimizer' (one GPU, bf16: the "
                         "Triton AdamW step holds the fp32 masters, the model trains on bf16 copies, no FSDP; what "
                         "'auto' picks with optimizer.implementation = 'triton', as in glm52_proxy.toml) or 'fsdp' "
@@ -168,30 +171,73 @@ def _add_memory_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_memory)
 
 
-def memory_request(ns: argparse.Namespace, args: GLM52ModelArgs):
-    """The ``MemoryRequest`` of parsed ``memory`` options."""
-    from titan_glm52.memory_plan import MemoryRequest
+# The memory command's options as the job config's keys (flag -> "section.key"); the flag values are that key's.
+_JOB_KEYS = {
+    "pp": "parallelism.pipeline_parallel_degree", "ep": "parallelism.expert_parallel_degree",
+    "dp_replicate": "parallelism.data_parallel_replicate_degree",
+    "dp_shard": "parallelism.data_parallel_shard_degree", "schedule": "parallelism.pipeline_parallel_schedule",
+    "stages_per_rank": "parallelism.pipeline_parallel_stages_per_rank",
+    "microbatch_size": "parallelism.pipeline_parallel_microbatch_size",
+    "reshard_after_forward": "parallelism.fsdp_reshard_after_forward", "seq_len": "training.seq_len",
+    "local_batch_size": "training.local_batch_size", "ac": "activation_checkpoint.mode",
+    "selective_ac_option": "activation_checkpoint.selective_ac_option", "dense_masked_ratio": "dsa.dense_masked_ratio",
+}
+_JOB_SWITCHES = {"mtp": "mtp.enable", "dense_prefix": "dsa.dense_prefix",
+                 "recompute_expert_inputs": "moe.recompute_expert_inputs",
+                 "recompute_latent_query": "dsa.recompute_latent_query"}
 
-    return MemoryRequest(
-        args=args, gpus=ns.gpus, pp=ns.pp, ep=ns.ep, dp_replicate=ns.dp_replicate, dp_shard=ns.dp_shard,
-        schedule=ns.schedule, stages_per_rank=ns.stages_per_rank,
-        layers_per_stage=tuple(ns.layers_per_stage) if ns.layers_per_stage is not None else None,
-        seq_len=ns.seq_len, local_batch_size=ns.local_batch_size, microbatch_size=ns.microbatch_size,
-        ac_mode=ns.ac, selective_ac_option=ns.selective_ac_option, param_dtype=ns.param_dtype,
-        reshard_after_forward=ns.reshard_after_forward, with_mtp=ns.mtp and args.num_nextn_predict_layers > 0,
-        gpu_memory_gib=ns.gpu_memory_gib, headroom=ns.headroom, expert_load_factor=ns.expert_load_factor,
-        dense_prefix=ns.dense_prefix, dense_masked_ratio=ns.dense_masked_ratio,
-        recompute_expert_inputs=ns.recompute_expert_inputs,
-        recompute_latent_query=ns.recompute_latent_query, master_weights=ns.master_weights,
-        grad_accumulation=ns.grad_accumulation)
+
+def memory_job_config(ns: argparse.Namespace):
+    """The job config a ``memory`` command describes: ``--config`` (a training TOML) or this tool's defaults, with
+    every option given on the command line laid over it, checked by the trainer's own ``config.validate``."""
+    from titan_glm52.config import ConfigError, parse_job_config, validate
+
+    argv = ["--job.config_file", ns.config] if ns.config else [
+        "--model.flavor", "glm52_744b", "--training.seq_len", str(ps.DEFAULT_SEQ_LEN),
+        "--training.local_batch_size", "1", "--activation_checkpoint.mode", "full",
+        "--activation_checkpoint.selective_ac_option", "op", "--training.mixed_precision_param", "bfloat16"]
+    if ns.flavor:
+        argv += ["--model.flavor", ns.flavor]
+    if ns.hf_config:
+        argv += ["--model.hf_config", ns.hf_config]
+    for flag, key in _JOB_KEYS.items():
+        if getattr(ns, flag) is not None:
+            argv += [f"--{key}", str(getattr(ns, flag))]
+    for flag, key in _JOB_SWITCHES.items():
+        if getattr(ns, flag) is not None:
+            section, name = key.split(".")
+            argv.append(f"--{section}.{name}" if getattr(ns, flag) else f"--{section}.no-{name}")
+    if ns.layers_per_stage is not None:
+        argv += ["--parallelism.pipeline_parallel_layout", ",".join(map(str, ns.layers_per_stage))]
+    if ns.param_dtype is not None:
+        argv += ["--training.mixed_precision_param", {"bf16": "bfloat16", "fp32": "float32"}[ns.param_dtype]]
+    if ns.master_weights is not None:  # "optimizer" is the Triton step's, as the trainer's rule has it
+        argv += ["--training.master_weights", ns.master_weights]
+        argv += ["--optimizer.implementation", "triton"] if ns.master_weights == "optimizer" else []
+    try:
+        cfg = parse_job_config(argv)
+        if ns.grad_accumulation:  # two micro-batches per optimizer step
+            dp = ns.gpus // cfg.parallelism.pipeline_parallel_degree
+            cfg.training.global_batch_size = 2 * cfg.training.local_batch_size * dp
+        validate(cfg, ns.gpus)
+    except ConfigError as e:
+        raise ValueError(str(e)) from None
+    return cfg
+
+
+def memory_request(ns: argparse.Namespace):
+    """The ``MemoryRequest`` of parsed ``memory`` options: the trainer's request for ``memory_job_config(ns)``."""
+    from titan_glm52.memory_estimate import request_from_job_config
+
+    return request_from_job_config(memory_job_config(ns), ns.gpus, gpu_memory_gib=ns.gpu_memory_gib,
+                                   headroom=ns.headroom, expert_load_factor=ns.expert_load_factor)
 
 
 def _cmd_memory(ns: argparse.Namespace) -> int:
-    from titan_glm52.memory_plan import format_report, plan_memory
+    from titan_glm52.memory_estimate import format_report, estimate_memory
 
-    model_name, args = _load_model(ns)
-    report = plan_memory(memory_request(ns, args))
-    print(format_report(report, model_name))
+    report = estimate_memory(memory_request(ns))
+    print(format_report(report, ns.hf_config or ns.flavor or ns.config or "glm52_744b"))
     return 0 if report.fits else 2
 
 

@@ -38,7 +38,7 @@ from titan_glm52.optimizer import build_optimizers, clip_grad_norm_, clip_in_fus
 from titan_glm52.packed import cu_seqlens_from_positions, doc_lengths, one_document_per_row
 from titan_glm52.parallelize import parallelize_model
 from titan_glm52.pipeline import build_pipeline_stages, build_schedule, micro_batch_bounds
-from titan_glm52.pipeline_split import choose_layout, parse_layout
+from titan_glm52.pipeline_split import choose_layout, microbatches, parse_layout
 from titan_glm52.profiling import profiling
 from titan_glm52.step import GpuMarks, Launched, Readback, StepLosses, mtp_labels
 
@@ -136,7 +136,7 @@ class Trainer:
             self.has_first = any(m.spec.embedding for m in self.model_parts)
             self.has_last = any(m.spec.head for m in self.model_parts)
             self._last_stage = next((m for m in self.model_parts if m.spec.head), None)
-            n_micro = cfg.training.local_batch_size // p.pipeline_parallel_microbatch_size
+            n_micro = microbatches(cfg.training.local_batch_size, p.pipeline_parallel_microbatch_size)
             self.schedule = build_schedule(stages, p.pipeline_parallel_schedule, n_micro, self._pp_loss)
             self._pp_losses: list[torch.Tensor] = []
         else:

@@ -76,7 +76,7 @@ def test_parallelize_applies_parallelism_only():
 
 
 def test_the_trainer_reaches_the_planner_only_through_the_start_up_check():
-    planner = "titan_glm52.memory_plan"
+    planner = "titan_glm52.memory_estimate"
     assert planner not in GRAPH["titan_glm52.trainer"]
     assert "titan_glm52.memory_check" in GRAPH["titan_glm52.trainer"]
     assert "titan_glm52.trainer" not in _reachable(planner)

@@ -1,4 +1,4 @@
-"""The memory plan's model of a MoE block's backward (``memory_plan.moe_backward_peak``) against the caching
+"""The memory plan's model of a MoE block's backward (``memory_estimate.moe_backward_peak``) against the caching
 allocator on a Hopper GPU: eager, bf16, ``torch._grouped_mm``, with and without the experts rebuilding their inputs,
 at widths where the combine (the proxy's), the SwiGLU product (F much wider than D) or the weights' gradient (top-2)
 is the largest moment. The plan's MoE term (that peak + 3aD per token) plus the block's gradients must bound the
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from titan_glm52 import get_flavor
-from titan_glm52.memory_plan import moe_backward_peak
+from titan_glm52.memory_estimate import moe_backward_peak
 from titan_glm52.model.init import init_weights_
 from titan_glm52.model.moe import MoE
 from tests.unit._cuda_memory import backward_peak

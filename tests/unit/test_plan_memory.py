@@ -1,4 +1,4 @@
-"""Tests for titan_glm52/memory_plan.py and ``python -m titan_glm52.plan memory``.
+"""Tests for titan_glm52/memory_estimate.py and ``python -m titan_glm52.plan memory``.
 
 Every case runs in this process over a fake process group (no communication); the debug cases take well under a
 second each, the 744B config check a few seconds.
@@ -16,8 +16,8 @@ from tests.unit.test_plan import _main
 import torch.distributed as dist
 
 from titan_glm52 import plan
-from titan_glm52.memory_plan import (DSA_SCRATCH_BYTES, GIB, MemoryRequest, backward_workspace, block_bytes_per_token,
-                                     loss_chunk_bytes, moe_backward_peak, plan_memory, request_from_job_config)
+from titan_glm52.memory_estimate import (DSA_SCRATCH_BYTES, GIB, MemoryRequest, backward_workspace, block_bytes_per_token,
+                                     loss_chunk_bytes, moe_backward_peak, estimate_memory, request_from_job_config)
 from titan_glm52.model.args import _debug_args, _proxy_args
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -53,7 +53,7 @@ def test_debug_bytes_per_rank_match_an_independent_count():
     args = _debug_args()
     req = MemoryRequest(args=args, gpus=8, pp=2, ep=2, seq_len=64, local_batch_size=4, microbatch_size=1,
                         ac_mode="full")
-    report = plan_memory(req)
+    report = estimate_memory(req)
     assert not dist.is_initialized()  # the fake world is torn down
     assert (report.dp_shard, report.efsdp, report.n_microbatches, report.tokens_per_microbatch) == (4, 2, 4, 64)
     assert [r.rank for r in report.ranks] == [0, 4] and [r.stages for r in report.ranks] == [(0,), (1,)]
@@ -87,7 +87,7 @@ def test_debug_activations_follow_the_stated_formula():
     schedule's buffers for all 4 micro-batches; the head's loss chunk."""
     args = _debug_args()
     req = MemoryRequest(args=args, gpus=8, pp=2, ep=2, seq_len=64, local_batch_size=4, ac_mode="full")
-    report = plan_memory(req)
+    report = estimate_memory(req)
     a, d, k, v = 2, args.hidden_size, args.index_topk, args.vocab_size
     sched = args.index_share
     for r in report.ranks:
@@ -118,7 +118,7 @@ def test_debug_activations_follow_the_stated_formula():
     # AC none keeps far more than AC full; selective in between.
     totals = {}
     for mode in ("none", "selective", "full"):
-        rep = plan_memory(MemoryRequest(args=args, gpus=8, pp=2, ep=2, seq_len=64, local_batch_size=4, ac_mode=mode))
+        rep = estimate_memory(MemoryRequest(args=args, gpus=8, pp=2, ep=2, seq_len=64, local_batch_size=4, ac_mode=mode))
         totals[mode] = rep.ranks[0].phases[0].activations
     assert totals["none"] > totals["selective"] > totals["full"]
 
@@ -127,7 +127,7 @@ def test_interleaved_in_flight_matches_torch_warmup():
     """The replayed Interleaved1F1B schedule holds warmup + 1 chunks at its peak (torch's _get_warmup_ops)."""
     args = _debug_args()
     pp, v, n_mb = 2, 2, 4
-    report = plan_memory(MemoryRequest(args=args, gpus=8, pp=pp, ep=2, dp_replicate=2, schedule="Interleaved1F1B",
+    report = estimate_memory(MemoryRequest(args=args, gpus=8, pp=pp, ep=2, dp_replicate=2, schedule="Interleaved1F1B",
                                        seq_len=32, local_batch_size=n_mb, ac_mode="full"))
     assert [r.stages for r in report.ranks] == [(0, 2), (1, 3)]
     for r in report.ranks:
@@ -139,7 +139,7 @@ def test_unpipelined_backward_walk():
     """One GPU (dp_shard 1: nothing resharded after forward), no MTP: the phases in backward order and what each
     holds (module docstring, "Peak")."""
     args = _debug_args()
-    report = plan_memory(MemoryRequest(args=args, gpus=1, seq_len=64, local_batch_size=2, ac_mode="full",
+    report = estimate_memory(MemoryRequest(args=args, gpus=1, seq_len=64, local_batch_size=2, ac_mode="full",
                                        with_mtp=False))
     (r,) = report.ranks
     n, a, d, v, k = args.num_params(include_mtp=False), 2, args.hidden_size, args.vocab_size, args.index_topk
@@ -171,8 +171,8 @@ def test_master_weights_in_the_optimizer_walk():
     gradient accumulation); everything else as under FSDP."""
     args = _debug_args()
     base = dict(args=args, gpus=1, seq_len=64, local_batch_size=2, ac_mode="full", with_mtp=False)
-    (r,) = plan_memory(MemoryRequest(master_weights="optimizer", **base)).ranks
-    (f,) = plan_memory(MemoryRequest(**base)).ranks
+    (r,) = estimate_memory(MemoryRequest(master_weights="optimizer", **base)).ranks
+    (f,) = estimate_memory(MemoryRequest(**base)).ranks
     n, a, vd = args.num_params(include_mtp=False), 2, args.vocab_size * args.hidden_size
     assert r.local_params == n and r.params == (4 + a) * n and r.optimizer == 8 * n
     layers = [f"backward layer {i}" for i in reversed(range(args.num_hidden_layers))]
@@ -189,14 +189,14 @@ def test_master_weights_in_the_optimizer_walk():
     assert ph["end of backward"].grads == a * n and ph["end of backward"].transient == 0
     assert r.total == pytest.approx(r.params + r.optimizer + max(p.total for p in r.phases))
     assert r.total <= f.total  # (the bf16 copies take the place of FSDP's all-gather outputs; the grads are halved)
-    (acc,) = plan_memory(MemoryRequest(master_weights="optimizer", grad_accumulation=True, **base)).ranks
+    (acc,) = estimate_memory(MemoryRequest(master_weights="optimizer", grad_accumulation=True, **base)).ranks
     assert all(p.grads == 4 * n for p in acc.phases)
     assert [p.transient for p in acc.phases] == [p.transient for p in r.phases]
     for bad in (dict(gpus=2), dict(param_dtype="fp32")):
         with pytest.raises(ValueError, match="one process with bf16 compute"):
-            plan_memory(MemoryRequest(**{**base, "master_weights": "optimizer", **bad}))
+            estimate_memory(MemoryRequest(**{**base, "master_weights": "optimizer", **bad}))
     with pytest.raises(ValueError, match="choose fsdp or optimizer"):
-        plan_memory(MemoryRequest(master_weights="auto", **base))
+        estimate_memory(MemoryRequest(master_weights="auto", **base))
 
 
 def test_job_config_resolves_master_weights_and_accumulation_like_the_trainer():
@@ -259,7 +259,7 @@ def test_trainer_start_up_check_logs_the_plan_and_warns_past_the_gpu(monkeypatch
 
 def test_no_pipeline_keeps_two_units_and_no_gradient_accumulation():
     args = _debug_args()
-    report = plan_memory(MemoryRequest(args=args, gpus=4, ep=2, seq_len=64, local_batch_size=2, ac_mode="full"))
+    report = estimate_memory(MemoryRequest(args=args, gpus=4, ep=2, seq_len=64, local_batch_size=2, ac_mode="full"))
     (r,) = report.ranks
     assert r.grad_accum == 0 and r.in_flight == 1 and report.tokens_per_microbatch == 128
     assert r.local_params * 4 == args.num_params(include_mtp=True)
@@ -303,7 +303,7 @@ def test_an_existing_process_group_is_refused():
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     try:
         with pytest.raises(ValueError, match="already has a default process group"):
-            plan_memory(MemoryRequest(args=_debug_args(), gpus=2))
+            estimate_memory(MemoryRequest(args=_debug_args(), gpus=2))
     finally:
         dist.destroy_process_group()
 
@@ -315,7 +315,7 @@ def test_744b_config_fits_h200_and_matches_its_comment():
     cfg = parse_job_config(["--job.config_file", CONFIG_744B])
     req = request_from_job_config(cfg)
     assert (req.gpus, req.pp, req.ep, req.ac_mode, req.param_dtype) == (256, 8, 32, "full", "bf16")
-    report = plan_memory(req)
+    report = estimate_memory(req)
     assert report.fits
     assert report.worst.total < 0.8 * req.budget_bytes  # a margin, not a squeeze
     # The TOML comment quotes the tool's table: the same totals, in pipeline-rank order.
@@ -330,7 +330,7 @@ def test_744b_config_fits_h200_and_matches_its_comment():
     cmd = re.search(r"python -m titan_glm52\.plan (memory .*?)\n#\s+printed", text, re.S).group(1)
     argv = [tok for tok in cmd.replace("\\\n#", " ").split() if tok]
     ns = plan.build_parser().parse_args(argv)
-    from_cli = dataclasses.replace(plan.memory_request(ns, req.args), dp_shard=32)  # the command leaves it -1
+    from_cli = dataclasses.replace(plan.memory_request(ns), dp_shard=32)  # the command leaves it -1
     assert from_cli == dataclasses.replace(req, selective_ac_option="op")  # unused with AC full
 
 
@@ -338,7 +338,7 @@ def test_too_small_gpu_does_not_fit():
     from titan_glm52.config import parse_job_config
 
     cfg = parse_job_config(["--job.config_file", CONFIG_744B])
-    report = plan_memory(request_from_job_config(cfg, gpu_memory_gib=80.0))  # an 80 GB card
+    report = estimate_memory(request_from_job_config(cfg, gpu_memory_gib=80.0))  # an 80 GB card
     assert not report.fits
     assert {r.pp_rank for r in report.ranks if r.total > report.budget} >= {3, 4, 5, 6}
 
@@ -428,7 +428,7 @@ def test_estimate_bounds_the_measured_h200_peaks(case):
     kw, measured = MEASURED_H200[case]
     kw = {"ac_mode": "selective", "selective_ac_option": "2", "param_dtype": "bf16",
           "recompute_expert_inputs": False, "recompute_latent_query": False, **kw}
-    report = plan_memory(MemoryRequest(args=_proxy_args(), gpu_memory_gib=141.0, **kw))
+    report = estimate_memory(MemoryRequest(args=_proxy_args(), gpu_memory_gib=141.0, **kw))
     estimate = report.worst.total / GIB
     assert estimate >= measured, (case, estimate, measured)
     if kw["gpus"] == 1:
@@ -486,7 +486,7 @@ def test_masked_dense_rows_add_their_keys_and_mask():
     with keys for all rows and a selection mask, so the plan grows; at 16K nothing is masked and it does not."""
     base = dict(args=_proxy_args(), gpus=1, with_mtp=False, ac_mode="none", param_dtype="bf16")
     for seq, grows in ((4096, True), (16384, False)):
-        off, on = (plan_memory(MemoryRequest(seq_len=seq, dense_masked_ratio=r, **base)).worst.total for r in (0, 2))
+        off, on = (estimate_memory(MemoryRequest(seq_len=seq, dense_masked_ratio=r, **base)).worst.total for r in (0, 2))
         assert (on > off) if grows else (on == off), (seq, on, off)
 
 
@@ -511,11 +511,11 @@ def test_rebuilt_latent_query_leaves_the_saved_set():
     attn = backward_workspace(args, 0, t, a)  # the dense block: the attention's backward is its largest
     assert backward_workspace(args, 0, t, a, recompute_query=True) - attn == t * a * h * (c + p)
     base = dict(args=args, gpus=1, with_mtp=False, seq_len=t, ac_mode="none", master_weights="optimizer")
-    on, off = (plan_memory(MemoryRequest(recompute_latent_query=r, **base)).worst.total for r in (True, False))
+    on, off = (estimate_memory(MemoryRequest(recompute_latent_query=r, **base)).worst.total for r in (True, False))
     assert on < off - 4 * GIB  # four blocks of 2 GiB saved, one rebuilt query of 2.25 GiB held at a time
     full = dict(base, ac_mode="full")
-    assert (plan_memory(MemoryRequest(recompute_latent_query=True, **full)).worst.total
-            == plan_memory(MemoryRequest(recompute_latent_query=False, **full)).worst.total)
+    assert (estimate_memory(MemoryRequest(recompute_latent_query=True, **full)).worst.total
+            == estimate_memory(MemoryRequest(recompute_latent_query=False, **full)).worst.total)
 
 
 def test_recomputed_expert_inputs_leave_the_saved_set():
@@ -536,7 +536,22 @@ def test_recomputed_expert_inputs_leave_the_saved_set():
             - backward_workspace(args, 1, t, a, load=4.0)) == t * 4 * a * k * (d - f)
     base = dict(args=args, gpus=1, with_mtp=False, seq_len=32768, gpu_memory_gib=141.0)
     for mode, option in (("none", "op"), ("selective", "2"), ("full", "op")):
-        on = plan_memory(MemoryRequest(ac_mode=mode, selective_ac_option=option, **base)).worst.total
-        off = plan_memory(MemoryRequest(ac_mode=mode, selective_ac_option=option, recompute_expert_inputs=False,
+        on = estimate_memory(MemoryRequest(ac_mode=mode, selective_ac_option=option, **base)).worst.total
+        off = estimate_memory(MemoryRequest(ac_mode=mode, selective_ac_option=option, recompute_expert_inputs=False,
                                         **base)).worst.total
         assert (on < off) if mode != "full" else (on == off), mode
+
+
+def test_cli_plans_a_training_config_with_the_trainers_checks(capsys):
+    """``--config`` plans the TOML the trainer would run (the same request), options override it, and the
+    trainer's own ``config.validate`` refuses what the trainer would refuse."""
+    from titan_glm52.config import parse_job_config
+
+    ns = plan.build_parser().parse_args(["memory", "--config", CONFIG_744B, "--gpus", "256"])
+    assert plan.memory_request(ns) == request_from_job_config(parse_job_config(["--job.config_file", CONFIG_744B]))
+    ns = plan.build_parser().parse_args(["memory", "--config", CONFIG_744B, "--gpus", "256", "--seq-len", "8192"])
+    assert plan.memory_request(ns).seq_len == 8192
+    rc, out, err = _main(capsys, "memory", "--flavor", "debug", "--gpus", "2", "--seq-len", "64",
+                         "--reshard-after-forward", "always", "--microbatch-size", "3", "--pp", "2",
+                         "--local-batch-size", "4")
+    assert rc == 1 and out == "" and "parallelism.pipeline_parallel_microbatch_size" in err

@@ -1,6 +1,6 @@
 """Per-rank GPU memory of a parallel layout, read from this project's own parallelization code on a fake world.
 
-``plan_memory(request)`` initialises a FAKE process group of ``gpus`` ranks (``torch.testing``'s ``FakeStore``;
+``estimate_memory(request)`` initialises a FAKE process group of ``gpus`` ranks (``torch.testing``'s ``FakeStore``;
 no communication happens), then, for one representative rank of every pipeline rank, runs the real path of
 the trainer: ``build_mesh`` -> ``choose_layout`` (the skip-aware splitter; an invalid explicit layout is refused
 exactly as ``plan layout`` refuses it) -> ``GLM52Stage`` on the meta device for each stage that rank holds ->
@@ -759,7 +759,11 @@ def _build_rank(req: MemoryRequest, layout, rank: int, pp_rank_expected: int):
 
 
 def _check_request(req: MemoryRequest) -> None:
+    """A request's own fields; the job's rules are the trainer's (``config.master_weights_blocker``,
+    ``pipeline_split.microbatches``, ``parallelize.AC_MODES`` / ``RESHARD_POLICIES``)."""
+    from titan_glm52.config import master_weights_blocker
     from titan_glm52.parallelize import AC_MODES, RESHARD_POLICIES
+    from titan_glm52.pipeline_split import microbatches
 
     if req.param_dtype not in PARAM_DTYPES:
         raise ValueError(f"param dtype {req.param_dtype!r}: choose one of {sorted(PARAM_DTYPES)}")
@@ -767,31 +771,30 @@ def _check_request(req: MemoryRequest) -> None:
         raise ValueError(f"activation checkpointing mode {req.ac_mode!r}: choose one of {AC_MODES}")
     if req.reshard_after_forward not in RESHARD_POLICIES:
         raise ValueError(f"reshard_after_forward {req.reshard_after_forward!r}: choose one of {RESHARD_POLICIES}")
-    for name in ("gpus", "seq_len", "local_batch_size", "microbatch_size"):
+    for name in ("gpus", "seq_len", "local_batch_size"):
         if getattr(req, name) < 1:
             raise ValueError(f"{name} must be >= 1, got {getattr(req, name)}")
-    if req.pp > 1 and req.local_batch_size % req.microbatch_size:
-        raise ValueError(f"microbatch size {req.microbatch_size} must divide local batch size "
-                         f"{req.local_batch_size} (parallelism.pipeline_parallel_microbatch_size)")
+    if req.pp > 1:
+        microbatches(req.local_batch_size, req.microbatch_size)
     if not 0 <= req.headroom < 1:
         raise ValueError(f"headroom must be in [0, 1), got {req.headroom}")
     if req.gpu_memory_gib <= 0 or req.expert_load_factor <= 0:
         raise ValueError("gpu memory and expert load factor must be > 0")
     if req.master_weights not in ("fsdp", "optimizer"):
         raise ValueError(f"master weights {req.master_weights!r}: choose fsdp or optimizer (training.master_weights)")
-    if req.master_weights == "optimizer" and (req.gpus != 1 or req.param_dtype != "bf16"):
-        raise ValueError(f"master weights 'optimizer' is for one process with bf16 compute (gpus {req.gpus}, param "
-                         f"dtype {req.param_dtype}): plan it with master weights 'fsdp'")
+    dtype = {"bf16": "bfloat16", "fp32": "float32"}[req.param_dtype]
+    if req.master_weights == "optimizer" and (why := master_weights_blocker(req.gpus, "triton", dtype)):
+        raise ValueError(f"training.master_weights: {why}")
 
 
-def plan_memory(req: MemoryRequest) -> MemoryReport:
+def estimate_memory(req: MemoryRequest) -> MemoryReport:
     """Per-rank memory of ``req`` (module docstring). Raises ValueError (LayoutError for layouts) before any
     work for a request that cannot run, and when this process already has a default process group."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from titan_glm52.distributed import validate_degrees
     from titan_glm52.parallelize import _reshard_policy
-    from titan_glm52.pipeline_split import choose_layout
+    from titan_glm52.pipeline_split import choose_layout, microbatches
 
     _check_request(req)
     args = req.args
@@ -802,10 +805,10 @@ def plan_memory(req: MemoryRequest) -> MemoryReport:
     if req.pp == 1 and pl.num_stages != 1:
         raise ValueError(f"pp 1 runs no pipeline schedule; got {pl.num_stages} stages from schedule {pl.schedule}")
     if dist.is_initialized():
-        raise ValueError("plan_memory builds a fake world of its own; this process already has a default "
+        raise ValueError("estimate_memory builds a fake world of its own; this process already has a default "
                          "process group")
     pipelined = req.pp > 1
-    n_mb = req.local_batch_size // req.microbatch_size if pipelined else 1
+    n_mb = microbatches(req.local_batch_size, req.microbatch_size) if pipelined else 1
     tokens = (req.microbatch_size if pipelined else req.local_batch_size) * req.seq_len
     act_bytes = torch.finfo(PARAM_DTYPES[req.param_dtype]).bits // 8
     report = MemoryReport(req, layout.layers_per_stage, pl.stage_to_rank, pl.schedule, pl.stages_per_rank,
@@ -916,7 +919,7 @@ def request_from_job_config(cfg, gpus: int | None = None, *, gpu_memory_gib: flo
 def job_memory_check(cfg, world_size: int, gpu_memory_gib: float) -> tuple[bool, str]:
     """The trainer's start-up check (``training.memory_check``): (the plan's largest rank fits in
     ``gpu_memory_gib``, one line to log). Raises ValueError where the job cannot be planned."""
-    report = plan_memory(request_from_job_config(cfg, world_size, gpu_memory_gib=gpu_memory_gib))
+    report = estimate_memory(request_from_job_config(cfg, world_size, gpu_memory_gib=gpu_memory_gib))
     worst = report.worst
     fits = worst.total <= gpu_memory_gib * GIB
     line = (f"memory plan: {worst.total / GIB:.1f} GiB per GPU at its peak ({worst.phase}"
@@ -970,7 +973,7 @@ def format_report(report: MemoryReport, model_name: str) -> str:
         + f"; latent query {'recomputed' if req.recompute_latent_query else 'kept'}",
         "ranks: one representative per pipeline rank (data-parallel coordinate 0): FSDP pads every shard to the "
         "same size and EP splits the experts evenly, so all ranks of a pipeline rank hold the same bytes",
-        "activations: estimated from the widths (formulas: titan_glm52/memory_plan.py docstring); the rest is "
+        "activations: estimated from the widths (formulas: titan_glm52/memory_estimate.py docstring); the rest is "
         "read from FSDP2's shards",
         "",
         f"{unit} per GPU (one representative rank per pipeline rank):",
