@@ -19,7 +19,8 @@ from titan_glm52.distributed import build_mesh, init_distributed
 from titan_glm52.model.args import get_flavor
 from titan_glm52.model import attention as attention_mod
 from titan_glm52.model.attention import Attention
-from titan_glm52.model.model import GLM52Model, cross_entropy_sum
+from tests.losses import cross_entropy_sum
+from titan_glm52.model.model import GLM52Model
 from titan_glm52.model.moe import MoE
 from titan_glm52.model.options import ModelOptions
 from titan_glm52.optimizer import TritonAdamW, clip_grad_norm_, clip_in_fused_step, folds_clip

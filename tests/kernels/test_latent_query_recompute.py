@@ -15,7 +15,7 @@ from titan_glm52.kernels._triton_env import interpreting
 from titan_glm52.model import attention as attention_mod
 from titan_glm52.model import recompute as recompute_mod
 from titan_glm52.model.attention import Attention
-from titan_glm52.model.model import cross_entropy_sum
+from tests.losses import cross_entropy_sum
 from titan_glm52.model.options import ModelOptions
 from titan_glm52.parallelize import apply_compile
 

@@ -11,8 +11,10 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from titan_glm52 import plan
+from titan_glm52.hf_checkpoint import write_hf_config
 from titan_glm52.model.args import _debug_args
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -96,7 +98,7 @@ def test_layout_accepts_the_megatron_pp8_split(capsys):
 
 
 def test_layout_reads_an_hf_config_and_a_v_schedule(capsys, tmp_path):
-    _debug_args().save_hf_config(tmp_path)  # 8 layers, full at 0, 1, 2, 6
+    write_hf_config(_debug_args(), str(tmp_path), torch.float32)  # 8 layers, full at 0, 1, 2, 6
     rc, stdout, stderr = _main(capsys, "layout", "--hf-config", str(tmp_path), "--pp", "2",
                                "--schedule", "ZBVZeroBubble")
     assert rc == 0, stderr

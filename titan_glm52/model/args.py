@@ -212,12 +212,6 @@ class GLM52ModelArgs:
                     out.pop(key, None)
         return dict(sorted(out.items()))
 
-    def save_hf_config(self, directory: str | os.PathLike) -> None:
-        os.makedirs(directory, exist_ok=True)
-        with open(os.path.join(directory, "config.json"), "w") as f:
-            json.dump(self.to_hf_config(), f, indent=2)
-            f.write("\n")
-
     def replace(self, **changes: Any) -> GLM52ModelArgs:
         """A copy with some fields changed; per-layer lists follow a change of num_hidden_layers."""
         if "num_hidden_layers" in changes:

@@ -13,7 +13,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from titan_glm52.model.args import GLM52ModelArgs
@@ -180,9 +179,3 @@ class GLM52Model(nn.Module):
         if x is None:
             return ce, None
         return ce, self.output(x, mtp_labels)
-
-
-def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
-    """Summed token cross-entropy in fp32 (callers divide by the global count of valid tokens)."""
-    return F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), ignore_index=ignore_index,
-                           reduction="sum")
