@@ -1,4 +1,5 @@
-"""Entry point: ``torchrun --nproc_per_node N train.py --job.config_file train_configs/glm52_debug.toml [...]``."""
+"""Entry point: ``torchrun --nproc_per_node N train.py --job.config_file
+train_configs/glm52_debug.toml [...]``."""
 
 import sys
 

@@ -1,16 +1,20 @@
-"""Which exact kernel path is fastest for a DSA layer's attention at a given length (GPU, bf16, fwd + bwd).
+"""Which exact kernel path is fastest for a DSA layer's attention at a given length (GPU, bf16, fwd
++ bwd).
 
 DSA attends each query to the keys its top-k selects. Two exact ways to compute that:
 
-* sparse (ours): the absorbed / MQA form over the gathered latent rows (``titan_glm52.kernels.sparse_mla``),
-  2 * (576 + 512) FLOPs per (query, key, head) over the selected keys only;
-* masked dense: the plain MLA form (per-head 256-d keys and values from ``wkv_b``) over every causal key with a
-  boolean mask that keeps the selected ones, 2 * (256 + 256) FLOPs per visible (query, key, head), on a dense
-  attention kernel (SDPA cuDNN / memory-efficient with a mask, or FlexAttention).
+* sparse (ours): the absorbed / MQA form over the gathered latent rows
+  (``titan_glm52.kernels.sparse_mla``), 2 * (576 + 512) FLOPs per (query, key, head) over the
+  selected keys only;
+* masked dense: the plain MLA form (per-head 256-d keys and values from ``wkv_b``) over every causal
+  key with a boolean mask that keeps the selected ones, 2 * (256 + 256) FLOPs per visible (query,
+  key, head), on a dense attention kernel (SDPA cuDNN / memory-efficient with a mask, or
+  FlexAttention).
 
-At T <= 2 * topk the masked dense form does ~1.5x the pairs at 0.47x the FLOPs each on faster kernels; at long T
-the sparse form wins. This script times both (plus unmasked causal cuDNN, the dense peer's cost) at the proxy's
-widths for a list of T, checks that the paths agree, and prints a table (JSON to ``$OUT/attn_paths.json``).
+At T <= 2 * topk the masked dense form does ~1.5x the pairs at 0.47x the FLOPs each on faster
+kernels; at long T the sparse form wins. This script times both (plus unmasked causal cuDNN, the
+dense peer's cost) at the proxy's widths for a list of T, checks that the paths agree, and prints a
+table (JSON to ``$OUT/attn_paths.json``).
 
     source bench/gpu_env.sh && python3 bench/attn_paths.py --seq-lens 2048,4096,8192,16384
 """
@@ -74,6 +78,7 @@ def main(argv=None) -> int:
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     from titan_glm52.kernels import triton_sparse_mla
+
     dev = torch.device("cuda")
     torch.manual_seed(0)
     flex = torch.compile(flex_attention, dynamic=False)
@@ -84,7 +89,7 @@ def main(argv=None) -> int:
         q_rope = (torch.randn(t, H, ROPE, device=dev) * 0.5).bfloat16().requires_grad_()
         c_kv = torch.randn(t, RANK, device=dev).bfloat16().requires_grad_()
         k_rope = torch.randn(t, ROPE, device=dev).bfloat16().requires_grad_()
-        w = (torch.randn(H * (NOPE + V), RANK, device=dev) * RANK ** -0.5).bfloat16().requires_grad_()
+        w = (torch.randn(H * (NOPE + V), RANK, device=dev) * RANK**-0.5).bfloat16().requires_grad_()
         leaves = (q_nope, q_rope, c_kv, k_rope, w)
         topk = random_topk(t, TOPK, dev)
         mask = selection_mask(topk, t)
@@ -111,6 +116,7 @@ def main(argv=None) -> int:
                     else:
                         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
                 return o[0].transpose(0, 1)
+
             return fn
 
         block_mask = None
@@ -118,16 +124,19 @@ def main(argv=None) -> int:
         def flex_fn():
             nonlocal block_mask
             if block_mask is None:
-                block_mask = create_block_mask(lambda b, h, qi, ki: mask[qi, ki], None, None, t, t, device=dev,
-                                               _compile=True)
+                block_mask = create_block_mask(
+                    lambda b, h, qi, ki: mask[qi, ki], None, None, t, t, device=dev, _compile=True
+                )
             q, k, v = plain_qkv()
             return flex(q, k, v, block_mask=block_mask, scale=scale)[0].transpose(0, 1)
 
-        paths = {"sparse (ours, absorbed)": sparse,
-                 "masked dense cuDNN": sdpa(SDPBackend.CUDNN_ATTENTION, True),
-                 "masked dense efficient": sdpa(SDPBackend.EFFICIENT_ATTENTION, True),
-                 "masked dense flex": flex_fn,
-                 "causal dense cuDNN (unmasked, not DSA)": sdpa(SDPBackend.CUDNN_ATTENTION, False)}
+        paths = {
+            "sparse (ours, absorbed)": sparse,
+            "masked dense cuDNN": sdpa(SDPBackend.CUDNN_ATTENTION, True),
+            "masked dense efficient": sdpa(SDPBackend.EFFICIENT_ATTENTION, True),
+            "masked dense flex": flex_fn,
+            "causal dense cuDNN (unmasked, not DSA)": sdpa(SDPBackend.CUDNN_ATTENTION, False),
+        }
         ref = None
         for name, fn in paths.items():
             row = {"T": t, "path": name}
@@ -136,17 +145,20 @@ def main(argv=None) -> int:
                 if ref is None:
                     ref = out.detach().float()
                 elif "unmasked" not in name:
-                    row["max_rel_diff_vs_sparse"] = float((out.float() - ref).abs().max() / ref.abs().max())
+                    row["max_rel_diff_vs_sparse"] = float(
+                        (out.float() - ref).abs().max() / ref.abs().max()
+                    )
                 del out
 
                 def fwd_bwd():
                     for x in leaves:
                         x.grad = None
                     fn().backward(grad)
+
                 row["fwd_ms"] = time_fn(lambda: fn(), args.reps, args.warmup)
                 torch.cuda.reset_peak_memory_stats()
                 row["fwd_bwd_ms"] = time_fn(fwd_bwd, args.reps, args.warmup)
-                row["peak_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30
+                row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
             except Exception as e:  # record and go on: some backends reject some shapes
                 row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
             results.append(row)
@@ -156,15 +168,27 @@ def main(argv=None) -> int:
     out_dir = os.environ.get("OUT")
     if out_dir:
         with open(os.path.join(out_dir, "attn_paths.json"), "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": results}, f,
-                      indent=1)
-    print(f"\n{'T':>6} | {'path':<40} | {'fwd ms':>8} | {'fwd+bwd ms':>10} | {'peak GiB':>8} | rel diff")
+            json.dump(
+                {
+                    "device": torch.cuda.get_device_name(),
+                    "torch": torch.__version__,
+                    "rows": results,
+                },
+                f,
+                indent=1,
+            )
+    print(
+        f"\n{'T':>6} | {'path':<40} | {'fwd ms':>8} | {'fwd+bwd ms':>10} | {'peak GiB':>8} | rel "
+        "diff"
+    )
     for r in results:
         if "error" in r:
             print(f"{r['T']:>6} | {r['path']:<40} | {r['error']}")
         else:
-            print(f"{r['T']:>6} | {r['path']:<40} | {r['fwd_ms']:8.2f} | {r['fwd_bwd_ms']:10.2f} | "
-                  f"{r['peak_gib']:8.2f} | {r.get('max_rel_diff_vs_sparse', float('nan')):.1e}")
+            print(
+                f"{r['T']:>6} | {r['path']:<40} | {r['fwd_ms']:8.2f} | {r['fwd_bwd_ms']:10.2f} | "
+                f"{r['peak_gib']:8.2f} | {r.get('max_rel_diff_vs_sparse', float('nan')):.1e}"
+            )
     return 0
 
 

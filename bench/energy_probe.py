@@ -1,4 +1,5 @@
-"""Energy per call of the 32K step's main kernels, each alone on one H200: where a power-capped step's joules go.
+"""Energy per call of the 32K step's main kernels, each alone on one H200: where a power-capped
+step's joules go.
 
 At 32K both sides of bench/e2e.py run at the 700 W cap (e2e_h200.md), so a kernel saves time in
 training only as far as it saves energy. This runs each piece back to back for ``--seconds`` and
@@ -6,24 +7,27 @@ reads the GPU's energy counter (NVML ``nvmlDeviceGetTotalEnergyConsumption``, mJ
 per call, mean power, and for the products FLOP per joule. Pieces at the proxy's 32K shapes, one
 layer's worth each:
 
-* ``sparse_fwd`` / ``sparse_bwd``: the sparse MLA forward, the whole backward (parts 1 + 2, chunked as in training);
+* ``sparse_fwd`` / ``sparse_bwd``: the sparse MLA forward, the whole backward (parts 1 + 2, chunked
+  as in training);
 * ``indexer``: the indexer's scoring + exact top-2048 over one 32K document;
-* ``moe_gemms``: the routed experts' products forward (16 experts x 16,384 rows, w13 6144 -> 4096 and
-  w2 2048 -> 6144), as one grouped product per weight (``torch._grouped_mm``);
+* ``moe_gemms``: the routed experts' products forward (16 experts x 16,384 rows, w13 6144 -> 4096
+  and w2 2048 -> 6144), as one grouped product per weight (``torch._grouped_mm``);
 * ``head_gemm``: the LM head's forward product for 4,096 tokens (one of the fused head's chunks).
 
-Opt-in pieces (``--pieces``) put the routed experts' products beside other ways of forming them, on the same
-tensors: ``moe_<w>_<form>`` for ``w`` in ``w13`` (6144 -> 4096), ``w2`` (2048 -> 6144), ``w13dx`` (the input
-gradient 4096 -> 6144) and ``w13dw`` (the weight gradient, summed over each expert's rows), each ``grouped``
-(``torch._grouped_mm``), ``loop`` (one cuBLAS ``torch.mm`` per expert into slices of one output: ``expert_mm``, what
-training runs from 8,192 rows per expert, and its backward's ``weight_grad``) or ``mm`` (one cuBLAS product of the
-same FLOPs with one expert's weight: the dense bound); ``head_gemm_t`` is the head's product in the other
-orientation (``W @ h^T``).
+Opt-in pieces (``--pieces``) put the routed experts' products beside other ways of forming them, on
+the same tensors: ``moe_<w>_<form>`` for ``w`` in ``w13`` (6144 -> 4096), ``w2`` (2048 -> 6144),
+``w13dx`` (the input gradient 4096 -> 6144) and ``w13dw`` (the weight gradient, summed over each
+expert's rows), each ``grouped`` (``torch._grouped_mm``), ``loop`` (one cuBLAS ``torch.mm`` per
+expert into slices of one output: ``expert_mm``, what training runs from 8,192 rows per expert, and
+its backward's ``weight_grad``) or ``mm`` (one cuBLAS product of the same FLOPs with one expert's
+weight: the dense bound); ``head_gemm_t`` is the head's product in the other orientation (``W @
+h^T``).
 
     python3 bench/energy_probe.py [--seconds 3] [--pieces a,b,...] [--rounds 1]
 
 Writes $OUT/energy_probe.json; lines starting RESULT summarise.
 """
+
 import argparse
 import json
 import os
@@ -43,9 +47,14 @@ from ws_inputs import D_I, D_QK, D_V, DEV, H, H_I, TOPK, bwd_inputs  # noqa: E40
 
 p = argparse.ArgumentParser()
 p.add_argument("--seconds", type=float, default=3.0)
-p.add_argument("--pieces", default="sparse_fwd,sparse_bwd,indexer,moe_gemms,head_gemm",
-               help="comma-separated names (see the docstring)")
-p.add_argument("--rounds", type=int, default=1, help="measure the pieces this many times over, in turn")
+p.add_argument(
+    "--pieces",
+    default="sparse_fwd,sparse_bwd,indexer,moe_gemms,head_gemm",
+    help="comma-separated names (see the docstring)",
+)
+p.add_argument(
+    "--rounds", type=int, default=1, help="measure the pieces this many times over, in turn"
+)
 a = p.parse_args()
 pynvml.nvmlInit()
 _nvml = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
@@ -58,27 +67,34 @@ def joules() -> float:
 
 T, E = 32768, 16
 g = torch.Generator(device=DEV).manual_seed(3)
-scale = D_QK ** -0.5
+scale = D_QK**-0.5
 q, kv, idx, kend, go, out, lse = bwd_inputs([T], 2, g, scale)
 qi = torch.randn(T, H_I, D_I, generator=g, device=DEV).to(torch.bfloat16)
 ki = torch.randn(T, D_I, generator=g, device=DEV).to(torch.bfloat16)
-wi = torch.randn(T, H_I, generator=g, device=DEV) * H_I ** -0.5
+wi = torch.randn(T, H_I, generator=g, device=DEV) * H_I**-0.5
 cu = torch.tensor([0, T], dtype=torch.int32, device=DEV)
 rows = T * 8 // E
 x = torch.randn(E * rows, 6144, generator=g, device=DEV).to(torch.bfloat16)
 h = torch.randn(E * rows, 2048, generator=g, device=DEV).to(torch.bfloat16)
-w13 = (torch.randn(E, 4096, 6144, generator=g, device=DEV) * 0.02).to(torch.bfloat16)  # stored as the model's
+# stored as the model's
+w13 = (torch.randn(E, 4096, 6144, generator=g, device=DEV) * 0.02).to(torch.bfloat16)
 w2 = (torch.randn(E, 6144, 2048, generator=g, device=DEV) * 0.02).to(torch.bfloat16)
 offs = torch.arange(rows, E * rows + 1, rows, device=DEV, dtype=torch.int32)
 xh = torch.randn(4096, 6144, generator=g, device=DEV).to(torch.bfloat16)
 wh = (torch.randn(154880, 6144, generator=g, device=DEV) * 0.02).to(torch.bfloat16)
 
-n_sel = T * TOPK - TOPK * (TOPK - 1) // 2  # (query, key) pairs the sparse kernels see (row t has min(t + 1, TOPK))
+# (query, key) pairs the sparse kernels see (row t has min(t + 1, TOPK))
+n_sel = T * TOPK - TOPK * (TOPK - 1) // 2
 pieces = {
     "sparse_fwd": (lambda: SM._fwd(q, kv, idx, kend, scale, D_V), 2 * H * n_sel * (D_QK + D_V)),
-    "sparse_bwd": (lambda: SM._bwd(q, kv, idx, kend, out, lse, go, scale, D_V), 2 * H * n_sel * (3 * D_QK + 2 * D_V)),
-    "indexer": (lambda: indexer_topk(qi, ki, wi, cu, TOPK, D_I ** -0.5, max_len=T),
-                2 * H_I * D_I * (T * (T + 1) // 2 - TOPK * (TOPK + 1) // 2)),
+    "sparse_bwd": (
+        lambda: SM._bwd(q, kv, idx, kend, out, lse, go, scale, D_V),
+        2 * H * n_sel * (3 * D_QK + 2 * D_V),
+    ),
+    "indexer": (
+        lambda: indexer_topk(qi, ki, wi, cu, TOPK, D_I**-0.5, max_len=T),
+        2 * H_I * D_I * (T * (T + 1) // 2 - TOPK * (TOPK + 1) // 2),
+    ),
     "head_gemm": (lambda: torch.mm(xh, wh.t()), 2 * 4096 * 6144 * 154880),
     "head_gemm_t": (lambda: torch.mm(wh, xh.t()), 2 * 4096 * 6144 * 154880),
 }
@@ -88,8 +104,12 @@ splits = [rows] * E
 moe_forms = {"w13": (w13, x), "w2": (w2, h), "w13dx": (w13.transpose(-2, -1), dgu)}
 for wname, (w, a_rows) in moe_forms.items():
     flop = 2 * E * rows * w.shape[1] * w.shape[2]
-    pieces[f"moe_{wname}_grouped"] = (lambda a=a_rows, w=w: torch._grouped_mm(a, w.transpose(-2, -1), offs=offs), flop)
-    pieces[f"moe_{wname}_loop"] = (lambda a=a_rows, w=w: expert_mm(a, w, splits), flop)  # what training runs
+    pieces[f"moe_{wname}_grouped"] = (
+        lambda a=a_rows, w=w: torch._grouped_mm(a, w.transpose(-2, -1), offs=offs),
+        flop,
+    )
+    # what training runs
+    pieces[f"moe_{wname}_loop"] = (lambda a=a_rows, w=w: expert_mm(a, w, splits), flop)
     pieces[f"moe_{wname}_mm"] = (lambda a=a_rows, w=w: torch.mm(a, w[0].t()), flop)
 (g13, f13), (g2, f2) = pieces["moe_w13_grouped"], pieces["moe_w2_grouped"]
 pieces["moe_gemms"] = (lambda: (g13(), g2()), f13 + f2)
@@ -106,11 +126,19 @@ for wname in [*moe_forms, "w13dw"]:  # the per-expert products form the grouped 
     if f"moe_{wname}_loop" in pieces and f"moe_{wname}_grouped" in pieces:
         ref = pieces[f"moe_{wname}_grouped"][0]().float()
         got = pieces[f"moe_{wname}_loop"][0]().float()
-        print(f"check {wname}: loop vs grouped max abs diff {(got - ref).abs().max().item():.3g} "
-              f"(max {ref.abs().max().item():.3g})", flush=True)
+        print(
+            f"check {wname}: loop vs grouped max abs diff {(got - ref).abs().max().item():.3g} "
+            f"(max {ref.abs().max().item():.3g})",
+            flush=True,
+        )
 
-res = {"T": T, "device": torch.cuda.get_device_name(), "seconds": a.seconds, "meter": "nvml energy counter",
-       "pieces": {}}
+res = {
+    "T": T,
+    "device": torch.cuda.get_device_name(),
+    "seconds": a.seconds,
+    "meter": "nvml energy counter",
+    "pieces": {},
+}
 for rnd in range(a.rounds):
     for name, (fn, flop) in pieces.items():
         key = name if rnd == 0 else f"{name}#{rnd + 1}"
@@ -130,12 +158,22 @@ for rnd in range(a.rounds):
             fn()
         torch.cuda.synchronize()
         dt, de = time.perf_counter() - t0, joules() - e0
-        r = {"calls": n, "ms_per_call": dt / n * 1e3, "j_per_call": de / n, "mean_w": de / dt, "flop": flop,
-             "tflops": flop / (dt / n) / 1e12, "pj_per_flop": de / n / flop * 1e12}
+        r = {
+            "calls": n,
+            "ms_per_call": dt / n * 1e3,
+            "j_per_call": de / n,
+            "mean_w": de / dt,
+            "flop": flop,
+            "tflops": flop / (dt / n) / 1e12,
+            "pj_per_flop": de / n / flop * 1e12,
+        }
         res["pieces"][key] = r
         print(key, json.dumps(r), flush=True)
 with open(os.path.join(os.environ.get("OUT", "/tmp"), "energy_probe.json"), "w") as f:
     json.dump(res, f, indent=1)
 for name, r in res["pieces"].items():
-    print(f"RESULT | {name} | {r['ms_per_call']:.2f} ms | {r['j_per_call']:.2f} J | {r['mean_w']:.0f} W | "
-          f"{r['tflops']:.0f} TFLOP/s | {r['pj_per_flop']:.2f} pJ/FLOP |")
+    print(
+        f"RESULT | {name} | {r['ms_per_call']:.2f} ms | {r['j_per_call']:.2f} J | "
+        f"{r['mean_w']:.0f} W | "
+        f"{r['tflops']:.0f} TFLOP/s | {r['pj_per_flop']:.2f} pJ/FLOP |"
+    )

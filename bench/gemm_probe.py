@@ -1,11 +1,13 @@
-"""Times the proxy's large GEMMs at 32K tokens alone and in the order one MoE layer's backward runs them.
+"""Times the proxy's large GEMMs at 32K tokens alone and in the order one MoE layer's backward runs
+them.
 
-In a profiled 32K training step (bench/results/2026-12-03_h200_e2e.md) the attention output projection's
-backward products (``dX = dY @ W_o`` [32768, 6144] x [6144, 16384] and ``dW = dY^T @ X``) took 10.4-17.0 ms each
-in the MoE layers against 7.9-8.9 ms for the forward product of the same FLOPs (and 8.0-8.3 in the dense layer).
-This script separates the product's own speed from its context: each product alone (CUDA events around every
-call), then the backward sequence of one MoE layer (grouped expert products, then the output projection's two)
-repeated, then the same sequence with the output-projection products computed in other layouts.
+In a profiled 32K training step (bench/results/2026-12-03_h200_e2e.md) the attention output
+projection's backward products (``dX = dY @ W_o`` [32768, 6144] x [6144, 16384] and ``dW = dY^T @
+X``) took 10.4-17.0 ms each in the MoE layers against 7.9-8.9 ms for the forward product of the same
+FLOPs (and 8.0-8.3 in the dense layer). This script separates the product's own speed from its
+context: each product alone (CUDA events around every call), then the backward sequence of one MoE
+layer (grouped expert products, then the output projection's two) repeated, then the same sequence
+with the output-projection products computed in other layouts.
 
     python3 bench/gemm_probe.py [--reps 8] [--out probe.json]
 
@@ -25,8 +27,10 @@ T, D, HV, E, F, TOPK = 32768, 6144, 16384, 16, 2048, 8
 
 def _timed(fns, reps):
     """Runs the list of (name, fn, flops) reps times in order; returns {name: [ms, ...]}."""
-    ev = [[(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in fns]
-          for _ in range(reps)]
+    ev = [
+        [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in fns]
+        for _ in range(reps)
+    ]
     for r in range(reps):
         for (name, fn, _), (a, b) in zip(fns, ev[r]):
             a.record()
@@ -44,10 +48,22 @@ def _report(case, fns, times, rows):
     for name, _, flops in fns:
         ts = times[name]
         med = statistics.median(ts)
-        rows.append(dict(case=case, product=name, median_ms=med, min_ms=min(ts), max_ms=max(ts),
-                         tflops=flops / med / 1e9, ms=ts))
-        print(f"{case:14s} {name:22s} median {med:7.2f} min {min(ts):7.2f} max {max(ts):7.2f} ms "
-              f"{flops / med / 1e9:6.0f} TFLOP/s", flush=True)
+        rows.append(
+            dict(
+                case=case,
+                product=name,
+                median_ms=med,
+                min_ms=min(ts),
+                max_ms=max(ts),
+                tflops=flops / med / 1e9,
+                ms=ts,
+            )
+        )
+        print(
+            f"{case:14s} {name:22s} median {med:7.2f} min {min(ts):7.2f} max {max(ts):7.2f} ms "
+            f"{flops / med / 1e9:6.0f} TFLOP/s",
+            flush=True,
+        )
 
 
 def main() -> None:
@@ -61,11 +77,12 @@ def main() -> None:
     def rnd(*shape):
         return torch.randn(*shape, device=dev, dtype=bf, generator=g) * 0.02
 
-    x_attn = rnd(T, HV)           # the output projection's input (attention output, heads x v_head_dim)
-    w_o = rnd(D, HV)              # o_proj weight [out, in]
-    dy = rnd(T, D)                # gradient at the output projection's output
+    # the output projection's input (attention output, heads x v_head_dim)
+    x_attn = rnd(T, HV)
+    w_o = rnd(D, HV)  # o_proj weight [out, in]
+    dy = rnd(T, D)  # gradient at the output projection's output
     n_rows = T * TOPK
-    xs = rnd(n_rows, D)           # routed rows (expert-sorted)
+    xs = rnd(n_rows, D)  # routed rows (expert-sorted)
     w13 = rnd(E, 2 * F, D)
     w2 = rnd(E, D, F)
     h = rnd(n_rows, F)
@@ -87,7 +104,11 @@ def main() -> None:
         ("w13 dX (grouped)", lambda: torch._grouped_mm(d_gu, w13, offs=offs), f_13),
     ]
     moe_fwd = [
-        ("w13 fwd (grouped)", lambda: torch._grouped_mm(xs, w13.transpose(-2, -1), offs=offs), f_13),
+        (
+            "w13 fwd (grouped)",
+            lambda: torch._grouped_mm(xs, w13.transpose(-2, -1), offs=offs),
+            f_13,
+        ),
         ("w2 fwd (grouped)", lambda: torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs), f_2),
     ]
     variants = {
@@ -108,17 +129,24 @@ def main() -> None:
     _report("seq, T layouts", seq2, _timed(seq2, a.reps), rows)
     fwd_seq = [o_fwd, *moe_fwd]
     _report("moe fwd seq", fwd_seq, _timed(fwd_seq, a.reps), rows)
-    # The expert products as one cuBLAS product per expert (host-known row counts), written into slices of one
-    # output, against the grouped kernel, alternating in one sequence.
+    # The expert products as one cuBLAS product per expert (host-known row counts), written into
+    # slices of one output, against the grouped kernel, alternating in one sequence.
     bounds = [(e * (n_rows // E), (e + 1) * (n_rows // E)) for e in range(E)]
-    o13, o2 = torch.empty(n_rows, 2 * F, device=dev, dtype=bf), torch.empty(n_rows, D, device=dev, dtype=bf)
-    dx13, dx2 = torch.empty(n_rows, D, device=dev, dtype=bf), torch.empty(n_rows, F, device=dev, dtype=bf)
+    o13, o2 = (
+        torch.empty(n_rows, 2 * F, device=dev, dtype=bf),
+        torch.empty(n_rows, D, device=dev, dtype=bf),
+    )
+    dx13, dx2 = (
+        torch.empty(n_rows, D, device=dev, dtype=bf),
+        torch.empty(n_rows, F, device=dev, dtype=bf),
+    )
     dw13, dw2 = torch.empty_like(w13), torch.empty_like(w2)
 
     def loop(fn):
         def run():
             for e, (s, t) in enumerate(bounds):
                 fn(e, s, t)
+
         return run
 
     loops = [
@@ -126,7 +154,11 @@ def main() -> None:
         ("w2 fwd (loop)", loop(lambda e, s, t: torch.mm(h[s:t], w2[e].t(), out=o2[s:t])), f_2),
         ("w2 dW (loop)", loop(lambda e, s, t: torch.mm(d_out[s:t].t(), h[s:t], out=dw2[e])), f_2),
         ("w2 dX (loop)", loop(lambda e, s, t: torch.mm(d_out[s:t], w2[e], out=dx2[s:t])), f_2),
-        ("w13 dW (loop)", loop(lambda e, s, t: torch.mm(d_gu[s:t].t(), xs[s:t], out=dw13[e])), f_13),
+        (
+            "w13 dW (loop)",
+            loop(lambda e, s, t: torch.mm(d_gu[s:t].t(), xs[s:t], out=dw13[e])),
+            f_13,
+        ),
         ("w13 dX (loop)", loop(lambda e, s, t: torch.mm(d_gu[s:t], w13[e], out=dx13[s:t])), f_13),
     ]
     for fn in loops:
@@ -135,7 +167,11 @@ def main() -> None:
     _report("grouped/loop", both, _timed(both, a.reps), rows)
     if a.out:
         with open(a.out, "w") as f:
-            json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, T=T, rows=rows), f, indent=1)
+            json.dump(
+                dict(device=torch.cuda.get_device_name(), torch=torch.__version__, T=T, rows=rows),
+                f,
+                indent=1,
+            )
 
 
 if __name__ == "__main__":

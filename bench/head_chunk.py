@@ -1,12 +1,14 @@
-"""The output head's fused linear + cross-entropy (``model/head.py``) at the proxy's widths, by chunk size.
+"""The output head's fused linear + cross-entropy (``model/head.py``) at the proxy's widths, by
+chunk size.
 
-Each chunk forms its logits, the loss and their gradient, then the hidden-state and weight gradients; the weight's
-gradient is accumulated over the chunks (``addmm_``). Larger chunks mean fewer accumulations of the
-[vocab, hidden] gradient and longer reductions in its GEMM, at the price of a larger logits buffer. Times the
-head's forward and backward (its GEMMs all run in the forward) for each chunk size, interleaved, with CUDA events,
-and reports the peak memory the head adds.
+Each chunk forms its logits, the loss and their gradient, then the hidden-state and weight
+gradients; the weight's gradient is accumulated over the chunks (``addmm_``). Larger chunks mean
+fewer accumulations of the [vocab, hidden] gradient and longer reductions in its GEMM, at the price
+of a larger logits buffer. Times the head's forward and backward (its GEMMs all run in the forward)
+for each chunk size, interleaved, with CUDA events, and reports the peak memory the head adds.
 
-    python3 bench/head_chunk.py [--tokens 32768] [--chunks 4096,8192,16384] [--reps 5] [--out head.json]
+    python3 bench/head_chunk.py [--tokens 32768] [--chunks 4096,8192,16384] [--reps 5] [--out
+    head.json]
 """
 
 from __future__ import annotations
@@ -34,8 +36,16 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("bench/head_chunk.py times CUDA kernels: run it on the GPU machine")
     g = torch.Generator(device=dev).manual_seed(0)
-    h = (torch.randn(a.tokens, a.dim, device=dev, generator=g) * 0.5).to(torch.bfloat16).requires_grad_()
-    w = (torch.randn(a.vocab, a.dim, device=dev, generator=g) * 0.02).to(torch.bfloat16).requires_grad_()
+    h = (
+        (torch.randn(a.tokens, a.dim, device=dev, generator=g) * 0.5)
+        .to(torch.bfloat16)
+        .requires_grad_()
+    )
+    w = (
+        (torch.randn(a.vocab, a.dim, device=dev, generator=g) * 0.02)
+        .to(torch.bfloat16)
+        .requires_grad_()
+    )
     labels = torch.randint(0, a.vocab, (a.tokens,), device=dev, generator=g)
     flops = 3 * 2 * a.tokens * a.dim * a.vocab
 
@@ -45,7 +55,8 @@ def main() -> None:
         h.grad = w.grad = None
         return loss
 
-    ref = {c: run(c).item() for c in chunks}  # warm-up (Triton compile) and the losses, which must agree
+    # warm-up (Triton compile) and the losses, which must agree
+    ref = {c: run(c).item() for c in chunks}
     peaks = {}
     for c in chunks:
         torch.cuda.synchronize()
@@ -66,14 +77,36 @@ def main() -> None:
     rows = []
     for c in chunks:
         med = statistics.median(times[c])
-        rows.append(dict(chunk=c, median_ms=med, ms=times[c], tflops=flops / med / 1e9, peak_gib=peaks[c],
-                         loss=ref[c]))
-        print(f"chunk {c:6d}: median {med:7.2f} ms (min {min(times[c]):7.2f}, max {max(times[c]):7.2f}) "
-              f"{flops / med / 1e9:5.0f} TFLOP/s, head's peak {peaks[c]:5.2f} GiB, loss {ref[c]:.6e}", flush=True)
+        rows.append(
+            dict(
+                chunk=c,
+                median_ms=med,
+                ms=times[c],
+                tflops=flops / med / 1e9,
+                peak_gib=peaks[c],
+                loss=ref[c],
+            )
+        )
+        print(
+            f"chunk {c:6d}: median {med:7.2f} ms (min {min(times[c]):7.2f}, max "
+            f"{max(times[c]):7.2f}) "
+            f"{flops / med / 1e9:5.0f} TFLOP/s, head's peak {peaks[c]:5.2f} GiB, loss {ref[c]:.6e}",
+            flush=True,
+        )
     if a.out:
         with open(a.out, "w") as f:
-            json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, tokens=a.tokens,
-                           dim=a.dim, vocab=a.vocab, rows=rows), f, indent=1)
+            json.dump(
+                dict(
+                    device=torch.cuda.get_device_name(),
+                    torch=torch.__version__,
+                    tokens=a.tokens,
+                    dim=a.dim,
+                    vocab=a.vocab,
+                    rows=rows,
+                ),
+                f,
+                indent=1,
+            )
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ its "score" overrides. "scratch_bytes" sets the call's score scratch budget
 
 Writes $OUT/indexer_sweep.json; lines starting RESULT summarise.
 """
+
 import json
 import os
 import sys
@@ -28,13 +29,16 @@ from titan_glm52.kernels.tuning import launch_overrides  # noqa: E402
 DEV, H_I, D_I, TOPK = "cuda", 32, 128, 2048
 SKIP_SELECT = {"indexer_topk": {"select": {"skip": True}}}  # the scoring alone
 variants = [json.loads(a) for a in sys.argv[1:]] or [{}]
-res = {"variants": variants, "defaults": {**IT.SCORE_LAUNCH},
-       "ws_defaults": dict(WS.DEFAULTS["score"])}
+res = {
+    "variants": variants,
+    "defaults": {**IT.SCORE_LAUNCH},
+    "ws_defaults": dict(WS.DEFAULTS["score"]),
+}
 for T in [4096, 32768]:
     g = torch.Generator(device=DEV).manual_seed(0)
     qi = torch.randn(T, H_I, D_I, generator=g, device=DEV).to(torch.bfloat16)
     ki = torch.randn(T, D_I, generator=g, device=DEV).to(torch.bfloat16)
-    wi = torch.randn(T, H_I, generator=g, device=DEV) * H_I ** -0.5
+    wi = torch.randn(T, H_I, generator=g, device=DEV) * H_I**-0.5
     cu = torch.tensor([0, T], dtype=torch.int32, device=DEV)
     flop = 2 * H_I * D_I * (T * (T + 1) // 2 - TOPK * (TOPK + 1) // 2)  # rows past topk are scored
     rows, ref = [], None
@@ -48,22 +52,41 @@ for T in [4096, 32768]:
             launch = {"indexer_topk": {"score": var}}
 
         def call():
-            return IT.indexer_topk(qi, ki, wi, cu, TOPK, D_I ** -0.5, max_len=T,
-                                   scratch_bytes=scratch, gluon=ws is not None)
+            return IT.indexer_topk(
+                qi,
+                ki,
+                wi,
+                cu,
+                TOPK,
+                D_I**-0.5,
+                max_len=T,
+                scratch_bytes=scratch,
+                gluon=ws is not None,
+            )
+
         with launch_overrides(launch):
             out = call()
             ref = out if ref is None else ref
             ms = triton.testing.do_bench(call, warmup=5, rep=200)
             with launch_overrides(SKIP_SELECT):
                 score_ms = triton.testing.do_bench(call, warmup=5, rep=200)
-        rows.append(dict(variant=spec, ms=ms, score_ms=score_ms, score_tflops=flop / score_ms / 1e9,
-                         identical=bool(torch.equal(out, ref))))
+        rows.append(
+            dict(
+                variant=spec,
+                ms=ms,
+                score_ms=score_ms,
+                score_tflops=flop / score_ms / 1e9,
+                identical=bool(torch.equal(out, ref)),
+            )
+        )
         print(T, json.dumps(rows[-1]), flush=True)
     res[f"T{T}"] = rows
 with open(os.path.join(os.environ.get("OUT", "/tmp"), "indexer_sweep.json"), "w") as f:
     json.dump(res, f, indent=1)
 for T in [4096, 32768]:
-    cells = [f"{json.dumps(r['variant'])} {r['ms']:.2f} ms (score {r['score_ms']:.2f} ms, "
-             f"{r['score_tflops']:.0f} TF{'' if r['identical'] else ', DIFFERENT'})"
-             for r in res[f"T{T}"]]
+    cells = [
+        f"{json.dumps(r['variant'])} {r['ms']:.2f} ms (score {r['score_ms']:.2f} ms, "
+        f"{r['score_tflops']:.0f} TF{'' if r['identical'] else ', DIFFERENT'})"
+        for r in res[f"T{T}"]
+    ]
     print(f"RESULT | indexer_topk | T {T} | " + " | ".join(cells) + " |")

@@ -1,5 +1,5 @@
-"""GPU benchmark of the Triton DSA kernels at GLM-5.2 sizes, side by side with the torch reference and dense
-causal attention of the same model.
+"""GPU benchmark of the Triton DSA kernels at GLM-5.2 sizes, side by side with the torch reference
+and dense causal attention of the same model.
 
     python bench/kernels.py [--sizes 4096,16384,32768,65536,131072] [--out bench/results/kernels_h200.json]
     python bench/kernels.py --sweep-only --tune-out chosen.json  # launch alternatives, fastest kept
@@ -9,14 +9,15 @@ causal attention of the same model.
 of it) for the whole run; ``--no-gluon``: the Triton kernels only (``gluon=False``) where the Gluon
 ones would run.
 
-Shapes: H = 64, D_qk = 576, d_v = 512, topk = 2048, H_I = 32, D_I = 128, bf16. One document of T tokens
-("single"), plus packed 8K documents ("packed8k") for the indexer and the sparse forward. FLOPs (per query, K_valid
-= min(topk, visible keys)): sparse fwd 2*H*K_valid*(D_qk+d_v), sparse bwd 2*H*K_valid*(3*D_qk+2*d_v), indexer
-2*H_I*D_I*visible pairs (its tensor-core floor at 790 TFLOP/s is reported next to it), KL loss fwd+bwd
-2*H*K_valid*D_qk (target recompute) + 3*2*H_I*D_I*K_valid. Dense: F.scaled_dot_product_attention (flash),
-64 heads, q/k head dim 256 (192 + 64), v 256, causal. The torch reference runs only where it fits and finishes
-quickly; elsewhere it is recorded as skipped. JSON is rewritten after every measurement (a killed run keeps
-what it measured); with $OUT set a copy goes to $OUT/kernels_h200.json.
+Shapes: H = 64, D_qk = 576, d_v = 512, topk = 2048, H_I = 32, D_I = 128, bf16. One document of T
+tokens ("single"), plus packed 8K documents ("packed8k") for the indexer and the sparse forward.
+FLOPs (per query, K_valid = min(topk, visible keys)): sparse fwd 2*H*K_valid*(D_qk+d_v), sparse bwd
+2*H*K_valid*(3*D_qk+2*d_v), indexer 2*H_I*D_I*visible pairs (its tensor-core floor at 790 TFLOP/s is
+reported next to it), KL loss fwd+bwd 2*H*K_valid*D_qk (target recompute) + 3*2*H_I*D_I*K_valid.
+Dense: F.scaled_dot_product_attention (flash), 64 heads, q/k head dim 256 (192 + 64), v 256, causal.
+The torch reference runs only where it fits and finishes quickly; elsewhere it is recorded as
+skipped. JSON is rewritten after every measurement (a killed run keeps what it measured); with $OUT
+set a copy goes to $OUT/kernels_h200.json.
 """
 
 from __future__ import annotations
@@ -46,27 +47,44 @@ def _save(path: str) -> None:
     paths = {os.path.abspath(path)}
     out_dir = os.environ.get("OUT")
     if out_dir and os.path.dirname(os.path.abspath(path)) != os.path.abspath(out_dir):
-        paths.add(os.path.join(out_dir, "kernels_h200.json"))  # on the device machine, also bring it back
+        # on the device machine, also bring it back
+        paths.add(os.path.join(out_dir, "kernels_h200.json"))
     for p in paths:
         os.makedirs(os.path.dirname(os.path.abspath(p)), exist_ok=True)
         with open(p, "w") as f:
             json.dump(doc, f, indent=1)
 
 
-def record(path, kernel, impl, T, layout, ms=None, flop=None, nbytes=None, peak=None, status="ok", **extra):
-    r = {"kernel": kernel, "impl": impl, "T": T, "layout": layout, "status": status, "ms": ms,
-         "tflops": (flop / ms / 1e9 if ms and flop else None), "gbps": (nbytes / ms / 1e6 if ms and nbytes else None),
-         "peak_mem_gb": peak, **extra}
+def record(
+    path, kernel, impl, T, layout, ms=None, flop=None, nbytes=None, peak=None, status="ok", **extra
+):
+    r = {
+        "kernel": kernel,
+        "impl": impl,
+        "T": T,
+        "layout": layout,
+        "status": status,
+        "ms": ms,
+        "tflops": (flop / ms / 1e9 if ms and flop else None),
+        "gbps": (nbytes / ms / 1e6 if ms and nbytes else None),
+        "peak_mem_gb": peak,
+        **extra,
+    }
     RESULTS.append(r)
     _save(path)
     tf = f"{r['tflops']:.1f}" if r["tflops"] else "-"
-    print(f"  {kernel:22s} {impl:7s} T={T:<7d} {layout:9s} {status:8s} "
-          f"{(f'{ms:.3f} ms' if ms else ''):>12s} {tf:>7s} TFLOP/s", flush=True)
+    print(
+        f"  {kernel:22s} {impl:7s} T={T:<7d} {layout:9s} {status:8s} "
+        f"{(f'{ms:.3f} ms' if ms else ''):>12s} {tf:>7s} TFLOP/s",
+        flush=True,
+    )
 
 
 def bench(fn, rep_ms=200):
-    """do_bench for fast calls; two timed calls after one warm-up for slow ones (seconds at 128K)."""
+    """do_bench for fast calls; two timed calls after one warm-up for slow ones (seconds at
+    128K)."""
     import triton.testing
+
     fn()
     torch.cuda.synchronize()
     t0 = time.time()
@@ -104,9 +122,13 @@ def layout_lengths(T, layout):
 
 
 def counts(lengths):
-    """(visible (query, key) pairs, selected valid pairs = sum over queries of min(topk, visible))."""
+    """(visible (query, key) pairs, selected valid pairs = sum over queries of min(topk,
+    visible))."""
     pairs = sum(L * (L + 1) // 2 for L in lengths)
-    kvalid = sum(L * (L + 1) // 2 if L <= TOPK else TOPK * (TOPK + 1) // 2 + (L - TOPK) * TOPK for L in lengths)
+    kvalid = sum(
+        L * (L + 1) // 2 if L <= TOPK else TOPK * (TOPK + 1) // 2 + (L - TOPK) * TOPK
+        for L in lengths
+    )
     return pairs, kvalid
 
 
@@ -116,7 +138,7 @@ def make_inputs(T, lengths, seed=0):
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=dev)
     qi = torch.randn(T, H_I, D_I, generator=g, device=dev).to(torch.bfloat16)
     ki = torch.randn(T, D_I, generator=g, device=dev).to(torch.bfloat16)
-    wi = torch.randn(T, H_I, generator=g, device=dev) * H_I ** -0.5
+    wi = torch.randn(T, H_I, generator=g, device=dev) * H_I**-0.5
     return cu, qi, ki, wi
 
 
@@ -125,25 +147,46 @@ def run_size(args, T, layout, deadline):
     from titan_glm52.kernels.indexer_loss import indexer_kl_sparse
     from titan_glm52.kernels import indexer_topk as IT
     from titan_glm52.kernels import sparse_mla as SM
+
     indexer_topk = functools.partial(IT.indexer_topk, gluon=args.gluon)
     sparse_mla = functools.partial(SM.sparse_mla, gluon=args.gluon)
     out = args.out
     lengths = layout_lengths(T, layout)
     pairs, kvalid = counts(lengths)
     cu, qi, ki, wi = make_inputs(T, lengths)
-    iscale, scale = D_I ** -0.5, D_QK ** -0.5
+    iscale, scale = D_I**-0.5, D_QK**-0.5
 
     # ---------------- indexer + top-k
     flop = 2 * H_I * D_I * pairs
     fn = lambda: indexer_topk(qi, ki, wi, cu, TOPK, iscale)  # noqa: E731
     idx = fn()
     ms = bench(fn, rep_ms=300)
-    record(out, "indexer_topk", "triton", T, layout, ms, flop, pairs * 4 * 3, peak_of(fn),
-           floor_ms=flop / BF16_PEAK * 1e3, x_floor=ms / (flop / BF16_PEAK * 1e3))
+    record(
+        out,
+        "indexer_topk",
+        "triton",
+        T,
+        layout,
+        ms,
+        flop,
+        pairs * 4 * 3,
+        peak_of(fn),
+        floor_ms=flop / BF16_PEAK * 1e3,
+        x_floor=ms / (flop / BF16_PEAK * 1e3),
+    )
     if T <= args.ref_max_topk and time.time() < deadline:
         rms = timed_once(lambda: R.indexer_topk(qi, ki, wi, cu, TOPK, iscale), reps=1)
-        record(out, "indexer_topk", "torch", T, layout, rms, flop, None,
-               peak_of(lambda: R.indexer_topk(qi, ki, wi, cu, TOPK, iscale)))
+        record(
+            out,
+            "indexer_topk",
+            "torch",
+            T,
+            layout,
+            rms,
+            flop,
+            None,
+            peak_of(lambda: R.indexer_topk(qi, ki, wi, cu, TOPK, iscale)),
+        )
     else:
         record(out, "indexer_topk", "torch", T, layout, status="skipped")
     if layout != "single":
@@ -169,10 +212,22 @@ def run_size(args, T, layout, deadline):
     if T <= args.ref_max_mla and time.time() < deadline:
         with torch.no_grad():
             rf = lambda: R.sparse_mla(q, kv, idx, scale, D_V)  # noqa: E731
-            record(out, "sparse_mla_fwd", "torch", T, layout, timed_once(rf), f_flop, f_bytes, peak_of(rf))
+            record(
+                out,
+                "sparse_mla_fwd",
+                "torch",
+                T,
+                layout,
+                timed_once(rf),
+                f_flop,
+                f_bytes,
+                peak_of(rf),
+            )
         ro, _ = R.sparse_mla(q, kv, idx, scale, D_V)
         rb = lambda: torch.autograd.grad(ro, (q, kv), do, retain_graph=True)  # noqa: E731
-        record(out, "sparse_mla_bwd", "torch", T, layout, timed_once(rb), b_flop, b_bytes, peak_of(rb))
+        record(
+            out, "sparse_mla_bwd", "torch", T, layout, timed_once(rb), b_flop, b_bytes, peak_of(rb)
+        )
         del ro
     else:
         record(out, "sparse_mla_fwd", "torch", T, layout, status="skipped")
@@ -186,22 +241,39 @@ def run_size(args, T, layout, deadline):
     def kl_step():
         kl = indexer_kl_sparse(q.detach(), kv.detach(), scale, lse, qi_, ki_, wi_, iscale, idx)
         torch.autograd.grad(kl, (qi_, ki_, wi_), grow)
+
     ms = bench(kl_step)
     record(out, "indexer_kl_fwd_bwd", "triton", T, layout, ms, kl_flop, None, peak_of(kl_step))
     if T <= args.ref_max_mla and time.time() < deadline:
+
         def kl_ref():
-            kl = R.indexer_kl(q.detach(), kv.detach(), scale, qi_, ki_, wi_, iscale, cu, indices=idx)
+            kl = R.indexer_kl(
+                q.detach(), kv.detach(), scale, qi_, ki_, wi_, iscale, cu, indices=idx
+            )
             torch.autograd.grad(kl, (qi_, ki_, wi_), grow)
-        record(out, "indexer_kl_fwd_bwd", "torch", T, layout, timed_once(kl_ref), kl_flop, None, peak_of(kl_ref))
+
+        record(
+            out,
+            "indexer_kl_fwd_bwd",
+            "torch",
+            T,
+            layout,
+            timed_once(kl_ref),
+            kl_flop,
+            None,
+            peak_of(kl_ref),
+        )
     else:
         record(out, "indexer_kl_fwd_bwd", "torch", T, layout, status="skipped")
 
 
 def run_dense(args, T, layout, deadline):
-    """Dense causal attention of the same model (flash SDPA, 64 heads, head dim 256) over T tokens."""
+    """Dense causal attention of the same model (flash SDPA, 64 heads, head dim 256) over T
+    tokens."""
     out = args.out
     if time.time() < deadline:
         from torch.nn.attention import SDPBackend, sdpa_kernel
+
         qd = torch.randn(1, H, T, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         kd = torch.randn(1, H, T, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         vd = torch.randn(1, H, T, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -209,21 +281,54 @@ def run_dense(args, T, layout, deadline):
         d_flop = 2 * H * (T * (T + 1) // 2) * (256 + 256)
         try:
             with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-                df = lambda: F.scaled_dot_product_attention(qd, kd, vd, is_causal=True)  # noqa: E731
+                # noqa: E731
+                df = lambda: F.scaled_dot_product_attention(qd, kd, vd, is_causal=True)
                 with torch.no_grad():
-                    record(out, "dense_attn_fwd", "sdpa", T, layout, bench(df), d_flop, None, peak_of(df))
+                    record(
+                        out,
+                        "dense_attn_fwd",
+                        "sdpa",
+                        T,
+                        layout,
+                        bench(df),
+                        d_flop,
+                        None,
+                        peak_of(df),
+                    )
                 od = df()
-                db = lambda: torch.autograd.grad(od, (qd, kd, vd), dd, retain_graph=True)  # noqa: E731
-                record(out, "dense_attn_bwd", "sdpa", T, layout, bench(db), 2.5 * d_flop, None, peak_of(db))
+                # noqa: E731
+                db = lambda: torch.autograd.grad(od, (qd, kd, vd), dd, retain_graph=True)
+                record(
+                    out,
+                    "dense_attn_bwd",
+                    "sdpa",
+                    T,
+                    layout,
+                    bench(db),
+                    2.5 * d_flop,
+                    None,
+                    peak_of(db),
+                )
         except Exception as e:  # flash may refuse head dim 256 on some builds
-            record(out, "dense_attn_fwd", "sdpa", T, layout, status=f"error: {type(e).__name__}: {e}"[:200])
+            record(
+                out,
+                "dense_attn_fwd",
+                "sdpa",
+                T,
+                layout,
+                status=f"error: {type(e).__name__}: {e}"[:200],
+            )
         del qd, kd, vd, dd
         torch.cuda.empty_cache()
 
 
 SWEEP = {  # (module, part) -> alternatives to the built-in default ({}); the fastest is kept
-    ("indexer_topk", "score"): [dict(BN=128, num_warps=8, num_stages=2), dict(BN=64, num_warps=4, num_stages=2),
-                                dict(BN=64, num_warps=4, num_stages=4), dict(BN=64, num_warps=8, num_stages=3)],
+    ("indexer_topk", "score"): [
+        dict(BN=128, num_warps=8, num_stages=2),
+        dict(BN=64, num_warps=4, num_stages=2),
+        dict(BN=64, num_warps=4, num_stages=4),
+        dict(BN=64, num_warps=8, num_stages=3),
+    ],
     ("indexer_topk", "select"): [dict(BLOCK=2048, num_warps=8), dict(BLOCK=512, num_warps=4)],
     ("sparse_mla", "fwd"): [dict(BK=32, num_stages=3)],
     ("sparse_mla", "bwd_ps"): [dict(BK=32, num_stages=2), dict(BH=32, BK=64, num_stages=2)],
@@ -242,6 +347,7 @@ def sweep(args, deadline) -> dict:
     from titan_glm52.kernels import indexer_topk as IT
     from titan_glm52.kernels import sparse_mla as SM
     from titan_glm52.kernels.tuning import launch_overrides
+
     gluon = args.gluon
     T = args.sweep_T
     lengths = [T]
@@ -259,12 +365,17 @@ def sweep(args, deadline) -> dict:
     def kl_step():
         kl = IL.indexer_kl_sparse(q, kv, 0.04, lse, qi_, ki_, wi_, 0.09, idx)
         torch.autograd.grad(kl, (qi_, ki_, wi_), torch.ones_like(kl))
+
     work = {
-        "indexer_topk": (lambda: IT.indexer_topk(qi, ki, wi, cu, TOPK, 1.0, gluon=gluon),
-                         2 * H_I * D_I * pairs),
+        "indexer_topk": (
+            lambda: IT.indexer_topk(qi, ki, wi, cu, TOPK, 1.0, gluon=gluon),
+            2 * H_I * D_I * pairs,
+        ),
         "fwd": (lambda: SM._fwd(q, kv, idx, kend, 0.04, D_V, gluon), 2 * H * kvalid * (D_QK + D_V)),
-        "bwd": (lambda: SM._bwd(q, kv, idx, kend, o, lse, do, 0.04, D_V, gluon),
-                2 * H * kvalid * (3 * D_QK + 2 * D_V)),
+        "bwd": (
+            lambda: SM._bwd(q, kv, idx, kend, o, lse, do, 0.04, D_V, gluon),
+            2 * H * kvalid * (3 * D_QK + 2 * D_V),
+        ),
         "indexer_loss": (kl_step, 2 * H * kvalid * D_QK + 3 * 2 * H_I * D_I * kvalid),
     }
     chosen = {}
@@ -272,10 +383,20 @@ def sweep(args, deadline) -> dict:
     def measure(name, fn, flop, cfg):
         try:
             ms = bench(fn)
-            record(args.out, f"sweep_{name}", "triton", T, "single", ms, flop, None, None, config=cfg)
+            record(
+                args.out, f"sweep_{name}", "triton", T, "single", ms, flop, None, None, config=cfg
+            )
             return ms
         except Exception as e:
-            record(args.out, f"sweep_{name}", "triton", T, "single", status=f"error: {e}"[:300], config=cfg)
+            record(
+                args.out,
+                f"sweep_{name}",
+                "triton",
+                T,
+                "single",
+                status=f"error: {e}"[:300],
+                config=cfg,
+            )
             return float("inf")
 
     with launch_overrides({"indexer_topk": {"select": {"skip": True}}}):
@@ -306,29 +427,54 @@ def sweep(args, deadline) -> dict:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", default="4096,16384,32768,65536,131072")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                                  "kernels_h200.json"))
+    ap.add_argument(
+        "--out",
+        default=os.path.join(
+            os.path.dirname(os.path.abspath(__file__)), "results", "kernels_h200.json"
+        ),
+    )
     ap.add_argument("--ref-max-topk", type=int, default=16384)
     ap.add_argument("--ref-max-mla", type=int, default=8192)
-    ap.add_argument("--packed", default="32768,131072", help="sizes also run as packed 8K documents (indexer)")
-    ap.add_argument("--sweep", action="store_true", help="also time a few launch configurations, keep the best")
+    ap.add_argument(
+        "--packed", default="32768,131072", help="sizes also run as packed 8K documents (indexer)"
+    )
+    ap.add_argument(
+        "--sweep", action="store_true", help="also time a few launch configurations, keep the best"
+    )
     ap.add_argument("--sweep-only", action="store_true", help="only the sweep")
     ap.add_argument("--tune-out", default="", help="write the chosen launch parameters here (JSON)")
-    ap.add_argument("--overrides", default="",
-                    help="launch overrides for the whole run: JSON or a JSON file")
-    ap.add_argument("--no-gluon", dest="gluon", action="store_false",
-                    help="the Triton kernels only, also where the Gluon ones would run")
+    ap.add_argument(
+        "--overrides", default="", help="launch overrides for the whole run: JSON or a JSON file"
+    )
+    ap.add_argument(
+        "--no-gluon",
+        dest="gluon",
+        action="store_false",
+        help="the Triton kernels only, also where the Gluon ones would run",
+    )
     ap.add_argument("--sweep-T", type=int, default=32768)
-    ap.add_argument("--time-budget", type=float, default=330.0, help="seconds; later work is recorded as skipped")
+    ap.add_argument(
+        "--time-budget",
+        type=float,
+        default=330.0,
+        help="seconds; later work is recorded as skipped",
+    )
     args = ap.parse_args()
     import triton
 
     from titan_glm52.kernels import tuning
+
     t_start = time.time()
     deadline = t_start + args.time_budget
-    META.update(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                shapes=dict(H=H, D_qk=D_QK, d_v=D_V, topk=TOPK, H_I=H_I, D_I=D_I), bf16_peak=BF16_PEAK,
-                command=" ".join(sys.argv), started=time.strftime("%Y-%m-%d %H:%M:%S"))
+    META.update(
+        device=torch.cuda.get_device_name(),
+        torch=torch.__version__,
+        triton=triton.__version__,
+        shapes=dict(H=H, D_qk=D_QK, d_v=D_V, topk=TOPK, H_I=H_I, D_I=D_I),
+        bf16_peak=BF16_PEAK,
+        command=" ".join(sys.argv),
+        started=time.strftime("%Y-%m-%d %H:%M:%S"),
+    )
     sizes = [int(s) for s in args.sizes.split(",") if s]
     packed = [int(s) for s in args.packed.split(",") if s]
     work = [(T, "single") for T in sizes] + [(T, "packed8k") for T in packed if T in sizes]
@@ -366,12 +512,24 @@ def main():
 
 
 def print_table():
-    print("\nkernel                 impl    T        layout    status        ms   TFLOP/s    GB/s  peakGB  note")
+    print(
+        "\nkernel                 impl    T        layout    status        ms   TFLOP/s    GB/s  "
+        "peakGB  note"
+    )
     for r in RESULTS:
-        note = f"x_floor={r['x_floor']:.2f}" if r.get("x_floor") else (str(r.get("config")) if r.get("config") else "")
-        f = lambda v, p: (f"{v:.{p}f}" if isinstance(v, (int, float)) and v is not None else "-")  # noqa: E731
-        print(f"{r['kernel']:22s} {r['impl']:7s} {r['T']:<8d} {r['layout']:9s} {r['status'][:10]:10s} "
-              f"{f(r['ms'], 3):>9s} {f(r['tflops'], 1):>8s} {f(r['gbps'], 0):>7s} {f(r['peak_mem_gb'], 2):>7s}  {note}")
+        note = (
+            f"x_floor={r['x_floor']:.2f}"
+            if r.get("x_floor")
+            else (str(r.get("config")) if r.get("config") else "")
+        )
+        # noqa: E731
+        f = lambda v, p: f"{v:.{p}f}" if isinstance(v, (int, float)) and v is not None else "-"
+        print(
+            f"{r['kernel']:22s} {r['impl']:7s} {r['T']:<8d} {r['layout']:9s} "
+            f"{r['status'][:10]:10s} "
+            f"{f(r['ms'], 3):>9s} {f(r['tflops'], 1):>8s} {f(r['gbps'], 0):>7s} "
+            f"{f(r['peak_mem_gb'], 2):>7s}  {note}"
+        )
 
 
 if __name__ == "__main__":

@@ -1,12 +1,14 @@
-"""The MoE's token-routing glue on one GPU at the proxy's widths (hidden 6144, top-8 of 16 experts, expert width
-2048), forward + backward, eager and compiled: ours (``model/moe.py``: ``dispatch_rows`` and ``combine_routed``
-on the kernels of ``kernels/moe_routing.py``) against the plain-torch formulation (``x[token_of]``, whose backward
-is a scatter-add, and the products' ``index_add_`` into zeros), each op alone and the whole MoE block.
+"""The MoE's token-routing glue on one GPU at the proxy's widths (hidden 6144, top-8 of 16 experts,
+expert width 2048), forward + backward, eager and compiled: ours (``model/moe.py``:
+``dispatch_rows`` and ``combine_routed`` on the kernels of ``kernels/moe_routing.py``) against the
+plain-torch formulation (``x[token_of]``, whose backward is a scatter-add, and the products'
+``index_add_`` into zeros), each op alone and the whole MoE block.
 
     python3 bench/moe_routing.py [tokens ...]      # default 32768 4096
 
 Writes $OUT/moe_routing.json; lines starting RESULT summarise.
 """
+
 import json
 import os
 import sys
@@ -29,8 +31,9 @@ def plain_dispatch(x, token_of, pos):
 def plain_combine(routed, weights, order, dtype, pos=None):
     k = weights.shape[1]
     products = (routed.float() * weights.reshape(-1)[order, None]).to(dtype)
-    return torch.zeros(weights.shape[0], routed.shape[1], dtype=dtype, device=routed.device).index_add_(
-        0, order // k, products)
+    return torch.zeros(
+        weights.shape[0], routed.shape[1], dtype=dtype, device=routed.device
+    ).index_add_(0, order // k, products)
 
 
 def plain_moe_forward(self, x, rows=1):
@@ -46,11 +49,14 @@ def plain_moe_forward(self, x, rows=1):
 
 
 def bench(fn, inputs, grad, rep=100):
-    """Median ms of forward + backward (do_bench: as many runs as fit in ``rep`` ms, at least one)."""
+    """Median ms of forward + backward (do_bench: as many runs as fit in ``rep`` ms, at least
+    one)."""
+
     def step():
         for t in inputs:
             t.grad = None
         fn().backward(grad)
+
     step()
     return triton.testing.do_bench(step, warmup=3, rep=rep, return_mode="median")
 
@@ -58,8 +64,12 @@ def bench(fn, inputs, grad, rep=100):
 def main():
     tokens = [int(a) for a in sys.argv[1:]] or [32768, 4096]
     g = torch.Generator(device="cuda").manual_seed(0)
-    res = {"command": "python3 " + " ".join(sys.argv), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-           "widths": dict(D=D, F=F, k=K, E=E)}
+    res = {
+        "command": "python3 " + " ".join(sys.argv),
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "widths": dict(D=D, F=F, k=K, E=E),
+    }
     for n in tokens:
         idx = torch.rand(n, E, device="cuda", generator=g).topk(K, dim=-1).indices
         order = torch.argsort(idx.reshape(-1), stable=True)
@@ -72,18 +82,31 @@ def main():
         row = {}
         for comp in (False, True):
             wrap = torch.compile if comp else (lambda f: f)
-            for name, disp, comb in (("plain", plain_dispatch, plain_combine),
-                                     ("ours", M.dispatch_rows, M.combine_routed)):
+            for name, disp, comb in (
+                ("plain", plain_dispatch, plain_combine),
+                ("ours", M.dispatch_rows, M.combine_routed),
+            ):
                 d_fn, c_fn = wrap(disp), wrap(comb)
                 key = f"{name}_{'compiled' if comp else 'eager'}"
                 row[key] = dict(
                     dispatch_ms=bench(lambda: d_fn(x, token_of, pos), [x], g_rows),
-                    combine_ms=bench(lambda: c_fn(routed, weights, order, torch.bfloat16, pos), [routed, weights],
-                                     g_out))
+                    combine_ms=bench(
+                        lambda: c_fn(routed, weights, order, torch.bfloat16, pos),
+                        [routed, weights],
+                        g_out,
+                    ),
+                )
                 print(n, key, json.dumps(row[key]), flush=True)
         # the whole block, compiled, both formulations
-        args = get_flavor("debug").replace(hidden_size=D, moe_intermediate_size=F, num_experts_per_tok=K,
-                                           n_routed_experts=E, n_shared_experts=1, n_group=1, topk_group=1)
+        args = get_flavor("debug").replace(
+            hidden_size=D,
+            moe_intermediate_size=F,
+            num_experts_per_tok=K,
+            n_routed_experts=E,
+            n_shared_experts=1,
+            n_group=1,
+            topk_group=1,
+        )
         torch.manual_seed(0)
         block = M.MoE(args)
         init_weights_(block, 0.02)
@@ -101,10 +124,16 @@ def main():
         json.dump(res, f, indent=1)
     for n in tokens:
         r = res[f"N{n}"]
-        cells = " | ".join(f"{k} dispatch {v['dispatch_ms']:.2f} combine {v['combine_ms']:.2f}"
-                           for k, v in r.items() if isinstance(v, dict))
-        print(f"RESULT | tokens {n} | {cells} | block compiled: plain {r['block_plain_compiled_ms']:.2f} ms, "
-              f"ours {r['block_ours_compiled_ms']:.2f} ms |")
+        cells = " | ".join(
+            f"{k} dispatch {v['dispatch_ms']:.2f} combine {v['combine_ms']:.2f}"
+            for k, v in r.items()
+            if isinstance(v, dict)
+        )
+        print(
+            f"RESULT | tokens {n} | {cells} | block compiled: plain "
+            f"{r['block_plain_compiled_ms']:.2f} ms, "
+            f"ours {r['block_ours_compiled_ms']:.2f} ms |"
+        )
 
 
 if __name__ == "__main__":

@@ -1,16 +1,19 @@
-"""Does GEMM work run beside the sparse MLA backward for free? One H200, T = 32K, one document, indexer top-2048.
+"""Does GEMM work run beside the sparse MLA backward for free? One H200, T = 32K, one document,
+indexer top-2048.
 
-A = the whole sparse MLA backward as training runs it (``sparse_mla._bwd``: parts 1 and 2, chunked through the
-P / dS scratch), L2-bound by part 2's fp32 dKV reductions. B = one MoE layer's expert weight gradients at the
-proxy's 32K shapes (16 experts x 16,384 rows: w13 [6144 x 4096] and w2 [2048 x 6144], one ``torch.mm`` each,
-19.8 TFLOP), tensor-core bound. Timed alone and on two streams at once (B's stream at the lowest or the highest
-priority), alternating, CUDA events around the whole of each; a ratio of "both" under "A + B" is what running the
-weight gradients beside the sparse backward would give back.
+A = the whole sparse MLA backward as training runs it (``sparse_mla._bwd``: parts 1 and 2, chunked
+through the P / dS scratch), L2-bound by part 2's fp32 dKV reductions. B = one MoE layer's expert
+weight gradients at the proxy's 32K shapes (16 experts x 16,384 rows: w13 [6144 x 4096] and w2 [2048
+x 6144], one ``torch.mm`` each, 19.8 TFLOP), tensor-core bound. Timed alone and on two streams at
+once (B's stream at the lowest or the highest priority), alternating, CUDA events around the whole
+of each; a ratio of "both" under "A + B" is what running the weight gradients beside the sparse
+backward would give back.
 
     python3 bench/overlap_probe.py [--reps 7] [--b-scale 1.0]
 
 Writes $OUT/overlap_probe.json; lines starting RESULT summarise.
 """
+
 import argparse
 import json
 import os
@@ -27,14 +30,18 @@ from ws_inputs import DEV, D_QK, D_V, bwd_inputs  # noqa: E402
 
 p = argparse.ArgumentParser()
 p.add_argument("--reps", type=int, default=7)
-p.add_argument("--b-scale", type=float, default=1.0, help="B's rows per expert x this (B's length against A's)")
+p.add_argument(
+    "--b-scale", type=float, default=1.0, help="B's rows per expert x this (B's length against A's)"
+)
 p.add_argument("--T", type=int, default=32768)
 a = p.parse_args()
 
 T, E = a.T, 16
 rows = int(T * 8 // E * a.b_scale)  # top-8 of 16 experts: T / 2 rows per expert
-scale = D_QK ** -0.5
-q, kv, idx, kend, go, out, lse = bwd_inputs([T], 2, torch.Generator(device=DEV).manual_seed(5), scale)
+scale = D_QK**-0.5
+q, kv, idx, kend, go, out, lse = bwd_inputs(
+    [T], 2, torch.Generator(device=DEV).manual_seed(5), scale
+)
 
 g = torch.Generator(device=DEV).manual_seed(7)
 x = torch.randn(rows, 6144, generator=g, device=DEV).to(torch.bfloat16)
@@ -51,12 +58,14 @@ def run_a():
 
 
 def run_b():
-    for e in range(E):  # each expert's rows are another slice in training; the same rows here (same work)
+    # each expert's rows are another slice in training; the same rows here (same work)
+    for e in range(E):
         torch.mm(x.t(), dh, out=dw13[e])
         torch.mm(h.t(), dy, out=dw2[e])
 
 
-lo, hi = torch.cuda.Stream.priority_range()  # (lowest, highest) as ints: lowest is the larger number
+# (lowest, highest) as ints: lowest is the larger number
+lo, hi = torch.cuda.Stream.priority_range()
 streams = {"low": torch.cuda.Stream(priority=lo), "high": torch.cuda.Stream(priority=hi)}
 main = torch.cuda.current_stream()
 
@@ -89,15 +98,26 @@ for k in kinds:  # warm-up (Triton / cuBLAS selection)
     timed(k)
 ms = {k: [] for k in kinds}
 for r in range(a.reps):
-    for k in (kinds if r % 2 == 0 else kinds[::-1]):
+    for k in kinds if r % 2 == 0 else kinds[::-1]:
         ms[k].append(timed(k))
 med = {k: statistics.median(v) for k, v in ms.items()}
-res = {"T": T, "rows_per_expert": rows, "b_tflop": b_flop / 1e12, "ms": ms, "median_ms": med,
-       "b_tflops_alone": b_flop / med["B"] / 1e9, "device": torch.cuda.get_device_name()}
+res = {
+    "T": T,
+    "rows_per_expert": rows,
+    "b_tflop": b_flop / 1e12,
+    "ms": ms,
+    "median_ms": med,
+    "b_tflops_alone": b_flop / med["B"] / 1e9,
+    "device": torch.cuda.get_device_name(),
+}
 with open(os.path.join(os.environ.get("OUT", "/tmp"), "overlap_probe.json"), "w") as f:
     json.dump(res, f, indent=1)
 print(json.dumps(res["median_ms"]))
 gain = {k: 1 - med[k] / med["A+B"] for k in ("both_low", "both_high")}
-print(f"RESULT | T {T} | A {med['A']:.2f} ms | B {med['B']:.2f} ms ({res['b_tflops_alone']:.0f} TFLOP/s) | "
-      f"A+B {med['A+B']:.2f} | both (B low priority) {med['both_low']:.2f} ({gain['both_low']:+.1%}) | "
-      f"both (B high) {med['both_high']:.2f} ({gain['both_high']:+.1%}) |")
+print(
+    f"RESULT | T {T} | A {med['A']:.2f} ms | B {med['B']:.2f} ms ({res['b_tflops_alone']:.0f} "
+    "TFLOP/s) | "
+    f"A+B {med['A+B']:.2f} | both (B low priority) {med['both_low']:.2f} ({gain['both_low']:+.1%}) "
+    "| "
+    f"both (B high) {med['both_high']:.2f} ({gain['both_high']:+.1%}) |"
+)

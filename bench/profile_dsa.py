@@ -4,10 +4,11 @@
     ncu --clock-control none --set full -k regex:'^_(fwd|bwd_ps|bwd_grad|score|select|kl_fwd|kl_bwd)_kernel' \\
         -o dsa python bench/profile_dsa.py --T 32768 --once     # hardware counters, one launch of each
 
-Shapes as bench/kernels.py (H = 64, D_qk = 576, d_v = 512, topk = 2048, H_I = 32, D_I = 128, bf16, one document
-of T tokens, random data). The backward runs as one chunk (one launch per kernel). Prints one table: per
-kernel, ms per call and TFLOP/s by the FLOP counts of bench/kernels.py split per kernel (backward part 1, ps:
-S, dP = 2*H*K_valid*(D_qk + d_v); part 2, grad: dK, dV, dQ = 2*H*K_valid*(2*D_qk + d_v)); JSON to --out.
+Shapes as bench/kernels.py (H = 64, D_qk = 576, d_v = 512, topk = 2048, H_I = 32, D_I = 128, bf16,
+one document of T tokens, random data). The backward runs as one chunk (one launch per kernel).
+Prints one table: per kernel, ms per call and TFLOP/s by the FLOP counts of bench/kernels.py split
+per kernel (backward part 1, ps: S, dP = 2*H*K_valid*(D_qk + d_v); part 2, grad: dK, dV, dQ =
+2*H*K_valid*(2*D_qk + d_v)); JSON to --out.
 
     python bench/profile_dsa.py --T 32768 --chunked 1024,1024:maxnreg=none,1024:maxnreg=96   # chunked backward
 
@@ -32,7 +33,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import torch  # noqa: E402
 
-from kernels import D_I, D_QK, D_V, H, H_I, TOPK, counts, make_inputs  # noqa: E402  (bench/kernels.py)
+# noqa: E402  (bench/kernels.py)
+from kernels import D_I, D_QK, D_V, H, H_I, TOPK, counts, make_inputs
 
 
 def main(argv: list[str]) -> int:
@@ -41,7 +43,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--once", action="store_true", help="one call of each op (for ncu), no timing")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--out", default=None)
-    p.add_argument("--chunked", default=None, help="variants SCRATCH_MiB[:KEY=VALUE...],... (see above)")
+    p.add_argument(
+        "--chunked", default=None, help="variants SCRATCH_MiB[:KEY=VALUE...],... (see above)"
+    )
     p.add_argument("--no-gluon", dest="gluon", action="store_false", help="the Triton kernels only")
     a = p.parse_args(argv)
     if a.chunked:
@@ -49,12 +53,13 @@ def main(argv: list[str]) -> int:
     from titan_glm52.kernels import indexer_topk as it_mod, sparse_mla as sm_mod
     from titan_glm52.kernels.indexer_loss import indexer_kl_sparse
     from titan_glm52.kernels.tuning import launch_overrides
+
     # one chunk: one launch of each backward kernel
     one_chunk = launch_overrides({"sparse_mla": {"bwd": {"scratch_bytes": 1 << 40}}})
     T = a.T
     pairs, kvalid = counts([T])
     cu, qi, ki, wi, q, kv, do = _inputs(T)
-    iscale, scale = D_I ** -0.5, D_QK ** -0.5
+    iscale, scale = D_I**-0.5, D_QK**-0.5
     qi_, ki_, wi_ = (x.clone().requires_grad_() for x in (qi, ki, wi))
     grow = torch.ones(T, device="cuda")
 
@@ -78,18 +83,26 @@ def main(argv: list[str]) -> int:
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:
             times[e.name].append(e.device_time / 1e3)
-    flops = {"_score_kernel": 2 * H_I * D_I * pairs,
-             "_fwd_kernel": 2 * H * kvalid * (D_QK + D_V),
-             "_bwd_ps_kernel": 2 * H * kvalid * (D_QK + D_V),
-             "_bwd_grad_kernel": 2 * H * kvalid * (2 * D_QK + D_V),
-             "_kl_fwd_kernel": 2 * H * kvalid * D_QK + 2 * H_I * D_I * kvalid,
-             "_kl_bwd_kernel": 2 * 2 * H_I * D_I * kvalid}
+    flops = {
+        "_score_kernel": 2 * H_I * D_I * pairs,
+        "_fwd_kernel": 2 * H * kvalid * (D_QK + D_V),
+        "_bwd_ps_kernel": 2 * H * kvalid * (D_QK + D_V),
+        "_bwd_grad_kernel": 2 * H * kvalid * (2 * D_QK + D_V),
+        "_kl_fwd_kernel": 2 * H * kvalid * D_QK + 2 * H_I * D_I * kvalid,
+        "_kl_bwd_kernel": 2 * 2 * H_I * D_I * kvalid,
+    }
     rows = []
     for name, ts in sorted(times.items(), key=lambda kv_: -sum(kv_[1])):
         ms = sum(ts) / a.reps
         f = flops.get(name)
-        rows.append({"kernel": name[:80], "calls_per_step": len(ts) / a.reps, "ms_per_step": ms,
-                     "tflops": f / ms / 1e9 if f else None})
+        rows.append(
+            {
+                "kernel": name[:80],
+                "calls_per_step": len(ts) / a.reps,
+                "ms_per_step": ms,
+                "tflops": f / ms / 1e9 if f else None,
+            }
+        )
     total = sum(r["ms_per_step"] for r in rows)
     print(f"\nT={T} (one document), {a.reps} reps; GPU time per step {total:.1f} ms")
     print(f"{'kernel':<42} {'calls':>5} {'ms':>9} {'TFLOP/s':>8}")
@@ -103,7 +116,8 @@ def main(argv: list[str]) -> int:
 
 
 def _inputs(T: int):
-    """Indexer inputs (bench/kernels.py) and bf16 q, kv (with gradients) and dO of one document of T tokens."""
+    """Indexer inputs (bench/kernels.py) and bf16 q, kv (with gradients) and dO of one document of T
+    tokens."""
     cu, qi, ki, wi = make_inputs(T, [T])
     g = torch.Generator(device="cuda").manual_seed(1)
     q = torch.randn(T, H, D_QK, generator=g, device="cuda").to(torch.bfloat16).requires_grad_()
@@ -115,10 +129,11 @@ def _inputs(T: int):
 def chunked(a) -> int:
     from titan_glm52.kernels import indexer_topk as it_mod, sparse_mla as sm_mod
     from titan_glm52.kernels.tuning import launch_overrides
+
     T = a.T
     cu, qi, ki, wi, q, kv, do = _inputs(T)
-    idx = it_mod.indexer_topk(qi, ki, wi, cu, TOPK, D_I ** -0.5, gluon=a.gluon)
-    o, _ = sm_mod.sparse_mla(q, kv, idx, D_QK ** -0.5, D_V, gluon=a.gluon)
+    idx = it_mod.indexer_topk(qi, ki, wi, cu, TOPK, D_I**-0.5, gluon=a.gluon)
+    o, _ = sm_mod.sparse_mla(q, kv, idx, D_QK**-0.5, D_V, gluon=a.gluon)
     rows, first = [], None
     for spec in a.chunked.split(","):
         mib, *kvs = spec.split(":")
@@ -140,18 +155,30 @@ def chunked(a) -> int:
             first = (dq, dkv)
         diff = [float((x.float() - y.float()).abs().max()) for x, y in zip((dq, dkv), first)]
         chunk = sm_mod.chunk_rows(T, H, TOPK, q.element_size(), scratch)
-        rows.append({"variant": spec, "maxnreg": cap, "chunk_rows": chunk,
-                     "ms": sorted(ms)[len(ms) // 2],
-                     "ms_all": ms, "max_diff_dq": diff[0], "max_diff_dkv": diff[1],
-                     "peak_gib": torch.cuda.max_memory_allocated() / 2 ** 30})
+        rows.append(
+            {
+                "variant": spec,
+                "maxnreg": cap,
+                "chunk_rows": chunk,
+                "ms": sorted(ms)[len(ms) // 2],
+                "ms_all": ms,
+                "max_diff_dq": diff[0],
+                "max_diff_dkv": diff[1],
+                "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+            }
+        )
     print(f"\nT={T} (one document), sparse MLA backward, median of {a.reps}")
     print(f"{'variant':<16} {'regs':>4} {'rows':>6} {'ms':>8} {'d dq':>9} {'d dkv':>9}")
     for r in rows:
-        print(f"{r['variant']:<16} {str(r['maxnreg']):>4} {r['chunk_rows']:>6} {r['ms']:>8.2f} "
-              f"{r['max_diff_dq']:>9.2e} {r['max_diff_dkv']:>9.2e}")
+        print(
+            f"{r['variant']:<16} {str(r['maxnreg']):>4} {r['chunk_rows']:>6} {r['ms']:>8.2f} "
+            f"{r['max_diff_dq']:>9.2e} {r['max_diff_dkv']:>9.2e}"
+        )
     if a.out:
         with open(a.out, "w") as f:
-            json.dump({"T": T, "device": torch.cuda.get_device_name(), "chunked": rows}, f, indent=1)
+            json.dump(
+                {"T": T, "device": torch.cuda.get_device_name(), "chunked": rows}, f, indent=1
+            )
     return 0
 
 

@@ -11,6 +11,7 @@ A variant's keys are ``sparse_mla_ws`` launch overrides of the part, except "scr
 backward's P / dS scratch (``sparse_mla.SCRATCH_BYTES`` by default), i.e. its chunk of queries.
 Writes $OUT/ws_bwd_sweep_<part>.json; lines starting RESULT summarise.
 """
+
 import json
 import os
 import sys
@@ -29,7 +30,7 @@ from ws_inputs import DEV, D_QK, D_V, bwd_inputs  # noqa: E402
 part = sys.argv[1]
 variants = [json.loads(a) for a in sys.argv[2:]] or [{}]
 base = W.config(part)
-scale = D_QK ** -0.5
+scale = D_QK**-0.5
 res = {"part": part, "variants": variants, "defaults": base}
 for T in [4096, 32768]:
     gen = torch.Generator(device=DEV).manual_seed(5)
@@ -38,25 +39,35 @@ for T in [4096, 32768]:
 
     def backward():
         return SM._bwd(q, kv, idx, kend, out, lse, go, scale, D_V)
+
     for var in variants:
         tune = dict(var)
         scratch = tune.pop("scratch_bytes", SM.SCRATCH_BYTES)
-        with launch_overrides({"sparse_mla_ws": {part: tune},
-                               "sparse_mla": {"bwd": {"scratch_bytes": scratch}}}):
+        with launch_overrides(
+            {"sparse_mla_ws": {part: tune}, "sparse_mla": {"bwd": {"scratch_bytes": scratch}}}
+        ):
             dq, dkv = backward()
             if ref is None:
                 ref = (dq, dkv)
             ms = triton.testing.do_bench(backward, warmup=5, rep=300)
-        rows.append(dict(variant=var, ms=ms,
-                         dq_max_abs=float((dq.float() - ref[0].float()).abs().max()),
-                         dkv_max_abs=float((dkv.float() - ref[1].float()).abs().max()),
-                         dkv_scale=float(ref[1].float().abs().max())))
+        rows.append(
+            dict(
+                variant=var,
+                ms=ms,
+                dq_max_abs=float((dq.float() - ref[0].float()).abs().max()),
+                dkv_max_abs=float((dkv.float() - ref[1].float()).abs().max()),
+                dkv_scale=float(ref[1].float().abs().max()),
+            )
+        )
         print(T, json.dumps(rows[-1]), flush=True)
     res[f"T{T}"] = rows
     del q, kv, idx, go, out, lse, ref
 with open(os.path.join(os.environ.get("OUT", "/tmp"), f"ws_bwd_sweep_{part}.json"), "w") as f:
     json.dump(res, f, indent=1)
 for T in [4096, 32768]:
-    cells = [f"{json.dumps(r['variant'])} {r['ms']:.2f} ms (dq {r['dq_max_abs']:.3g}, "
-             f"dkv {r['dkv_max_abs']:.3g})" for r in res[f"T{T}"]]
+    cells = [
+        f"{json.dumps(r['variant'])} {r['ms']:.2f} ms (dq {r['dq_max_abs']:.3g}, "
+        f"dkv {r['dkv_max_abs']:.3g})"
+        for r in res[f"T{T}"]
+    ]
     print(f"RESULT | {part} | T {T} | " + " | ".join(cells) + " |")

@@ -7,13 +7,16 @@ Triton kernel and the fp32 reference on one GPU: correctness on a packed batch w
 
 Writes $OUT/ws_probe_<variant>.json; lines starting RESULT summarise.
 """
+
 import json, os, sys, time
+
 sys.path.insert(0, os.getcwd())
 import torch, triton
 from titan_glm52.kernels import reference as R
 from titan_glm52.kernels import sparse_mla as SM
 from titan_glm52.kernels import sparse_mla_ws as W
 from titan_glm52.kernels.tuning import launch_overrides
+
 sys.path.insert(0, os.path.dirname(__file__))
 from ws_inputs import DEV, H, D_QK, D_V, TOPK, cos, inputs, save, variant  # noqa: E402
 
@@ -27,17 +30,22 @@ def ws(q, kv, idx, scale):
     lse = torch.empty(q.shape[0], H, dtype=torch.float32, device=DEV)
     W.fwd(q, kv, idx, kend, scale * SM.LOG2E, out, lse)
     return out, lse
+
+
 def tri(q, kv, idx, scale):
     return SM._fwd(q, kv, idx, SM.valid_extent(idx), scale, D_V, gluon=False)  # the Triton kernel
 
 
 def main():
     res = {"variant": VAR}
-    scale = D_QK ** -0.5
+    scale = D_QK**-0.5
     # correctness
     q, kv, idx = inputs([1000, 3096], 1, empty=(0, 1, 2))
-    idx[5, 7] = -1; idx[6, :100] = -1  # holes inside rows
-    t0 = time.time(); o1, l1 = ws(q, kv, idx, scale); torch.cuda.synchronize()
+    idx[5, 7] = -1
+    idx[6, :100] = -1  # holes inside rows
+    t0 = time.time()
+    o1, l1 = ws(q, kv, idx, scale)
+    torch.cuda.synchronize()
     print("first ws call", time.time() - t0, flush=True)
     o2, l2 = tri(q, kv, idx, scale)
     ro, rl = R.sparse_mla(q.float(), kv.float(), idx, scale, D_V)
@@ -45,11 +53,15 @@ def main():
     m = {}
     for name, (o, l) in {"ws": (o1, l1), "triton": (o2, l2)}.items():
         d = (o.float() - ro).abs()
-        m[name] = dict(out_max_abs=float(d.max()), out_bad=int((d > 1e-2 + 0.024 * ro.abs()).sum()),
-                       out_cos=cos(o, ro), lse_max_abs=float((l[fin] - rl[fin]).abs().max()),
-                       lse_inf_match=bool(torch.equal(fin, torch.isfinite(l))),
-                       empty_ok=bool(torch.all(o[:3] == 0) and torch.all(l[:3] == float("-inf"))),
-                       finite=bool(torch.isfinite(o).all()))
+        m[name] = dict(
+            out_max_abs=float(d.max()),
+            out_bad=int((d > 1e-2 + 0.024 * ro.abs()).sum()),
+            out_cos=cos(o, ro),
+            lse_max_abs=float((l[fin] - rl[fin]).abs().max()),
+            lse_inf_match=bool(torch.equal(fin, torch.isfinite(l))),
+            empty_ok=bool(torch.all(o[:3] == 0) and torch.all(l[:3] == float("-inf"))),
+            finite=bool(torch.isfinite(o).all()),
+        )
     m["ws_vs_triton_out_max_abs"] = float((o1.float() - o2.float()).abs().max())
     print(json.dumps(m, indent=1), flush=True)
     res["correct"] = m
@@ -65,10 +77,12 @@ def main():
         flop = 2 * H * kvalid * (D_QK + D_V)
         row = {}
         for name, fn in ((("triton", tri),) if BASE else ()) + (("ws", ws),):
-            fn(q, kv, idx, scale); torch.cuda.synchronize()
+            fn(q, kv, idx, scale)
+            torch.cuda.synchronize()
             ms = triton.testing.do_bench(lambda: fn(q, kv, idx, scale), warmup=50, rep=400)
             row[name] = dict(ms=ms, tflops=flop / ms / 1e9)
-        o1, l1 = ws(q, kv, idx, scale); o2, l2 = tri(q, kv, idx, scale)
+        o1, l1 = ws(q, kv, idx, scale)
+        o2, l2 = tri(q, kv, idx, scale)
         row["ws_vs_triton_out_max_abs"] = float((o1.float() - o2.float()).abs().max())
         row["ws_vs_triton_lse_max_abs"] = float((l1 - l2).abs().max())
         res[f"T{T}"] = row
@@ -78,9 +92,11 @@ def main():
         r = res[f"T{T}"]
         tr = r.get("triton")
         triton_ms = f" triton {tr['ms']:.2f} ms {tr['tflops']:.0f} TF/s" if BASE else ""
-        print(f"RESULT | {tag} | {T} | {r['ws']['ms']:.2f} ms | {r['ws']['tflops']:.0f} TF/s | "
-              f"ok={m['ws']['out_bad'] == 0 and m['ws']['empty_ok']} | "
-              f"vs triton {r['ws_vs_triton_out_max_abs']:.3g} |" + triton_ms)
+        print(
+            f"RESULT | {tag} | {T} | {r['ws']['ms']:.2f} ms | {r['ws']['tflops']:.0f} TF/s | "
+            f"ok={m['ws']['out_bad'] == 0 and m['ws']['empty_ok']} | "
+            f"vs triton {r['ws_vs_triton_out_max_abs']:.3g} |" + triton_ms
+        )
 
 
 with launch_overrides({"sparse_mla_ws": {"fwd": VAR}}):  # the variant for the whole run

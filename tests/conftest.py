@@ -1,5 +1,6 @@
-"""Without a GPU every Triton kernel runs in the Triton interpreter. The switch must happen before anything
-(torch.compile's inductor included) imports triton, so it lives here, the first file pytest loads."""
+"""Without a GPU every Triton kernel runs in the Triton interpreter. The switch must happen before
+anything (torch.compile's inductor included) imports triton, so it lives here, the first file pytest
+loads."""
 
 import os
 

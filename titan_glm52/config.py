@@ -1,8 +1,10 @@
-"""The job config: torchtitan 0.2.2's ``JobConfig`` (TOML + ``--section.key`` CLI) with this project's sections.
+"""The job config: torchtitan 0.2.2's ``JobConfig`` (TOML + ``--section.key`` CLI) with this
+project's sections.
 
-``parse_job_config(argv)`` parses (CLI overrides TOML overrides defaults; unknown keys are refused by
-torchtitan's ConfigManager) and then ``validate`` refuses every combination this project cannot run, before any
-work, with a message that names the key and the fix. ``python train.py --help`` lists every option.
+``parse_job_config(argv)`` parses (CLI overrides TOML overrides defaults; unknown keys are refused
+by torchtitan's ConfigManager) and then ``validate`` refuses every combination this project cannot
+run, before any work, with a message that names the key and the fix. ``python train.py --help``
+lists every option.
 """
 
 import dataclasses
@@ -30,28 +32,29 @@ class Model(tt.Model):
     """Model family; only "glm52"."""
 
     flavor: str = "debug"
-    """Built-in model args: "debug" (tiny, CPU), "glm52_proxy" (GLM-5.2 widths, 4 layers, 16 experts),
-    "glm52_744b" (the published config). Ignored when model.hf_config is set."""
+    """Built-in model args: "debug" (tiny, CPU), "glm52_proxy" (GLM-5.2 widths, 4 layers, 16
+    experts), "glm52_744b" (the published config). Ignored when model.hf_config is set."""
 
     hf_config: str | None = None
     """A config.json (or a directory holding one, e.g. an HF checkpoint) to build the model from."""
 
     num_layers: int | None = None
-    """Override num_hidden_layers of the chosen args (the IndexShare schedule is re-derived from freq/offset)."""
+    """Override num_hidden_layers of the chosen args (the IndexShare schedule is re-derived from
+    freq/offset)."""
 
     n_routed_experts: int | None = None
     """Override the number of routed experts of the chosen args."""
 
     hf_assets_path: str = "embedded"
-    """The tokenizer: an HF tokenizer directory (tokenizer.json), or "embedded" for the one shipped with the
-    package (it matches the debug flavor's 2048-token vocabulary)."""
+    """The tokenizer: an HF tokenizer directory (tokenizer.json), or "embedded" for the one shipped
+    with the package (it matches the debug flavor's 2048-token vocabulary)."""
 
 
 @dataclass
 class Training(tt.Training):
     dataset: str = "embedded"
-    """"embedded" (real English text shipped with the package, needs no network) or a local path
-    (a file, directory or glob of .txt / .jsonl / .parquet files, or a saved HF dataset directory)."""
+    """"embedded" (real English text shipped with the package, needs no network) or a local path (a
+    file, directory or glob of .txt / .jsonl / .parquet files, or a saved HF dataset directory)."""
 
     seq_len: int = 256
     """Tokens per sample; documents are packed with cu_seqlens so attention never crosses them."""
@@ -61,45 +64,49 @@ class Training(tt.Training):
 
     master_weights: Literal["auto", "fsdp", "optimizer"] = "auto"
     """Where the fp32 master weights of bf16 training (``mixed_precision_param = "bfloat16"``) live.
-    "fsdp": FSDP2 holds them (on one process a one-rank mesh, which casts and copies every parameter in each step
-    and copies the gradients out to fp32). "optimizer" (one process only): no FSDP; the model trains on bf16
-    copies and the Triton Adam(W) step (``optimizer.implementation = "triton"``) updates the fp32 masters from the
-    bf16 gradients and rewrites the copies in the same pass (``master_weights.py``): the same training, without
-    those copies (37 of 256 ms per step on the proxy, H200) and with 2-4 bytes less gradient memory per parameter.
-    "auto": "optimizer" where it applies (world size 1, the Triton step, bf16 compute), else "fsdp"."""
+    "fsdp": FSDP2 holds them (on one process a one-rank mesh, which casts and copies every parameter
+    in each step and copies the gradients out to fp32). "optimizer" (one process only): no FSDP; the
+    model trains on bf16 copies and the Triton Adam(W) step (``optimizer.implementation =
+    "triton"``) updates the fp32 masters from the bf16 gradients and rewrites the copies in the same
+    pass (``master_weights.py``): the same training, without those copies (37 of 256 ms per step on
+    the proxy, H200) and with 2-4 bytes less gradient memory per parameter. "auto": "optimizer"
+    where it applies (world size 1, the Triton step, bf16 compute), else "fsdp"."""
 
     mixed_precision_on_cpu: bool = False
-    """On CPU the model computes in fp32 whatever ``mixed_precision_param`` says (bf16 matmuls are slow there);
-    True applies it on CPU too (tests of the bf16 paths)."""
+    """On CPU the model computes in fp32 whatever ``mixed_precision_param`` says (bf16 matmuls are
+    slow there); True applies it on CPU too (tests of the bf16 paths)."""
 
     memory_check: bool = True
-    """On CUDA, before the process group starts, the first process of each node plans the job's peak memory per GPU
-    (``memory_estimate.py``, as ``python -m titan_glm52.plan memory`` does; a few seconds), logs it beside the GPU's
-    size, and warns when the plan exceeds the GPU (the plan is an upper bound: a warning, not an error). False skips
-    it."""
+    """On CUDA, before the process group starts, the first process of each node plans the job's peak
+    memory per GPU (``memory_estimate.py``, as ``python -m titan_glm52.plan memory`` does; a few
+    seconds), logs it beside the GPU's size, and warns when the plan exceeds the GPU (the plan is an
+    upper bound: a warning, not an error). False skips it."""
 
 
 @dataclass
 class Parallelism(tt.Parallelism):
     pipeline_parallel_layout: str | None = None
-    """Explicit layers per pipeline stage, e.g. "14,8,8,8,8,8,8,16" (validated: every stage must start on an
-    IndexShare full layer). Unset: the skip-aware splitter balances the estimated cost per stage."""
+    """Explicit layers per pipeline stage, e.g. "14,8,8,8,8,8,8,16" (validated: every stage must
+    start on an IndexShare full layer). Unset: the skip-aware splitter balances the estimated cost
+    per stage."""
 
     pipeline_parallel_stages_per_rank: int | None = None
     """Stages per pipeline rank: 1 for single-stage schedules (GPipe, 1F1B), >= 2 for looped ones
-    (Interleaved1F1B, ...), 2 for V schedules (ZBVZeroBubble, DualPipeV). Unset: 1 or 2 by schedule."""
+    (Interleaved1F1B, ...), 2 for V schedules (ZBVZeroBubble, DualPipeV). Unset: 1 or 2 by
+    schedule."""
 
 
 @dataclass
 class Optimizer(tt.Optimizer):
     implementation: Literal["for-loop", "foreach", "fused", "triton"] = "fused"
-    """AdamW / Adam step: "fused" (torch's fused kernel), "foreach", "for-loop" (torch's), or "triton" (this
-    project's kernel: one pass of 28 bytes per fp32 parameter on the local shards, the clip folded in; same
-    math and state dict as torch's). "triton" launches one kernel per parameter tensor, ~40-100 us of host time
-    each: it pays off where tensors are large (the proxy's 103: +3.9% end to end on an H200), not where there
-    are many small ones (the debug flavor's step: 10.9 ms against 0.7 for "fused"); on CPU it runs only in the
-    Triton interpreter (``TRITON_INTERPRET=1``; slow). With "fused" and "triton" the gradient clip and the skip of a non-finite step
-    run inside the kernel (no host sync)."""
+    """AdamW / Adam step: "fused" (torch's fused kernel), "foreach", "for-loop" (torch's), or
+    "triton" (this project's kernel: one pass of 28 bytes per fp32 parameter on the local shards,
+    the clip folded in; same math and state dict as torch's). "triton" launches one kernel per
+    parameter tensor, ~40-100 us of host time each: it pays off where tensors are large (the proxy's
+    103: +3.9% end to end on an H200), not where there are many small ones (the debug flavor's step:
+    10.9 ms against 0.7 for "fused"); on CPU it runs only in the Triton interpreter
+    (``TRITON_INTERPRET=1``; slow). With "fused" and "triton" the gradient clip and the skip of a
+    non-finite step run inside the kernel (no host sync)."""
 
 
 @dataclass
@@ -111,38 +118,42 @@ class Data:
     """Shuffling seed of the document order (deterministic; saved with the checkpoint position)."""
 
     same_global_batch: bool = False
-    """Every data-parallel rank reads the one global stream and keeps its rows of each global batch, so the global
-    batches do not depend on the number of ranks (runs on different layouts can be compared step for step). Off:
-    each rank reads its own share of the documents (no redundant reading)."""
+    """Every data-parallel rank reads the one global stream and keeps its rows of each global batch,
+    so the global batches do not depend on the number of ranks (runs on different layouts can be
+    compared step for step). Off: each rank reads its own share of the documents (no redundant
+    reading)."""
 
     prefetch: int = 2
-    """Batches made ahead on a background thread while the step runs (tokenization is most of a batch's cost; the
-    batches and the checkpointed position are exactly those without it). 0: made on the training loop."""
+    """Batches made ahead on a background thread while the step runs (tokenization is most of a
+    batch's cost; the batches and the checkpointed position are exactly those without it). 0: made
+    on the training loop."""
 
     document_masking: bool = True
-    """Attention and the indexer stay inside each packed document (positions restart per document). False: each
-    sample of seq_len tokens is one sequence (attention crosses document ends; the label across an end stays
-    ignored), as in pre-training without document masking and in long-context benchmarks."""
+    """Attention and the indexer stay inside each packed document (positions restart per document).
+    False: each sample of seq_len tokens is one sequence (attention crosses document ends; the label
+    across an end stays ignored), as in pre-training without document masking and in long-context
+    benchmarks."""
 
 
 @dataclass
 class DSA:
     backend: Literal["auto", "torch", "triton"] = "auto"
-    """Attention kernels: "torch" (reference, any device), "triton" (CUDA; on CPU only in the Triton interpreter,
-    ``TRITON_INTERPRET=1``), "auto" = triton on CUDA else torch."""
+    """Attention kernels: "torch" (reference, any device), "triton" (CUDA; on CPU only in the Triton
+    interpreter, ``TRITON_INTERPRET=1``), "auto" = triton on CUDA else torch."""
 
     gluon_kernels: bool = True
-    """With the triton backend on Hopper GPUs (H100/H200): the sparse MLA forward and backward and the indexer's
-    scoring run warp-specialised Gluon kernels where they apply (GLM-5.2's head and indexer shapes, bf16); false
-    runs the Triton kernels only (the same results, slower)."""
+    """With the triton backend on Hopper GPUs (H100/H200): the sparse MLA forward and backward and
+    the indexer's scoring run warp-specialised Gluon kernels where they apply (GLM-5.2's head and
+    indexer shapes, bf16); false runs the Triton kernels only (the same results, slower)."""
 
     mode: Literal["sparse", "dense_warmup"] = "sparse"
-    """"sparse": top-k attention (DeepSeek-V3.2 sparse stage). "dense_warmup": dense causal attention, everything
-    but the indexers frozen, indexers trained by the KL loss over all visible keys (DeepSeek-V3.2 stage 1)."""
+    """"sparse": top-k attention (DeepSeek-V3.2 sparse stage). "dense_warmup": dense causal
+    attention, everything but the indexers frozen, indexers trained by the KL loss over all visible
+    keys (DeepSeek-V3.2 stage 1)."""
 
     indexer_loss_coeff: float = 0.0
-    """Weight of the indexer KL loss (0 = off in sparse mode). In sparse mode the KL is over the selected keys and
-    the indexer's input is detached, so the indexer learns only from this loss."""
+    """Weight of the indexer KL loss (0 = off in sparse mode). In sparse mode the KL is over the
+    selected keys and the indexer's input is detached, so the indexer learns only from this loss."""
 
     freeze_indexer: bool = False
     """Keep the indexer weights fixed (no gradient, not in the optimizer)."""
@@ -151,58 +162,64 @@ class DSA:
     """Override index_topk of the model args."""
 
     dense_prefix: bool = True
-    """The first index_topk tokens of a document see at most index_topk keys, so the top-k selects all of them and
-    their attention is plain causal attention. True: run those rows (of every document of at least index_topk
-    tokens) in the plain MLA form on a dense causal kernel (SDPA: cuDNN on H100/H200), the other rows on the
-    sparse kernels. Same math, different rounding order; at 4K tokens a DSA layer's attention takes 25% less time
-    (bench/attn_paths.py). A full layer that trains its indexer (indexer_loss_coeff > 0) also runs the sparse
-    forward on those rows, without gradient, for the log-sum-exp its KL needs. False: every row on the sparse
-    kernels (and no masked dense rows either)."""
+    """The first index_topk tokens of a document see at most index_topk keys, so the top-k selects
+    all of them and their attention is plain causal attention. True: run those rows (of every
+    document of at least index_topk tokens) in the plain MLA form on a dense causal kernel (SDPA:
+    cuDNN on H100/H200), the other rows on the sparse kernels. Same math, different rounding order;
+    at 4K tokens a DSA layer's attention takes 25% less time (bench/attn_paths.py). A full layer
+    that trains its indexer (indexer_loss_coeff > 0) also runs the sparse forward on those rows,
+    without gradient, for the log-sum-exp its KL needs. False: every row on the sparse kernels (and
+    no masked dense rows either)."""
 
     dense_masked_ratio: float = 0.0
-    """With dense_prefix: a document of index_topk < length <= dense_masked_ratio x index_topk tokens also runs its
-    later rows in the plain MLA form, on SDPA (cuDNN on H100/H200) with a boolean mask of exactly the keys each row
-    selected. Same math, different rounding order. Such a row selects at least 1 / ratio of the keys it sees, and the
-    masked dense kernel then costs less than the sparse kernels (bench/attn_paths.py: at 4K tokens with top-2048,
-    masked cuDNN 1.2 ns per visible pair against 3.1 ns per selected pair on the sparse kernels). 0 = off (default).
-    Measured on one H200 (proxy, 4K, compiled, bench/results/2026-11-30_h200_e2e.md): with ratio 2, attention
-    kernel time falls from 62 to 47 ms per step, but the step gains only 2.9% with AC none, and it loses 4.5%
-    with selective AC (every second block recomputed; not explained yet). Hence off by default."""
+    """With dense_prefix: a document of index_topk < length <= dense_masked_ratio x index_topk
+    tokens also runs its later rows in the plain MLA form, on SDPA (cuDNN on H100/H200) with a
+    boolean mask of exactly the keys each row selected. Same math, different rounding order. Such a
+    row selects at least 1 / ratio of the keys it sees, and the masked dense kernel then costs less
+    than the sparse kernels (bench/attn_paths.py: at 4K tokens with top-2048, masked cuDNN 1.2 ns
+    per visible pair against 3.1 ns per selected pair on the sparse kernels). 0 = off (default).
+    Measured on one H200 (proxy, 4K, compiled, bench/results/2026-11-30_h200_e2e.md): with ratio 2,
+    attention kernel time falls from 62 to 47 ms per step, but the step gains only 2.9% with AC
+    none, and it loses 4.5% with selective AC (every second block recomputed; not explained yet).
+    Hence off by default."""
 
     recompute_latent_query: bool = True
-    """The sparse attention's backward forms the latent query ``[q_nope W_uk, q_rope]`` again instead of keeping it
-    from forward, with the same bits (the same eager ops on the same inputs): H x kv_rank values per token and layer
-    fewer held (64 KB at GLM-5.2's widths in bf16; its rope part stays), for one batched GEMM of 2 H nope kv_rank
-    FLOPs per token in backward. Inactive in activation-checkpointed blocks, under other saved-tensor hooks and
-    where the indexer KL loss keeps the latent query anyway. false: autograd keeps it."""
+    """The sparse attention's backward forms the latent query ``[q_nope W_uk, q_rope]`` again
+    instead of keeping it from forward, with the same bits (the same eager ops on the same inputs):
+    H x kv_rank values per token and layer fewer held (64 KB at GLM-5.2's widths in bf16; its rope
+    part stays), for one batched GEMM of 2 H nope kv_rank FLOPs per token in backward. Inactive in
+    activation-checkpointed blocks, under other saved-tensor hooks and where the indexer KL loss
+    keeps the latent query anyway. false: autograd keeps it."""
 
     recall_queries: int = 64
-    """Queries per step (from the first sequence, one full layer) for the logged top-k recall against dense
-    attention; 0 disables the metric."""
+    """Queries per step (from the first sequence, one full layer) for the logged top-k recall
+    against dense attention; 0 disables the metric."""
 
 
 @dataclass
 class MoE:
     bias_update_rate: float = 1e-3
-    """Aux-loss-free balancing: after each step e_score_correction_bias += rate * sign(mean_load - load) from the
-    global token counts (0 disables)."""
+    """Aux-loss-free balancing: after each step e_score_correction_bias += rate * sign(mean_load -
+    load) from the global token counts (0 disables)."""
 
     seq_aux_loss_coeff: float = 0.0
     """DeepSeek-V3 sequence-level balance loss alpha * sum_i f_i * P_i per sequence (0 = off)."""
 
     grouped_mm: Literal["auto", "on", "off"] = "auto"
-    """Routed experts' GEMMs: "on" = torch._grouped_mm (bf16 on Hopper-class GPUs), "off" = one cuBLAS GEMM per expert
-    (model/expert_mm.py: less energy per product, but the host reads the expert counts in every MoE layer), "auto" =
-    grouped below moe.PER_EXPERT_MIN_ROWS (8,192) routed rows per local expert where the GPU has it, per expert
-    from there (why and the measurements: that constant's comment)."""
+    """Routed experts' GEMMs: "on" = torch._grouped_mm (bf16 on Hopper-class GPUs), "off" = one
+    cuBLAS GEMM per expert (model/expert_mm.py: less energy per product, but the host reads the
+    expert counts in every MoE layer), "auto" = grouped below moe.PER_EXPERT_MIN_ROWS (8,192) routed
+    rows per local expert where the GPU has it, per expert from there (why and the measurements:
+    that constant's comment)."""
 
     recompute_expert_inputs: bool = True
-    """The routed experts keep only their gate and up projections' outputs for backward and recompute the inputs
-    of their GEMMs there: the token rows gathered into expert order (not under EP, where they arrive by all-to-all)
-    and the SwiGLU product (the fused SwiGLU keeps no silu output), bitwise as in forward. Saves k*(D + F)
-    activation values per token and MoE block (4.0 GiB per MoE block at 32K tokens on the proxy) for a gather and
-    one elementwise pass in backward. Inactive in activation-checkpointed blocks (their recompute already covers
-    these) and under other saved-tensor hooks. false: autograd keeps them."""
+    """The routed experts keep only their gate and up projections' outputs for backward and
+    recompute the inputs of their GEMMs there: the token rows gathered into expert order (not under
+    EP, where they arrive by all-to-all) and the SwiGLU product (the fused SwiGLU keeps no silu
+    output), bitwise as in forward. Saves k*(D + F) activation values per token and MoE block (4.0
+    GiB per MoE block at 32K tokens on the proxy) for a gather and one elementwise pass in backward.
+    Inactive in activation-checkpointed blocks (their recompute already covers these) and under
+    other saved-tensor hooks. false: autograd keeps them."""
 
 
 @dataclass
@@ -217,10 +234,12 @@ class MTP:
 @dataclass
 class Faults:
     max_consecutive_nonfinite: int = 3
-    """Stop the run after this many consecutive steps with a non-finite loss or gradient (each is skipped)."""
+    """Stop the run after this many consecutive steps with a non-finite loss or gradient (each is
+    skipped)."""
 
     inject_nan_at_steps: list[int] = field(default_factory=list)
-    """Testing aid: make the loss NaN at these steps (the step is skipped and counted like a real fault)."""
+    """Testing aid: make the loss NaN at these steps (the step is skipped and counted like a real
+    fault)."""
 
 
 @dataclass
@@ -240,47 +259,80 @@ def _refuse(key: str, why: str) -> None:
     raise ConfigError(f"{key}: {why}")
 
 
-def master_weights_blocker(world_size: int | None, implementation: str, param_dtype: str) -> str | None:
-    """Why the optimizer cannot hold the fp32 master weights (``training.master_weights = "optimizer"``) of a job
-    on ``world_size`` ranks with ``optimizer.implementation`` and ``training.mixed_precision_param``, or None where
-    it can: the rule ``validate`` refuses by, "auto" chooses by and the memory planner checks by."""
+def master_weights_blocker(
+    world_size: int | None, implementation: str, param_dtype: str
+) -> str | None:
+    """Why the optimizer cannot hold the fp32 master weights (``training.master_weights =
+    "optimizer"``) of a job on ``world_size`` ranks with ``optimizer.implementation`` and
+    ``training.mixed_precision_param``, or None where it can: the rule ``validate`` refuses by,
+    "auto" chooses by and the memory planner checks by."""
     if world_size is not None and world_size != 1:
-        return (f"'optimizer' is for one process with bf16 compute; with {world_size} ranks FSDP holds the master "
-                "weights: set it to 'fsdp'")
+        return (
+            f"'optimizer' is for one process with bf16 compute; with {world_size} ranks FSDP holds "
+            "the master "
+            "weights: set it to 'fsdp'"
+        )
     if implementation != "triton":
-        return ("'optimizer' needs the Triton step, which updates the masters and their bf16 copies in one pass: set "
-                f"optimizer.implementation = 'triton' (is {implementation!r}) or master_weights = 'fsdp'")
+        return (
+            "'optimizer' needs the Triton step, which updates the masters and their bf16 copies in "
+            "one pass: set "
+            f"optimizer.implementation = 'triton' (is {implementation!r}) or master_weights = "
+            "'fsdp'"
+        )
     if param_dtype != "bfloat16":
-        return ("'optimizer' keeps bf16 compute copies of fp32 masters: it is for one process with bf16 compute, "
-                f"training.mixed_precision_param = 'bfloat16' (is {param_dtype!r})")
+        return (
+            "'optimizer' keeps bf16 compute copies of fp32 masters: it is for one process with "
+            "bf16 compute, "
+            f"training.mixed_precision_param = 'bfloat16' (is {param_dtype!r})"
+        )
     return None
 
 
-def resolve_master_weights(cfg: JobConfig, world_size: int | None, bf16_compute: bool = True) -> str:
-    """``training.master_weights`` as the trainer runs it: "auto" is "optimizer" where nothing blocks it and the model
-    computes in bf16 (``bf16_compute``: False on CPU without ``mixed_precision_on_cpu``), else "fsdp"."""
+def resolve_master_weights(
+    cfg: JobConfig, world_size: int | None, bf16_compute: bool = True
+) -> str:
+    """``training.master_weights`` as the trainer runs it: "auto" is "optimizer" where nothing
+    blocks it and the model computes in bf16 (``bf16_compute``: False on CPU without
+    ``mixed_precision_on_cpu``), else "fsdp"."""
     mode = cfg.training.master_weights
-    blocked = master_weights_blocker(world_size, cfg.optimizer.implementation, cfg.training.mixed_precision_param)
+    blocked = master_weights_blocker(
+        world_size, cfg.optimizer.implementation, cfg.training.mixed_precision_param
+    )
     if mode == "auto":
         mode = "optimizer" if bf16_compute and blocked is None else "fsdp"
     return mode
 
 
-# torchtitan options this trainer does not implement, by (dotted) section: "*" = every field. A value other than the
-# default is refused, naming the key (and what to use instead, where the section has a hint), instead of being
-# ignored.
+# torchtitan options this trainer does not implement, by (dotted) section: "*" = every field. A
+# value other than the default is refused, naming the key (and what to use instead, where the
+# section has a hint), instead of being ignored.
 _NOT_IMPLEMENTED = {
-    "activation_checkpoint": ("per_op_sac_force_recompute_mm_shapes_by_fqns", "early_stop", "memory_budget",
-                              "visualize_memory_budget_pareto", "preserve_rng_state", "determinism_check", "debug"),
-    "comm": "*", "experimental": "*", "fault_tolerance": "*", "memory_estimation": "*", "quantize": "*",
-    "validation": "*", "training.dataloader": "*",
+    "activation_checkpoint": (
+        "per_op_sac_force_recompute_mm_shapes_by_fqns",
+        "early_stop",
+        "memory_budget",
+        "visualize_memory_budget_pareto",
+        "preserve_rng_state",
+        "determinism_check",
+        "debug",
+    ),
+    "comm": "*",
+    "experimental": "*",
+    "fault_tolerance": "*",
+    "memory_estimation": "*",
+    "quantize": "*",
+    "validation": "*",
+    "training.dataloader": "*",
     "debug": ("deterministic", "deterministic_warn_only", "moe_force_load_balance"),
     "job": ("print_config", "save_config_file", "custom_config_module"),
     "metrics": ("disable_color_printing", "save_for_all_ranks", "enable_wandb"),
     "model": ("converters", "print_after_conversion"),
 }
-_INSTEAD = {"training.dataloader": "the data loader is this project's: data.prefetch makes batches on a background "
-                                  "thread and pins them on GPUs"}
+_INSTEAD = {
+    "training.dataloader": "the data loader is this project's: data.prefetch makes batches on a "
+    "background "
+    "thread and pins them on GPUs"
+}
 
 
 def _refuse_not_implemented(cfg: JobConfig) -> None:
@@ -291,36 +343,61 @@ def _refuse_not_implemented(cfg: JobConfig) -> None:
         default = type(value)()
         for name in (f.name for f in dataclasses.fields(value)) if names == "*" else names:
             if getattr(value, name) != getattr(default, name):
-                why = _INSTEAD.get(section, "a torchtitan option that titan_glm52 does not implement")
-                _refuse(f"{section}.{name}", f"{why}; remove it (default {getattr(default, name)!r})")
+                why = _INSTEAD.get(
+                    section, "a torchtitan option that titan_glm52 does not implement"
+                )
+                _refuse(
+                    f"{section}.{name}", f"{why}; remove it (default {getattr(default, name)!r})"
+                )
 
 
 def validate(cfg: JobConfig, world_size: int | None = None, device_type: str | None = None) -> None:
-    """Refuses combinations this project cannot run; the message names the key and the fix. ``world_size`` and
-    ``device_type`` ("cuda" or "cpu"), where known, are checked against too."""
+    """Refuses combinations this project cannot run; the message names the key and the fix.
+    ``world_size`` and ``device_type`` ("cuda" or "cpu"), where known, are checked against too."""
     p = cfg.parallelism
     if device_type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") != "1":
-        for key, value in (("dsa.backend", cfg.dsa.backend), ("optimizer.implementation",
-                                                              cfg.optimizer.implementation)):
+        for key, value in (
+            ("dsa.backend", cfg.dsa.backend),
+            ("optimizer.implementation", cfg.optimizer.implementation),
+        ):
             if value == "triton":
-                _refuse(key, "'triton' on a machine without CUDA runs only in the Triton interpreter (slow, for "
-                        "tests): set TRITON_INTERPRET=1 before starting, or choose another value")
+                _refuse(
+                    key,
+                    "'triton' on a machine without CUDA runs only in the Triton interpreter (slow, "
+                    "for "
+                    "tests): set TRITON_INTERPRET=1 before starting, or choose another value",
+                )
     _refuse_not_implemented(cfg)
     if cfg.model.name != "glm52":
         _refuse("model.name", f"{cfg.model.name!r} is not supported; titan_glm52 trains 'glm52'")
     if p.tensor_parallel_degree != 1:
-        _refuse("parallelism.tensor_parallel_degree", "tensor parallelism is not implemented; use data/expert/"
-                "pipeline parallelism (set it to 1)")
+        _refuse(
+            "parallelism.tensor_parallel_degree",
+            "tensor parallelism is not implemented; use data/expert/"
+            "pipeline parallelism (set it to 1)",
+        )
     if p.context_parallel_degree != 1:
-        _refuse("parallelism.context_parallel_degree", "context parallelism is not implemented; set it to 1")
+        _refuse(
+            "parallelism.context_parallel_degree",
+            "context parallelism is not implemented; set it to 1",
+        )
     if p.expert_tensor_parallel_degree != 1:
-        _refuse("parallelism.expert_tensor_parallel_degree", "expert tensor parallelism is not implemented; set 1")
+        _refuse(
+            "parallelism.expert_tensor_parallel_degree",
+            "expert tensor parallelism is not implemented; set 1",
+        )
     if p.expert_parallel_comm_backend != "standard":
-        _refuse("parallelism.expert_parallel_comm_backend", "only 'standard' (all-to-all) is implemented")
+        _refuse(
+            "parallelism.expert_parallel_comm_backend",
+            "only 'standard' (all-to-all) is implemented",
+        )
     if cfg.optimizer.name not in ("AdamW", "Adam"):
         _refuse("optimizer.name", f"{cfg.optimizer.name!r}; choose AdamW or Adam")
     if cfg.optimizer.early_step_in_backward:
-        _refuse("optimizer.early_step_in_backward", "the step runs after the gradient clip; set it to false")
+        _refuse(
+            "optimizer.early_step_in_backward",
+            "the step runs after the gradient clip; set it to false",
+        )
     if cfg.training.seq_len < 2:
         _refuse("training.seq_len", "must be >= 2")
     if cfg.training.local_batch_size < 1:
@@ -328,13 +405,19 @@ def validate(cfg: JobConfig, world_size: int | None = None, device_type: str | N
     if cfg.training.steps < 1:
         _refuse("training.steps", "must be >= 1")
     if cfg.training.dataset_path is not None:
-        _refuse("training.dataset_path", "put the path in training.dataset (\"embedded\" or a local path)")
+        _refuse(
+            "training.dataset_path", 'put the path in training.dataset ("embedded" or a local path)'
+        )
     if cfg.data.prefetch < 0:
         _refuse("data.prefetch", "must be >= 0 (0 = make each batch on the training loop)")
     if cfg.training.dtype != "float32":
-        _refuse("training.dtype", f"{cfg.training.dtype!r}: pure bf16 training (parameters, gradients and optimizer "
-                "states in bf16) is not implemented; keep 'float32' and set training.mixed_precision_param = "
-                "'bfloat16' (fp32 master weights, bf16 compute)")
+        _refuse(
+            "training.dtype",
+            f"{cfg.training.dtype!r}: pure bf16 training (parameters, gradients and optimizer "
+            "states in bf16) is not implemented; keep 'float32' and set "
+            "training.mixed_precision_param = "
+            "'bfloat16' (fp32 master weights, bf16 compute)",
+        )
     if cfg.training.gc_freq < 1:
         _refuse("training.gc_freq", "must be >= 1 (steps between Python garbage collections)")
     if cfg.training.enable_cpu_offload:
@@ -343,65 +426,115 @@ def validate(cfg: JobConfig, world_size: int | None = None, device_type: str | N
         _refuse("mtp.loss_weight / dsa.indexer_loss_coeff / moe.seq_aux_loss_coeff", "must be >= 0")
     if cfg.dsa.mode == "dense_warmup":
         if cfg.dsa.freeze_indexer:
-            _refuse("dsa.freeze_indexer", "the dense warm-up trains only the indexers; unfreeze them or use "
-                    "dsa.mode = 'sparse'")
+            _refuse(
+                "dsa.freeze_indexer",
+                "the dense warm-up trains only the indexers; unfreeze them or use "
+                "dsa.mode = 'sparse'",
+            )
         if cfg.dsa.indexer_loss_coeff <= 0:
-            _refuse("dsa.indexer_loss_coeff", "dsa.mode = 'dense_warmup' trains the indexers by the KL loss alone; "
-                    "set a coefficient > 0 (e.g. 1.0)")
+            _refuse(
+                "dsa.indexer_loss_coeff",
+                "dsa.mode = 'dense_warmup' trains the indexers by the KL loss alone; "
+                "set a coefficient > 0 (e.g. 1.0)",
+            )
     if cfg.dsa.dense_masked_ratio != 0 and not cfg.dsa.dense_masked_ratio > 1:
-        _refuse("dsa.dense_masked_ratio", f"{cfg.dsa.dense_masked_ratio}: use 0 (off) or a ratio > 1 (documents up to "
-                "that many times index_topk tokens)")
+        _refuse(
+            "dsa.dense_masked_ratio",
+            f"{cfg.dsa.dense_masked_ratio}: use 0 (off) or a ratio > 1 (documents up to "
+            "that many times index_topk tokens)",
+        )
     if cfg.dsa.freeze_indexer and cfg.dsa.indexer_loss_coeff > 0:
-        _refuse("dsa.freeze_indexer", "a frozen indexer cannot learn from dsa.indexer_loss_coeff > 0; set one of "
-                "them off")
+        _refuse(
+            "dsa.freeze_indexer",
+            "a frozen indexer cannot learn from dsa.indexer_loss_coeff > 0; set one of them off",
+        )
     prof = cfg.profiling
     if prof.enable_profiling and prof.profile_freq < prof.profiler_warmup + prof.profiler_active:
-        _refuse("profiling.profile_freq", f"{prof.profile_freq} < profiler_warmup + profiler_active "
-                f"({prof.profiler_warmup} + {prof.profiler_active}); raise it or shorten the window")
+        _refuse(
+            "profiling.profile_freq",
+            f"{prof.profile_freq} < profiler_warmup + profiler_active "
+            f"({prof.profiler_warmup} + {prof.profiler_active}); raise it or shorten the window",
+        )
     if cfg.faults.max_consecutive_nonfinite < 1:
         _refuse("faults.max_consecutive_nonfinite", "must be >= 1")
     if cfg.checkpoint.enable and cfg.checkpoint.keep_latest_k == 1:
-        _refuse("checkpoint.keep_latest_k", "1 could delete the only good checkpoint while a new one is written; "
-                "use 0 (keep all) or >= 2")
+        _refuse(
+            "checkpoint.keep_latest_k",
+            "1 could delete the only good checkpoint while a new one is written; "
+            "use 0 (keep all) or >= 2",
+        )
     if cfg.checkpoint.async_mode != "disabled":
-        _refuse("checkpoint.async_mode", "asynchronous checkpointing is not supported; use 'disabled'")
+        _refuse(
+            "checkpoint.async_mode", "asynchronous checkpointing is not supported; use 'disabled'"
+        )
     if cfg.activation_checkpoint.mode not in AC_MODES:
-        _refuse("activation_checkpoint.mode", f"{cfg.activation_checkpoint.mode!r}: choose one of {AC_MODES}")
+        _refuse(
+            "activation_checkpoint.mode",
+            f"{cfg.activation_checkpoint.mode!r}: choose one of {AC_MODES}",
+        )
     if p.fsdp_reshard_after_forward not in RESHARD_POLICIES:
-        _refuse("parallelism.fsdp_reshard_after_forward", f"{p.fsdp_reshard_after_forward!r}: choose one of "
-                f"{RESHARD_POLICIES}")
+        _refuse(
+            "parallelism.fsdp_reshard_after_forward",
+            f"{p.fsdp_reshard_after_forward!r}: choose one of {RESHARD_POLICIES}",
+        )
     if cfg.compile.enable and "model" not in cfg.compile.components:
-        _refuse("compile.components", f"{cfg.compile.components}: titan_glm52 compiles the model's blocks (the loss "
-                "is a fused kernel); include 'model' or set compile.enable false")
+        _refuse(
+            "compile.components",
+            f"{cfg.compile.components}: titan_glm52 compiles the model's blocks (the loss "
+            "is a fused kernel); include 'model' or set compile.enable false",
+        )
     if cfg.compile.enable and cfg.compile.backend not in ("inductor", "aot_eager", "eager"):
         _refuse("compile.backend", "choose inductor, aot_eager or eager")
     if cfg.training.master_weights not in ("auto", "fsdp", "optimizer"):
-        _refuse("training.master_weights", f"{cfg.training.master_weights!r}: choose auto, fsdp or optimizer")
-    if cfg.training.master_weights == "optimizer" and (why := master_weights_blocker(
-            world_size, cfg.optimizer.implementation, cfg.training.mixed_precision_param)):
+        _refuse(
+            "training.master_weights",
+            f"{cfg.training.master_weights!r}: choose auto, fsdp or optimizer",
+        )
+    if cfg.training.master_weights == "optimizer" and (
+        why := master_weights_blocker(
+            world_size, cfg.optimizer.implementation, cfg.training.mixed_precision_param
+        )
+    ):
         _refuse("training.master_weights", why)
     if cfg.training.global_batch_size > 0 and world_size is not None:
         dp = world_size // max(p.pipeline_parallel_degree, 1)
         per_step = cfg.training.local_batch_size * dp
         if cfg.training.global_batch_size % per_step:
-            _refuse("training.global_batch_size", f"{cfg.training.global_batch_size} is not a multiple of "
-                    f"local_batch_size x data-parallel degree = {per_step}; gradient accumulation needs a whole "
-                    "number of micro-batches")
-    for key, default in (("pipeline_parallel_layers_per_stage", None), ("module_fqns_per_model_part", None),
-                         ("pipeline_parallel_schedule_csv", ""), ("pipeline_parallel_first_stage_less_layers", 1),
-                         ("pipeline_parallel_last_stage_less_layers", 1)):
+            _refuse(
+                "training.global_batch_size",
+                f"{cfg.training.global_batch_size} is not a multiple of "
+                f"local_batch_size x data-parallel degree = {per_step}; gradient accumulation "
+                "needs a whole "
+                "number of micro-batches",
+            )
+    for key, default in (
+        ("pipeline_parallel_layers_per_stage", None),
+        ("module_fqns_per_model_part", None),
+        ("pipeline_parallel_schedule_csv", ""),
+        ("pipeline_parallel_first_stage_less_layers", 1),
+        ("pipeline_parallel_last_stage_less_layers", 1),
+    ):
         if getattr(p, key) not in (default, None if default == "" else default):
-            _refuse(f"parallelism.{key}", "the skip-aware splitter decides the stages (they must start on "
-                    "IndexShare full layers); give an explicit split with parallelism.pipeline_parallel_layout")
+            _refuse(
+                f"parallelism.{key}",
+                "the skip-aware splitter decides the stages (they must start on "
+                "IndexShare full layers); give an explicit split with "
+                "parallelism.pipeline_parallel_layout",
+            )
     if p.pipeline_parallel_layout is not None:
         try:
             parse_layout(p.pipeline_parallel_layout)
         except LayoutError as e:
             _refuse("parallelism.pipeline_parallel_layout", str(e))
-    if p.pipeline_parallel_degree > 1 and p.pipeline_parallel_expert_parallel_overlap and \
-            p.pipeline_parallel_schedule.lower() == "dualpipev":
-        _refuse("parallelism.pipeline_parallel_expert_parallel_overlap", "the DualPipeV EP overlap callback is "
-                "torchtitan's for its own MoE; set it to false")
+    if (
+        p.pipeline_parallel_degree > 1
+        and p.pipeline_parallel_expert_parallel_overlap
+        and p.pipeline_parallel_schedule.lower() == "dualpipev"
+    ):
+        _refuse(
+            "parallelism.pipeline_parallel_expert_parallel_overlap",
+            "the DualPipeV EP overlap callback is torchtitan's for its own MoE; set it to false",
+        )
     if p.pipeline_parallel_degree > 1:
         try:
             microbatches(cfg.training.local_batch_size, p.pipeline_parallel_microbatch_size)
@@ -410,8 +543,13 @@ def validate(cfg: JobConfig, world_size: int | None = None, device_type: str | N
 
 
 def model_args(cfg: JobConfig) -> GLM52ModelArgs:
-    """The model args of a job: the flavor or ``model.hf_config``, with the ``[model]`` / ``[dsa]`` overrides."""
-    args = GLM52ModelArgs.from_hf_config(cfg.model.hf_config) if cfg.model.hf_config else get_flavor(cfg.model.flavor)
+    """The model args of a job: the flavor or ``model.hf_config``, with the ``[model]`` / ``[dsa]``
+    overrides."""
+    args = (
+        GLM52ModelArgs.from_hf_config(cfg.model.hf_config)
+        if cfg.model.hf_config
+        else get_flavor(cfg.model.flavor)
+    )
     changes = {}
     if cfg.model.num_layers is not None:
         changes["num_hidden_layers"] = cfg.model.num_layers
@@ -436,31 +574,50 @@ def dsa_backend(cfg: JobConfig, device_type: str) -> str:
 def model_options(cfg: JobConfig, device_type: str) -> ModelOptions:
     """The model's runtime options of a job on ``device_type`` ("cuda" or "cpu")."""
     d, m = cfg.dsa, cfg.moe
-    trainable = ("indexers" if d.mode == "dense_warmup" else "all_but_indexers" if d.freeze_indexer else "all")
+    trainable = (
+        "indexers"
+        if d.mode == "dense_warmup"
+        else "all_but_indexers"
+        if d.freeze_indexer
+        else "all"
+    )
     return ModelOptions(
-        dsa_backend=dsa_backend(cfg, device_type), gluon_kernels=d.gluon_kernels,
-        sparse_attention=d.mode == "sparse", dense_prefix=d.dense_prefix, dense_masked_ratio=d.dense_masked_ratio,
-        recompute_latent_query=d.recompute_latent_query, indexer_loss_coeff=d.indexer_loss_coeff,
-        seq_aux_loss_coeff=m.seq_aux_loss_coeff, grouped_mm={"auto": None, "on": True, "off": False}[m.grouped_mm],
-        recompute_expert_inputs=m.recompute_expert_inputs, trainable=trainable)
+        dsa_backend=dsa_backend(cfg, device_type),
+        gluon_kernels=d.gluon_kernels,
+        sparse_attention=d.mode == "sparse",
+        dense_prefix=d.dense_prefix,
+        dense_masked_ratio=d.dense_masked_ratio,
+        recompute_latent_query=d.recompute_latent_query,
+        indexer_loss_coeff=d.indexer_loss_coeff,
+        seq_aux_loss_coeff=m.seq_aux_loss_coeff,
+        grouped_mm={"auto": None, "on": True, "off": False}[m.grouped_mm],
+        recompute_expert_inputs=m.recompute_expert_inputs,
+        trainable=trainable,
+    )
 
 
 class _ConfigManager(ConfigManager):
     def _validate_config(self) -> None:
         """torchtitan's checks concern its own tokenizer assets; ours are in ``validate``."""
         if self.config.model.tokenizer_path:
-            _refuse("model.tokenizer_path", "use model.hf_assets_path (a tokenizer directory or 'embedded')")
+            _refuse(
+                "model.tokenizer_path",
+                "use model.hf_assets_path (a tokenizer directory or 'embedded')",
+            )
 
 
 def parse_job_config(argv: list[str]) -> JobConfig:
-    """Parses TOML + CLI into a JobConfig (refusing unknown keys) and validates what needs no process group."""
+    """Parses TOML + CLI into a JobConfig (refusing unknown keys) and validates what needs no
+    process group."""
     try:
         cfg = _ConfigManager(JobConfig).parse_args(list(argv))
     except ValueError as e:  # torchtitan's message names the class and the unknown keys
         m = re.search(r"Invalid field names in <class '[\w.]*?(\w+)'> data: (\{.*?\})", str(e))
         if m:
-            raise ConfigError(f"unknown key(s) {m.group(2)} in the TOML section of {m.group(1)} "
-                              "(e.g. [model] for Model); `python train.py --help` lists every valid key") from e
+            raise ConfigError(
+                f"unknown key(s) {m.group(2)} in the TOML section of {m.group(1)} "
+                "(e.g. [model] for Model); `python train.py --help` lists every valid key"
+            ) from e
         raise ConfigError(str(e)) from e
     validate(cfg)
     return cfg

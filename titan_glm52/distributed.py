@@ -6,13 +6,14 @@ Layout of the ranks (outermost first)::
     pp x dp_replicate x efsdp x ep               routed experts   (EP over ep, FSDP over efsdp)
     with dp_shard = efsdp * ep
 
-Expert-parallel ranks are carved out of the FSDP ranks (``dp_shard``), torchtitan-style: the ``ep`` ranks
-of one group are consecutive, so on a GPU host the token all-to-all stays inside the node when possible.
-Every rank of ``dp_replicate x dp_shard`` reads different data (``ParallelMesh.dp``), including the ranks of
-one EP group, which exchange tokens, not data.
+Expert-parallel ranks are carved out of the FSDP ranks (``dp_shard``), torchtitan-style: the ``ep``
+ranks of one group are consecutive, so on a GPU host the token all-to-all stays inside the node when
+possible. Every rank of ``dp_replicate x dp_shard`` reads different data (``ParallelMesh.dp``),
+including the ranks of one EP group, which exchange tokens, not data.
 
-The meshes are kept by name in a ``ParallelMesh`` rather than sliced out of one root mesh by flattened
-names, because slicing a flattened dim from the root mesh is deprecated from PyTorch 2.11 on.
+The meshes are kept by name in a ``ParallelMesh`` rather than sliced out of one root mesh by
+flattened names, because slicing a flattened dim from the root mesh is deprecated from PyTorch 2.11
+on.
 """
 
 from __future__ import annotations
@@ -46,25 +47,31 @@ class DistInfo:
 def init_distributed(timeout_s: float = 600.0, device_type: str | None = None) -> DistInfo:
     """Initialises the default process group from the torchrun environment.
 
-    Promises: cuda + nccl (device ``cuda:LOCAL_RANK``, made current) when CUDA is available, cpu + gloo
-    otherwise; ``device_type`` ("cuda" | "cpu") forces one. Without ``RANK``/``WORLD_SIZE`` in the
-    environment it is a single process: no process group, rank 0 of 1. Calling it again returns the same
-    answer (an existing default group is kept).
+    Promises: cuda + nccl (device ``cuda:LOCAL_RANK``, made current) when CUDA is available, cpu +
+    gloo otherwise; ``device_type`` ("cuda" | "cpu") forces one. Without ``RANK``/``WORLD_SIZE`` in
+    the environment it is a single process: no process group, rank 0 of 1. Calling it again returns
+    the same answer (an existing default group is kept).
     """
     use_cuda = torch.cuda.is_available() if device_type is None else device_type == "cuda"
     if use_cuda and not torch.cuda.is_available():
-        raise ValueError("init_distributed(device_type='cuda') but CUDA is not available on this host")
+        raise ValueError(
+            "init_distributed(device_type='cuda') but CUDA is not available on this host"
+        )
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)
     if dist.is_initialized():
-        return DistInfo(dist.get_rank(), local_rank, dist.get_world_size(), device, dist.get_backend())
+        return DistInfo(
+            dist.get_rank(), local_rank, dist.get_world_size(), device, dist.get_backend()
+        )
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         return DistInfo(0, 0, 1, device, None)
     backend = "nccl" if use_cuda else "gloo"
     kwargs = {"device_id": device} if use_cuda else {}
-    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+    dist.init_process_group(
+        backend=backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs
+    )
     return DistInfo(dist.get_rank(), local_rank, dist.get_world_size(), device, backend)
 
 
@@ -94,13 +101,19 @@ class ParallelDegrees:
         return self.dp_replicate * self.dp_shard
 
 
-def validate_degrees(world_size: int, dp_replicate: int = 1, dp_shard: int = -1, ep: int = 1, pp: int = 1,
-                     n_routed_experts: int | None = None) -> ParallelDegrees:
+def validate_degrees(
+    world_size: int,
+    dp_replicate: int = 1,
+    dp_shard: int = -1,
+    ep: int = 1,
+    pp: int = 1,
+    n_routed_experts: int | None = None,
+) -> ParallelDegrees:
     """Checks the degrees and fills ``dp_shard = -1`` (the ranks left over).
 
-    Promises: ``pp * dp_replicate * dp_shard == world_size``, ``ep`` divides ``dp_shard`` (EP ranks are
-    carved out of the FSDP ranks) and, when given, ``n_routed_experts``. Anything else raises ValueError
-    naming the option and a fix.
+    Promises: ``pp * dp_replicate * dp_shard == world_size``, ``ep`` divides ``dp_shard`` (EP ranks
+    are carved out of the FSDP ranks) and, when given, ``n_routed_experts``. Anything else raises
+    ValueError naming the option and a fix.
     """
     for name, value in (("dp_replicate", dp_replicate), ("ep", ep), ("pp", pp)):
         if value < 1:
@@ -108,25 +121,38 @@ def validate_degrees(world_size: int, dp_replicate: int = 1, dp_shard: int = -1,
     if dp_shard == -1:
         if world_size % (dp_replicate * pp):
             raise ValueError(
-                f"{OPTION['dp_shard']} = -1 (use the ranks left over) but world size {world_size} is not divisible "
-                f"by {OPTION['dp_replicate']} * {OPTION['pp']} = {dp_replicate * pp}; change those degrees")
+                f"{OPTION['dp_shard']} = -1 (use the ranks left over) but world size {world_size} "
+                "is not divisible "
+                f"by {OPTION['dp_replicate']} * {OPTION['pp']} = {dp_replicate * pp}; change those "
+                "degrees"
+            )
         dp_shard = world_size // (dp_replicate * pp)
     if dp_shard < 1:
-        raise ValueError(f"{OPTION['dp_shard']} = {dp_shard}: must be >= 1, or -1 for the ranks left over")
+        raise ValueError(
+            f"{OPTION['dp_shard']} = {dp_shard}: must be >= 1, or -1 for the ranks left over"
+        )
     if pp * dp_replicate * dp_shard != world_size:
         raise ValueError(
-            f"parallel degrees do not multiply to the world size: {OPTION['pp']} ({pp}) * {OPTION['dp_replicate']} "
-            f"({dp_replicate}) * {OPTION['dp_shard']} ({dp_shard}) = {pp * dp_replicate * dp_shard} != "
-            f"{world_size} ranks; set {OPTION['dp_shard']} = -1 to use the ranks left over, or launch "
-            f"{pp * dp_replicate * dp_shard} processes")
+            f"parallel degrees do not multiply to the world size: {OPTION['pp']} ({pp}) * "
+            f"{OPTION['dp_replicate']} "
+            f"({dp_replicate}) * {OPTION['dp_shard']} ({dp_shard}) = "
+            f"{pp * dp_replicate * dp_shard} != "
+            f"{world_size} ranks; set {OPTION['dp_shard']} = -1 to use the ranks left over, or "
+            "launch "
+            f"{pp * dp_replicate * dp_shard} processes"
+        )
     if dp_shard % ep:
         raise ValueError(
-            f"{OPTION['ep']} = {ep} must divide {OPTION['dp_shard']} = {dp_shard} (expert-parallel ranks are "
-            f"carved out of the FSDP ranks); choose an EP degree among {_divisors(dp_shard)}")
+            f"{OPTION['ep']} = {ep} must divide {OPTION['dp_shard']} = {dp_shard} (expert-parallel "
+            "ranks are "
+            f"carved out of the FSDP ranks); choose an EP degree among {_divisors(dp_shard)}"
+        )
     if n_routed_experts is not None and n_routed_experts % ep:
         raise ValueError(
-            f"{OPTION['ep']} = {ep} must divide the number of routed experts ({n_routed_experts}); choose one of "
-            f"{[d for d in _divisors(n_routed_experts) if dp_shard % d == 0]}")
+            f"{OPTION['ep']} = {ep} must divide the number of routed experts ({n_routed_experts}); "
+            "choose one of "
+            f"{[d for d in _divisors(n_routed_experts) if dp_shard % d == 0]}"
+        )
     return ParallelDegrees(dp_replicate, dp_shard, ep, pp, world_size)
 
 
@@ -139,9 +165,10 @@ def _divisors(n: int) -> list[int]:
 class ParallelMesh:
     """The meshes of one job, by name.
 
-    ``mesh[name]`` is a 1-D mesh: ``"pp"``, ``"dp_replicate"``, ``"dp_shard"``, ``"efsdp"``, ``"ep"``, or
-    ``"dp"`` (all data-parallel ranks of this pipeline stage: loss and load-count all-reduces, data sharding).
-    ``fsdp_mesh`` / ``expert_fsdp_mesh`` are what FSDP shards dense parameters / routed experts on.
+    ``mesh[name]`` is a 1-D mesh: ``"pp"``, ``"dp_replicate"``, ``"dp_shard"``, ``"efsdp"``,
+    ``"ep"``, or ``"dp"`` (all data-parallel ranks of this pipeline stage: loss and load-count
+    all-reduces, data sharding). ``fsdp_mesh`` / ``expert_fsdp_mesh`` are what FSDP shards dense
+    parameters / routed experts on.
     """
 
     degrees: ParallelDegrees
@@ -168,27 +195,51 @@ class ParallelMesh:
         return self.degrees.dp > 1
 
 
-def build_mesh(world_size: int, dp_replicate: int = 1, dp_shard: int = -1, ep: int = 1, pp: int = 1,
-               device_type: str | None = None, n_routed_experts: int | None = None) -> ParallelMesh:
-    """Validates the degrees (``validate_degrees``) and builds the meshes on the default process group.
+def build_mesh(
+    world_size: int,
+    dp_replicate: int = 1,
+    dp_shard: int = -1,
+    ep: int = 1,
+    pp: int = 1,
+    device_type: str | None = None,
+    n_routed_experts: int | None = None,
+) -> ParallelMesh:
+    """Validates the degrees (``validate_degrees``) and builds the meshes on the default process
+    group.
 
-    Collective: every rank must call it with the same arguments. ``device_type`` defaults to "cuda" when
-    CUDA is available, else "cpu". All meshes share one root (the world), as FSDP needs to compose with the
-    EP-sharded expert weights.
+    Collective: every rank must call it with the same arguments. ``device_type`` defaults to "cuda"
+    when CUDA is available, else "cpu". All meshes share one root (the world), as FSDP needs to
+    compose with the EP-sharded expert weights.
     """
     deg = validate_degrees(world_size, dp_replicate, dp_shard, ep, pp, n_routed_experts)
     if not dist.is_initialized() or dist.get_world_size() != world_size:
         have = dist.get_world_size() if dist.is_initialized() else "no"
-        raise ValueError(f"build_mesh(world_size={world_size}) needs a default process group of that size "
-                         f"({have} ranks); call init_distributed() under torchrun first")
+        raise ValueError(
+            f"build_mesh(world_size={world_size}) needs a default process group of that size "
+            f"({have} ranks); call init_distributed() under torchrun first"
+        )
     device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
     world = init_device_mesh(device_type, (world_size,), mesh_dim_names=("world",))
-    dense = world._unflatten(0, (deg.pp, deg.dp_replicate, deg.dp_shard), ("pp", "dp_replicate", "dp_shard"))
-    sparse = world._unflatten(0, (deg.pp, deg.dp_replicate, deg.efsdp, deg.ep), ("pp", "dp_replicate", "efsdp", "ep"))
+    dense = world._unflatten(
+        0, (deg.pp, deg.dp_replicate, deg.dp_shard), ("pp", "dp_replicate", "dp_shard")
+    )
+    sparse = world._unflatten(
+        0, (deg.pp, deg.dp_replicate, deg.efsdp, deg.ep), ("pp", "dp_replicate", "efsdp", "ep")
+    )
     data = world._unflatten(0, (deg.pp, deg.dp), ("pp", "dp"))
-    meshes = {"pp": data["pp"], "dp": data["dp"], "dp_replicate": dense["dp_replicate"],
-              "dp_shard": dense["dp_shard"], "efsdp": sparse["efsdp"], "ep": sparse["ep"]}
+    meshes = {
+        "pp": data["pp"],
+        "dp": data["dp"],
+        "dp_replicate": dense["dp_replicate"],
+        "dp_shard": dense["dp_shard"],
+        "efsdp": sparse["efsdp"],
+        "ep": sparse["ep"],
+    }
     hsdp = deg.dp_replicate > 1
-    return ParallelMesh(deg, device_type, meshes,
-                        fsdp_mesh=dense["dp_replicate", "dp_shard"] if hsdp else dense["dp_shard"],
-                        expert_fsdp_mesh=sparse["dp_replicate", "efsdp"] if hsdp else sparse["efsdp"])
+    return ParallelMesh(
+        deg,
+        device_type,
+        meshes,
+        fsdp_mesh=dense["dp_replicate", "dp_shard"] if hsdp else dense["dp_shard"],
+        expert_fsdp_mesh=sparse["dp_replicate", "efsdp"] if hsdp else sparse["efsdp"],
+    )

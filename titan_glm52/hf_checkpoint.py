@@ -1,12 +1,14 @@
 """Read and write HF safetensors directories with exactly the published GLM-5.2 names and shapes.
 
-``load_hf_model(hf_dir)`` builds the model from ``config.json`` and fills every parameter and buffer from the
-safetensors files (single file or sharded with ``model.safetensors.index.json``); missing or unexpected keys
-and shape mismatches are errors. The published block-wise FP8 checkpoint is read as well: its quantised weights
-are dequantised to the model's dtype as they are read (``fp8_checkpoint``). ``save_hf_model(model, out_dir)``
-writes ``config.json`` plus shards and an index, in bf16 by default or in the block-wise FP8 format with
-``fp8=True``; ``e_score_correction_bias`` stays fp32 as in the published checkpoint. It needs the whole model in
-one process; a sharded or pipelined model is written unit by unit by ``hf_export.save_hf_distributed``.
+``load_hf_model(hf_dir)`` builds the model from ``config.json`` and fills every parameter and buffer
+from the safetensors files (single file or sharded with ``model.safetensors.index.json``); missing
+or unexpected keys and shape mismatches are errors. The published block-wise FP8 checkpoint is read
+as well: its quantised weights are dequantised to the model's dtype as they are read
+(``fp8_checkpoint``). ``save_hf_model(model, out_dir)`` writes ``config.json`` plus shards and an
+index, in bf16 by default or in the block-wise FP8 format with ``fp8=True``;
+``e_score_correction_bias`` stays fp32 as in the published checkpoint. It needs the whole model in
+one process; a sharded or pipelined model is written unit by unit by
+``hf_export.save_hf_distributed``.
 """
 
 from __future__ import annotations
@@ -20,8 +22,14 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from titan_glm52.fp8_checkpoint import (BlockFp8, checked_slice, kept_modules, pair_scales, quantize_hf_tensors,
-                                        read_format)
+from titan_glm52.fp8_checkpoint import (
+    BlockFp8,
+    checked_slice,
+    kept_modules,
+    pair_scales,
+    quantize_hf_tensors,
+    read_format,
+)
 from titan_glm52.model.args import GLM52ModelArgs
 from titan_glm52.model.init import local_view
 from titan_glm52.model.model import GLM52Model
@@ -52,20 +60,27 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def load_hf_state(model: GLM52Model, hf_dir: str, partial: bool = False) -> None:
-    """Copies an HF checkpoint into ``model`` (already materialised), reading only what each tensor holds.
+    """Copies an HF checkpoint into ``model`` (already materialised), reading only what each tensor
+    holds.
 
-    Sharded parameters (DTensors under FSDP / EP) read just their own rows and columns from the safetensors files,
-    so every rank can load a large model without ever holding it whole. ``partial=True`` is for a pipeline stage:
-    checkpoint tensors of other stages are skipped. Every tensor of ``model`` must be found, with the published
-    shape. A model built without its MTP layer (``with_mtp=False``, ``[mtp] enable = false``) skips the
-    checkpoint's MTP layer (``model.layers.<num_hidden_layers>.*``).
+    Sharded parameters (DTensors under FSDP / EP) read just their own rows and columns from the
+    safetensors files, so every rank can load a large model without ever holding it whole.
+    ``partial=True`` is for a pipeline stage: checkpoint tensors of other stages are skipped. Every
+    tensor of ``model`` must be found, with the published shape. A model built without its MTP layer
+    (``with_mtp=False``, ``[mtp] enable = false``) skips the checkpoint's MTP layer
+    (``model.layers.<num_hidden_layers>.*``).
 
-    A block-wise FP8 checkpoint (``quantization_config`` in ``hf_dir/config.json``, fp8 weights with their
-    ``*_scale_inv``) loads the same way: each rank dequantises only the part of a weight it holds, with the scale
-    blocks covering it, and the result is cast to the model's dtype (``fp8_checkpoint``).
+    A block-wise FP8 checkpoint (``quantization_config`` in ``hf_dir/config.json``, fp8 weights with
+    their ``*_scale_inv``) loads the same way: each rank dequantises only the part of a weight it
+    holds, with the scale blocks covering it, and the result is cast to the model's dtype
+    (``fp8_checkpoint``).
     """
     args = model.args
-    mtp_prefix = None if getattr(model, "mtp", None) is not None else f"model.layers.{args.num_hidden_layers}."
+    mtp_prefix = (
+        None
+        if getattr(model, "mtp", None) is not None
+        else f"model.layers.{args.num_hidden_layers}."
+    )
     targets = dict(model.named_parameters())
     targets.update({k: v for k, v in model.named_buffers() if "tokens_per_expert" not in k})
     seen: dict[str, set[ExpertSlice] | bool] = {}  # per 3-D weight: the per-expert slices copied
@@ -79,25 +94,35 @@ def load_hf_state(model: GLM52Model, hf_dir: str, partial: bool = False) -> None
                     if name not in targets:
                         if partial:
                             continue
-                        raise KeyError(f"{hf_key!r} maps to {name!r}, which this model does not have "
-                                       "(indexer weights on a shared layer? MTP layer disabled?)")
+                        raise KeyError(
+                            f"{hf_key!r} maps to {name!r}, which this model does not have "
+                            "(indexer weights on a shared layer? MTP layer disabled?)"
+                        )
                     _copy_slice(ckpt.slice(f, path, hf_key), hf_key, targets[name], where)
                     if where is None:
                         seen[name] = True
                     else:
                         seen.setdefault(name, set()).add(where)
-    missing = [name for name, t in targets.items()
-               if seen.get(name) is None
-               or (isinstance(seen[name], set) and len(seen[name]) != t.shape[0] * next(iter(seen[name])).parts)]
+    missing = [
+        name
+        for name, t in targets.items()
+        if seen.get(name) is None
+        or (
+            isinstance(seen[name], set)
+            and len(seen[name]) != t.shape[0] * next(iter(seen[name])).parts
+        )
+    ]
     if missing:
         raise KeyError(f"{len(missing)} tensors missing from {hf_dir}: {missing[:8]}")
 
 
 class _Checkpoint:
-    """The tensors of an HF checkpoint directory, bf16 / fp32 or block-wise FP8, as slices to read from.
+    """The tensors of an HF checkpoint directory, bf16 / fp32 or block-wise FP8, as slices to read
+    from.
 
-    FP8 block scales are not tensors to load of their own: each is read with its weight (``slice``), whose reads
-    it dequantises. Refuses a broken or unsupported FP8 checkpoint on entry, before anything is read.
+    FP8 block scales are not tensors to load of their own: each is read with its weight (``slice``),
+    whose reads it dequantises. Refuses a broken or unsupported FP8 checkpoint on entry, before
+    anything is read.
     """
 
     def __init__(self, hf_dir: str) -> None:
@@ -105,7 +130,8 @@ class _Checkpoint:
         self.fmt = read_format(hf_dir)
         self.scales = pair_scales(self.files, self.fmt, hf_dir)  # weight key -> its scale's key
         self._stack = ExitStack()
-        self._others: dict[str, object] = {}  # files opened for a scale that sits apart from its weight
+        # files opened for a scale that sits apart from its weight
+        self._others: dict[str, object] = {}
 
     def __enter__(self) -> _Checkpoint:
         return self
@@ -123,8 +149,8 @@ class _Checkpoint:
         return sorted(by_file.items())
 
     def slice(self, f, path: str, key: str):
-        """Tensor ``key`` of the open file ``f`` (at ``path``) to read from: its safetensors slice, or for an FP8
-        weight a slice that dequantises what is read of it."""
+        """Tensor ``key`` of the open file ``f`` (at ``path``) to read from: its safetensors slice,
+        or for an FP8 weight a slice that dequantises what is read of it."""
         scale = self.scales.get(key)
         if scale is not None:
             scale_path = self.files[scale]
@@ -132,41 +158,56 @@ class _Checkpoint:
                 scale = f.get_slice(scale)
             else:
                 if scale_path not in self._others:
-                    self._others[scale_path] = self._stack.enter_context(safe_open(scale_path, "pt", device="cpu"))
+                    self._others[scale_path] = self._stack.enter_context(
+                        safe_open(scale_path, "pt", device="cpu")
+                    )
                 scale = self._others[scale_path].get_slice(scale)
         return checked_slice(f.get_slice(key), key, scale, self.fmt)
 
 
 def _copy_slice(src, hf_key: str, dst: torch.Tensor, where: ExpertSlice | None) -> None:
-    """Copies the part of checkpoint tensor ``src`` (a safetensors slice) that ``dst``'s local shard holds
-    (for one expert's tensor of a 3-D weight: its rows ``where`` says, see ``ExpertSlice``)."""
+    """Copies the part of checkpoint tensor ``src`` (a safetensors slice) that ``dst``'s local shard
+    holds (for one expert's tensor of a 3-D weight: its rows ``where`` says, see
+    ``ExpertSlice``)."""
     local, shape, offset = local_view(dst)
     global_shape = tuple(dst.shape)
     if where is not None:
         global_shape = (dst.shape[1] // where.parts, *dst.shape[2:])
     if tuple(src.get_shape()) != global_shape:
-        raise ValueError(f"{hf_key}: checkpoint shape {tuple(src.get_shape())} != model {global_shape}")
+        raise ValueError(
+            f"{hf_key}: checkpoint shape {tuple(src.get_shape())} != model {global_shape}"
+        )
     if where is not None:
         if not offset[0] <= where.expert < offset[0] + shape[0]:
             return  # another rank's expert
         local, shape, offset = local[where.expert - offset[0]], shape[1:], offset[1:]
-        # The slice's rows within the expert, intersected with the rows this shard holds (FSDP may split dim 1);
-        # the offset from here on is in the slice's own rows.
+        # The slice's rows within the expert, intersected with the rows this shard holds (FSDP may
+        # split dim 1); the offset from here on is in the slice's own rows.
         first = where.part * global_shape[0]
         lo, hi = max(offset[0], first), min(offset[0] + shape[0], first + global_shape[0])
         if lo >= hi:
             return
-        local, shape, offset = local[lo - offset[0]:hi - offset[0]], (hi - lo, *shape[1:]), (lo - first, *offset[1:])
+        local, shape, offset = (
+            local[lo - offset[0] : hi - offset[0]],
+            (hi - lo, *shape[1:]),
+            (lo - first, *offset[1:]),
+        )
     if local.numel() == 0:
         return
     index = tuple(slice(o, o + n) for o, n in zip(offset, shape))
     local.copy_(src[index] if index else src[:])
 
 
-def load_hf_model(hf_dir: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                  with_mtp: bool | None = None, options: ModelOptions | None = None, **arg_overrides) -> GLM52Model:
-    """Builds a GLM52Model from ``hf_dir/config.json`` (computed as ``options`` say) and loads its safetensors
-    weights.
+def load_hf_model(
+    hf_dir: str,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    with_mtp: bool | None = None,
+    options: ModelOptions | None = None,
+    **arg_overrides,
+) -> GLM52Model:
+    """Builds a GLM52Model from ``hf_dir/config.json`` (computed as ``options`` say) and loads its
+    safetensors weights.
 
     ``with_mtp=None`` keeps the MTP layer when the config has one and the checkpoint holds it.
     """
@@ -174,7 +215,8 @@ def load_hf_model(hf_dir: str, dtype: torch.dtype = torch.float32, device: str |
     if with_mtp is None:
         mtp_prefix = f"model.layers.{args.num_hidden_layers}."
         with_mtp = args.num_nextn_predict_layers > 0 and any(
-            k.startswith(mtp_prefix) for k in hf_weight_files(hf_dir))
+            k.startswith(mtp_prefix) for k in hf_weight_files(hf_dir)
+        )
     if not with_mtp:
         args = args.replace(num_nextn_predict_layers=0)
     with torch.device("meta"):
@@ -185,7 +227,9 @@ def load_hf_model(hf_dir: str, dtype: torch.dtype = torch.float32, device: str |
         if hasattr(mod, "e_score_correction_bias"):
             mod.e_score_correction_bias.data = mod.e_score_correction_bias.data.float()
         if hasattr(mod, "tokens_per_expert"):
-            mod.tokens_per_expert.data = torch.zeros_like(mod.tokens_per_expert, dtype=torch.float32)
+            mod.tokens_per_expert.data = torch.zeros_like(
+                mod.tokens_per_expert, dtype=torch.float32
+            )
     load_hf_state(model, hf_dir)
     return model
 
@@ -195,9 +239,11 @@ def hf_state_dict(model: GLM52Model, dtype: torch.dtype | None = None) -> dict[s
     return to_hf_tensors(model.state_dict(), model.args, dtype)
 
 
-def to_hf_tensors(state: dict[str, torch.Tensor], args: GLM52ModelArgs,
-                  dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """Our (full, unsharded or DTensor) state dict -> contiguous CPU tensors under published HF names."""
+def to_hf_tensors(
+    state: dict[str, torch.Tensor], args: GLM52ModelArgs, dtype: torch.dtype | None = None
+) -> dict[str, torch.Tensor]:
+    """Our (full, unsharded or DTensor) state dict -> contiguous CPU tensors under published HF
+    names."""
     state = {k: v for k, v in state.items() if "tokens_per_expert" not in k}
     out = {}
     for hf_key, t in to_hf(state, args):
@@ -210,12 +256,18 @@ def to_hf_tensors(state: dict[str, torch.Tensor], args: GLM52ModelArgs,
     return out
 
 
-def save_hf_model(model: GLM52Model, out_dir: str, dtype: torch.dtype = torch.bfloat16,
-                  max_shard_bytes: int = 5 * 1024 ** 3, fp8: bool = False) -> None:
+def save_hf_model(
+    model: GLM52Model,
+    out_dir: str,
+    dtype: torch.dtype = torch.bfloat16,
+    max_shard_bytes: int = 5 * 1024**3,
+    fp8: bool = False,
+) -> None:
     """Writes ``config.json`` and safetensors (sharded with an index when over ``max_shard_bytes``).
 
-    ``fp8=True`` writes the published block-wise FP8 format: the linear weights of attention, MLP and experts in
-    e4m3 with 128 x 128 block scales (quantised from their ``dtype`` values), the rest in ``dtype``.
+    ``fp8=True`` writes the published block-wise FP8 format: the linear weights of attention, MLP
+    and experts in e4m3 with 128 x 128 block scales (quantised from their ``dtype`` values), the
+    rest in ``dtype``.
     """
     args = model.args
     if model.mtp is None and args.num_nextn_predict_layers:
@@ -223,9 +275,14 @@ def save_hf_model(model: GLM52Model, out_dir: str, dtype: torch.dtype = torch.bf
     save_hf_state(model.state_dict(), args, out_dir, dtype, max_shard_bytes, fp8)
 
 
-def save_hf_state(state: dict[str, torch.Tensor], args: GLM52ModelArgs, out_dir: str,
-                  dtype: torch.dtype = torch.bfloat16, max_shard_bytes: int = 5 * 1024 ** 3,
-                  fp8: bool = False) -> None:
+def save_hf_state(
+    state: dict[str, torch.Tensor],
+    args: GLM52ModelArgs,
+    out_dir: str,
+    dtype: torch.dtype = torch.bfloat16,
+    max_shard_bytes: int = 5 * 1024**3,
+    fp8: bool = False,
+) -> None:
     """``save_hf_model`` for a state dict under our names (e.g. gathered from a sharded model)."""
     os.makedirs(out_dir, exist_ok=True)
     tensors = to_hf_tensors(state, args, dtype)
@@ -261,10 +318,12 @@ def shard_file_name(i: int, n: int) -> str:
     return f"model-{i + 1:05d}-of-{n:05d}.safetensors"
 
 
-def write_hf_config(args: GLM52ModelArgs, out_dir: str, dtype: torch.dtype,
-                    quantization_config: dict | None = None) -> None:
+def write_hf_config(
+    args: GLM52ModelArgs, out_dir: str, dtype: torch.dtype, quantization_config: dict | None = None
+) -> None:
     """``config.json`` of ``args`` with ``dtype`` = the export dtype and the written files' own
-    ``quantization_config`` (none for an unquantised export, whatever format the model was loaded from)."""
+    ``quantization_config`` (none for an unquantised export, whatever format the model was loaded
+    from)."""
     cfg = args.replace(dtype=str(dtype).removeprefix("torch.")).to_hf_config()
     cfg.pop("quantization_config", None)
     if quantization_config is not None:

@@ -1,8 +1,8 @@
 """Host-to-device copies that do not make the host wait for the GPU.
 
-A pageable host-to-device copy waits for the stream; a pinned one does not. The trainer, the model and the
-pipeline stages send small host-made tensors (document bounds, token counts, flags) every step this way, so
-that the host keeps queuing work ahead of the GPU.
+A pageable host-to-device copy waits for the stream; a pinned one does not. The trainer, the model
+and the pipeline stages send small host-made tensors (document bounds, token counts, flags) every
+step this way, so that the host keeps queuing work ahead of the GPU.
 """
 
 from __future__ import annotations

@@ -1,24 +1,26 @@
-"""bf16 compute weights with fp32 master weights on one process, without FSDP (``training.master_weights =
-"optimizer"``).
+"""bf16 compute weights with fp32 master weights on one process, without FSDP
+(``training.master_weights = "optimizer"``).
 
-On one GPU the default path wraps the model in FSDP2 on a one-rank mesh with a bf16 ``MixedPrecisionPolicy``: the
-fp32 parameters are the masters, and every step FSDP casts them to bf16 and copies them into its all-gather buffers
-and out again, then copies and casts every bf16 gradient to an fp32 one (about 30 bytes per parameter; 37 ms of the
-proxy's 256 ms step on an H200). Here the model keeps a second, bf16 copy of every parameter (its *compute*
-weights) and trains on those; the optimizer (``TritonAdam`` / ``TritonAdamW``) reads their bf16 gradients,
-updates the fp32 masters and writes the rounded result into the compute weights in the same pass.
+On one GPU the default path wraps the model in FSDP2 on a one-rank mesh with a bf16
+``MixedPrecisionPolicy``: the fp32 parameters are the masters, and every step FSDP casts them to
+bf16 and copies them into its all-gather buffers and out again, then copies and casts every bf16
+gradient to an fp32 one (about 30 bytes per parameter; 37 ms of the proxy's 256 ms step on an H200).
+Here the model keeps a second, bf16 copy of every parameter (its *compute* weights) and trains on
+those; the optimizer (``TritonAdam`` / ``TritonAdamW``) reads their bf16 gradients, updates the fp32
+masters and writes the rounded result into the compute weights in the same pass.
 
-The arithmetic is the FSDP path's on one rank: the compute weights are the masters rounded to bf16 (round to
-nearest even), the gradients are the bf16 gradients of those weights, widened exactly, and with gradient
-accumulation they are summed in fp32 one micro-batch at a time (a post-accumulate hook per parameter), as FSDP sums
-its fp32 reduce-scatter outputs. Training is bitwise the same (tests/e2e, CPU), except where autograd sums several
-bf16 gradients into one tensor: FSDP's hooks can change that order (with MTP, at the embedding output).
+The arithmetic is the FSDP path's on one rank: the compute weights are the masters rounded to bf16
+(round to nearest even), the gradients are the bf16 gradients of those weights, widened exactly, and
+with gradient accumulation they are summed in fp32 one micro-batch at a time (a post-accumulate hook
+per parameter), as FSDP sums its fp32 reduce-scatter outputs. Training is bitwise the same
+(tests/e2e, CPU), except where autograd sums several bf16 gradients into one tensor: FSDP's hooks
+can change that order (with MTP, at the embedding output).
 
-Like FSDP2's sharded and unsharded parameters, the module attributes are swapped: between steps the modules hold
-the fp32 masters, so ``state_dict``, checkpoints, the HF export and the optimizer's state see only them. During a
-step's forward and backward (activation recompute included) they hold the compute weights. A master changed by
-anything other than the Triton step (a checkpoint load, an in-place edit) is re-cast before the next forward; its
-version counter tells.
+Like FSDP2's sharded and unsharded parameters, the module attributes are swapped: between steps the
+modules hold the fp32 masters, so ``state_dict``, checkpoints, the HF export and the optimizer's
+state see only them. During a step's forward and backward (activation recompute included) they hold
+the compute weights. A master changed by anything other than the Triton step (a checkpoint load, an
+in-place edit) is re-cast before the next forward; its version counter tells.
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ class _Slot:
     compute: nn.Parameter
     places: list[tuple[nn.Module, str]] = field(default_factory=list)
     version: int = -1  # the master's version counter when last cast
-    main_grad: torch.Tensor | None = None  # fp32 sum of the micro-batches' gradients (accumulation only)
+    # fp32 sum of the micro-batches' gradients (accumulation only)
+    main_grad: torch.Tensor | None = None
 
     @property
     def grad(self) -> torch.Tensor | None:
@@ -45,14 +48,20 @@ class _Slot:
 
 
 class MasterWeights:
-    """The compute weights of ``modules``' parameters (each parameter once, also where modules share it).
+    """The compute weights of ``modules``' parameters (each parameter once, also where modules share
+    it).
 
-    ``accumulate``: sum the gradients of several backward passes per step in fp32 (gradient accumulation);
-    without it each step has one backward and the optimizer reads the bf16 gradients directly.
+    ``accumulate``: sum the gradients of several backward passes per step in fp32 (gradient
+    accumulation); without it each step has one backward and the optimizer reads the bf16 gradients
+    directly.
     """
 
-    def __init__(self, modules: Iterable[nn.Module], dtype: torch.dtype = torch.bfloat16,
-                 accumulate: bool = False) -> None:
+    def __init__(
+        self,
+        modules: Iterable[nn.Module],
+        dtype: torch.dtype = torch.bfloat16,
+        accumulate: bool = False,
+    ) -> None:
         self._slots: dict[nn.Parameter, _Slot] = {}
         for root in modules:
             for module in root.modules():
@@ -60,10 +69,14 @@ class MasterWeights:
                     if p is None:
                         continue
                     if p.dtype != torch.float32:
-                        raise ValueError(f"master weights are fp32; {type(module).__name__}.{name} is {p.dtype}")
+                        raise ValueError(
+                            f"master weights are fp32; {type(module).__name__}.{name} is {p.dtype}"
+                        )
                     slot = self._slots.get(p)
                     if slot is None:
-                        compute = nn.Parameter(torch.empty_like(p, dtype=dtype), requires_grad=p.requires_grad)
+                        compute = nn.Parameter(
+                            torch.empty_like(p, dtype=dtype), requires_grad=p.requires_grad
+                        )
                         slot = self._slots[p] = _Slot(p, compute)
                         if accumulate and p.requires_grad:
                             compute.register_post_accumulate_grad_hook(self._hook(slot))
@@ -80,6 +93,7 @@ class MasterWeights:
                 else:
                     slot.main_grad.add_(compute.grad)
             compute.grad = None
+
         return accumulate
 
     def slot(self, master: torch.Tensor) -> _Slot | None:
@@ -87,7 +101,8 @@ class MasterWeights:
 
     @torch.no_grad()
     def refresh(self) -> None:
-        """Re-casts every master whose version counter moved since its last cast (all of them the first time)."""
+        """Re-casts every master whose version counter moved since its last cast (all of them the
+        first time)."""
         for s in self._slots.values():
             if s.master._version != s.version:
                 s.compute.copy_(s.master)
@@ -102,7 +117,8 @@ class MasterWeights:
 
     @contextlib.contextmanager
     def computing(self) -> Iterator[None]:
-        """The modules hold the compute weights inside (forward and backward of one step), the masters after."""
+        """The modules hold the compute weights inside (forward and backward of one step), the
+        masters after."""
         if self._computing:
             raise RuntimeError("MasterWeights.computing() is not reentrant")
         self.refresh()
@@ -113,7 +129,8 @@ class MasterWeights:
             self._place(compute=False)
 
     def grads(self) -> list[torch.Tensor]:
-        """This step's gradients (bf16, or fp32 when accumulating), one per parameter that has one."""
+        """This step's gradients (bf16, or fp32 when accumulating), one per parameter that has
+        one."""
         return [g for g in (s.grad for s in self._slots.values()) if g is not None]
 
     def zero_grad(self) -> None:

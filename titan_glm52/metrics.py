@@ -1,8 +1,9 @@
-"""Training metrics: the device's peak FLOP/s behind MFU, peak memory, and the console + TensorBoard logger.
+"""Training metrics: the device's peak FLOP/s behind MFU, peak memory, and the console + TensorBoard
+logger.
 
-MFU = training FLOPs per device (``model/flops.py``, the one FLOP model; a data-parallel rank's tokens and FLOPs
-are divided by the devices that share them, its pipeline stages, as torchtitan does) / step time / the device's
-dense bf16 peak.
+MFU = training FLOPs per device (``model/flops.py``, the one FLOP model; a data-parallel rank's
+tokens and FLOPs are divided by the devices that share them, its pipeline stages, as torchtitan
+does) / step time / the device's dense bf16 peak.
 """
 
 from __future__ import annotations
@@ -19,7 +20,14 @@ import torch
 logger = logging.getLogger("titan_glm52")
 
 # Dense bf16 tensor-core peaks (FLOP/s) by device-name fragment.
-PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "H800": 989e12, "A100": 312e12, "B200": 2250e12, "GB200": 2500e12}
+PEAK_BF16 = {
+    "H200": 989e12,
+    "H100": 989e12,
+    "H800": 989e12,
+    "A100": 312e12,
+    "B200": 2250e12,
+    "GB200": 2500e12,
+}
 
 
 def peak_flops(device: torch.device) -> float | None:
@@ -35,9 +43,11 @@ def peak_flops(device: torch.device) -> float | None:
 def memory_stats(device: torch.device) -> dict[str, float]:
     """Peak memory in GiB since the last reset (device memory on CUDA, process RSS on CPU)."""
     if device.type == "cuda":
-        return {"memory/peak_allocated_gib": torch.cuda.max_memory_allocated(device) / 2 ** 30,
-                "memory/peak_reserved_gib": torch.cuda.max_memory_reserved(device) / 2 ** 30}
-    return {"memory/peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20}
+        return {
+            "memory/peak_allocated_gib": torch.cuda.max_memory_allocated(device) / 2**30,
+            "memory/peak_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30,
+        }
+    return {"memory/peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
 
 
 def reset_peak_memory(device: torch.device) -> None:
@@ -46,8 +56,8 @@ def reset_peak_memory(device: torch.device) -> None:
 
 
 class MetricsLogger:
-    """One console line per log step, TensorBoard scalars (``tb_folder``) and the same scalars as JSON lines
-    (``jsonl_path``, one object per log step); written by one rank only."""
+    """One console line per log step, TensorBoard scalars (``tb_folder``) and the same scalars as
+    JSON lines (``jsonl_path``, one object per log step); written by one rank only."""
 
     def __init__(self, tb_folder: str | None, jsonl_path: str | None, enabled: bool) -> None:
         self.writer = None
@@ -83,10 +93,19 @@ class MetricsLogger:
 
 def format_line(step: int, total_steps: int, s: dict[str, float], eta_s: float) -> str:
     parts = [f"step {step:>5}/{total_steps}", f"loss {s['loss/total']:.4f}"]
-    for key, short in (("loss/ce", "ce"), ("loss/mtp", "mtp"), ("loss/indexer_kl", "kl"), ("loss/moe_aux", "aux")):
+    for key, short in (
+        ("loss/ce", "ce"),
+        ("loss/mtp", "mtp"),
+        ("loss/indexer_kl", "kl"),
+        ("loss/moe_aux", "aux"),
+    ):
         if key in s:
             parts.append(f"{short} {s[key]:.4f}")
-    parts += [f"lr {s['lr']:.2e}", f"gnorm {s['grad_norm']:.3f}", f"tok/s/gpu {s['throughput/tokens_per_s_per_device']:.0f}"]
+    parts += [
+        f"lr {s['lr']:.2e}",
+        f"gnorm {s['grad_norm']:.3f}",
+        f"tok/s/gpu {s['throughput/tokens_per_s_per_device']:.0f}",
+    ]
     if "throughput/mfu_pct" in s:
         parts.append(f"mfu {s['throughput/mfu_pct']:.1f}%")
     mem = s.get("memory/peak_allocated_gib", s.get("memory/peak_rss_gib"))

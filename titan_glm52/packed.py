@@ -1,10 +1,12 @@
-"""Packed sequences: several documents back to back in one token stream, described by ``cu_seqlens``.
+"""Packed sequences: several documents back to back in one token stream, described by
+``cu_seqlens``.
 
-``cu_seqlens`` is int32 ``[N + 1]`` over the flattened ``T = B * S`` tokens of a batch: ``cu_seqlens[0] == 0``,
-``cu_seqlens[-1] == T``, non-decreasing; document ``i`` holds rows ``cu_seqlens[i] : cu_seqlens[i + 1]``.
-``positions [B, S]`` is the same packing seen per row: each token's position inside its document (0 where a
-document starts). The data loader, the model, the kernels, the pipeline stages and the metrics all use these
-helpers, so they live here rather than in any one of them.
+``cu_seqlens`` is int32 ``[N + 1]`` over the flattened ``T = B * S`` tokens of a batch:
+``cu_seqlens[0] == 0``, ``cu_seqlens[-1] == T``, non-decreasing; document ``i`` holds rows
+``cu_seqlens[i] : cu_seqlens[i + 1]``. ``positions [B, S]`` is the same packing seen per row: each
+token's position inside its document (0 where a document starts). The data loader, the model, the
+kernels, the pipeline stages and the metrics all use these helpers, so they live here rather than in
+any one of them.
 """
 
 from __future__ import annotations
@@ -33,12 +35,13 @@ def doc_lengths(cu_seqlens: torch.Tensor) -> torch.Tensor:
 
 
 def check_cu_seqlens(cu_seqlens: torch.Tensor | Sequence[int], total: int) -> list[int]:
-    """Validates ``cu_seqlens`` (a tensor, or a host sequence of ints) and returns it as a host list (a
-    tensor on the GPU costs one device-to-host copy)."""
+    """Validates ``cu_seqlens`` (a tensor, or a host sequence of ints) and returns it as a host list
+    (a tensor on the GPU costs one device-to-host copy)."""
     if isinstance(cu_seqlens, torch.Tensor):
         if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
-            raise ValueError(f"cu_seqlens must be 1-D with >= 2 entries, got shape "
-                             f"{tuple(cu_seqlens.shape)}")
+            raise ValueError(
+                f"cu_seqlens must be 1-D with >= 2 entries, got shape {tuple(cu_seqlens.shape)}"
+            )
         bounds = cu_seqlens.tolist()
     else:
         bounds = [operator.index(b) for b in cu_seqlens]
@@ -52,8 +55,8 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor | Sequence[int], total: int) -> li
 
 
 def cu_seqlens_from_positions(positions: torch.Tensor) -> torch.Tensor:
-    """int32 ``cu_seqlens`` of the flattened ``[B, S]`` stream: a document starts wherever position == 0
-    (every row starts a document)."""
+    """int32 ``cu_seqlens`` of the flattened ``[B, S]`` stream: a document starts wherever position
+    == 0 (every row starts a document)."""
     flat = positions.reshape(-1)
     starts = torch.nonzero(flat == 0).flatten()
     row_starts = torch.arange(0, flat.numel(), positions.shape[-1], device=flat.device)

@@ -1,10 +1,12 @@
-"""Profiler traces and CUDA memory snapshots on request (torchtitan's ``[profiling]`` options), on CPU and GPU.
+"""Profiler traces and CUDA memory snapshots on request (torchtitan's ``[profiling]`` options), on
+CPU and GPU.
 
-Traces: every ``profile_freq`` steps a ``torch.profiler`` window of ``profiler_warmup`` + ``profiler_active``
-steps is recorded (CPU activity, plus CUDA on GPUs) and written as a Chrome trace to
-``<dump_folder>/<save_traces_folder>/iteration_<step>/rank<r>_trace.json``. Memory snapshots (CUDA only) record
-the allocator history from the start and dump ``<dump_folder>/<save_memory_snapshot_folder>/iteration_<step>/
-rank<r>_memory_snapshot.pickle`` every ``profile_freq`` steps (open them at pytorch.org/memory_viz).
+Traces: every ``profile_freq`` steps a ``torch.profiler`` window of ``profiler_warmup`` +
+``profiler_active`` steps is recorded (CPU activity, plus CUDA on GPUs) and written as a Chrome
+trace to ``<dump_folder>/<save_traces_folder>/iteration_<step>/rank<r>_trace.json``. Memory
+snapshots (CUDA only) record the allocator history from the start and dump
+``<dump_folder>/<save_memory_snapshot_folder>/iteration_<step>/ rank<r>_memory_snapshot.pickle``
+every ``profile_freq`` steps (open them at pytorch.org/memory_viz).
 """
 
 from __future__ import annotations
@@ -28,8 +30,12 @@ class _Profiler:
         wait = cfg.profile_freq - cfg.profiler_warmup - cfg.profiler_active
         self.prof = torch.profiler.profile(
             activities=activities,
-            schedule=torch.profiler.schedule(wait=wait, warmup=cfg.profiler_warmup, active=cfg.profiler_active),
-            on_trace_ready=self._save, record_shapes=True)
+            schedule=torch.profiler.schedule(
+                wait=wait, warmup=cfg.profiler_warmup, active=cfg.profiler_active
+            ),
+            on_trace_ready=self._save,
+            record_shapes=True,
+        )
 
     def _save(self, prof) -> None:
         out = os.path.join(self.folder, f"iteration_{self.step_no}")
@@ -58,16 +64,23 @@ class _MemorySnapshot:
 
 @contextlib.contextmanager
 def profiling(cfg, dump_folder: str, rank: int, device: torch.device, start_step: int):
-    """Yields (profiler or None, memory snapshotter or None); each has ``step()`` to call once per step."""
+    """Yields (profiler or None, memory snapshotter or None); each has ``step()`` to call once per
+    step."""
     prof = snap = None
     if cfg.enable_profiling:
         if cfg.profile_freq < cfg.profiler_warmup + cfg.profiler_active:
             raise ValueError("profiling.profile_freq must be >= profiler_warmup + profiler_active")
-        prof = _Profiler(cfg, os.path.join(dump_folder, cfg.save_traces_folder), rank, device, start_step)
+        prof = _Profiler(
+            cfg, os.path.join(dump_folder, cfg.save_traces_folder), rank, device, start_step
+        )
     if cfg.enable_memory_snapshot:
         if device.type != "cuda":
-            raise ValueError("profiling.enable_memory_snapshot records the CUDA allocator; it needs a GPU")
-        snap = _MemorySnapshot(cfg, os.path.join(dump_folder, cfg.save_memory_snapshot_folder), rank, start_step)
+            raise ValueError(
+                "profiling.enable_memory_snapshot records the CUDA allocator; it needs a GPU"
+            )
+        snap = _MemorySnapshot(
+            cfg, os.path.join(dump_folder, cfg.save_memory_snapshot_folder), rank, start_step
+        )
     try:
         if prof is not None:
             prof.prof.__enter__()

@@ -2,8 +2,10 @@
 
 * ``mtp_labels``: the MTP head's labels from the main ones;
 * ``StepLosses``: the step's loss terms by name, on the device, summed over micro-batches and ranks;
-* ``Readback``: device scalars copied to the host behind the work that makes them, read without a stall;
-* ``GpuMarks``: CUDA events that time a step's forward + backward and its update as the GPU ran them.
+* ``Readback``: device scalars copied to the host behind the work that makes them, read without a
+  stall;
+* ``GpuMarks``: CUDA events that time a step's forward + backward and its update as the GPU ran
+  them.
 """
 
 from __future__ import annotations
@@ -18,24 +20,24 @@ from titan_glm52.data import IGNORE_INDEX
 
 
 def mtp_labels(labels: torch.Tensor) -> torch.Tensor:
-    """Labels of the MTP head: position i predicts token i + 2, valid when i -> i+1 -> i+2 stay in one
-    document."""
+    """Labels of the MTP head: position i predicts token i + 2, valid when i -> i+1 -> i+2 stay in
+    one document."""
     nxt = torch.cat((labels[:, 1:], torch.full_like(labels[:, :1], IGNORE_INDEX)), dim=1)
     return torch.where(labels == IGNORE_INDEX, torch.full_like(nxt, IGNORE_INDEX), nxt)
 
 
 @dataclass
 class StepLosses:
-    """A step's loss terms as added to the loss, fp64 device scalars summed over its micro-batches (and, after
-    ``all_reduce``, over ranks).
+    """A step's loss terms as added to the loss, fp64 device scalars summed over its micro-batches
+    (and, after ``all_reduce``, over ranks).
 
     Attributes:
-        ce: the cross-entropy over the global valid tokens.
-        mtp: ``mtp.loss_weight`` x the MTP cross-entropy over the global valid MTP tokens.
-        indexer_kl: ``dsa.indexer_loss_coeff`` x the indexer KL over the global valid tokens.
-        moe_aux: ``moe.seq_aux_loss_coeff`` x the sequence balance loss over the global sequences.
-        kl_per_token: the indexer KL over the global valid tokens (summed over indexer layers; a metric).
-        total: the loss whose gradient the step applies (non-finite where the step must be skipped).
+        ce: the cross-entropy over the global valid tokens. mtp: ``mtp.loss_weight`` x the MTP
+        cross-entropy over the global valid MTP tokens. indexer_kl: ``dsa.indexer_loss_coeff`` x the
+        indexer KL over the global valid tokens. moe_aux: ``moe.seq_aux_loss_coeff`` x the sequence
+        balance loss over the global sequences. kl_per_token: the indexer KL over the global valid
+        tokens (summed over indexer layers; a metric). total: the loss whose gradient the step
+        applies (non-finite where the step must be skipped).
     """
 
     ce: torch.Tensor
@@ -63,13 +65,16 @@ class StepLosses:
 
 
 class Readback:
-    """Device scalars read by the host without stalling it: one copy into pinned host memory, queued behind the
-    work that produces them, and an event after it. ``values()`` waits for that event only, not for work queued
-    later (the next step's forward and backward). On CPU the values are read at once."""
+    """Device scalars read by the host without stalling it: one copy into pinned host memory, queued
+    behind the work that produces them, and an event after it. ``values()`` waits for that event
+    only, not for work queued later (the next step's forward and backward). On CPU the values are
+    read at once."""
 
     def __init__(self, scalars: dict[str, torch.Tensor], device: torch.device) -> None:
         self.names = list(scalars)
-        flat = torch.cat([v.detach().reshape(1).to(device, torch.float64) for v in scalars.values()])
+        flat = torch.cat(
+            [v.detach().reshape(1).to(device, torch.float64) for v in scalars.values()]
+        )
         self.event = None
         if device.type == "cuda":
             self.host = torch.empty(flat.shape, dtype=torch.float64, pin_memory=True)
@@ -86,9 +91,9 @@ class Readback:
 
 
 class GpuMarks:
-    """CUDA events at the start of forward, the end of backward and the end of the optimizer step: the step's
-    forward+backward and optimizer times as the GPU ran them. Elsewhere (CPU) ``seconds()`` is None and host
-    times are exact."""
+    """CUDA events at the start of forward, the end of backward and the end of the optimizer step:
+    the step's forward+backward and optimizer times as the GPU ran them. Elsewhere (CPU)
+    ``seconds()`` is None and host times are exact."""
 
     def __init__(self, device: torch.device) -> None:
         self.events = []
@@ -110,8 +115,10 @@ class GpuMarks:
         if len(self.events) != 3:
             return None
         self.wait()
-        return (self.events[0].elapsed_time(self.events[1]) / 1e3,
-                self.events[1].elapsed_time(self.events[2]) / 1e3)
+        return (
+            self.events[0].elapsed_time(self.events[1]) / 1e3,
+            self.events[1].elapsed_time(self.events[2]) / 1e3,
+        )
 
     def since(self, earlier: GpuMarks) -> float | None:
         """GPU seconds from ``earlier``'s last mark to this one's last (None on CPU)."""
@@ -123,15 +130,17 @@ class GpuMarks:
 
 @dataclass
 class Launched:
-    """A step whose work is queued on the device. Its host-side bookkeeping (``Trainer._finish``: counters, LR
-    schedule, logging, checkpoint) waits for its numbers; when it ``overlaps``, that happens after the next
-    step's forward and backward are queued, so the GPU finds the next step's work queued when this one ends."""
+    """A step whose work is queued on the device. Its host-side bookkeeping (``Trainer._finish``:
+    counters, LR schedule, logging, checkpoint) waits for its numbers; when it ``overlaps``, that
+    happens after the next step's forward and backward are queued, so the GPU finds the next step's
+    work queued when this one ends."""
 
     step: int
     batches: list[dict]
     readback: Readback
     marks: GpuMarks
-    after: GpuMarks | None  # the step queued just before this one, still unfinished when this one was launched
+    # the step queued just before this one, still unfinished when this one was launched
+    after: GpuMarks | None
     overlaps: bool
     log: bool
     memory: dict[str, float]

@@ -1,10 +1,12 @@
-"""The training loop: config -> model -> parallelize -> data -> forward/backward -> optimizer -> checkpoints.
+"""The training loop: config -> model -> parallelize -> data -> forward/backward -> optimizer ->
+checkpoints.
 
-Device-agnostic: CUDA + NCCL on GPUs (bf16 mixed precision: fp32 master weights, bf16 compute, fp32 gradient
-reduction; the masters live in FSDP, or on one process in the Triton optimizer: ``master_weights.py``), CPU +
-gloo elsewhere (fp32 unless ``training.mixed_precision_on_cpu``), same code. Losses are normalised by the global
-number of valid tokens: every rank divides its summed token losses by the count over all data-parallel ranks and
-all micro-batches of the step, and gradients are summed across ranks.
+Device-agnostic: CUDA + NCCL on GPUs (bf16 mixed precision: fp32 master weights, bf16 compute, fp32
+gradient reduction; the masters live in FSDP, or on one process in the Triton optimizer:
+``master_weights.py``), CPU + gloo elsewhere (fp32 unless ``training.mixed_precision_on_cpu``), same
+code. Losses are normalised by the global number of valid tokens: every rank divides its summed
+token losses by the count over all data-parallel ranks and all micro-batches of the step, and
+gradients are summed across ranks.
 """
 
 from __future__ import annotations
@@ -24,17 +26,36 @@ from torchtitan.tools.utils import GarbageCollection
 
 from titan_glm52 import distributed as tdist
 from titan_glm52.checkpoint import TrainState, build_checkpointer, export_hf, initial_load
-from titan_glm52.config import ConfigError, JobConfig, model_args, model_options, resolve_master_weights, validate
+from titan_glm52.config import (
+    ConfigError,
+    JobConfig,
+    model_args,
+    model_options,
+    resolve_master_weights,
+    validate,
+)
 from titan_glm52.data import IGNORE_INDEX, Prefetcher, build_dataloader, build_tokenizer
 from titan_glm52.host_copy import host_to_device
 from titan_glm52.master_weights import MasterWeights
 from titan_glm52.memory_check import log_memory_check
-from titan_glm52.metrics import MetricsLogger, format_line, memory_stats, peak_flops, reset_peak_memory
+from titan_glm52.metrics import (
+    MetricsLogger,
+    format_line,
+    memory_stats,
+    peak_flops,
+    reset_peak_memory,
+)
 from titan_glm52.model.aux_loss import AuxTerms
 from titan_glm52.model.flops import step_flops
 from titan_glm52.model.model import GLM52Model
 from titan_glm52.model.moe import MoE
-from titan_glm52.optimizer import build_optimizers, clip_grad_norm_, clip_in_fused_step, folds_clip, total_grad_norm
+from titan_glm52.optimizer import (
+    build_optimizers,
+    clip_grad_norm_,
+    clip_in_fused_step,
+    folds_clip,
+    total_grad_norm,
+)
 from titan_glm52.packed import cu_seqlens_from_positions, doc_lengths, one_document_per_row
 from titan_glm52.parallelize import parallelize_model
 from titan_glm52.pipeline import build_pipeline_stages, build_schedule, micro_batch_bounds
@@ -55,7 +76,8 @@ class Trainer:
     def __init__(self, cfg: JobConfig) -> None:
         self.cfg = cfg
         if cfg.training.memory_check:
-            log_memory_check(cfg)  # before the process group: the plan builds a fake world of its own
+            # before the process group: the plan builds a fake world of its own
+            log_memory_check(cfg)
         self.env = tdist.init_distributed()
         self.device = self.env.device
         validate(cfg, self.env.world_size, self.device.type)
@@ -65,52 +87,88 @@ class Trainer:
         self._build_mesh()
         self.tokenizer = build_tokenizer(cfg.model.hf_assets_path)
         if self.tokenizer.vocab_size > self.args.vocab_size:
-            raise ConfigError(f"model.hf_assets_path: the tokenizer has {self.tokenizer.vocab_size} tokens but the "
-                              f"model's vocab_size is {self.args.vocab_size}; use a matching tokenizer/flavor")
+            raise ConfigError(
+                f"model.hf_assets_path: the tokenizer has {self.tokenizer.vocab_size} tokens but "
+                "the "
+                f"model's vocab_size is {self.args.vocab_size}; use a matching tokenizer/flavor"
+            )
         self.with_mtp = cfg.mtp.enable and self.args.num_nextn_predict_layers > 0
         if cfg.mtp.enable and not self.with_mtp:
-            logger.warning("mtp.enable is set but the model args have num_nextn_predict_layers = 0: no MTP loss")
+            logger.warning(
+                "mtp.enable is set but the model args have num_nextn_predict_layers = 0: no MTP "
+                "loss"
+            )
         self.bf16 = cfg.training.mixed_precision_param == "bfloat16" and (
-            self.device.type == "cuda" or cfg.training.mixed_precision_on_cpu)
+            self.device.type == "cuda" or cfg.training.mixed_precision_on_cpu
+        )
         self.master_mode = resolve_master_weights(cfg, self.env.world_size, self.bf16)
         self._build_model()
         self._build_data()
         self._build_optimizer()
         self.state = TrainState()
         self._launching = 0  # the step being queued (``_launch``)
-        self.checkpointer = build_checkpointer(cfg, self.model_parts, self.optimizers, self.lr_schedulers,
-                                               self.dataloader, self.state)
+        self.checkpointer = build_checkpointer(
+            cfg, self.model_parts, self.optimizers, self.lr_schedulers, self.dataloader, self.state
+        )
         resumed = self.checkpointer.load(step=cfg.checkpoint.load_step)
         if not resumed and cfg.checkpoint.initial_load_path:
-            initial_load(self.model_parts, cfg.checkpoint.initial_load_path, cfg.checkpoint.initial_load_in_hf,
-                         pipelined=self.pp)
+            initial_load(
+                self.model_parts,
+                cfg.checkpoint.initial_load_path,
+                cfg.checkpoint.initial_load_in_hf,
+                pipelined=self.pp,
+            )
         self.metrics = MetricsLogger(
-            os.path.join(cfg.job.dump_folder, cfg.metrics.save_tb_folder) if cfg.metrics.enable_tensorboard else None,
-            os.path.join(cfg.job.dump_folder, "metrics.jsonl"), enabled=self.env.rank == 0)
+            os.path.join(cfg.job.dump_folder, cfg.metrics.save_tb_folder)
+            if cfg.metrics.enable_tensorboard
+            else None,
+            os.path.join(cfg.job.dump_folder, "metrics.jsonl"),
+            enabled=self.env.rank == 0,
+        )
         self.peak = peak_flops(self.device)
-        # torchtitan's: Python's automatic garbage collection off, generation 1 every training.gc_freq steps.
+        # torchtitan's: Python's automatic garbage collection off, generation 1 every
+        # training.gc_freq steps.
         self.gc = GarbageCollection(gc_freq=cfg.training.gc_freq, debug=cfg.training.gc_debug)
-        # SIGTERM sets _sigterm on the ranks it reaches; every step carries the maximum over all ranks back with its
-        # numbers, and _stop (the loop's test) is set from that, so all ranks stop after the same step.
+        # SIGTERM sets _sigterm on the ranks it reaches; every step carries the maximum over all
+        # ranks back with its numbers, and _stop (the loop's test) is set from that, so all ranks
+        # stop after the same step.
         self._sigterm = self._stop = False
         signal.signal(signal.SIGTERM, self._on_sigterm)
-        logger.info("model %s: %s params (%s active/token), layers %d (IndexShare %s), MTP %s, DSA %s/%s, "
-                    "world %d (dp %d), accum %d, mixed precision: %s", cfg.model.hf_config or cfg.model.flavor,
-                    f"{self.args.num_params(self.with_mtp):,}", f"{self.args.num_active_params():,}",
-                    self.args.num_hidden_layers, self.args.index_share.pattern, self.with_mtp,
-                    self.options.dsa_backend, cfg.dsa.mode, self.env.world_size, self.dp_world, self.accum,
-                    "bf16, fp32 masters in the optimizer" if self.master is not None
-                    else "bf16, fp32 masters in FSDP" if self.bf16 else "off (fp32)")
+        logger.info(
+            "model %s: %s params (%s active/token), layers %d (IndexShare %s), MTP %s, DSA %s/%s, "
+            "world %d (dp %d), accum %d, mixed precision: %s",
+            cfg.model.hf_config or cfg.model.flavor,
+            f"{self.args.num_params(self.with_mtp):,}",
+            f"{self.args.num_active_params():,}",
+            self.args.num_hidden_layers,
+            self.args.index_share.pattern,
+            self.with_mtp,
+            self.options.dsa_backend,
+            cfg.dsa.mode,
+            self.env.world_size,
+            self.dp_world,
+            self.accum,
+            "bf16, fp32 masters in the optimizer"
+            if self.master is not None
+            else "bf16, fp32 masters in FSDP"
+            if self.bf16
+            else "off (fp32)",
+        )
 
-    # ----------------------------------------------------------------------------------------- setup
+    # -----------------------------------------------------------------------------------------
+    # setup
     def _build_mesh(self) -> None:
         p = self.cfg.parallelism
         try:
             self.mesh = tdist.build_mesh(
-                self.env.world_size, dp_replicate=p.data_parallel_replicate_degree,
-                dp_shard=p.data_parallel_shard_degree, ep=p.expert_parallel_degree,
-                pp=p.pipeline_parallel_degree, device_type=self.device.type,
-                n_routed_experts=self.args.n_routed_experts)
+                self.env.world_size,
+                dp_replicate=p.data_parallel_replicate_degree,
+                dp_shard=p.data_parallel_shard_degree,
+                ep=p.expert_parallel_degree,
+                pp=p.pipeline_parallel_degree,
+                device_type=self.device.type,
+                n_routed_experts=self.args.n_routed_experts,
+            )
         except ValueError as e:
             raise ConfigError(str(e)) from e
         dp_mesh = self.mesh["dp"]
@@ -119,25 +177,44 @@ class Trainer:
         self.pp = p.pipeline_parallel_degree > 1
 
     def _build_model(self) -> None:
-        """The model (or this rank's pipeline stages) on meta, parallelized, then materialised and initialised."""
+        """The model (or this rank's pipeline stages) on meta, parallelized, then materialised and
+        initialised."""
         cfg, p = self.cfg, self.cfg.parallelism
         if self.pp:
-            layout = parse_layout(p.pipeline_parallel_layout) if p.pipeline_parallel_layout else None
+            layout = (
+                parse_layout(p.pipeline_parallel_layout) if p.pipeline_parallel_layout else None
+            )
             try:
-                self.layout = choose_layout(self.args, p.pipeline_parallel_schedule, p.pipeline_parallel_degree,
-                                            p.pipeline_parallel_stages_per_rank, seq_len=cfg.training.seq_len,
-                                            layers_per_stage=layout, with_mtp=self.with_mtp)
+                self.layout = choose_layout(
+                    self.args,
+                    p.pipeline_parallel_schedule,
+                    p.pipeline_parallel_degree,
+                    p.pipeline_parallel_stages_per_rank,
+                    seq_len=cfg.training.seq_len,
+                    layers_per_stage=layout,
+                    with_mtp=self.with_mtp,
+                )
             except ValueError as e:
                 raise ConfigError(f"parallelism.pipeline_parallel_layout / _schedule: {e}") from e
             pp_mesh = self.mesh["pp"]
             stages, self.model_parts = build_pipeline_stages(
-                self.args, self.layout, pp_mesh.get_local_rank(), pp_mesh.get_group(), self.device, self.options,
-                self._parallelize)
+                self.args,
+                self.layout,
+                pp_mesh.get_local_rank(),
+                pp_mesh.get_group(),
+                self.device,
+                self.options,
+                self._parallelize,
+            )
             self.has_first = any(m.spec.embedding for m in self.model_parts)
             self.has_last = any(m.spec.head for m in self.model_parts)
             self._last_stage = next((m for m in self.model_parts if m.spec.head), None)
-            n_micro = microbatches(cfg.training.local_batch_size, p.pipeline_parallel_microbatch_size)
-            self.schedule = build_schedule(stages, p.pipeline_parallel_schedule, n_micro, self._pp_loss)
+            n_micro = microbatches(
+                cfg.training.local_batch_size, p.pipeline_parallel_microbatch_size
+            )
+            self.schedule = build_schedule(
+                stages, p.pipeline_parallel_schedule, n_micro, self._pp_loss
+            )
             self._pp_losses: list[torch.Tensor] = []
         else:
             with torch.device("meta"):
@@ -155,43 +232,73 @@ class Trainer:
     def _parallelize(self, model: GLM52Model) -> GLM52Model:
         """EP -> compile -> AC -> FSDP on a meta-device model (or stage)."""
         cfg, p = self.cfg, self.cfg.parallelism
-        # Under master_weights = "optimizer" the model stays fp32 here (no FSDP); MasterWeights adds the bf16 copies.
+        # Under master_weights = "optimizer" the model stays fp32 here (no FSDP); MasterWeights adds
+        # the bf16 copies.
         fsdp_bf16 = self.bf16 and self.master_mode == "fsdp"
         return parallelize_model(
-            model, self.mesh, param_dtype=torch.bfloat16 if fsdp_bf16 else torch.float32, reduce_dtype=torch.float32,
-            reshard_after_forward=p.fsdp_reshard_after_forward, ac_mode=cfg.activation_checkpoint.mode,
-            selective_ac_option=cfg.activation_checkpoint.selective_ac_option, compile=cfg.compile.enable,
-            compile_backend=cfg.compile.backend, ep_enabled=p.expert_parallel_degree > 1)
+            model,
+            self.mesh,
+            param_dtype=torch.bfloat16 if fsdp_bf16 else torch.float32,
+            reduce_dtype=torch.float32,
+            reshard_after_forward=p.fsdp_reshard_after_forward,
+            ac_mode=cfg.activation_checkpoint.mode,
+            selective_ac_option=cfg.activation_checkpoint.selective_ac_option,
+            compile=cfg.compile.enable,
+            compile_backend=cfg.compile.backend,
+            ep_enabled=p.expert_parallel_degree > 1,
+        )
 
     def _build_data(self) -> None:
         cfg, same = self.cfg, self.cfg.data.same_global_batch
         self.dataloader = build_dataloader(
-            self.tokenizer, cfg.training.dataset, cfg.training.seq_len,
+            self.tokenizer,
+            cfg.training.dataset,
+            cfg.training.seq_len,
             cfg.training.local_batch_size * (self.dp_world if same else 1),
-            dp_rank=0 if same else self.dp_rank, dp_world=1 if same else self.dp_world, seed=cfg.data.seed,
-            text_field=cfg.data.text_field)
-        if cfg.data.prefetch > 0:  # pinned batches: the copies to the GPU below do not wait for the host
-            self.dataloader = Prefetcher(self.dataloader, cfg.data.prefetch, pin_memory=self.device.type == "cuda")
+            dp_rank=0 if same else self.dp_rank,
+            dp_world=1 if same else self.dp_world,
+            seed=cfg.data.seed,
+            text_field=cfg.data.text_field,
+        )
+        # pinned batches: the copies to the GPU below do not wait for the host
+        if cfg.data.prefetch > 0:
+            self.dataloader = Prefetcher(
+                self.dataloader, cfg.data.prefetch, pin_memory=self.device.type == "cuda"
+            )
         per_step = cfg.training.local_batch_size * self.dp_world
-        self.accum = max(cfg.training.global_batch_size // per_step, 1) if cfg.training.global_batch_size > 0 else 1
+        self.accum = (
+            max(cfg.training.global_batch_size // per_step, 1)
+            if cfg.training.global_batch_size > 0
+            else 1
+        )
 
     def _build_optimizer(self) -> None:
         cfg = self.cfg
         self.master = None
         if self.master_mode == "optimizer":
             if self.bf16:
-                self.master = MasterWeights(self.model_parts, torch.bfloat16, accumulate=self.accum > 1)
+                self.master = MasterWeights(
+                    self.model_parts, torch.bfloat16, accumulate=self.accum > 1
+                )
             else:
-                logger.info("training.master_weights = 'optimizer': the model computes in fp32 on CPU (see "
-                            "training.mixed_precision_on_cpu), so there are no bf16 copies to keep")
+                logger.info(
+                    "training.master_weights = 'optimizer': the model computes in fp32 on CPU (see "
+                    "training.mixed_precision_on_cpu), so there are no bf16 copies to keep"
+                )
         self.optimizers = build_optimizers(self.model_parts, cfg.optimizer, self.master)
-        # Fused / Triton Adam(W): the gradient clip is applied inside the optimizer kernel (clip_in_fused_step),
-        # which saves a separate pass over all gradients; foreach / for-loop clip the gradients in place.
+        # Fused / Triton Adam(W): the gradient clip is applied inside the optimizer kernel
+        # (clip_in_fused_step), which saves a separate pass over all gradients; foreach / for-loop
+        # clip the gradients in place.
         self.fold_clip = folds_clip(self.optimizers.optimizers)
-        self.lr_schedulers = build_lr_schedulers(self.optimizers, cfg.lr_scheduler, cfg.training.steps)
+        self.lr_schedulers = build_lr_schedulers(
+            self.optimizers, cfg.lr_scheduler, cfg.training.steps
+        )
 
     def _on_sigterm(self, signum, frame) -> None:
-        logger.warning("SIGTERM: saving a checkpoint within two steps (at the same step on every rank), then stopping")
+        logger.warning(
+            "SIGTERM: saving a checkpoint within two steps (at the same step on every rank), then "
+            "stopping"
+        )
         self._sigterm = True
 
     def _stop_flag(self) -> torch.Tensor:
@@ -201,10 +308,13 @@ class Trainer:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return flag[0]
 
-    # ----------------------------------------------------------------------------------------- one step
-    def train_step(self, batches: list[dict], recall_queries: int = 0) -> tuple[StepLosses, AuxTerms, torch.Tensor]:
-        """Forward and backward of the step's micro-batches: (its losses summed over ranks, its auxiliary terms,
-        the global valid-token count in fp64)."""
+    # ----------------------------------------------------------------------------------------- one
+    # step
+    def train_step(
+        self, batches: list[dict], recall_queries: int = 0
+    ) -> tuple[StepLosses, AuxTerms, torch.Tensor]:
+        """Forward and backward of the step's micro-batches: (its losses summed over ranks, its
+        auxiliary terms, the global valid-token count in fp64)."""
         n_tok, n_mtp, n_seq, tokens = self._global_counts(batches)
         aux = AuxTerms(tokens=n_tok, sequences=n_seq, recall_queries=recall_queries)
         losses = StepLosses.zeros(self.device)
@@ -222,7 +332,8 @@ class Trainer:
         if aux.seq_aux is not None:
             losses.moe_aux = losses.moe_aux + aux.seq_aux
         pp_group = self.mesh["pp"].get_group() if self.pp else None
-        if self.pp:  # the loss lives on the last stage: share it with every stage (each part counted once)
+        # the loss lives on the last stage: share it with every stage (each part counted once)
+        if self.pp:
             losses.all_reduce(pp_group, ("ce", "mtp"))
             losses.total = losses.ce + losses.mtp
         if self.dp_world > 1:
@@ -232,12 +343,15 @@ class Trainer:
         losses.total = losses.total + (losses.indexer_kl + losses.moe_aux)
         return losses, aux, tokens
 
-    def _global_counts(self, batches: list[dict]) -> tuple[torch.Tensor, torch.Tensor, float, torch.Tensor]:
-        """The step's valid tokens and valid MTP tokens summed over the data-parallel ranks (fp32 device scalars, at
-        least 1: the loss normalisers), its sequences (every rank trains ``local_batch_size`` per micro-batch) and
-        the valid tokens again in fp64 (exact, for the count of tokens seen). Counted on the host, where the
-        loader's batches are, and sent to the device without a sync: several ranks sum them there, and no rank
-        waits for the device before queuing the step's forward."""
+    def _global_counts(
+        self, batches: list[dict]
+    ) -> tuple[torch.Tensor, torch.Tensor, float, torch.Tensor]:
+        """The step's valid tokens and valid MTP tokens summed over the data-parallel ranks (fp32
+        device scalars, at least 1: the loss normalisers), its sequences (every rank trains
+        ``local_batch_size`` per micro-batch) and the valid tokens again in fp64 (exact, for the
+        count of tokens seen). Counted on the host, where the loader's batches are, and sent to the
+        device without a sync: several ranks sum them there, and no rank waits for the device before
+        queuing the step's forward."""
         local = [0, 0]
         for b in batches:
             labels = b["labels"]
@@ -251,15 +365,32 @@ class Trainer:
         sequences = float(sum(b["labels"].shape[0] for b in batches) * self.dp_world)
         return norm[0], norm[1], sequences, counts[0]
 
-    def _micro_step(self, b: dict, losses: StepLosses, aux: AuxTerms, n_tok: torch.Tensor, n_mtp: torch.Tensor,
-                    inject_nan: bool) -> None:
+    def _micro_step(
+        self,
+        b: dict,
+        losses: StepLosses,
+        aux: AuxTerms,
+        n_tok: torch.Tensor,
+        n_mtp: torch.Tensor,
+        inject_nan: bool,
+    ) -> None:
         """Forward and backward of one micro-batch; adds its losses to ``losses``."""
         dev = self.device
-        tokens, labels = b["input_ids"].to(dev, non_blocking=True), b["labels"].to(dev, non_blocking=True)
-        # cu_seqlens goes as a host list (a tensor argument would be copied to the GPU by FSDP's root, blocking):
-        # the model reads its bounds on the host and copies it over itself without a sync.
-        out = self.model(tokens, b["cu_seqlens"].tolist(), with_mtp=self.with_mtp, labels=labels,
-                         mtp_labels=mtp_labels(labels) if self.with_mtp else None, aux=aux)
+        tokens, labels = (
+            b["input_ids"].to(dev, non_blocking=True),
+            b["labels"].to(dev, non_blocking=True),
+        )
+        # cu_seqlens goes as a host list (a tensor argument would be copied to the GPU by FSDP's
+        # root, blocking): the model reads its bounds on the host and copies it over itself without
+        # a sync.
+        out = self.model(
+            tokens,
+            b["cu_seqlens"].tolist(),
+            with_mtp=self.with_mtp,
+            labels=labels,
+            mtp_labels=mtp_labels(labels) if self.with_mtp else None,
+            aux=aux,
+        )
         ce_sum, mtp_sum = out if self.with_mtp else (out, None)
         ce = ce_sum / n_tok
         loss = ce
@@ -273,11 +404,15 @@ class Trainer:
         loss.backward()
         losses.total = losses.total + loss.detach()
 
-    # ----------------------------------------------------------------------------------------- pipeline
+    # -----------------------------------------------------------------------------------------
+    # pipeline
     def _pp_loss(self, output, labels: torch.Tensor) -> torch.Tensor:
-        """Loss of one micro-batch on the last stage, normalised by the step's global token counts."""
+        """Loss of one micro-batch on the last stage, normalised by the step's global token
+        counts."""
         n_tok, n_mtp = self._pp_norm
-        ce_sum, mtp_sum = self._last_stage.loss_sums(output, labels, mtp_labels(labels) if self.with_mtp else None)
+        ce_sum, mtp_sum = self._last_stage.loss_sums(
+            output, labels, mtp_labels(labels) if self.with_mtp else None
+        )
         ce = ce_sum / n_tok
         loss = ce
         mtp = torch.zeros((), device=ce.device)
@@ -293,34 +428,56 @@ class Trainer:
     def _pp_warmup(self) -> None:
         """One schedule step on a synthetic batch, then its side effects undone.
 
-        The first step of a ``torch.distributed.pipelining`` schedule infers the stages' shapes by running them on
-        placeholder tensors; that forward would count MoE loads of uninitialised values (its auxiliary terms go to
-        an ``AuxTerms`` of its own, dropped here).
+        The first step of a ``torch.distributed.pipelining`` schedule infers the stages' shapes by
+        running them on placeholder tensors; that forward would count MoE loads of uninitialised
+        values (its auxiliary terms go to an ``AuxTerms`` of its own, dropped here).
         """
         b, s = self.cfg.training.local_batch_size, self.cfg.training.seq_len
         _, positions = one_document_per_row(b, s)
-        batch = {"input_ids": torch.zeros(b, s, dtype=torch.long), "labels": torch.zeros(b, s, dtype=torch.long),
-                 "positions": positions}
+        batch = {
+            "input_ids": torch.zeros(b, s, dtype=torch.long),
+            "labels": torch.zeros(b, s, dtype=torch.long),
+            "positions": positions,
+        }
         n = float(b * s)
-        self._pp_step(batch, StepLosses.zeros(self.device), AuxTerms(tokens=n, sequences=float(b)), n, n, False)
+        self._pp_step(
+            batch,
+            StepLosses.zeros(self.device),
+            AuxTerms(tokens=n, sequences=float(b)),
+            n,
+            n,
+            False,
+        )
         for part in self.model_parts:
             part.zero_grad(set_to_none=True)
         with torch.no_grad():
             for _, moe in moe_modules(self.model_parts):
                 moe.tokens_per_expert.zero_()
 
-    def _pp_step(self, batch: dict, losses: StepLosses, aux: AuxTerms, n_tok, n_mtp, inject_nan: bool) -> None:
+    def _pp_step(
+        self, batch: dict, losses: StepLosses, aux: AuxTerms, n_tok, n_mtp, inject_nan: bool
+    ) -> None:
         dev = self.device
-        tokens, labels = batch["input_ids"].to(dev, non_blocking=True), batch["labels"].to(dev, non_blocking=True)
-        positions = host_to_device(batch["positions"], dev)  # (pinned first: made on the host when not packed)
+        tokens, labels = (
+            batch["input_ids"].to(dev, non_blocking=True),
+            batch["labels"].to(dev, non_blocking=True),
+        )
+        # (pinned first: made on the host when not packed)
+        positions = host_to_device(batch["positions"], dev)
         self._pp_norm = (n_tok, n_mtp)
         self._pp_inject_nan = inject_nan
         self._pp_losses = []
-        # Every micro-batch's document bounds, read here on the host (the stages would otherwise read them back
-        # from the GPU); keyed by the device chunk of positions the schedule passes.
+        # Every micro-batch's document bounds, read here on the host (the stages would otherwise
+        # read them back from the GPU); keyed by the device chunk of positions the schedule passes.
         bounds = micro_batch_bounds(positions, batch["positions"], self.schedule._n_microbatches)
-        kwargs = dict(target=labels if self.has_last else None, positions=positions, aux=aux, bounds=bounds,
-                      return_outputs=False)  # (the last stage keeps no micro-batch outputs: losses are collected)
+        kwargs = dict(
+            target=labels if self.has_last else None,
+            positions=positions,
+            aux=aux,
+            bounds=bounds,
+            # (the last stage keeps no micro-batch outputs: losses are collected)
+            return_outputs=False,
+        )
         if self.has_first:
             self.schedule.step(tokens, **kwargs)
         else:
@@ -332,8 +489,9 @@ class Trainer:
 
     @torch.no_grad()
     def _moe_balance(self, apply_update: torch.Tensor) -> dict[str, torch.Tensor]:
-        """All-reduces the per-expert token counts, returns each layer's max/mean load (device tensors: no host sync)
-        and steps the bias where ``apply_update`` (a bool tensor: False on a skipped step) holds."""
+        """All-reduces the per-expert token counts, returns each layer's max/mean load (device
+        tensors: no host sync) and steps the bias where ``apply_update`` (a bool tensor: False on a
+        skipped step) holds."""
         out = {}
         rate = self.cfg.moe.bias_update_rate
         for name, moe in moe_modules(self.model_parts):
@@ -344,19 +502,24 @@ class Trainer:
             out[f"moe/imbalance/{name.removesuffix('.moe')}"] = load.max() / mean.clamp_min(1e-9)
             if rate > 0:
                 bias = moe.router.e_score_correction_bias
-                bias += (rate * torch.sign(mean - load) * apply_update.to(load.device)).to(bias.dtype)
+                bias += (rate * torch.sign(mean - load) * apply_update.to(load.device)).to(
+                    bias.dtype
+                )
             moe.tokens_per_expert.zero_()
         return out
 
-    # ----------------------------------------------------------------------------------------- the loop
+    # ----------------------------------------------------------------------------------------- the
+    # loop
     def train(self) -> None:
-        """Steps until ``training.steps``. The host queues step N + 1's forward and backward before it reads step
-        N's numbers, where step N ``overlaps`` (see ``_launch``), so it stays a step ahead of the GPU."""
+        """Steps until ``training.steps``. The host queues step N + 1's forward and backward before
+        it reads step N's numbers, where step N ``overlaps`` (see ``_launch``), so it stays a step
+        ahead of the GPU."""
         cfg = self.cfg
         total = cfg.training.steps
         self._t_start, self._start_step = time.perf_counter(), self.state.step
-        with profiling(cfg.profiling, cfg.job.dump_folder, self.env.rank, self.device,
-                       self.state.step) as self._profilers:
+        with profiling(
+            cfg.profiling, cfg.job.dump_folder, self.env.rank, self.device, self.state.step
+        ) as self._profilers:
             queued = None  # the launched step whose bookkeeping is still to do
             while not self._stop and self.state.step + (queued is not None) < total:
                 if queued is not None and not queued.overlaps:
@@ -367,9 +530,17 @@ class Trainer:
             if queued is not None:
                 self._finish(queued)
         if cfg.checkpoint.last_save_in_hf and self.state.step == total:
-            out_dir = os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder, f"step-{self.state.step}-hf")
-            export_hf(self.model_parts, self.args, self.with_mtp, out_dir, getattr(torch, cfg.checkpoint.export_dtype),
-                      writer=self.dp_rank == 0)
+            out_dir = os.path.join(
+                cfg.job.dump_folder, cfg.checkpoint.folder, f"step-{self.state.step}-hf"
+            )
+            export_hf(
+                self.model_parts,
+                self.args,
+                self.with_mtp,
+                out_dir,
+                getattr(torch, cfg.checkpoint.export_dtype),
+                writer=self.dp_rank == 0,
+            )
             if self.env.rank == 0:
                 logger.info("exported HF checkpoint to %s", out_dir)
         self.metrics.close()
@@ -378,10 +549,11 @@ class Trainer:
             self.dataloader.close()
 
     def _launch(self, step: int, prev: Launched | None) -> Launched:
-        """Queues step ``step``: its batches, forward and backward, the gradient norm, the MoE balance and, with the
-        fused step (``fold_clip``: it skips a non-finite step on the device), the update; then one copy of its
-        numbers to the host. ``prev``, launched and not finished, is finished after this step's forward and
-        backward are queued and before its update, which takes the learning rate that ``prev`` schedules."""
+        """Queues step ``step``: its batches, forward and backward, the gradient norm, the MoE
+        balance and, with the fused step (``fold_clip``: it skips a non-finite step on the device),
+        the update; then one copy of its numbers to the host. ``prev``, launched and not finished,
+        is finished after this step's forward and backward are queued and before its update, which
+        takes the learning rate that ``prev`` schedules."""
         cfg = self.cfg
         t0 = time.perf_counter()
         reset_peak_memory(self.device)
@@ -391,7 +563,9 @@ class Trainer:
         log = step == 1 or step % cfg.metrics.log_freq == 0 or step == cfg.training.steps
         probe = (step == 1 or step % cfg.metrics.log_freq == 0) and cfg.dsa.mode == "sparse"
         self._launching = step
-        losses, aux, tokens = self.train_step(batches, recall_queries=cfg.dsa.recall_queries if probe else 0)
+        losses, aux, tokens = self.train_step(
+            batches, recall_queries=cfg.dsa.recall_queries if probe else 0
+        )
         t_fb = time.perf_counter()
         marks.record()
         if self.master is not None:  # the gradients are the compute copies' (the Triton step clips)
@@ -399,7 +573,10 @@ class Trainer:
         else:
             grad_norm = clip_grad_norm_(
                 [p for part in self.model_parts for p in part.parameters() if p.requires_grad],
-                cfg.training.max_norm, pp_mesh=self.mesh["pp"] if self.pp else None, scale_grads=not self.fold_clip)
+                cfg.training.max_norm,
+                pp_mesh=self.mesh["pp"] if self.pp else None,
+                scale_grads=not self.fold_clip,
+            )
         finite = torch.isfinite(losses.total) & torch.isfinite(grad_norm).to(losses.total.device)
         moe_stats = self._moe_balance(apply_update=finite)
         t_other = time.perf_counter()
@@ -408,32 +585,58 @@ class Trainer:
         t_other = time.perf_counter() - t_other
         memory = {}
         if self.fold_clip:
-            with clip_in_fused_step(self.optimizers.optimizers, grad_norm, cfg.training.max_norm, skip=~finite):
+            with clip_in_fused_step(
+                self.optimizers.optimizers, grad_norm, cfg.training.max_norm, skip=~finite
+            ):
                 self.optimizers.step()
             memory = self._after_update(marks, log)
-        scalars = dict(losses.scalars(), tokens=tokens, grad_norm=grad_norm, stop=self._stop_flag(), **moe_stats,
-                       **memory.pop("device", {}), **({"dsa/topk_recall": aux.recall} if aux.recall is not None else {}))
-        return Launched(step, batches, Readback(scalars, self.device), marks,
-                        after=prev.marks if prev is not None else None, overlaps=self._overlaps(step), log=log,
-                        memory=memory, t0=t0, t_data=t_data, t_fb=t_fb, t_end=time.perf_counter(),
-                        host_other_s=t_other)
+        scalars = dict(
+            losses.scalars(),
+            tokens=tokens,
+            grad_norm=grad_norm,
+            stop=self._stop_flag(),
+            **moe_stats,
+            **memory.pop("device", {}),
+            **({"dsa/topk_recall": aux.recall} if aux.recall is not None else {}),
+        )
+        return Launched(
+            step,
+            batches,
+            Readback(scalars, self.device),
+            marks,
+            after=prev.marks if prev is not None else None,
+            overlaps=self._overlaps(step),
+            log=log,
+            memory=memory,
+            t0=t0,
+            t_data=t_data,
+            t_fb=t_fb,
+            t_end=time.perf_counter(),
+            host_other_s=t_other,
+        )
 
     def _overlaps(self, step: int) -> bool:
-        """Whether step ``step + 1`` may be queued before ``step`` is finished: where the update does not wait for
-        the step's numbers (``fold_clip``), and not when ``step`` writes a checkpoint (it holds the data loader's
-        position, which the next step's batches move on) or is the last."""
+        """Whether step ``step + 1`` may be queued before ``step`` is finished: where the update
+        does not wait for the step's numbers (``fold_clip``), and not when ``step`` writes a
+        checkpoint (it holds the data loader's position, which the next step's batches move on) or
+        is the last."""
         total = self.cfg.training.steps
-        return self.fold_clip and step < total and not self.checkpointer._should_save(step, last_step=step == total)
+        return (
+            self.fold_clip
+            and step < total
+            and not self.checkpointer._should_save(step, last_step=step == total)
+        )
 
     def _profilers_step(self) -> None:
-        """Ends a step's profiler window once all of its work is queued (a trace then holds one step's kernels)."""
+        """Ends a step's profiler window once all of its work is queued (a trace then holds one
+        step's kernels)."""
         for profiler in self._profilers:
             if profiler is not None:
                 profiler.step()
 
     def _after_update(self, marks: GpuMarks, log: bool) -> dict:
-        """Once a step's update is queued: its end mark, the gradients zeroed, its peak memory (``_memory``) and the
-        profilers' step boundary."""
+        """Once a step's update is queued: its end mark, the gradients zeroed, its peak memory
+        (``_memory``) and the profilers' step boundary."""
         marks.record()
         self.optimizers.zero_grad()
         if self.master is not None:
@@ -443,22 +646,26 @@ class Trainer:
         return memory
 
     def _memory(self, log: bool) -> dict:
-        """The peak memory since the step began (host-side counters: no sync), on log steps; with several ranks also
-        the peaks' maximum over the ranks, as device scalars (``"device"``) for the step's read-back."""
+        """The peak memory since the step began (host-side counters: no sync), on log steps; with
+        several ranks also the peaks' maximum over the ranks, as device scalars (``"device"``) for
+        the step's read-back."""
         if not log:
             return {}
         mem = memory_stats(self.device)
         if self.env.world_size > 1:
-            peak = host_to_device(torch.tensor(list(mem.values()), dtype=torch.float64), self.device)
+            peak = host_to_device(
+                torch.tensor(list(mem.values()), dtype=torch.float64), self.device
+            )
             dist.all_reduce(peak, op=dist.ReduceOp.MAX)  # the fullest rank (pipeline stages differ)
             mem["device"] = {f"{k}_max_over_ranks": v for k, v in zip(mem, peak.unbind())}
         return mem
 
     def _finish(self, s: Launched, later_queued: bool = False) -> None:
-        """Step ``s``'s host side, once its numbers are on the host: the step counters, the optimizer update where
-        it waits for them (foreach / for-loop: skipped on a non-finite loss or norm), the LR schedule, the log line
-        and the checkpoint. ``later_queued``: the next step is already queued (then no checkpoint is due here, see
-        ``_overlaps``, and a SIGTERM is served after that step)."""
+        """Step ``s``'s host side, once its numbers are on the host: the step counters, the
+        optimizer update where it waits for them (foreach / for-loop: skipped on a non-finite loss
+        or norm), the LR schedule, the log line and the checkpoint. ``later_queued``: the next step
+        is already queued (then no checkpoint is due here, see ``_overlaps``, and a SIGTERM is
+        served after that step)."""
         cfg = self.cfg
         t_start = time.perf_counter()
         vals = s.readback.values()
@@ -474,20 +681,32 @@ class Trainer:
         else:
             self.state.skipped_steps += 1
             self.state.consecutive_skips += 1
-            logger.warning("step %d: non-finite loss (%s) or grad norm (%s): step skipped (%d in a row, %d total)",
-                           s.step, vals["total"], grad_norm, self.state.consecutive_skips, self.state.skipped_steps)
+            logger.warning(
+                "step %d: non-finite loss (%s) or grad norm (%s): step skipped (%d in a row, %d "
+                "total)",
+                s.step,
+                vals["total"],
+                grad_norm,
+                self.state.consecutive_skips,
+                self.state.skipped_steps,
+            )
         if not self.fold_clip:
             s.memory = self._after_update(s.marks, s.log)
             vals.update({k: float(v) for k, v in s.memory.pop("device", {}).items()})
         t_host = (s.t_end - s.t0 - s.host_other_s) + (time.perf_counter() - t_start)
         if self.state.consecutive_skips >= cfg.faults.max_consecutive_nonfinite:
             raise RuntimeError(
-                f"stopping: {self.state.consecutive_skips} consecutive steps with a non-finite loss or "
-                f"gradient (faults.max_consecutive_nonfinite = {cfg.faults.max_consecutive_nonfinite}); "
-                "the last checkpoint was written before the fault and is intact")
-        self.gc.run(s.step)  # (after the next step's forward and backward are queued, where they are)
+                f"stopping: {self.state.consecutive_skips} consecutive steps with a non-finite "
+                "loss or "
+                f"gradient (faults.max_consecutive_nonfinite = "
+                f"{cfg.faults.max_consecutive_nonfinite}); "
+                "the last checkpoint was written before the fault and is intact"
+            )
+        # (after the next step's forward and backward are queued, where they are)
+        self.gc.run(s.step)
         self._stop = self._stop or vals["stop"] > 0
-        if self._stop and not later_queued:  # SIGTERM: a full checkpoint of this step, then leave the loop
+        # SIGTERM: a full checkpoint of this step, then leave the loop
+        if self._stop and not later_queued:
             self.checkpointer.save_now(s.step)
         elif finite and not later_queued:  # a skipped (non-finite) step is never checkpointed
             self.checkpointer.save(s.step, last_step=s.step == cfg.training.steps)
@@ -498,16 +717,23 @@ class Trainer:
         batch = next(self.dataloader)
         if self.cfg.data.same_global_batch:  # keep this rank's rows of the global batch
             n = self.cfg.training.local_batch_size
-            batch = {k: v[self.dp_rank * n:(self.dp_rank + 1) * n] for k, v in batch.items() if k != "cu_seqlens"}
+            batch = {
+                k: v[self.dp_rank * n : (self.dp_rank + 1) * n]
+                for k, v in batch.items()
+                if k != "cu_seqlens"
+            }
             batch["cu_seqlens"] = cu_seqlens_from_positions(batch["positions"])
         if not self.cfg.data.document_masking:  # one sequence per row
-            batch["cu_seqlens"], batch["positions"] = one_document_per_row(*batch["input_ids"].shape)
+            batch["cu_seqlens"], batch["positions"] = one_document_per_row(
+                *batch["input_ids"].shape
+            )
         return batch
 
     def _log(self, st: Launched, vals: dict, host_s: float) -> None:
-        """One log record of step ``st``. ``time/step_s`` on a GPU: from the end of the step queued before it to its
-        own end, as the GPU ran them (idle gaps between them included), when that step was still queued; else its
-        data time plus its GPU forward, backward and update. On CPU: the host time of its work (``host_s``)."""
+        """One log record of step ``st``. ``time/step_s`` on a GPU: from the end of the step queued
+        before it to its own end, as the GPU ran them (idle gaps between them included), when that
+        step was still queued; else its data time plus its GPU forward, backward and update. On CPU:
+        the host time of its work (``host_s``)."""
         gpu = st.marks.seconds()
         if gpu is None:
             fb_s = st.t_fb - st.t_data
@@ -520,14 +746,28 @@ class Trainer:
         # This data-parallel rank's tokens and FLOPs are shared by its pipeline stages' devices.
         devices_per_replica = self.env.world_size // self.dp_world
         lengths = torch.cat([doc_lengths(b["cu_seqlens"]) for b in st.batches])
-        flops = step_flops(self.args, lengths, self.with_mtp, sparse=self.cfg.dsa.mode == "sparse",
-                           dense_prefix=self.cfg.dsa.dense_prefix, dense_masked_ratio=self.cfg.dsa.dense_masked_ratio)
+        flops = step_flops(
+            self.args,
+            lengths,
+            self.with_mtp,
+            sparse=self.cfg.dsa.mode == "sparse",
+            dense_prefix=self.cfg.dsa.dense_prefix,
+            dense_masked_ratio=self.cfg.dsa.dense_masked_ratio,
+        )
         flops /= devices_per_replica
         tokens_local = sum(b["input_ids"].numel() for b in st.batches) / devices_per_replica
-        s = {"loss/total": vals["total"], "loss/ce": vals["ce"], "lr": self.lr_schedulers.schedulers[0].get_last_lr()[0],
-             "grad_norm": vals["grad_norm"], "throughput/tokens_per_s_per_device": tokens_local / step_s,
-             "time/step_s": step_s, "time/data_s": st.t_data - st.t0, "time/forward_backward_s": fb_s,
-             "time/optimizer_s": opt_s, "faults/skipped_steps": self.state.skipped_steps}
+        s = {
+            "loss/total": vals["total"],
+            "loss/ce": vals["ce"],
+            "lr": self.lr_schedulers.schedulers[0].get_last_lr()[0],
+            "grad_norm": vals["grad_norm"],
+            "throughput/tokens_per_s_per_device": tokens_local / step_s,
+            "time/step_s": step_s,
+            "time/data_s": st.t_data - st.t0,
+            "time/forward_backward_s": fb_s,
+            "time/optimizer_s": opt_s,
+            "faults/skipped_steps": self.state.skipped_steps,
+        }
         if self.with_mtp:
             s["loss/mtp"] = vals["mtp"]
         if self.cfg.dsa.indexer_loss_coeff > 0:
@@ -540,17 +780,27 @@ class Trainer:
         s["throughput/tflops_per_device"] = flops / step_s / 1e12
         s.update({k: v for k, v in vals.items() if k.startswith(("moe/", "dsa/"))})
         s.update(st.memory)
-        s.update({f"{k}_max_over_ranks": vals.get(f"{k}_max_over_ranks", v) for k, v in st.memory.items()})
-        avg_step_s = (time.perf_counter() - self._t_start) / max(self.state.step - self._start_step, 1)
+        s.update(
+            {
+                f"{k}_max_over_ranks": vals.get(f"{k}_max_over_ranks", v)
+                for k, v in st.memory.items()
+            }
+        )
+        avg_step_s = (time.perf_counter() - self._t_start) / max(
+            self.state.step - self._start_step, 1
+        )
         eta = avg_step_s * (self.cfg.training.steps - self.state.step)
-        self.metrics.log(self.state.step, s, format_line(self.state.step, self.cfg.training.steps, s, eta))
+        self.metrics.log(
+            self.state.step, s, format_line(self.state.step, self.cfg.training.steps, s, eta)
+        )
 
 
 def main(argv: list[str]) -> None:
     from titan_glm52.config import parse_job_config
 
-    logging.basicConfig(level=logging.INFO, format="[%(asctime)s rank%(rank)s] %(message)s",
-                        datefmt="%H:%M:%S")
+    logging.basicConfig(
+        level=logging.INFO, format="[%(asctime)s rank%(rank)s] %(message)s", datefmt="%H:%M:%S"
+    )
     rank = os.environ.get("RANK", "0")
     for h in logging.getLogger().handlers:
         h.addFilter(lambda r: setattr(r, "rank", rank) or True)
@@ -560,12 +810,14 @@ def main(argv: list[str]) -> None:
     try:
         trainer.train()
         if dist.is_initialized():
-            dist.barrier()  # nobody tears down (rank 0 hosts the store) while another rank still works
+            # nobody tears down (rank 0 hosts the store) while another rank still works
+            dist.barrier()
     finally:
         tdist.destroy_distributed()
-    # The run is complete and everything is written. Rarely (about 1 in 30 two-process CPU runs here), a C++ thread
-    # of the distributed stack aborted during interpreter teardown ("terminate called without an active
-    # exception"), turning a finished run into a failure; leave without that teardown.
+    # The run is complete and everything is written. Rarely (about 1 in 30 two-process CPU runs
+    # here), a C++ thread of the distributed stack aborted during interpreter teardown ("terminate
+    # called without an active exception"), turning a finished run into a failure; leave without
+    # that teardown.
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -573,11 +825,16 @@ def main(argv: list[str]) -> None:
 
 
 def one_process_env() -> None:
-    """Outside torchrun (plain ``python train.py``): the environment of a one-process group, which keeps one code
-    path."""
+    """Outside torchrun (plain ``python train.py``): the environment of a one-process group, which
+    keeps one code path."""
     if "RANK" not in os.environ:
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(_free_port()))
+        os.environ.update(
+            RANK="0",
+            WORLD_SIZE="1",
+            LOCAL_RANK="0",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(_free_port()),
+        )
 
 
 def _free_port() -> int:

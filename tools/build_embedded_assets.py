@@ -8,20 +8,21 @@ Usage (from the repository root)::
 The text is real English prose shipped with CPython itself, so no network is needed:
 
 * ``pydoc_data.topics``: the Python Language Reference topics that ``help()`` shows;
-* the docstrings of the pure-Python standard library (modules, classes, functions), read with ``ast``
-  (nothing is imported), with test packages, a few tool packages and the files that carry a license of
-  their own left out.
+* the docstrings of the pure-Python standard library (modules, classes, functions), read with
+  ``ast`` (nothing is imported), with test packages, a few tool packages and the files that carry a
+  license of their own left out.
 
-Both are covered by the PSF License Agreement (copied to ``assets/LICENSE-PSF.txt``). The output depends on
-the interpreter's standard library, so the assets are only byte-identical when rebuilt with the Python
-version recorded in ``assets/README.md``; ``--check`` tells whether they are.
+Both are covered by the PSF License Agreement (copied to ``assets/LICENSE-PSF.txt``). The output
+depends on the interpreter's standard library, so the assets are only byte-identical when rebuilt
+with the Python version recorded in ``assets/README.md``; ``--check`` tells whether they are.
 
 Outputs:
 
 * ``corpus.jsonl``: training documents, one JSON object a line: ``{"id": ..., "text": ...}``;
 * ``corpus_val.jsonl``: held-out documents (about 1 in ``VAL_EVERY``, chosen by a hash of the id);
 * ``tokenizer/tokenizer.json`` + ``tokenizer/tokenizer_config.json``: byte-level BPE with exactly
-  ``VOCAB_SIZE`` entries, trained on the training documents only; ``<|endoftext|>`` is id 0 (eos and pad);
+  ``VOCAB_SIZE`` entries, trained on the training documents only; ``<|endoftext|>`` is id 0 (eos and
+  pad);
 * ``LICENSE-PSF.txt``: the CPython license text.
 """
 
@@ -48,13 +49,26 @@ MIN_DOCSTRING_CHARS = 200  # shorter docstrings are mostly one-liners
 MIN_PARAGRAPH_DEDUP_CHARS = 100  # repeated paragraphs at least this long are kept once
 VAL_EVERY = 25  # about 4% of the documents are held out
 
-# Standard-library directories left out: tests (generated data, odd encodings), tools and vendored code.
-SKIP_DIRS = {"__pycache__", "test", "tests", "idlelib", "lib2to3", "turtledemo", "ensurepip",
-             "site-packages", "pydoc_data"}
-# A source file that grants its own license (permissive ones: logging, optparse, tarfile, xml.etree, ...)
-# is left out, so that every document is covered by the PSF License alone.
-OWN_LICENSE = re.compile(r"permission\s+to\s+use|redistribution\s+and\s+use|permission\s+is\s+hereby\s+granted"
-                         r"|licensed\s+under|two\s+licenses", re.IGNORECASE)
+# Standard-library directories left out: tests (generated data, odd encodings), tools and vendored
+# code.
+SKIP_DIRS = {
+    "__pycache__",
+    "test",
+    "tests",
+    "idlelib",
+    "lib2to3",
+    "turtledemo",
+    "ensurepip",
+    "site-packages",
+    "pydoc_data",
+}
+# A source file that grants its own license (permissive ones: logging, optparse, tarfile, xml.etree,
+# ...) is left out, so that every document is covered by the PSF License alone.
+OWN_LICENSE = re.compile(
+    r"permission\s+to\s+use|redistribution\s+and\s+use|permission\s+is\s+hereby\s+granted"
+    r"|licensed\s+under|two\s+licenses",
+    re.IGNORECASE,
+)
 
 
 def _paragraphs(text: str) -> list[str]:
@@ -64,8 +78,8 @@ def _paragraphs(text: str) -> list[str]:
 def _pack_paragraphs(units: list[str], limit: int) -> list[str]:
     """Join consecutive units with blank lines into chunks of at most ``limit`` characters.
 
-    A unit longer than ``limit`` is first split at its paragraph boundaries; a single paragraph longer
-    than ``limit`` stays whole.
+    A unit longer than ``limit`` is first split at its paragraph boundaries; a single paragraph
+    longer than ``limit`` stays whole.
     """
     pieces: list[str] = []
     for unit in units:
@@ -103,7 +117,8 @@ def topic_documents(seen: set[str]) -> list[tuple[str, str]]:
 
 
 def _docstrings_in_source_order(tree: ast.Module, module: str):
-    """Yield (qualified name, docstring) for the module and its classes/functions, in source order."""
+    """Yield (qualified name, docstring) for the module and its classes/functions, in source
+    order."""
     doc = ast.get_docstring(tree)
     if doc:
         yield module, doc
@@ -121,12 +136,14 @@ def _docstrings_in_source_order(tree: ast.Module, module: str):
 
 
 def stdlib_documents(seen: set[str]) -> list[tuple[str, str]]:
-    """(id, text) documents from standard-library docstrings, one module at a time in sorted path order."""
+    """(id, text) documents from standard-library docstrings, one module at a time in sorted path
+    order."""
     stdlib = sysconfig.get_paths()["stdlib"]
     docs = []
     for root, dirs, files in os.walk(stdlib):
-        dirs[:] = sorted(d for d in dirs
-                         if d not in SKIP_DIRS and not d.startswith(("test", "config-")))
+        dirs[:] = sorted(
+            d for d in dirs if d not in SKIP_DIRS and not d.startswith(("test", "config-"))
+        )
         for fname in sorted(files):
             if not fname.endswith(".py"):
                 continue
@@ -162,7 +179,8 @@ def _jsonl(docs: list[tuple[str, str]]) -> str:
 
 
 def train_tokenizer(texts: list[str]):
-    """A byte-level BPE ``tokenizers.Tokenizer`` with exactly ``VOCAB_SIZE`` entries, eos at id 0."""
+    """A byte-level BPE ``tokenizers.Tokenizer`` with exactly ``VOCAB_SIZE`` entries, eos at id
+    0."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -177,8 +195,10 @@ def train_tokenizer(texts: list[str]):
     )
     tok.train_from_iterator(texts, trainer=trainer, length=len(texts))
     if tok.get_vocab_size(with_added_tokens=True) != VOCAB_SIZE:
-        raise RuntimeError(f"trained vocab has {tok.get_vocab_size(with_added_tokens=True)} entries, "
-                           f"wanted {VOCAB_SIZE}: the corpus is too small")
+        raise RuntimeError(
+            f"trained vocab has {tok.get_vocab_size(with_added_tokens=True)} entries, "
+            f"wanted {VOCAB_SIZE}: the corpus is too small"
+        )
     if tok.token_to_id(EOS_TOKEN) != 0:
         raise RuntimeError(f"{EOS_TOKEN} is not id 0")
     return tok
@@ -195,8 +215,13 @@ def build() -> dict[str, bytes]:
         tok.save(os.path.join(tmp, "tokenizer.json"), pretty=False)
         with open(os.path.join(tmp, "tokenizer.json"), "rb") as f:
             tok_json = f.read()
-    tok_config = {"eos_token": EOS_TOKEN, "pad_token": EOS_TOKEN, "bos_token": None,
-                  "model_max_length": 1 << 20, "tokenizer_class": "PreTrainedTokenizerFast"}
+    tok_config = {
+        "eos_token": EOS_TOKEN,
+        "pad_token": EOS_TOKEN,
+        "bos_token": None,
+        "model_max_length": 1 << 20,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+    }
     license_path = os.path.join(sysconfig.get_paths()["stdlib"], "LICENSE.txt")
     with open(license_path, "rb") as f:
         license_text = f.read()
@@ -211,12 +236,20 @@ def build() -> dict[str, bytes]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--check", action="store_true", help="compare with the committed assets; write nothing")
-    parser.add_argument("--out", default=ASSETS, help="output directory (default: titan_glm52/assets)")
+    parser.add_argument(
+        "--check", action="store_true", help="compare with the committed assets; write nothing"
+    )
+    parser.add_argument(
+        "--out", default=ASSETS, help="output directory (default: titan_glm52/assets)"
+    )
     args = parser.parse_args()
     if sys.version_info[:3] != BUILT_WITH_PYTHON:
-        print(f"warning: the committed assets were built with Python {'.'.join(map(str, BUILT_WITH_PYTHON))}; "
-              f"this is {sys.version.split()[0]}, so the output may differ", file=sys.stderr)
+        print(
+            f"warning: the committed assets were built with Python "
+            f"{'.'.join(map(str, BUILT_WITH_PYTHON))}; "
+            f"this is {sys.version.split()[0]}, so the output may differ",
+            file=sys.stderr,
+        )
     files = build()
     differ = []
     for rel, data in files.items():
@@ -230,7 +263,10 @@ def main() -> int:
             f.write(data)
     for rel, data in files.items():
         n_docs = data.count(b"\n") if rel.endswith(".jsonl") else None
-        print(f"{rel:34s} {len(data):>9,d} bytes" + (f"  {n_docs} documents" if n_docs is not None else ""))
+        print(
+            f"{rel:34s} {len(data):>9,d} bytes"
+            + (f"  {n_docs} documents" if n_docs is not None else "")
+        )
     if args.check and differ:
         print(f"differs from the committed assets: {', '.join(differ)}", file=sys.stderr)
         return 1

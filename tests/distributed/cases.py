@@ -28,12 +28,14 @@ from titan_glm52.parallelize import parallelize_model
 
 SEQ, GLOBAL_BATCH, IGNORE = 32, 8, -100
 RTOL, ATOL = 1e-4, 1e-5
-# cpu (gloo) by default, also on GPU hosts; TITAN_GLM52_TEST_DEVICE=cuda runs the same cases on nccl.
+# cpu (gloo) by default, also on GPU hosts; TITAN_GLM52_TEST_DEVICE=cuda runs the same cases on
+# nccl.
 DEVICE_TYPE = os.environ.get("TITAN_GLM52_TEST_DEVICE", "cpu")
 
 
 def all_reduce_moe_load(model, dp_mesh) -> None:
-    """Sums every ``MoE.tokens_per_expert`` over the data-parallel ranks in place (global expert loads)."""
+    """Sums every ``MoE.tokens_per_expert`` over the data-parallel ranks in place (global expert
+    loads)."""
     if dp_mesh is None or dp_mesh.size() == 1:
         return
     for m in model.modules():
@@ -58,10 +60,13 @@ def labels_of(tokens: torch.Tensor, shift: int) -> torch.Tensor:
 
 
 def loss_on(model, tokens: torch.Tensor, n_main: int, n_mtp: int) -> torch.Tensor:
-    """This slice's share of the global loss: summed token CE (main + MTP) / global valid-token counts."""
+    """This slice's share of the global loss: summed token CE (main + MTP) / global valid-token
+    counts."""
     logits, mtp_logits = model(tokens, with_mtp=True)
-    return (cross_entropy_sum(logits, labels_of(tokens, 1)) / n_main
-            + cross_entropy_sum(mtp_logits, labels_of(tokens, 2)) / n_mtp)
+    return (
+        cross_entropy_sum(logits, labels_of(tokens, 1)) / n_main
+        + cross_entropy_sum(mtp_logits, labels_of(tokens, 2)) / n_mtp
+    )
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
@@ -72,24 +77,36 @@ def moe_counts(model) -> list[torch.Tensor]:
     return [m.tokens_per_expert.clone() for m in model.modules() if isinstance(m, MoE)]
 
 
-def check_train_step(dp_replicate: int = 1, dp_shard: int = -1, ep: int = 1, ac_mode: str = "none",
-                     selective_ac_option: str = "op", compile: bool = False, compile_backend: str = "aot_eager",
-                     reshard_after_forward: str = "default", meta_init: bool = False,
-                     route_to_first_experts: bool = False, clip_in_step: str | None = None,
-                     dsa_backend: str = "torch", **arg_overrides) -> None:
-    """Loss, gradients, grad norm (after clipping), one AdamW step (parameters, both moments, clipped
-    gradients) and MoE loads equal single-process.
+def check_train_step(
+    dp_replicate: int = 1,
+    dp_shard: int = -1,
+    ep: int = 1,
+    ac_mode: str = "none",
+    selective_ac_option: str = "op",
+    compile: bool = False,
+    compile_backend: str = "aot_eager",
+    reshard_after_forward: str = "default",
+    meta_init: bool = False,
+    route_to_first_experts: bool = False,
+    clip_in_step: str | None = None,
+    dsa_backend: str = "torch",
+    **arg_overrides,
+) -> None:
+    """Loss, gradients, grad norm (after clipping), one AdamW step (parameters, both moments,
+    clipped gradients) and MoE loads equal single-process.
 
-    ``route_to_first_experts``: a large routing bias on the first half of the experts, so that under EP=2
-    the second EP rank receives no tokens at all (all-to-alls with zero splits, experts with empty input).
-    ``clip_in_step``: ``"fused"`` / ``"triton"``: the parallel run uses torch's fused AdamW / this project's
-    TritonAdamW on the DTensor parameters with the clip folded into its step (the trainer's paths for
-    ``optimizer.implementation = "fused"`` / ``"triton"``); the reference still clips in place.
-    ``dsa_backend``: "triton" runs the DSA kernels (in the interpreter on CPU) on both sides, whose sparse
-    attention keeps the latent query that ``[dsa] recompute_latent_query`` (on) rebuilds in backward.
+    ``route_to_first_experts``: a large routing bias on the first half of the experts, so that under
+    EP=2 the second EP rank receives no tokens at all (all-to-alls with zero splits, experts with
+    empty input). ``clip_in_step``: ``"fused"`` / ``"triton"``: the parallel run uses torch's fused
+    AdamW / this project's TritonAdamW on the DTensor parameters with the clip folded into its step
+    (the trainer's paths for ``optimizer.implementation = "fused"`` / ``"triton"``); the reference
+    still clips in place. ``dsa_backend``: "triton" runs the DSA kernels (in the interpreter on CPU)
+    on both sides, whose sparse attention keeps the latent query that ``[dsa]
+    recompute_latent_query`` (on) rebuilds in backward.
     """
     if dsa_backend == "triton" and DEVICE_TYPE == "cpu":
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are imported (lazily, below)
+        # before the kernels are imported (lazily, below)
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     env = init_distributed(device_type=DEVICE_TYPE)
     args = debug_args().replace(**arg_overrides)
     torch.manual_seed(0)
@@ -108,39 +125,62 @@ def check_train_step(dp_replicate: int = 1, dp_shard: int = -1, ep: int = 1, ac_
     n_main = int((labels_of(tokens, 1) != IGNORE).sum())
     n_mtp = int((labels_of(tokens, 2) != IGNORE).sum())
 
-    # Single-process reference on the whole global batch. AdamW eps 1e-6: with the default 1e-8, weights whose
-    # gradient is ~1e-8 would turn fp32 rounding differences of the reductions into different updates.
+    # Single-process reference on the whole global batch. AdamW eps 1e-6: with the default 1e-8,
+    # weights whose gradient is ~1e-8 would turn fp32 rounding differences of the reductions into
+    # different updates.
     ref_loss = loss_on(ref, tokens, n_main, n_mtp)
     ref_loss.backward()
-    # The DSA indexer runs under no_grad (its own KL loss trains it), so its weights get no gradient here.
+    # The DSA indexer runs under no_grad (its own KL loss trains it), so its weights get no gradient
+    # here.
     ref_grads = {n: None if p.grad is None else p.grad.clone() for n, p in ref.named_parameters()}
     ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm=0.5)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=1e-6, weight_decay=0.1)
     ref_opt.step()
 
-    mesh = build_mesh(env.world_size, dp_replicate=dp_replicate, dp_shard=dp_shard, ep=ep,
-                      device_type=env.device.type, n_routed_experts=args.n_routed_experts)
-    parallelize_model(model, mesh, param_dtype=torch.float32, reduce_dtype=torch.float32,
-                      reshard_after_forward=reshard_after_forward, ac_mode=ac_mode,
-                      selective_ac_option=selective_ac_option, compile=compile, compile_backend=compile_backend)
+    mesh = build_mesh(
+        env.world_size,
+        dp_replicate=dp_replicate,
+        dp_shard=dp_shard,
+        ep=ep,
+        device_type=env.device.type,
+        n_routed_experts=args.n_routed_experts,
+    )
+    parallelize_model(
+        model,
+        mesh,
+        param_dtype=torch.float32,
+        reduce_dtype=torch.float32,
+        reshard_after_forward=reshard_after_forward,
+        ac_mode=ac_mode,
+        selective_ac_option=selective_ac_option,
+        compile=compile,
+        compile_backend=compile_backend,
+    )
     assert [n for n, _ in model.named_parameters()] == list(ref_grads), "parameter names changed"
-    if ep > 1:  # experts: EP shards dim 0 on "ep"; FSDP on "efsdp" shards dim 0 again, or dim 1 if too few
+    # experts: EP shards dim 0 on "ep"; FSDP on "efsdp" shards dim 0 again, or dim 1 if too few
+    if ep > 1:
         w13 = model.layers["3"].moe.experts.w13
         assert w13.device_mesh.mesh_dim_names[-2:] == ("efsdp", "ep"), w13.device_mesh
         too_few = mesh.degrees.efsdp > args.n_routed_experts // ep
-        assert w13.placements[-1] == Shard(0) and (w13.placements[-2] == Shard(1)) == too_few, w13.placements
+        assert w13.placements[-1] == Shard(0) and (w13.placements[-2] == Shard(1)) == too_few, (
+            w13.placements
+        )
     dp = mesh["dp"]
     local = tokens.chunk(dp.size())[dp.get_local_rank()]
-    absorbed = []  # with the Triton DSA kernels: grad mode of each latent query formed (False: a rebuild)
+    # with the Triton DSA kernels: grad mode of each latent query formed (False: a rebuild)
+    absorbed = []
     if dsa_backend == "triton":
         real_absorb = attention_mod._absorb
-        attention_mod._absorb = lambda *a: absorbed.append(torch.is_grad_enabled()) or real_absorb(*a)
+        attention_mod._absorb = lambda *a: (
+            absorbed.append(torch.is_grad_enabled()) or real_absorb(*a)
+        )
     loss = loss_on(model, local, n_main, n_mtp)
     loss.backward()
     if dsa_backend == "triton":
         attention_mod._absorb = real_absorb
         n_attn = sum(isinstance(m, Attention) for m in model.modules())
-        assert absorbed.count(True) == absorbed.count(False) == n_attn, absorbed  # every query rebuilt once
+        # every query rebuilt once
+        assert absorbed.count(True) == absorbed.count(False) == n_attn, absorbed
 
     total = loss.detach().clone()
     dist.all_reduce(total, group=dp.get_group())
@@ -149,9 +189,11 @@ def check_train_step(dp_replicate: int = 1, dp_shard: int = -1, ep: int = 1, ac_
         if ref_grads[name] is None:
             assert p.grad is None, name
             continue
-        torch.testing.assert_close(full(p.grad), ref_grads[name], rtol=RTOL, atol=ATOL, msg=lambda m: f"{name}: {m}")
-    # Before the all-reduce each rank has counted its own tokens by GLOBAL expert id (also under EP, where
-    # the tokens are computed elsewhere), once per forward (not again in AC recomputes) ...
+        torch.testing.assert_close(
+            full(p.grad), ref_grads[name], rtol=RTOL, atol=ATOL, msg=lambda m: f"{name}: {m}"
+        )
+    # Before the all-reduce each rank has counted its own tokens by GLOBAL expert id (also under EP,
+    # where the tokens are computed elsewhere), once per forward (not again in AC recomputes) ...
     with torch.no_grad():
         local_ref(local, with_mtp=True)
     for got, want in zip(moe_counts(model), moe_counts(local_ref)):
@@ -161,7 +203,9 @@ def check_train_step(dp_replicate: int = 1, dp_shard: int = -1, ep: int = 1, ac_
     for got, want in zip(moe_counts(model), moe_counts(ref)):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
 
-    assert ref_norm > 0.5, f"max_norm 0.5 does not clip (norm {float(ref_norm)}): the clip is not tested"
+    assert ref_norm > 0.5, (
+        f"max_norm 0.5 does not clip (norm {float(ref_norm)}): the clip is not tested"
+    )
     norm = clip_grad_norm_(model.parameters(), max_norm=0.5, scale_grads=clip_in_step is None)
     assert not isinstance(norm, DTensor)
     torch.testing.assert_close(norm, ref_norm, rtol=RTOL, atol=ATOL)
@@ -179,46 +223,80 @@ def check_train_step(dp_replicate: int = 1, dp_shard: int = -1, ep: int = 1, ac_
         opt.step()
     ref_params = dict(ref.named_parameters())
     for name, p in model.named_parameters():
-        torch.testing.assert_close(full(p.detach()), ref_params[name].detach(), rtol=RTOL, atol=ATOL,
-                                   msg=lambda m: f"{name} after AdamW: {m}")
+        torch.testing.assert_close(
+            full(p.detach()),
+            ref_params[name].detach(),
+            rtol=RTOL,
+            atol=ATOL,
+            msg=lambda m: f"{name} after AdamW: {m}",
+        )
         if p.grad is None:
             continue
-        # The first moment is (1 - beta1) x the clipped gradient: it shows whether the clip was applied (the
-        # parameters after one Adam step hardly do, Adam's update is nearly invariant to a gradient scale).
-        # The gradients left after the step are the clipped ones, except under TritonAdamW (it never writes them).
+        # The first moment is (1 - beta1) x the clipped gradient: it shows whether the clip was
+        # applied (the parameters after one Adam step hardly do, Adam's update is nearly invariant
+        # to a gradient scale). The gradients left after the step are the clipped ones, except under
+        # TritonAdamW (it never writes them).
         ref_state, state = ref_opt.state[ref_params[name]], opt.state[p]
-        torch.testing.assert_close(full(state["exp_avg"]), ref_state["exp_avg"], rtol=RTOL, atol=ATOL,
-                                   msg=lambda m: f"{name} exp_avg after AdamW: {m}")
-        torch.testing.assert_close(full(state["exp_avg_sq"]), ref_state["exp_avg_sq"], rtol=2 * RTOL, atol=ATOL ** 2,
-                                   msg=lambda m: f"{name} exp_avg_sq after AdamW: {m}")
+        torch.testing.assert_close(
+            full(state["exp_avg"]),
+            ref_state["exp_avg"],
+            rtol=RTOL,
+            atol=ATOL,
+            msg=lambda m: f"{name} exp_avg after AdamW: {m}",
+        )
+        torch.testing.assert_close(
+            full(state["exp_avg_sq"]),
+            ref_state["exp_avg_sq"],
+            rtol=2 * RTOL,
+            atol=ATOL**2,
+            msg=lambda m: f"{name} exp_avg_sq after AdamW: {m}",
+        )
         want = ref_grads[name] if clip_in_step == "triton" else ref_params[name].grad
-        torch.testing.assert_close(full(p.grad), want, rtol=RTOL, atol=ATOL,
-                                   msg=lambda m: f"{name} gradient after the step: {m}")
+        torch.testing.assert_close(
+            full(p.grad),
+            want,
+            rtol=RTOL,
+            atol=ATOL,
+            msg=lambda m: f"{name} gradient after the step: {m}",
+        )
 
-    if clip_in_step:  # a non-finite step is skipped inside the fused kernel (found_inf) on DTensor parameters too
+    # a non-finite step is skipped inside the fused kernel (found_inf) on DTensor parameters too
+    if clip_in_step:
         before = {name: full(p.detach()).clone() for name, p in model.named_parameters()}
         for p in model.parameters():
             if p.grad is not None:
                 p.grad.fill_(float("nan"))
         nan_norm = clip_grad_norm_(model.parameters(), max_norm=0.5, scale_grads=False)
         assert not torch.isfinite(nan_norm)
-        steps = {name: opt.state[p]["step"].clone() for name, p in model.named_parameters() if p in opt.state}
+        steps = {
+            name: opt.state[p]["step"].clone()
+            for name, p in model.named_parameters()
+            if p in opt.state
+        }
         with clip_in_fused_step([opt], nan_norm, max_norm=0.5, skip=~torch.isfinite(nan_norm)):
             opt.step()
         for name, p in model.named_parameters():
             assert torch.equal(full(p.detach()), before[name]), f"{name} changed on a skipped step"
             if name in steps:
-                assert torch.equal(opt.state[p]["step"], steps[name]), f"{name}: the step count moved"
+                assert torch.equal(opt.state[p]["step"], steps[name]), (
+                    f"{name}: the step count moved"
+                )
 
-    if meta_init:  # the trainer's path: parallelize on meta, then materialise and initialise (layout-free init)
+    # the trainer's path: parallelize on meta, then materialise and initialise (layout-free init)
+    if meta_init:
         with torch.device("meta"):
             meta_model = GLM52Model(args)
         parallelize_model(meta_model, mesh, ac_mode=ac_mode)
         meta_model.to_empty(device=env.device)
         meta_model.init_weights()
         for name, p in meta_model.named_parameters():
-            torch.testing.assert_close(full(p.detach()), init_params[name], rtol=0, atol=0,
-                                       msg=lambda m: f"{name} initialised sharded: {m}")
+            torch.testing.assert_close(
+                full(p.detach()),
+                init_params[name],
+                rtol=0,
+                atol=0,
+                msg=lambda m: f"{name} initialised sharded: {m}",
+            )
 
 
 class _OpCounter(TorchDispatchMode):
@@ -232,8 +310,8 @@ class _OpCounter(TorchDispatchMode):
 
 
 def check_backward_all_to_alls(ep: int = 2) -> None:
-    """Selective AC keeps the EP all-to-all outputs: its backward issues as many all-to-alls as without AC
-    (the gradient ones), full AC issues more (the recompute's)."""
+    """Selective AC keeps the EP all-to-all outputs: its backward issues as many all-to-alls as
+    without AC (the gradient ones), full AC issues more (the recompute's)."""
     env = init_distributed(device_type=DEVICE_TYPE)
     args = debug_args()
     mesh = build_mesh(env.world_size, dp_shard=env.world_size, ep=ep, device_type=env.device.type)
@@ -253,10 +331,12 @@ def check_backward_all_to_alls(ep: int = 2) -> None:
     assert a2a["none"] > 0 and a2a["selective"] == a2a["none"] < a2a["full"], a2a
 
 
-def check_mixed_precision(ep: int = 1, compile: bool = False, compile_backend: str = "inductor",
-                          ac_mode: str = "none") -> None:
-    """bf16 parameters with fp32 gradient reduction (the GPU setting): the loss is within bf16 rounding of
-    the fp32 single-process loss, gradients are finite fp32, and one optimizer step runs."""
+def check_mixed_precision(
+    ep: int = 1, compile: bool = False, compile_backend: str = "inductor", ac_mode: str = "none"
+) -> None:
+    """bf16 parameters with fp32 gradient reduction (the GPU setting): the loss is within bf16
+    rounding of the fp32 single-process loss, gradients are finite fp32, and one optimizer step
+    runs."""
     env = init_distributed(device_type=DEVICE_TYPE)
     args = debug_args()
     torch.manual_seed(0)
@@ -270,8 +350,15 @@ def check_mixed_precision(ep: int = 1, compile: bool = False, compile_backend: s
     with torch.no_grad():
         ref_loss = loss_on(ref, tokens, n_main, n_mtp)
     mesh = build_mesh(env.world_size, dp_shard=env.world_size, ep=ep, device_type=env.device.type)
-    parallelize_model(model, mesh, param_dtype=torch.bfloat16, reduce_dtype=torch.float32, ac_mode=ac_mode,
-                      compile=compile, compile_backend=compile_backend)
+    parallelize_model(
+        model,
+        mesh,
+        param_dtype=torch.bfloat16,
+        reduce_dtype=torch.float32,
+        ac_mode=ac_mode,
+        compile=compile,
+        compile_backend=compile_backend,
+    )
     local = tokens.chunk(env.world_size)[env.rank]
     loss = loss_on(model, local, n_main, n_mtp)
     loss.backward()

@@ -1,4 +1,5 @@
-"""Per-rank body: a sharded (FSDP / EP) or pipelined model exported unit by unit with ``save_hf_distributed``."""
+"""Per-rank body: a sharded (FSDP / EP) or pipelined model exported unit by unit with
+``save_hf_distributed``."""
 
 from __future__ import annotations
 
@@ -14,9 +15,10 @@ from tests.distributed.hf_load_cases import loaded_model
 
 
 class UnitWatch:
-    """Asserts that this rank never holds more than one unit's full tensors: at every gather (``full_tensor``) and
-    every file write, the tensors of the previously written unit are gone, and a non-writer holds no earlier
-    gather. Tracks the gathered tensors and the tensors handed to ``save_file`` through weak references."""
+    """Asserts that this rank never holds more than one unit's full tensors: at every gather
+    (``full_tensor``) and every file write, the tensors of the previously written unit are gone, and
+    a non-writer holds no earlier gather. Tracks the gathered tensors and the tensors handed to
+    ``save_file`` through weak references."""
 
     def __init__(self, writer: bool) -> None:
         self.writer, self.gathered, self.written, self.files = writer, [], [], 0
@@ -44,19 +46,35 @@ class UnitWatch:
 
     def save_file(self, tensors, path, metadata=None):
         assert self.writer
-        assert self._alive(self.written) == 0, "the previous unit is still held when the next one is written"
+        assert self._alive(self.written) == 0, (
+            "the previous unit is still held when the next one is written"
+        )
         self._save_file(tensors, path, metadata=metadata)
         self.written = self.gathered + [weakref.ref(t) for t in tensors.values()]
         self.gathered = []
         self.files += 1
 
 
-def check_hf_export(src_dir: str, out_dir: str, dp_shard: int = 1, ep: int = 1, pp: int = 1, dp_replicate: int = 1,
-                    with_mtp: bool = True) -> None:
+def check_hf_export(
+    src_dir: str,
+    out_dir: str,
+    dp_shard: int = 1,
+    ep: int = 1,
+    pp: int = 1,
+    dp_replicate: int = 1,
+    with_mtp: bool = True,
+) -> None:
     env = init_distributed()
     args = debug_args()
-    mesh = build_mesh(env.world_size, dp_replicate=dp_replicate, dp_shard=dp_shard, ep=ep, pp=pp, device_type="cpu",
-                      n_routed_experts=args.n_routed_experts)
+    mesh = build_mesh(
+        env.world_size,
+        dp_replicate=dp_replicate,
+        dp_shard=dp_shard,
+        ep=ep,
+        pp=pp,
+        device_type="cpu",
+        n_routed_experts=args.n_routed_experts,
+    )
     model = loaded_model(args, mesh, src_dir, pp, ep, with_mtp)
     writer = mesh["dp"].get_local_rank() == 0
     export_args = args if with_mtp else args.replace(num_nextn_predict_layers=0)

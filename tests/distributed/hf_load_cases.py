@@ -1,5 +1,5 @@
-"""Per-rank bodies: an HF checkpoint (bf16 / fp32, or block-wise FP8) loaded into a sharded (FSDP / EP) or pipelined
-model equals the full model."""
+"""Per-rank bodies: an HF checkpoint (bf16 / fp32, or block-wise FP8) loaded into a sharded (FSDP /
+EP) or pipelined model equals the full model."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ from titan_glm52.pipeline_split import choose_layout
 
 
 def loaded_model(args, mesh, hf_dir: str, pp: int, ep: int, with_mtp: bool = True):
-    """The model (or this rank's 1F1B stage when ``pp > 1``) parallelized on ``mesh``, with ``hf_dir``'s weights."""
+    """The model (or this rank's 1F1B stage when ``pp > 1``) parallelized on ``mesh``, with
+    ``hf_dir``'s weights."""
     if pp > 1:
         layout = choose_layout(args, "1F1B", pp, seq_len=32, with_mtp=with_mtp)
         ((_, model),) = stage_modules(args, layout, mesh["pp"].get_local_rank())
@@ -30,20 +31,33 @@ def loaded_model(args, mesh, hf_dir: str, pp: int, ep: int, with_mtp: bool = Tru
     return model
 
 
-def check_hf_load(hf_dir: str, dp_shard: int = 1, ep: int = 1, pp: int = 1, args_from_checkpoint: bool = False,
-                  fp8_export_dir: str | None = None) -> None:
+def check_hf_load(
+    hf_dir: str,
+    dp_shard: int = 1,
+    ep: int = 1,
+    pp: int = 1,
+    args_from_checkpoint: bool = False,
+    fp8_export_dir: str | None = None,
+) -> None:
     """Every tensor of this rank's shards equals the single-process load, bitwise.
 
-    ``args_from_checkpoint``: the model args come from ``hf_dir/config.json`` (else the debug flavor's).
-    ``fp8_export_dir``: the sharded model is then exported there in the block-wise FP8 format, streamed
-    (``save_hf_distributed``), for the caller to compare with the single-process export.
+    ``args_from_checkpoint``: the model args come from ``hf_dir/config.json`` (else the debug
+    flavor's). ``fp8_export_dir``: the sharded model is then exported there in the block-wise FP8
+    format, streamed (``save_hf_distributed``), for the caller to compare with the single-process
+    export.
     """
     env = init_distributed()
     args = GLM52ModelArgs.from_hf_config(hf_dir) if args_from_checkpoint else debug_args()
     ref = GLM52Model(args)
     load_hf_state(ref, hf_dir)
-    mesh = build_mesh(env.world_size, dp_shard=dp_shard, ep=ep, pp=pp, device_type="cpu",
-                      n_routed_experts=args.n_routed_experts)
+    mesh = build_mesh(
+        env.world_size,
+        dp_shard=dp_shard,
+        ep=ep,
+        pp=pp,
+        device_type="cpu",
+        n_routed_experts=args.n_routed_experts,
+    )
     model = loaded_model(args, mesh, hf_dir, pp, ep)
     expected = ref.state_dict()
     for name, t in model.state_dict().items():

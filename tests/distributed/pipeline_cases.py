@@ -10,7 +10,15 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from tests.distributed.cases import GLOBAL_BATCH, IGNORE, SEQ, debug_args, full, labels_of, make_batch
+from tests.distributed.cases import (
+    GLOBAL_BATCH,
+    IGNORE,
+    SEQ,
+    debug_args,
+    full,
+    labels_of,
+    make_batch,
+)
 from titan_glm52.distributed import build_mesh, init_distributed
 from titan_glm52.model.aux_loss import AuxTerms
 from tests.losses import cross_entropy_sum
@@ -31,27 +39,50 @@ def _reference(args, tokens: torch.Tensor):
     n_main = (labels_of(tokens, 1) != IGNORE).sum().item()
     n_mtp = (labels_of(tokens, 2) != IGNORE).sum().item()
     logits, mtp = ref(tokens, with_mtp=True)
-    loss = cross_entropy_sum(logits, labels_of(tokens, 1)) / n_main + cross_entropy_sum(mtp, labels_of(tokens, 2)) / n_mtp
+    loss = (
+        cross_entropy_sum(logits, labels_of(tokens, 1)) / n_main
+        + cross_entropy_sum(mtp, labels_of(tokens, 2)) / n_mtp
+    )
     loss.backward()
     counts = {n: m.tokens_per_expert.clone() for n, m in ref.named_modules() if isinstance(m, MoE)}
     return ref, loss.detach(), n_main, n_mtp, counts
 
 
-def check_pipeline(schedule: str, pp: int, dp_shard: int = 1, ep: int = 1, stages_per_rank: int | None = None,
-                   layout: list[int] | None = None, ac_mode: str = "none") -> None:
-    """Loss, every gradient, the clipped grad norm and the MoE loads equal the single-process run."""
+def check_pipeline(
+    schedule: str,
+    pp: int,
+    dp_shard: int = 1,
+    ep: int = 1,
+    stages_per_rank: int | None = None,
+    layout: list[int] | None = None,
+    ac_mode: str = "none",
+) -> None:
+    """Loss, every gradient, the clipped grad norm and the MoE loads equal the single-process
+    run."""
     env = init_distributed()
     args = debug_args()
-    mesh = build_mesh(env.world_size, dp_shard=dp_shard, ep=ep, pp=pp, device_type="cpu",
-                      n_routed_experts=args.n_routed_experts)
+    mesh = build_mesh(
+        env.world_size,
+        dp_shard=dp_shard,
+        ep=ep,
+        pp=pp,
+        device_type="cpu",
+        n_routed_experts=args.n_routed_experts,
+    )
     tokens = make_batch(args.vocab_size)
     ref, ref_loss, n_main, n_mtp, ref_counts = _reference(args, tokens)
 
     plan = choose_layout(args, schedule, pp, stages_per_rank, seq_len=SEQ, layers_per_stage=layout)
     pp_mesh = mesh["pp"]
     stages, parts = build_pipeline_stages(
-        args, plan, pp_mesh.get_local_rank(), pp_mesh.get_group(), env.device, None,
-        lambda m: parallelize_model(m, mesh, ac_mode=ac_mode, ep_enabled=ep > 1))
+        args,
+        plan,
+        pp_mesh.get_local_rank(),
+        pp_mesh.get_group(),
+        env.device,
+        None,
+        lambda m: parallelize_model(m, mesh, ac_mode=ac_mode, ep_enabled=ep > 1),
+    )
     for part in parts:
         part.to_empty(device=env.device)
         part.init_weights(seed=0)
@@ -80,8 +111,12 @@ def check_pipeline(schedule: str, pp: int, dp_shard: int = 1, ep: int = 1, stage
             for m in part.modules():
                 if isinstance(m, MoE):
                     m.tokens_per_expert.zero_()
-        kwargs = dict(target=labels if has_last else None, positions=positions, aux=AuxTerms(),
-                      bounds=micro_batch_bounds(positions, positions, local.shape[0]))
+        kwargs = dict(
+            target=labels if has_last else None,
+            positions=positions,
+            aux=AuxTerms(),
+            bounds=micro_batch_bounds(positions, positions, local.shape[0]),
+        )
         if has_first:
             sched.step(local, **kwargs)
         else:
@@ -98,7 +133,9 @@ def check_pipeline(schedule: str, pp: int, dp_shard: int = 1, ep: int = 1, stage
             if ref_grads[name] is None:  # the indexers learn only from their KL loss (off here)
                 assert p.grad is None, name
                 continue
-            torch.testing.assert_close(full(p.grad), ref_grads[name], rtol=RTOL, atol=ATOL, msg=name)
+            torch.testing.assert_close(
+                full(p.grad), ref_grads[name], rtol=RTOL, atol=ATOL, msg=name
+            )
             checked += 1
         for name, m in part.named_modules():
             if isinstance(m, MoE):
@@ -107,6 +144,8 @@ def check_pipeline(schedule: str, pp: int, dp_shard: int = 1, ep: int = 1, stage
                 torch.testing.assert_close(load, ref_counts[name])
     assert checked > 0
     norm = clip_grad_norm_([p for part in parts for p in part.parameters()], 1e9, pp_mesh=pp_mesh)
-    ref_norm = torch.nn.utils.get_total_norm([p.grad for p in ref.parameters() if p.grad is not None])
+    ref_norm = torch.nn.utils.get_total_norm(
+        [p.grad for p in ref.parameters() if p.grad is not None]
+    )
     torch.testing.assert_close(norm, ref_norm, rtol=RTOL, atol=ATOL)
     assert GLOBAL_BATCH % dp_size == 0

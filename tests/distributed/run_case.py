@@ -1,4 +1,5 @@
-"""Runs one case of cases.py by hand: ``python -m tests.distributed.run_case WORLD CASE ['{"json": "kwargs"}']``.
+"""Runs one case of cases.py by hand: ``python -m tests.distributed.run_case WORLD CASE ['{"json":
+"kwargs"}']``.
 
 ``TITAN_GLM52_TEST_DEVICE=cuda`` runs it on nccl with one GPU per process.
 """

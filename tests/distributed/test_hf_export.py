@@ -1,5 +1,5 @@
-"""Streaming HF export of sharded / pipelined models: the directory equals the single-process export tensor for
-tensor (bitwise, same dtypes), with the same config.json, and loads in transformers."""
+"""Streaming HF export of sharded / pipelined models: the directory equals the single-process export
+tensor for tensor (bitwise, same dtypes), with the same config.json, and loads in transformers."""
 
 import json
 import os
@@ -19,7 +19,8 @@ from titan_glm52.hf_export import num_units
 
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
-    """The source checkpoint (fp32) and the single-process bf16 exports of it, with and without the MTP layer."""
+    """The source checkpoint (fp32) and the single-process bf16 exports of it, with and without the
+    MTP layer."""
     root = tmp_path_factory.mktemp("hf_export")
     model = GLM52Model(debug_args())
     model.init_weights()
@@ -31,36 +32,52 @@ def dirs(tmp_path_factory):
     return root
 
 
-@pytest.mark.parametrize("world, kwargs", [
-    (2, dict(dp_shard=2)),
-    (4, dict(dp_shard=4, ep=2)),
-    (2, dict(pp=2)),
-    (4, dict(pp=2, dp_shard=2, with_mtp=False)),
-    (4, dict(dp_replicate=2, dp_shard=2, ep=2)),
-], ids=["fsdp2", "ep2_fsdp2", "pp2", "pp2_fsdp2_no_mtp", "hsdp2x2_ep2"])
+@pytest.mark.parametrize(
+    "world, kwargs",
+    [
+        (2, dict(dp_shard=2)),
+        (4, dict(dp_shard=4, ep=2)),
+        (2, dict(pp=2)),
+        (4, dict(pp=2, dp_shard=2, with_mtp=False)),
+        (4, dict(dp_replicate=2, dp_shard=2, ep=2)),
+    ],
+    ids=["fsdp2", "ep2_fsdp2", "pp2", "pp2_fsdp2_no_mtp", "hsdp2x2_ep2"],
+)
 def test_distributed_export_equals_single_process(dirs, tmp_path, world, kwargs):
     out = tmp_path / "out"
-    run_on_ranks(check_hf_export, world, timeout_s=180, src_dir=str(dirs / "src"), out_dir=str(out), **kwargs)
+    run_on_ranks(
+        check_hf_export, world, timeout_s=180, src_dir=str(dirs / "src"), out_dir=str(out), **kwargs
+    )
     with_mtp = kwargs.get("with_mtp", True)
     ref = dirs / ("ref_mtp" if with_mtp else "ref_no_mtp")
     got, want = read_all(str(out)), read_all(str(ref))
     assert sorted(got) == sorted(want)
     for key, t in want.items():
         assert got[key].dtype == t.dtype and torch.equal(got[key], t), key
-    assert any(k.startswith(f"model.layers.{debug_args().num_hidden_layers}.") for k in got) == with_mtp
+    assert (
+        any(k.startswith(f"model.layers.{debug_args().num_hidden_layers}.") for k in got)
+        == with_mtp
+    )
     with open(out / "config.json") as f, open(ref / "config.json") as g:
         assert json.load(f) == json.load(g)
     with open(out / INDEX_NAME) as f:
         index = json.load(f)
     n = num_units(debug_args().replace(num_nextn_predict_layers=int(with_mtp)))
-    assert sorted(set(index["weight_map"].values())) == [f"model-{u:05d}-of-{n:05d}.safetensors"
-                                                          for u in range(1, n + 1)]
-    assert sorted(os.listdir(out)) == sorted([INDEX_NAME, "config.json", *set(index["weight_map"].values())])
-    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in want.values())
+    assert sorted(set(index["weight_map"].values())) == [
+        f"model-{u:05d}-of-{n:05d}.safetensors" for u in range(1, n + 1)
+    ]
+    assert sorted(os.listdir(out)) == sorted(
+        [INDEX_NAME, "config.json", *set(index["weight_map"].values())]
+    )
+    assert index["metadata"]["total_size"] == sum(
+        t.numel() * t.element_size() for t in want.values()
+    )
 
     from transformers import GlmMoeDsaForCausalLM
 
-    hf, info = GlmMoeDsaForCausalLM.from_pretrained(out, dtype=torch.float32, output_loading_info=True)
+    hf, info = GlmMoeDsaForCausalLM.from_pretrained(
+        out, dtype=torch.float32, output_loading_info=True
+    )
     assert not info["missing_keys"] and not info["mismatched_keys"], info
     expected = GlmMoeDsaForCausalLM.from_pretrained(ref, dtype=torch.float32).state_dict()
     for key, t in hf.state_dict().items():
@@ -68,7 +85,8 @@ def test_distributed_export_equals_single_process(dirs, tmp_path, world, kwargs)
 
 
 def test_single_process_streamed_export_equals_save_hf_model(dirs, tmp_path):
-    """Without a process group the streaming writer is the only rank: same tensors as ``save_hf_model``."""
+    """Without a process group the streaming writer is the only rank: same tensors as
+    ``save_hf_model``."""
     from titan_glm52 import load_hf_model
     from titan_glm52.hf_export import save_hf_distributed
 

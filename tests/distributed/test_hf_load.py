@@ -1,5 +1,5 @@
-"""Loading the published-format HF checkpoint (bf16 / fp32, and block-wise FP8) straight into sharded / pipelined
-models (each rank reads its slices)."""
+"""Loading the published-format HF checkpoint (bf16 / fp32, and block-wise FP8) straight into
+sharded / pipelined models (each rank reads its slices)."""
 
 import pytest
 import torch
@@ -19,26 +19,42 @@ def hf_dir(tmp_path_factory):
     model = GLM52Model(get_flavor("debug").replace(index_topk=8))
     model.init_weights()
     randomise(model, 5)
-    save_hf_model(model, str(folder), dtype=torch.float32, max_shard_bytes=200_000)  # sharded files + index
+    # sharded files + index
+    save_hf_model(model, str(folder), dtype=torch.float32, max_shard_bytes=200_000)
     return str(folder)
 
 
-@pytest.mark.parametrize("world, kwargs", [(2, dict(dp_shard=2)), (2, dict(dp_shard=2, ep=2)), (2, dict(pp=2))],
-                         ids=["fsdp2", "ep2_fsdp2", "pp2"])
+@pytest.mark.parametrize(
+    "world, kwargs",
+    [(2, dict(dp_shard=2)), (2, dict(dp_shard=2, ep=2)), (2, dict(pp=2))],
+    ids=["fsdp2", "ep2_fsdp2", "pp2"],
+)
 def test_sharded_load_equals_full_load(hf_dir, world, kwargs):
     run_on_ranks(check_hf_load, world, timeout_s=90, hf_dir=hf_dir, **kwargs)
 
 
-# Widths above 128 that are not multiples of 128, so that shards start inside a 128 x 128 block: wq_a [160, 192],
-# wkv_a [144, 192], wkv_b [192, 136], experts [136, 192] / [192, 136], dense MLP [160, 192].
-FP8_ARGS = dict(hidden_size=192, q_lora_rank=160, kv_lora_rank=136, num_attention_heads=6, num_key_value_heads=6,
-                intermediate_size=160, moe_intermediate_size=136, num_hidden_layers=4, first_k_dense_replace=1,
-                index_topk=8, vocab_size=256)
+# Widths above 128 that are not multiples of 128, so that shards start inside a 128 x 128 block:
+# wq_a [160, 192], wkv_a [144, 192], wkv_b [192, 136], experts [136, 192] / [192, 136], dense MLP
+# [160, 192].
+FP8_ARGS = dict(
+    hidden_size=192,
+    q_lora_rank=160,
+    kv_lora_rank=136,
+    num_attention_heads=6,
+    num_key_value_heads=6,
+    intermediate_size=160,
+    moe_intermediate_size=136,
+    num_hidden_layers=4,
+    first_k_dense_replace=1,
+    index_topk=8,
+    vocab_size=256,
+)
 
 
 @pytest.fixture(scope="module")
 def fp8_dir(tmp_path_factory):
-    """An FP8 checkpoint (with the MTP layer) of a random model, written by the unit tests' own quantiser."""
+    """An FP8 checkpoint (with the MTP layer) of a random model, written by the unit tests' own
+    quantiser."""
     folder = tmp_path_factory.mktemp("hf_fp8")
     args = get_flavor("debug").replace(**FP8_ARGS)
     model = GLM52Model(args)
@@ -46,19 +62,33 @@ def fp8_dir(tmp_path_factory):
     randomise(model, 6)
     write_fp8(hf_state_dict(model), args.to_hf_config(), str(folder / "fp8"))
     # The single-process FP8 export of the single-process load: what the sharded exports must equal.
-    save_hf_model(load_hf_model(str(folder / "fp8")), str(folder / "ref"), dtype=torch.bfloat16, fp8=True)
+    save_hf_model(
+        load_hf_model(str(folder / "fp8")), str(folder / "ref"), dtype=torch.bfloat16, fp8=True
+    )
     return folder
 
 
-@pytest.mark.parametrize("world, kwargs", [(2, dict(dp_shard=2)), (2, dict(dp_shard=2, ep=2)), (2, dict(pp=2))],
-                         ids=["fsdp2", "ep2_fsdp2", "pp2"])
+@pytest.mark.parametrize(
+    "world, kwargs",
+    [(2, dict(dp_shard=2)), (2, dict(dp_shard=2, ep=2)), (2, dict(pp=2))],
+    ids=["fsdp2", "ep2_fsdp2", "pp2"],
+)
 def test_sharded_fp8_load_equals_full_load(fp8_dir, tmp_path, world, kwargs):
-    """Each rank dequantises its own slices: the shards equal the single-process load bitwise, and the streamed
-    FP8 export of the sharded model equals the single-process FP8 export."""
+    """Each rank dequantises its own slices: the shards equal the single-process load bitwise, and
+    the streamed FP8 export of the sharded model equals the single-process FP8 export."""
     out = tmp_path / "out"
-    run_on_ranks(check_hf_load, world, timeout_s=120, hf_dir=str(fp8_dir / "fp8"), args_from_checkpoint=True,
-                 fp8_export_dir=str(out), **kwargs)
+    run_on_ranks(
+        check_hf_load,
+        world,
+        timeout_s=120,
+        hf_dir=str(fp8_dir / "fp8"),
+        args_from_checkpoint=True,
+        fp8_export_dir=str(out),
+        **kwargs,
+    )
     got, want = read_all(str(out)), read_all(str(fp8_dir / "ref"))
     assert sorted(got) == sorted(want)
     for key, t in want.items():
-        assert got[key].dtype == t.dtype and torch.equal(got[key].view(torch.uint8), t.view(torch.uint8)), key
+        assert got[key].dtype == t.dtype and torch.equal(
+            got[key].view(torch.uint8), t.view(torch.uint8)
+        ), key

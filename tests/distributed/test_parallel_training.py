@@ -1,9 +1,10 @@
-"""FSDP2 / HSDP / expert parallel / AC / compile on 2 and 4 gloo processes against a single-process reference.
+"""FSDP2 / HSDP / expert parallel / AC / compile on 2 and 4 gloo processes against a single-process
+reference.
 
-Each case: loss (summed over ranks), every gradient (full tensors), the grad norm after clipping, the
-parameters, moments and gradients after one AdamW step (for-loop, or torch fused / Triton with the clip
-folded into its step) and the MoE loads (per rank and all-reduced) equal the single-process run
-of the debug flavor on the whole global batch (see cases.check_train_step).
+Each case: loss (summed over ranks), every gradient (full tensors), the grad norm after clipping,
+the parameters, moments and gradients after one AdamW step (for-loop, or torch fused / Triton with
+the clip folded into its step) and the MoE loads (per rank and all-reduced) equal the single-process
+run of the debug flavor on the whole global batch (see cases.check_train_step).
 """
 
 import pytest
@@ -18,18 +19,29 @@ CASES = {
     "ep2_fsdp2": (2, dict(dp_shard=2, ep=2)),
     "ep2_second_rank_gets_no_tokens": (2, dict(dp_shard=2, ep=2, route_to_first_experts=True)),
     "ep2_ac_full": (2, dict(dp_shard=2, ep=2, ac_mode="full")),
-    "ep2_ac_selective_op": (2, dict(dp_shard=2, ep=2, ac_mode="selective", selective_ac_option="op")),
-    "fsdp2_ac_every_2nd_block_no_reshard": (2, dict(dp_shard=2, ac_mode="selective", selective_ac_option="2",
-                                                    reshard_after_forward="never")),
+    "ep2_ac_selective_op": (
+        2,
+        dict(dp_shard=2, ep=2, ac_mode="selective", selective_ac_option="op"),
+    ),
+    "fsdp2_ac_every_2nd_block_no_reshard": (
+        2,
+        dict(
+            dp_shard=2, ac_mode="selective", selective_ac_option="2", reshard_after_forward="never"
+        ),
+    ),
     "ep2_compile_ac_selective": (2, dict(dp_shard=2, ep=2, compile=True, ac_mode="selective")),
-    # fused / Triton AdamW on DTensor parameters with the gradient clip folded into its step (the trainer's paths)
+    # fused / Triton AdamW on DTensor parameters with the gradient clip folded into its step (the
+    # trainer's paths)
     "fsdp2_fused_clip": (2, dict(dp_shard=2, clip_in_step="fused")),
     "ep2_fsdp2_fused_clip": (2, dict(dp_shard=2, ep=2, clip_in_step="fused")),
     "fsdp2_triton_clip": (2, dict(dp_shard=2, clip_in_step="triton")),
-    # the DSA kernels (the interpreter on CPU; 2 layers + MTP to keep it short), resharding after forward: the
-    # latent query rebuilt in backward from W_uk's view of the parameter FSDP gathers again
-    "fsdp2_triton_dsa_latent_query_rebuilt": (2, dict(dp_shard=2, dsa_backend="triton", num_hidden_layers=2,
-                                                      reshard_after_forward="always")),
+    # the DSA kernels (the interpreter on CPU; 2 layers + MTP to keep it short), resharding after
+    # forward: the latent query rebuilt in backward from W_uk's view of the parameter FSDP gathers
+    # again
+    "fsdp2_triton_dsa_latent_query_rebuilt": (
+        2,
+        dict(dp_shard=2, dsa_backend="triton", num_hidden_layers=2, reshard_after_forward="always"),
+    ),
     # 4 processes
     "fsdp4_meta_init": (4, dict(dp_shard=4, reshard_after_forward="always", meta_init=True)),
     "hsdp2x2": (4, dict(dp_replicate=2, dp_shard=2)),
@@ -37,11 +49,15 @@ CASES = {
     "hsdp2x2_ep2_ac_full": (4, dict(dp_replicate=2, dp_shard=2, ep=2, ac_mode="full")),
     "ep4_fsdp4": (4, dict(dp_shard=4, ep=4)),
     # 1 expert per EP rank, 2 expert-FSDP ranks: experts are FSDP-sharded on dim 1
-    "ep2_fsdp4_experts_on_dim1": (4, dict(dp_shard=4, ep=2, n_routed_experts=2, num_experts_per_tok=2,
-                                          meta_init=True)),
+    "ep2_fsdp4_experts_on_dim1": (
+        4,
+        dict(dp_shard=4, ep=2, n_routed_experts=2, num_experts_per_tok=2, meta_init=True),
+    ),
     # the same with TritonAdamW: its kernel walks the dim-1 shards' (transposed) memory
-    "ep2_fsdp4_experts_on_dim1_triton_clip": (4, dict(dp_shard=4, ep=2, n_routed_experts=2, num_experts_per_tok=2,
-                                                      clip_in_step="triton")),
+    "ep2_fsdp4_experts_on_dim1_triton_clip": (
+        4,
+        dict(dp_shard=4, ep=2, n_routed_experts=2, num_experts_per_tok=2, clip_in_step="triton"),
+    ),
     "hsdp2x2_ep2_fused_clip": (4, dict(dp_replicate=2, dp_shard=2, ep=2, clip_in_step="fused")),
 }
 
@@ -49,8 +65,12 @@ CASES = {
 @pytest.mark.parametrize("name", list(CASES))
 def test_matches_single_process(name):
     world, kwargs = CASES[name]
-    run_on_ranks(cases.check_train_step, world, timeout_s=420 if kwargs.get("dsa_backend") == "triton" else 90,
-                 **kwargs)
+    run_on_ranks(
+        cases.check_train_step,
+        world,
+        timeout_s=420 if kwargs.get("dsa_backend") == "triton" else 90,
+        **kwargs,
+    )
 
 
 def test_selective_ac_does_not_resend_all_to_alls():

@@ -1,5 +1,5 @@
-"""Pipeline parallel (skip-aware stages, MTP on the last stage, IndexShare inside stages) on 2 and 4 gloo
-processes: loss, gradients, grad norm and MoE loads equal the single-process run."""
+"""Pipeline parallel (skip-aware stages, MTP on the last stage, IndexShare inside stages) on 2 and 4
+gloo processes: loss, gradients, grad norm and MoE loads equal the single-process run."""
 
 import pytest
 
@@ -13,7 +13,10 @@ CASES = {
     "zbv_pp2": (2, dict(schedule="ZBVZeroBubble", pp=2, stages_per_rank=2)),
     "1f1b_pp2_ac_full": (2, dict(schedule="1F1B", pp=2, ac_mode="full")),
     "1f1b_pp2_x_fsdp2": (4, dict(schedule="1F1B", pp=2, dp_shard=2)),
-    "interleaved_pp2_x_ep2_fsdp2": (4, dict(schedule="Interleaved1F1B", pp=2, dp_shard=2, ep=2, stages_per_rank=2)),
+    "interleaved_pp2_x_ep2_fsdp2": (
+        4,
+        dict(schedule="Interleaved1F1B", pp=2, dp_shard=2, ep=2, stages_per_rank=2),
+    ),
 }
 
 

@@ -1,4 +1,5 @@
-"""End-to-end: the README's main command on the debug config, resume, HF export, config errors, faults."""
+"""End-to-end: the README's main command on the debug config, resume, HF export, config errors,
+faults."""
 
 from __future__ import annotations
 
@@ -15,15 +16,35 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 DEBUG_TOML = os.path.join(ROOT, "train_configs", "glm52_debug.toml")
 
 
-def run_train(tmp_path, *overrides: str, nproc: int = 2, check: bool = True,
-              script: str = os.path.join(ROOT, "train.py")) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--standalone",
-           script, "--job.config_file", DEBUG_TOML,
-           "--job.dump_folder", str(tmp_path), *overrides]
+def run_train(
+    tmp_path,
+    *overrides: str,
+    nproc: int = 2,
+    check: bool = True,
+    script: str = os.path.join(ROOT, "train.py"),
+) -> subprocess.CompletedProcess:
+    env = dict(
+        os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1"
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(nproc),
+        "--standalone",
+        script,
+        "--job.config_file",
+        DEBUG_TOML,
+        "--job.dump_folder",
+        str(tmp_path),
+        *overrides,
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     if check and proc.returncode != 0:
-        raise AssertionError(f"train.py failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
+        raise AssertionError(
+            f"train.py failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
+        )
     return proc
 
 
@@ -33,7 +54,15 @@ def read_metrics(folder) -> list[dict]:
 
 
 def small(*extra: str) -> tuple[str, ...]:
-    return ("--training.seq_len", "128", "--training.local_batch_size", "2", "--metrics.log_freq", "1", *extra)
+    return (
+        "--training.seq_len",
+        "128",
+        "--training.local_batch_size",
+        "2",
+        "--metrics.log_freq",
+        "1",
+        *extra,
+    )
 
 
 def test_main_command_trains_and_writes_tensorboard(tmp_path):
@@ -45,13 +74,27 @@ def test_main_command_trains_and_writes_tensorboard(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     tb = [os.path.join(tmp_path, "tb", d) for d in os.listdir(os.path.join(tmp_path, "tb"))] or [
-        os.path.join(tmp_path, "tb")]
+        os.path.join(tmp_path, "tb")
+    ]
     acc = EventAccumulator(os.path.join(tmp_path, "tb"))
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
-    for tag in ("loss/total", "loss/ce", "loss/mtp", "loss/indexer_kl", "lr", "grad_norm",
-                "throughput/tokens_per_s_per_device", "time/step_s", "time/data_s", "time/forward_backward_s",
-                "time/optimizer_s", "dsa/topk_recall", "memory/peak_rss_gib", "moe/imbalance/layers.3"):
+    for tag in (
+        "loss/total",
+        "loss/ce",
+        "loss/mtp",
+        "loss/indexer_kl",
+        "lr",
+        "grad_norm",
+        "throughput/tokens_per_s_per_device",
+        "time/step_s",
+        "time/data_s",
+        "time/forward_backward_s",
+        "time/optimizer_s",
+        "dsa/topk_recall",
+        "memory/peak_rss_gib",
+        "moe/imbalance/layers.3",
+    ):
         assert tag in tags, (tag, sorted(tags), tb)
     assert 0.0 <= rows[0]["dsa/topk_recall"] <= 1.0
     assert os.path.isdir(os.path.join(tmp_path, "checkpoint", "step-40"))
@@ -59,19 +102,30 @@ def test_main_command_trains_and_writes_tensorboard(tmp_path):
 
 @pytest.mark.parametrize("impl", ["foreach", "triton", "triton-master-weights"])
 def test_resume_reproduces_uninterrupted_losses(tmp_path, impl):
-    """Also with TritonAdamW: its state (the device step counter, both moments on the FSDP2 shards) goes through
-    the DCP checkpoint and back. With the master weights in the optimizer (one process, bf16 copies) the checkpoint
-    holds the fp32 masters, and the copies are re-cast from them after the load."""
+    """Also with TritonAdamW: its state (the device step counter, both moments on the FSDP2 shards)
+    goes through the DCP checkpoint and back. With the master weights in the optimizer (one process,
+    bf16 copies) the checkpoint holds the fp32 masters, and the copies are re-cast from them after
+    the load."""
     full, part = tmp_path / "full", tmp_path / "part"
     # The LR schedule is pinned to 6 steps, so stopping after 3 and extending to 6 is the same run.
-    common = small("--checkpoint.interval", "3", "--checkpoint.keep_latest_k", "0", "--lr_scheduler.total_steps", "6",
-                   "--optimizer.implementation", impl.split("-")[0])
+    common = small(
+        "--checkpoint.interval",
+        "3",
+        "--checkpoint.keep_latest_k",
+        "0",
+        "--lr_scheduler.total_steps",
+        "6",
+        "--optimizer.implementation",
+        impl.split("-")[0],
+    )
     nproc = 2
     if impl == "triton-master-weights":
         common += ("--training.master_weights", "optimizer", "--training.mixed_precision_on_cpu")
         nproc = 1
     log = run_train(full, "--training.steps", "6", *common, nproc=nproc)
-    assert ("fp32 masters in the optimizer" in log.stdout + log.stderr) == (impl == "triton-master-weights")
+    assert ("fp32 masters in the optimizer" in log.stdout + log.stderr) == (
+        impl == "triton-master-weights"
+    )
     run_train(part, "--training.steps", "3", *common, nproc=nproc)
     assert os.path.exists(part / "checkpoint" / "step-3" / ".metadata")
     run_train(part, "--training.steps", "6", *common, nproc=nproc)
@@ -85,7 +139,8 @@ def test_resume_reproduces_uninterrupted_losses(tmp_path, impl):
 
 
 def _worker_pids(agent_pid: int) -> dict[int, int]:
-    """rank -> pid of the worker processes that torchrun's agent ``agent_pid`` started (from /proc)."""
+    """rank -> pid of the worker processes that torchrun's agent ``agent_pid`` started (from
+    /proc)."""
     pids = {}
     for entry in os.listdir("/proc"):
         try:
@@ -102,28 +157,61 @@ def _worker_pids(agent_pid: int) -> dict[int, int]:
     return pids
 
 
-def _sigterm_resumes_exactly(tmp_path, common: tuple[str, ...], nproc: int, signal_rank: int | None) -> None:
-    """Trains toward 1000 steps, sends SIGTERM after two logged steps (to the one process, or with torchrun to the
-    worker of ``signal_rank`` only), and checks: exit 0, one checkpoint at the last logged step, and two more steps
-    resumed from it equal to a run that was never stopped."""
+def _sigterm_resumes_exactly(
+    tmp_path, common: tuple[str, ...], nproc: int, signal_rank: int | None
+) -> None:
+    """Trains toward 1000 steps, sends SIGTERM after two logged steps (to the one process, or with
+    torchrun to the worker of ``signal_rank`` only), and checks: exit 0, one checkpoint at the last
+    logged step, and two more steps resumed from it equal to a run that was never stopped."""
     import signal
     import time
 
     run = tmp_path / "run"
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    launch = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
-                                                  str(nproc), "--standalone"]
-    proc = subprocess.Popen([*launch, os.path.join(ROOT, "train.py"), "--job.config_file", DEBUG_TOML,
-                             "--job.dump_folder", str(run), "--training.steps", "1000", *common], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    launch = (
+        [sys.executable]
+        if nproc == 1
+        else [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            str(nproc),
+            "--standalone",
+        ]
+    )
+    proc = subprocess.Popen(
+        [
+            *launch,
+            os.path.join(ROOT, "train.py"),
+            "--job.config_file",
+            DEBUG_TOML,
+            "--job.dump_folder",
+            str(run),
+            "--training.steps",
+            "1000",
+            *common,
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     metrics = run / "metrics.jsonl"
     deadline = time.time() + 300
-    while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+    while time.time() < deadline and not (
+        metrics.exists() and len(metrics.read_text().splitlines()) >= 2
+    ):
         time.sleep(0.5)
-    os.kill(proc.pid if signal_rank is None else _worker_pids(proc.pid)[signal_rank], signal.SIGTERM)
+    os.kill(
+        proc.pid if signal_rank is None else _worker_pids(proc.pid)[signal_rank], signal.SIGTERM
+    )
     try:
         out, _ = proc.communicate(timeout=300)
-    except subprocess.TimeoutExpired:  # (ranks that disagree on the stop wait on each other's collectives)
+    # (ranks that disagree on the stop wait on each other's collectives)
+    except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         raise
     assert proc.returncode == 0, out[-3000:]
@@ -143,27 +231,43 @@ def _sigterm_resumes_exactly(tmp_path, common: tuple[str, ...], nproc: int, sign
 
 
 def _sigterm_args(impl: str) -> tuple[str, ...]:
-    return ("--checkpoint.interval", "500", "--lr_scheduler.total_steps", "1000", "--optimizer.implementation", impl,
-            *small())
+    return (
+        "--checkpoint.interval",
+        "500",
+        "--lr_scheduler.total_steps",
+        "1000",
+        "--optimizer.implementation",
+        impl,
+        *small(),
+    )
 
 
 @pytest.mark.parametrize("impl", ["foreach", "fused"])
 def test_sigterm_saves_a_checkpoint_and_stops(tmp_path, impl):
-    """The checkpoint written on SIGTERM resumes exactly (with "fused" the host has the next step queued when the
-    signal comes: it finishes that step and saves after it, so the data loader's position matches)."""
+    """The checkpoint written on SIGTERM resumes exactly (with "fused" the host has the next step
+    queued when the signal comes: it finishes that step and saves after it, so the data loader's
+    position matches)."""
     _sigterm_resumes_exactly(tmp_path, _sigterm_args(impl), nproc=1, signal_rank=None)
 
 
 def test_sigterm_to_one_rank_stops_every_rank_after_the_same_step(tmp_path):
-    """A preemption signal that reaches one rank only: every rank learns it with a step's numbers (a maximum over
-    the ranks), so they stop after the same step and write one checkpoint together instead of waiting on each
-    other's collectives."""
+    """A preemption signal that reaches one rank only: every rank learns it with a step's numbers (a
+    maximum over the ranks), so they stop after the same step and write one checkpoint together
+    instead of waiting on each other's collectives."""
     _sigterm_resumes_exactly(tmp_path, _sigterm_args("fused"), nproc=2, signal_rank=1)
 
 
 def test_export_to_hf_loads_in_transformers_with_same_logits(tmp_path):
-    run_train(tmp_path, "--training.steps", "2", "--checkpoint.last_save_in_hf", "--checkpoint.export_dtype",
-              "float32", *small(), nproc=2)
+    run_train(
+        tmp_path,
+        "--training.steps",
+        "2",
+        "--checkpoint.last_save_in_hf",
+        "--checkpoint.export_dtype",
+        "float32",
+        *small(),
+        nproc=2,
+    )
     out = tmp_path / "checkpoint" / "step-2-hf"
     from transformers import GlmMoeDsaForCausalLM
 
@@ -180,32 +284,62 @@ def test_export_to_hf_loads_in_transformers_with_same_logits(tmp_path):
 
 @pytest.mark.parametrize("impl", ["foreach", "fused", "triton"])
 def test_forced_nan_is_skipped_and_counted(tmp_path, impl):
-    """foreach: the host checks the loss and norm, then steps; fused / triton: the kernel skips the update on the
-    device (found_inf) and the host counts it after the launch. Either way the NaN step changes nothing: the run goes on
-    with finite losses, and the step after it sees the parameters of step 1."""
-    run_train(tmp_path, "--training.steps", "4", "--faults.inject_nan_at_steps", "2", "--optimizer.implementation",
-              impl, *small(), nproc=1)
+    """foreach: the host checks the loss and norm, then steps; fused / triton: the kernel skips the
+    update on the device (found_inf) and the host counts it after the launch. Either way the NaN
+    step changes nothing: the run goes on with finite losses, and the step after it sees the
+    parameters of step 1."""
+    run_train(
+        tmp_path,
+        "--training.steps",
+        "4",
+        "--faults.inject_nan_at_steps",
+        "2",
+        "--optimizer.implementation",
+        impl,
+        *small(),
+        nproc=1,
+    )
     rows = {r["step"]: r for r in read_metrics(tmp_path)}
     assert rows[1]["faults/skipped_steps"] == 0 and rows[2]["faults/skipped_steps"] == 1
     assert rows[4]["faults/skipped_steps"] == 1
-    assert all(math.isfinite(rows[s]["loss/total"]) and math.isfinite(rows[s]["grad_norm"]) for s in (1, 3, 4))
-    assert rows[2]["lr"] == rows[1]["lr"] != rows[3]["lr"]  # the scheduler did not step on the skipped step
+    assert all(
+        math.isfinite(rows[s]["loss/total"]) and math.isfinite(rows[s]["grad_norm"])
+        for s in (1, 3, 4)
+    )
+    # the scheduler did not step on the skipped step
+    assert rows[2]["lr"] == rows[1]["lr"] != rows[3]["lr"]
 
 
 def test_consecutive_faults_stop_and_keep_last_good_checkpoint(tmp_path):
-    proc = run_train(tmp_path, "--training.steps", "8", "--faults.inject_nan_at_steps", "3", "4", "5",
-                     "--faults.max_consecutive_nonfinite", "3", "--checkpoint.interval", "2", *small(), nproc=1,
-                     check=False)
+    proc = run_train(
+        tmp_path,
+        "--training.steps",
+        "8",
+        "--faults.inject_nan_at_steps",
+        "3",
+        "4",
+        "5",
+        "--faults.max_consecutive_nonfinite",
+        "3",
+        "--checkpoint.interval",
+        "2",
+        *small(),
+        nproc=1,
+        check=False,
+    )
     assert proc.returncode != 0
     assert "consecutive steps with a non-finite loss" in proc.stdout + proc.stderr
     assert os.path.exists(tmp_path / "checkpoint" / "step-2" / ".metadata")
     assert not os.path.exists(tmp_path / "checkpoint" / "step-4")
 
 
-@pytest.mark.parametrize("override, message", [
-    (("--parallelism.expert_parallel_degree", "3"), "parallelism.expert_parallel_degree"),
-    (("--model.flavor", "nope"), "unknown model flavor"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        (("--parallelism.expert_parallel_degree", "3"), "parallelism.expert_parallel_degree"),
+        (("--model.flavor", "nope"), "unknown model flavor"),
+    ],
+)
 def test_config_errors_name_the_key(tmp_path, override, message):
     """Through torchrun; every other refusal is checked in-process in tests/unit/test_config.py."""
     proc = run_train(tmp_path, *override, nproc=1, check=False)
@@ -214,14 +348,32 @@ def test_config_errors_name_the_key(tmp_path, override, message):
 
 
 def test_profiler_trace_on_request(tmp_path):
-    run_train(tmp_path, "--training.steps", "6", "--profiling.enable_profiling", "--profiling.profile_freq", "5",
-              "--profiling.profiler_warmup", "2", *small(), nproc=1)
+    run_train(
+        tmp_path,
+        "--training.steps",
+        "6",
+        "--profiling.enable_profiling",
+        "--profiling.profile_freq",
+        "5",
+        "--profiling.profiler_warmup",
+        "2",
+        *small(),
+        nproc=1,
+    )
     trace = tmp_path / "profile_traces" / "iteration_5" / "rank0_trace.json"
     assert trace.exists() and json.loads(trace.read_text())["traceEvents"]
 
 
-SAME_BATCH = ("--training.steps", "3", "--training.seq_len", "64", "--data.same_global_batch",
-              "--checkpoint.no-enable", "--metrics.log_freq", "1")
+SAME_BATCH = (
+    "--training.steps",
+    "3",
+    "--training.seq_len",
+    "64",
+    "--data.same_global_batch",
+    "--checkpoint.no-enable",
+    "--metrics.log_freq",
+    "1",
+)
 
 
 @pytest.fixture(scope="module")
@@ -232,23 +384,40 @@ def one_process_reference(tmp_path_factory):
     return read_metrics(folder)
 
 
-@pytest.mark.parametrize("layout", [
-    ("--parallelism.data_parallel_shard_degree", "2"),
-    ("--parallelism.expert_parallel_degree", "2"),
-    ("--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "1F1B"),
-])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ("--parallelism.data_parallel_shard_degree", "2"),
+        ("--parallelism.expert_parallel_degree", "2"),
+        (
+            "--parallelism.pipeline_parallel_degree",
+            "2",
+            "--parallelism.pipeline_parallel_schedule",
+            "1F1B",
+        ),
+    ],
+)
 def test_two_processes_train_like_one(tmp_path, one_process_reference, layout):
-    """Same global batches (data.same_global_batch) and layout-independent init: the trainer's losses and grad norms
-    on 2 processes (FSDP, EP x FSDP, or PP) equal the 1-process run step for step."""
+    """Same global batches (data.same_global_batch) and layout-independent init: the trainer's
+    losses and grad norms on 2 processes (FSDP, EP x FSDP, or PP) equal the 1-process run step for
+    step."""
     pp = "--parallelism.pipeline_parallel_degree" in layout
-    run_train(tmp_path / "two", *SAME_BATCH, "--training.local_batch_size", "4" if pp else "2", *layout, nproc=2)
+    run_train(
+        tmp_path / "two",
+        *SAME_BATCH,
+        "--training.local_batch_size",
+        "4" if pp else "2",
+        *layout,
+        nproc=2,
+    )
     one, two = one_process_reference, read_metrics(tmp_path / "two")
     for a, b in zip(one, two, strict=True):
         for key in ("loss/total", "loss/ce", "loss/mtp", "grad_norm"):
             assert b[key] == pytest.approx(a[key], rel=1e-5), (a["step"], key)
 
 
-# train.py with the clip NOT folded into the fused step: in-place clip, then the same fused AdamW step.
+# train.py with the clip NOT folded into the fused step: in-place clip, then the same fused AdamW
+# step.
 _IN_PLACE_CLIP_TRAIN = f"""import sys
 sys.path.insert(0, {ROOT!r})
 import titan_glm52.trainer as trainer
@@ -258,24 +427,48 @@ trainer.main(sys.argv[1:])
 
 
 @pytest.mark.parametrize("impl", ["fused", "triton"])
-@pytest.mark.parametrize("layout", [
-    ("--parallelism.data_parallel_shard_degree", "2"),
-    ("--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "1F1B"),
-])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ("--parallelism.data_parallel_shard_degree", "2"),
+        (
+            "--parallelism.pipeline_parallel_degree",
+            "2",
+            "--parallelism.pipeline_parallel_schedule",
+            "1F1B",
+        ),
+    ],
+)
 def test_adamw_kernel_folds_the_clip_like_the_in_place_clip(tmp_path, layout, impl):
-    """optimizer.implementation = "fused" / "triton": the gradient clip applied inside the optimizer's kernel (FSDP2
-    DTensor parameters, or pipeline stages with the norm reduced over stages) trains like the in-place clip before
-    the same optimizer's step: to fp32 rounding with torch's fused kernel (it divides by 1 / c), bitwise with the
-    Triton one (it multiplies by c, as the in-place clip does). max_norm 0.05 clips every step; without the clip the
-    losses differ by ~1e-4."""
-    common = ("--training.steps", "3", "--training.seq_len", "64", "--training.local_batch_size", "2",
-              "--checkpoint.no-enable", "--metrics.log_freq", "1", "--optimizer.implementation", impl,
-              "--training.max_norm", "0.05", *layout)
+    """optimizer.implementation = "fused" / "triton": the gradient clip applied inside the
+    optimizer's kernel (FSDP2 DTensor parameters, or pipeline stages with the norm reduced over
+    stages) trains like the in-place clip before the same optimizer's step: to fp32 rounding with
+    torch's fused kernel (it divides by 1 / c), bitwise with the Triton one (it multiplies by c, as
+    the in-place clip does). max_norm 0.05 clips every step; without the clip the losses differ by
+    ~1e-4."""
+    common = (
+        "--training.steps",
+        "3",
+        "--training.seq_len",
+        "64",
+        "--training.local_batch_size",
+        "2",
+        "--checkpoint.no-enable",
+        "--metrics.log_freq",
+        "1",
+        "--optimizer.implementation",
+        impl,
+        "--training.max_norm",
+        "0.05",
+        *layout,
+    )
     reference = tmp_path / "in_place_clip_train.py"
     reference.write_text(_IN_PLACE_CLIP_TRAIN)
     run_train(tmp_path / "folded", *common, nproc=2)
     run_train(tmp_path / "in_place", *common, nproc=2, script=str(reference))
-    for a, b in zip(read_metrics(tmp_path / "in_place"), read_metrics(tmp_path / "folded"), strict=True):
+    for a, b in zip(
+        read_metrics(tmp_path / "in_place"), read_metrics(tmp_path / "folded"), strict=True
+    ):
         assert a["grad_norm"] > 0.05, a
         for key in ("loss/total", "grad_norm"):
             if impl == "triton":
@@ -313,22 +506,51 @@ trainer.main(sys.argv[1:])
 
 @pytest.mark.parametrize("impl", ["fused", "foreach"])
 def test_host_queues_the_next_step_before_reading_this_one(tmp_path, impl):
-    """With the fused step (the clip and the skip of a non-finite step happen on the device) the host queues step
-    N + 1's forward and backward before it finishes step N, except after a checkpoint step (the checkpoint holds the
-    data loader's position) and the last step; foreach waits for each step's numbers before its update. Python's
-    automatic garbage collection is off; generation 1 is collected every training.gc_freq steps (torchtitan's)."""
+    """With the fused step (the clip and the skip of a non-finite step happen on the device) the
+    host queues step N + 1's forward and backward before it finishes step N, except after a
+    checkpoint step (the checkpoint holds the data loader's position) and the last step; foreach
+    waits for each step's numbers before its update. Python's automatic garbage collection is off;
+    generation 1 is collected every training.gc_freq steps (torchtitan's)."""
     script = tmp_path / "order_train.py"
     script.write_text(_ORDER_TRAIN)
-    run_train(tmp_path, "--training.steps", "5", "--training.seq_len", "64", "--training.local_batch_size", "2",
-              "--checkpoint.interval", "2", "--metrics.log_freq", "2", "--optimizer.implementation", impl,
-              "--training.gc_freq", "2", nproc=1, script=str(script))
+    run_train(
+        tmp_path,
+        "--training.steps",
+        "5",
+        "--training.seq_len",
+        "64",
+        "--training.local_batch_size",
+        "2",
+        "--checkpoint.interval",
+        "2",
+        "--metrics.log_freq",
+        "2",
+        "--optimizer.implementation",
+        impl,
+        "--training.gc_freq",
+        "2",
+        nproc=1,
+        script=str(script),
+    )
     with open(tmp_path / "order.json") as f:
         seen = json.load(f)
     events = [f"{kind}{step}" for kind, step in seen["events"]]
-    periodic = [step for step, reason in seen["collections"] if "periodic" in reason]  # (the checkpointer's too)
+    # (the checkpointer's too)
+    periodic = [step for step, reason in seen["collections"] if "periodic" in reason]
     assert periodic == [2, 4] and seen["collections"][0][0] == 0 and not any(seen["gc_on"])
     if impl == "fused":
-        assert events == ["fb1", "fb2", "finish1", "finish2", "fb3", "fb4", "finish3", "finish4", "fb5", "finish5"]
+        assert events == [
+            "fb1",
+            "fb2",
+            "finish1",
+            "finish2",
+            "fb3",
+            "fb4",
+            "finish3",
+            "finish4",
+            "fb5",
+            "finish5",
+        ]
     else:
         assert events == [f"{kind}{i}" for i in range(1, 6) for kind in ("fb", "finish")]
     rows = read_metrics(tmp_path)
@@ -338,42 +560,87 @@ def test_host_queues_the_next_step_before_reading_this_one(tmp_path, impl):
 
 
 def test_gradient_accumulation_equals_one_big_batch(tmp_path):
-    common = ("--training.steps", "3", "--training.seq_len", "64", "--checkpoint.no-enable", "--metrics.log_freq", "1")
+    common = (
+        "--training.steps",
+        "3",
+        "--training.seq_len",
+        "64",
+        "--checkpoint.no-enable",
+        "--metrics.log_freq",
+        "1",
+    )
     run_train(tmp_path / "big", *common, "--training.local_batch_size", "4", nproc=1)
-    run_train(tmp_path / "acc", *common, "--training.local_batch_size", "2", "--training.global_batch_size", "4",
-              nproc=1)
+    run_train(
+        tmp_path / "acc",
+        *common,
+        "--training.local_batch_size",
+        "2",
+        "--training.global_batch_size",
+        "4",
+        nproc=1,
+    )
     for a, b in zip(read_metrics(tmp_path / "big"), read_metrics(tmp_path / "acc"), strict=True):
         for key in ("loss/total", "grad_norm"):
             assert b[key] == pytest.approx(a[key], rel=1e-5), (a["step"], key)
 
 
-@pytest.mark.parametrize("extra", [
-    ("--mtp.no-enable",),
-    ("--mtp.no-enable", "--training.global_batch_size", "4"),  # two micro-batches: the fp32 sum
-    (),
-])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ("--mtp.no-enable",),
+        ("--mtp.no-enable", "--training.global_batch_size", "4"),  # two micro-batches: the fp32 sum
+        (),
+    ],
+)
 def test_master_weights_in_the_optimizer_train_like_fsdp_on_one_rank(tmp_path, extra):
-    """training.master_weights = "optimizer" (bf16 copies, fp32 masters in the Triton step, no FSDP) against FSDP2 on
-    a one-rank mesh, both in bf16 (training.mixed_precision_on_cpu) with the clip active every step: the same losses
-    and norms bit for bit, and the same final weights. With MTP the embedding output's gradient is the bf16 sum of
-    the uses that meet there (layer 0 and the MTP layer's shifted input); under FSDP's autograd hooks it differs in the
-    last bf16 bits (every other gradient is bitwise equal), and Adam's normalised update carries that into the next
-    steps: step 1 is equal (loss bitwise, norm within 1e-4), the next ones within 1%."""
-    common = ("--training.steps", "3", "--training.seq_len", "64", "--training.local_batch_size", "2",
-              "--checkpoint.interval", "3", "--metrics.log_freq", "1", "--optimizer.implementation", "triton",
-              "--training.max_norm", "0.05", "--training.mixed_precision_on_cpu", *extra)
+    """training.master_weights = "optimizer" (bf16 copies, fp32 masters in the Triton step, no FSDP)
+    against FSDP2 on a one-rank mesh, both in bf16 (training.mixed_precision_on_cpu) with the clip
+    active every step: the same losses and norms bit for bit, and the same final weights. With MTP
+    the embedding output's gradient is the bf16 sum of the uses that meet there (layer 0 and the MTP
+    layer's shifted input); under FSDP's autograd hooks it differs in the last bf16 bits (every
+    other gradient is bitwise equal), and Adam's normalised update carries that into the next steps:
+    step 1 is equal (loss bitwise, norm within 1e-4), the next ones within 1%."""
+    common = (
+        "--training.steps",
+        "3",
+        "--training.seq_len",
+        "64",
+        "--training.local_batch_size",
+        "2",
+        "--checkpoint.interval",
+        "3",
+        "--metrics.log_freq",
+        "1",
+        "--optimizer.implementation",
+        "triton",
+        "--training.max_norm",
+        "0.05",
+        "--training.mixed_precision_on_cpu",
+        *extra,
+    )
     log_fsdp = run_train(tmp_path / "fsdp", *common, "--training.master_weights", "fsdp", nproc=1)
-    log_opt = run_train(tmp_path / "optimizer", *common, "--training.master_weights", "auto", nproc=1)  # "optimizer"
+    # "optimizer"
+    log_opt = run_train(
+        tmp_path / "optimizer", *common, "--training.master_weights", "auto", nproc=1
+    )
     assert "mixed precision: bf16, fp32 masters in FSDP" in log_fsdp.stdout + log_fsdp.stderr
     assert "mixed precision: bf16, fp32 masters in the optimizer" in log_opt.stdout + log_opt.stderr
-    for a, b in zip(read_metrics(tmp_path / "fsdp"), read_metrics(tmp_path / "optimizer"), strict=True):
+    for a, b in zip(
+        read_metrics(tmp_path / "fsdp"), read_metrics(tmp_path / "optimizer"), strict=True
+    ):
         assert a["grad_norm"] > 0.05, a
         for key in ("loss/total", "grad_norm"):
             if extra:
                 assert b[key] == a[key], (a["step"], key)
             else:
-                assert b[key] == pytest.approx(a[key], rel=1e-4 if a["step"] == 1 else 1e-2), (a["step"], key)
-    assert read_metrics(tmp_path / "fsdp")[0]["loss/total"] == read_metrics(tmp_path / "optimizer")[0]["loss/total"]
+                assert b[key] == pytest.approx(a[key], rel=1e-4 if a["step"] == 1 else 1e-2), (
+                    a["step"],
+                    key,
+                )
+    assert (
+        read_metrics(tmp_path / "fsdp")[0]["loss/total"]
+        == read_metrics(tmp_path / "optimizer")[0]["loss/total"]
+    )
     if extra:
         ref, ours = _state_at(tmp_path / "fsdp", 3), _state_at(tmp_path / "optimizer", 3)
         assert ref.keys() == ours.keys()
@@ -388,21 +655,49 @@ def _state_at(folder, step):
     dcp_to_torch_save(str(folder / "checkpoint" / f"step-{step}"), str(folder / f"step{step}.pt"))
     state = torch.load(folder / f"step{step}.pt", weights_only=False)
     model_roots = {"tok_embeddings", "layers", "norm", "output", "mtp"}
-    return {k: v for k, v in state.items() if k.split(".")[0] in model_roots and isinstance(v, torch.Tensor)}
+    return {
+        k: v
+        for k, v in state.items()
+        if k.split(".")[0] in model_roots and isinstance(v, torch.Tensor)
+    }
 
 
-@pytest.mark.parametrize("mode, trained", [
-    (("--dsa.mode", "dense_warmup", "--dsa.indexer_loss_coeff", "1.0"), "indexers only"),
-    (("--dsa.freeze_indexer", "--dsa.indexer_loss_coeff", "0"), "all but the indexers"),
-    (("--dsa.indexer_loss_coeff", "0.1"), "everything"),
-])
+@pytest.mark.parametrize(
+    "mode, trained",
+    [
+        (("--dsa.mode", "dense_warmup", "--dsa.indexer_loss_coeff", "1.0"), "indexers only"),
+        (("--dsa.freeze_indexer", "--dsa.indexer_loss_coeff", "0"), "all but the indexers"),
+        (("--dsa.indexer_loss_coeff", "0.1"), "everything"),
+    ],
+)
 def test_indexer_training_stages(tmp_path, mode, trained):
-    """dense warm-up trains only the indexers; a frozen indexer never changes; the sparse KL trains them too."""
-    run_train(tmp_path, "--training.steps", "2", "--training.seq_len", "64", "--training.local_batch_size", "2",
-              "--checkpoint.interval", "1", "--checkpoint.keep_latest_k", "0", "--metrics.log_freq", "1", *mode, nproc=1)
+    """dense warm-up trains only the indexers; a frozen indexer never changes; the sparse KL trains
+    them too."""
+    run_train(
+        tmp_path,
+        "--training.steps",
+        "2",
+        "--training.seq_len",
+        "64",
+        "--training.local_batch_size",
+        "2",
+        "--checkpoint.interval",
+        "1",
+        "--checkpoint.keep_latest_k",
+        "0",
+        "--metrics.log_freq",
+        "1",
+        *mode,
+        nproc=1,
+    )
     first, last = _state_at(tmp_path, 1), _state_at(tmp_path, 2)
-    changed = {k for k in first if first[k].is_floating_point() and "e_score_correction_bias" not in k
-               and not torch.equal(first[k], last[k])}
+    changed = {
+        k
+        for k in first
+        if first[k].is_floating_point()
+        and "e_score_correction_bias" not in k
+        and not torch.equal(first[k], last[k])
+    }
     indexer = {k for k in first if ".indexer." in k}
     if trained == "indexers only":
         assert changed and changed <= indexer
@@ -414,14 +709,39 @@ def test_indexer_training_stages(tmp_path, mode, trained):
 
 
 def test_initial_load_from_hf_checkpoint(tmp_path):
-    """A run started from an exported HF checkpoint begins from exactly those weights: its first logged loss equals
-    the loss of the loaded checkpoint on the same first batch, computed here in-process."""
-    args = ("--training.seq_len", "64", "--training.local_batch_size", "2", "--metrics.log_freq", "1")
-    run_train(tmp_path / "a", "--training.steps", "2", "--checkpoint.last_save_in_hf", "--checkpoint.export_dtype",
-              "float32", *args, nproc=1)
+    """A run started from an exported HF checkpoint begins from exactly those weights: its first
+    logged loss equals the loss of the loaded checkpoint on the same first batch, computed here
+    in-process."""
+    args = (
+        "--training.seq_len",
+        "64",
+        "--training.local_batch_size",
+        "2",
+        "--metrics.log_freq",
+        "1",
+    )
+    run_train(
+        tmp_path / "a",
+        "--training.steps",
+        "2",
+        "--checkpoint.last_save_in_hf",
+        "--checkpoint.export_dtype",
+        "float32",
+        *args,
+        nproc=1,
+    )
     hf_dir = tmp_path / "a" / "checkpoint" / "step-2-hf"
-    run_train(tmp_path / "b", "--training.steps", "1", "--checkpoint.initial_load_path", str(hf_dir),
-              "--checkpoint.initial_load_in_hf", "--checkpoint.no-enable", *args, nproc=1)
+    run_train(
+        tmp_path / "b",
+        "--training.steps",
+        "1",
+        "--checkpoint.initial_load_path",
+        str(hf_dir),
+        "--checkpoint.initial_load_in_hf",
+        "--checkpoint.no-enable",
+        *args,
+        nproc=1,
+    )
     from titan_glm52 import load_hf_model
     from titan_glm52.data import build_dataloader, build_tokenizer
     from titan_glm52.step import mtp_labels
@@ -430,7 +750,12 @@ def test_initial_load_from_hf_checkpoint(tmp_path):
     batch = next(build_dataloader(build_tokenizer("embedded"), "embedded", 64, 2))
     labels = batch["labels"]
     with torch.no_grad():
-        ce, _ = model(batch["input_ids"], batch["cu_seqlens"], with_mtp=True, labels=labels,
-                      mtp_labels=mtp_labels(labels))
+        ce, _ = model(
+            batch["input_ids"],
+            batch["cu_seqlens"],
+            with_mtp=True,
+            labels=labels,
+            mtp_labels=mtp_labels(labels),
+        )
     logged = read_metrics(tmp_path / "b")[0]["loss/ce"]
     assert logged == pytest.approx(float(ce) / int((labels != -100).sum()), rel=1e-5)

@@ -14,12 +14,20 @@ def gen(seed: int) -> torch.Generator:
 
 
 def indices_for(lengths, topk: int, seed: int, shuffle: bool = True, empty_rows=()) -> torch.Tensor:
-    """Top-k indices of a random indexer (reference), slots shuffled so -1s sit anywhere; ``empty_rows`` -> all -1."""
+    """Top-k indices of a random indexer (reference), slots shuffled so -1s sit anywhere;
+    ``empty_rows`` -> all -1."""
     from titan_glm52.kernels import reference as R
+
     g = gen(seed + 1000)
     total = sum(lengths)
-    idx = R.indexer_topk(torch.randn(total, 2, 8, generator=g), torch.randn(total, 8, generator=g),
-                         torch.randn(total, 2, generator=g), cu_seqlens(lengths), topk, 1.0)
+    idx = R.indexer_topk(
+        torch.randn(total, 2, 8, generator=g),
+        torch.randn(total, 8, generator=g),
+        torch.randn(total, 2, generator=g),
+        cu_seqlens(lengths),
+        topk,
+        1.0,
+    )
     if shuffle:
         idx = torch.stack([row[torch.randperm(topk, generator=g)] for row in idx])
     for r in empty_rows:

@@ -1,6 +1,7 @@
-"""TritonAdam / TritonAdamW (titan_glm52/optimizer.py, kernel in kernels/adam.py) against torch's Adam / AdamW: in
-the Triton interpreter on CPU, compiled on a GPU (against torch's CUDA kernels; the device run passes them).
-DTensor (FSDP2, EP, dim-1 shards) cases are in tests/distributed (``*_triton_clip``).
+"""TritonAdam / TritonAdamW (titan_glm52/optimizer.py, kernel in kernels/adam.py) against torch's
+Adam / AdamW: in the Triton interpreter on CPU, compiled on a GPU (against torch's CUDA kernels; the
+device run passes them). DTensor (FSDP2, EP, dim-1 shards) cases are in tests/distributed
+(``*_triton_clip``).
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ DEV = "cpu" if interpreting() else "cuda"
 def make_params(dtype=torch.float32, seed: int = 0) -> list[torch.nn.Parameter]:
     g = torch.Generator().manual_seed(seed)
     ps = [torch.nn.Parameter(torch.randn(s, generator=g).to(DEV, dtype)) for s in SHAPES]
-    ps.append(torch.nn.Parameter(torch.randn(4, generator=g).to(DEV, dtype)))  # never gets a gradient
+    # never gets a gradient
+    ps.append(torch.nn.Parameter(torch.randn(4, generator=g).to(DEV, dtype)))
     return ps
 
 
@@ -40,7 +42,9 @@ def run(opt, params, steps: int, max_norm: float | None = None, folded: bool = F
         if max_norm is None:
             opt.step()
         elif folded:
-            with clip_in_fused_step([opt], clip_grad_norm_(params, max_norm, scale_grads=False), max_norm):
+            with clip_in_fused_step(
+                [opt], clip_grad_norm_(params, max_norm, scale_grads=False), max_norm
+            ):
                 opt.step()
         else:
             clip_grad_norm_(params, max_norm)
@@ -74,13 +78,14 @@ def test_fp32_matches_torch_to_the_last_bits(ours_cls, torch_cls, weight_decay):
 
 @pytest.mark.parametrize("ours_cls,torch_cls", PAIRS)
 def test_bf16_step_matches_torch_fused(ours_cls, torch_cls):
-    """bf16 parameters and moments: from the same state (three steps of torch's fused kernel, so the moments are
-    non-zero), one step of each stores the same values but for one bf16 step here and there. The math is fp32
-    (fp64 where torch's CUDA kernel uses double) with one rounding per stored value, as torch's fused kernel;
-    values can still differ because fp64 -> fp32 -> bf16 rounds twice, and torch's CUDA kernel applies AdamW's
-    decay as ``p - lr * wd * p`` in double where its CPU kernel and the for-loop optimizer (and we) use
-    ``p * (1 - lr * wd)``. (Over several steps such a difference feeds the next update, so trajectories drift
-    apart as any two bf16 implementations do: compared step by step.)"""
+    """bf16 parameters and moments: from the same state (three steps of torch's fused kernel, so the
+    moments are non-zero), one step of each stores the same values but for one bf16 step here and
+    there. The math is fp32 (fp64 where torch's CUDA kernel uses double) with one rounding per
+    stored value, as torch's fused kernel; values can still differ because fp64 -> fp32 -> bf16
+    rounds twice, and torch's CUDA kernel applies AdamW's decay as ``p - lr * wd * p`` in double
+    where its CPU kernel and the for-loop optimizer (and we) use ``p * (1 - lr * wd)``. (Over
+    several steps such a difference feeds the next update, so trajectories drift apart as any two
+    bf16 implementations do: compared step by step.)"""
     fused_p = make_params(torch.bfloat16)
     fused = run(torch_cls(fused_p, fused=True, **HYPER), fused_p, steps=3)
     ours_p = [torch.nn.Parameter(p.detach().clone()) for p in fused_p]
@@ -95,13 +100,15 @@ def test_bf16_step_matches_torch_fused(ours_cls, torch_cls):
         pairs += [(m, m_ref), (v, v_ref)]
     differing = sum(int((a != b).sum()) for a, b in pairs)
     assert differing <= 2e-2 * sum(b.numel() for _, b in pairs), differing
-    for a, b in pairs:  # by one bf16 step: 2^-7 of the value, 2^-6 where the two sit across a power of two
-        torch.testing.assert_close(a, b, rtol=2 ** -6, atol=0)
+    # by one bf16 step: 2^-7 of the value, 2^-6 where the two sit across a power of two
+    for a, b in pairs:
+        torch.testing.assert_close(a, b, rtol=2**-6, atol=0)
 
 
 @pytest.mark.parametrize("ours_cls", [TritonAdamW, TritonAdam])
 def test_folded_clip_is_bitwise_the_in_place_clip(ours_cls):
-    """grad_coef multiplies as the in-place clip does, so the step is bitwise the same; the gradients are read only."""
+    """grad_coef multiplies as the in-place clip does, so the step is bitwise the same; the
+    gradients are read only."""
     in_place_p, folded_p = make_params(), make_params()
     in_place = run(ours_cls(in_place_p, **HYPER), in_place_p, steps=3, max_norm=0.5)
     folded_opt = ours_cls(folded_p, **HYPER)
@@ -120,7 +127,11 @@ def test_skipped_step_touches_nothing():
     params = make_params()
     opt = run(TritonAdamW(params, **HYPER), params, steps=2)
     before = [p.detach().clone() for p in params]
-    state = {i: {k: v.clone() for k, v in opt.state[p].items()} for i, p in enumerate(params) if p in opt.state}
+    state = {
+        i: {k: v.clone() for k, v in opt.state[p].items()}
+        for i, p in enumerate(params)
+        if p in opt.state
+    }
     for p in params[:-1]:
         p.grad = torch.full_like(p, float("nan"))
     norm = clip_grad_norm_(params, 1.0, scale_grads=False)
@@ -140,13 +151,15 @@ def test_skipped_step_touches_nothing():
 
 @pytest.mark.parametrize("source", ["fused", "for-loop"])
 def test_state_dict_moves_between_torch_and_triton(source):
-    """A checkpoint of torch's optimizer continues under TritonAdamW as under torch's, and the other way round."""
+    """A checkpoint of torch's optimizer continues under TritonAdamW as under torch's, and the other
+    way round."""
     flags = {"fused": dict(fused=True), "for-loop": dict(foreach=False)}[source]
     torch_p, ours_p = make_params(), make_params()
     torch_opt = run(torch.optim.AdamW(torch_p, **flags, **HYPER), torch_p, steps=2)
     ours_p = [torch.nn.Parameter(p.detach().clone()) for p in torch_p]
     ours = TritonAdamW(ours_p, **HYPER)
-    ours.load_state_dict(copy.deepcopy(torch_opt.state_dict()))  # (loading shares the tensors otherwise)
+    # (loading shares the tensors otherwise)
+    ours.load_state_dict(copy.deepcopy(torch_opt.state_dict()))
     for step in (2, 3):
         for P, o in ((torch_p, torch_opt), (ours_p, ours)):
             for p, g in zip(P, grads_for(step)):
@@ -154,17 +167,23 @@ def test_state_dict_moves_between_torch_and_triton(source):
             o.step()
     for a, b in zip(ours_p, torch_p):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6 * float(b.detach().abs().max()))
-    assert ours.state[ours_p[0]]["step"].dtype == torch.float32 and ours.state[ours_p[0]]["step"].item() == 4
-    back = torch.optim.AdamW([torch.nn.Parameter(p.detach().clone()) for p in ours_p], fused=True, **HYPER)
+    assert (
+        ours.state[ours_p[0]]["step"].dtype == torch.float32
+        and ours.state[ours_p[0]]["step"].item() == 4
+    )
+    back = torch.optim.AdamW(
+        [torch.nn.Parameter(p.detach().clone()) for p in ours_p], fused=True, **HYPER
+    )
     back.load_state_dict(copy.deepcopy(ours.state_dict()))
     assert set(back.state_dict()["state"][0]) == {"step", "exp_avg", "exp_avg_sq"}
 
 
 @pytest.mark.parametrize("accumulate", [False, True])
 def test_master_weights_step_is_the_fp32_step_on_widened_gradients(accumulate):
-    """``master_weights``: the step reads the bf16 gradients of the compute copies (or their fp32 micro-batch sum),
-    updates the fp32 masters bitwise as the fp32 step on the widened gradients would (clip folded in), and writes
-    each copy as ``master.to(bf16)``; the masters' version counters do not move, so nothing is re-cast."""
+    """``master_weights``: the step reads the bf16 gradients of the compute copies (or their fp32
+    micro-batch sum), updates the fp32 masters bitwise as the fp32 step on the widened gradients
+    would (clip folded in), and writes each copy as ``master.to(bf16)``; the masters' version
+    counters do not move, so nothing is re-cast."""
     ref_p = make_params()
     module = torch.nn.ParameterList([torch.nn.Parameter(p.detach().clone()) for p in ref_p])
     mw = MasterWeights([module], accumulate=accumulate)
@@ -176,8 +195,11 @@ def test_master_weights_step_is_the_fp32_step_on_widened_gradients(accumulate):
             compute = list(module)
             assert all(c.dtype == torch.bfloat16 for c in compute)
             for micro in range(2 if accumulate else 1):
-                out = sum((c.float() * g.float()).sum() for c, g in zip(compute, grads_for(3 * step + micro))
-                          if g is not None)
+                out = sum(
+                    (c.float() * g.float()).sum()
+                    for c, g in zip(compute, grads_for(3 * step + micro))
+                    if g is not None
+                )
                 out.backward()
         assert all(p.dtype == torch.float32 for p in module)  # the masters are back
         grads = mw.grads()
@@ -187,8 +209,10 @@ def test_master_weights_step_is_the_fp32_step_on_widened_gradients(accumulate):
         norm = clip_grad_norm_(ref_p, 0.5, scale_grads=False)
         assert torch.equal(norm, total_grad_norm([grads]))
         if accumulate:  # the micro-batches' bf16 gradients summed in fp32
-            expect = [a.to(torch.bfloat16).float() + b.to(torch.bfloat16).float()
-                      for a, b in zip(grads_for(3 * step)[:-1], grads_for(3 * step + 1)[:-1])]
+            expect = [
+                a.to(torch.bfloat16).float() + b.to(torch.bfloat16).float()
+                for a, b in zip(grads_for(3 * step)[:-1], grads_for(3 * step + 1)[:-1])
+            ]
             assert all(torch.equal(g, e) for g, e in zip(grads, expect))
         for o in (ref, ours):
             with clip_in_fused_step([o], norm, 0.5):
@@ -203,7 +227,8 @@ def test_master_weights_step_is_the_fp32_step_on_widened_gradients(accumulate):
 
 
 def test_transposed_parameter_walks_its_memory():
-    """A dense non-contiguous layout (an FSDP2 dim-1 shard is a transposed view) updates element for element."""
+    """A dense non-contiguous layout (an FSDP2 dim-1 shard is a transposed view) updates element for
+    element."""
     base = torch.randn(40, 96, device=DEV)
     p_t = torch.nn.Parameter(base.clone().t())  # (96, 40), strides (1, 96)
     p_c = torch.nn.Parameter(base.clone().t().contiguous())
@@ -226,5 +251,9 @@ def test_layout_mismatch_and_unsupported_options_are_refused():
             TritonAdamW([p], **{option: True})
     with pytest.raises(ValueError, match="floats"):
         TritonAdamW([p], lr=torch.tensor(1e-3))
-    assert TritonAdamW([p]).defaults["weight_decay"] == torch.optim.AdamW([p]).defaults["weight_decay"]
-    assert TritonAdam([p]).defaults["weight_decay"] == torch.optim.Adam([p]).defaults["weight_decay"]
+    assert (
+        TritonAdamW([p]).defaults["weight_decay"] == torch.optim.AdamW([p]).defaults["weight_decay"]
+    )
+    assert (
+        TritonAdam([p]).defaults["weight_decay"] == torch.optim.Adam([p]).defaults["weight_decay"]
+    )

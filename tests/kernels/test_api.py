@@ -1,4 +1,5 @@
-"""The kernels package API: lazy (no triton import for the torch backend), names the model can call."""
+"""The kernels package API: lazy (no triton import for the torch backend), names the model can
+call."""
 
 from __future__ import annotations
 
@@ -13,9 +14,13 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 
 
 def test_package_import_does_not_import_triton():
-    code = ("import sys; import titan_glm52.kernels; from titan_glm52.kernels import reference; "
-            "print('triton' in sys.modules)")
-    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    code = (
+        "import sys; import titan_glm52.kernels; from titan_glm52.kernels import reference; "
+        "print('triton' in sys.modules)"
+    )
+    res = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "False"
 
@@ -23,6 +28,7 @@ def test_package_import_does_not_import_triton():
 def test_triton_entry_points():
     import titan_glm52.kernels as k
     from titan_glm52.kernels import reference
+
     ops = k.triton_kernels()
     assert set(ops) == {"indexer_topk", "sparse_mla", "indexer_kl_sparse"}
     assert k.triton_sparse_mla is ops["sparse_mla"] and k.triton_indexer_topk is ops["indexer_topk"]
@@ -30,25 +36,34 @@ def test_triton_entry_points():
     # they are the modules' functions; a module stays a plain module (``k.indexer_topk`` once it
     # is imported)
     from titan_glm52.kernels import indexer_loss, indexer_topk, sparse_mla
+
     assert ops["indexer_topk"] is indexer_topk.indexer_topk
     assert ops["sparse_mla"] is sparse_mla.sparse_mla
     assert ops["indexer_kl_sparse"] is indexer_loss.indexer_kl_sparse
     assert k.indexer_topk is indexer_topk
     assert not any(callable(m) for m in (indexer_topk, sparse_mla, indexer_loss))
     from titan_glm52.kernels._triton_env import interpreting
+
     dev = "cpu" if interpreting() else "cuda"
-    q, kk, w = torch.randn(6, 2, 16, device=dev), torch.randn(6, 16, device=dev), torch.randn(6, 2, device=dev)
+    q, kk, w = (
+        torch.randn(6, 2, 16, device=dev),
+        torch.randn(6, 16, device=dev),
+        torch.randn(6, 2, device=dev),
+    )
     cu = torch.tensor([0, 2, 6], dtype=torch.int32, device=dev)
     # the same set per row (the Triton kernel lists it in row order)
-    rows = [fn(q, kk, w, cu, 3, 1.0).sort(dim=1).values
-            for fn in (ops["indexer_topk"], reference.indexer_topk)]
+    rows = [
+        fn(q, kk, w, cu, 3, 1.0).sort(dim=1).values
+        for fn in (ops["indexer_topk"], reference.indexer_topk)
+    ]
     assert torch.equal(*rows)
 
 
 def test_scale_kernel_equals_the_torch_product():
-    """kernels/scale.py (the fused loss's backward scaling on CUDA): one rounding of the fp32 product, the same bits
-    as model/head.py's torch path, with a ragged last block (also under the interpreter: _triton_env makes its
-    fp32 -> bf16 casts round to nearest even, as the compiled kernel does)."""
+    """kernels/scale.py (the fused loss's backward scaling on CUDA): one rounding of the fp32
+    product, the same bits as model/head.py's torch path, with a ragged last block (also under the
+    interpreter: _triton_env makes its fp32 -> bf16 casts round to nearest even, as the compiled
+    kernel does)."""
     from titan_glm52.kernels._triton_env import interpreting
     from titan_glm52.kernels.scale import scaled
     from titan_glm52.model.head import _scaled
@@ -68,9 +83,10 @@ def test_scale_kernel_equals_the_torch_product():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cross_entropy_kernel_equals_the_torch_path(dtype):
-    """kernels/cross_entropy.py (the fused loss's per-chunk work on CUDA): per-row loss and ``softmax - onehot``
-    written over the logits equal model/head.py's torch path, over several column blocks with a ragged last one,
-    targets in the first and the last block, and ignored rows (loss 0, gradient 0)."""
+    """kernels/cross_entropy.py (the fused loss's per-chunk work on CUDA): per-row loss and
+    ``softmax - onehot`` written over the logits equal model/head.py's torch path, over several
+    column blocks with a ragged last one, targets in the first and the last block, and ignored rows
+    (loss 0, gradient 0)."""
     from titan_glm52.kernels._triton_env import interpreting
     from titan_glm52.kernels.cross_entropy import cross_entropy_rows
     from titan_glm52.model.head import IGNORE_INDEX, _chunk_loss_and_grad
@@ -83,7 +99,9 @@ def test_cross_entropy_kernel_equals_the_torch_path(dtype):
     ref_loss, ref_grad = _chunk_loss_and_grad(h, w, labels, True)  # CPU: the torch path
     z = torch.nn.functional.linear(h, w).to(dev)
     z_before = z.clone()
-    loss = cross_entropy_rows(z.clone(), labels.to(dev), IGNORE_INDEX, grad_in_place=False, block=256)
+    loss = cross_entropy_rows(
+        z.clone(), labels.to(dev), IGNORE_INDEX, grad_in_place=False, block=256
+    )
     assert loss.dtype == torch.float32 and loss.shape == (6,)
     assert loss[2] == 0 and loss[5] == 0
     torch.testing.assert_close(loss.sum().cpu(), ref_loss, rtol=1e-5, atol=1e-5)

@@ -1,4 +1,5 @@
-"""Triton indexer top-k vs reference.indexer_topk (interpreter on CPU): the selected sets must be identical."""
+"""Triton indexer top-k vs reference.indexer_topk (interpreter on CPU): the selected sets must be
+identical."""
 
 from __future__ import annotations
 
@@ -35,9 +36,13 @@ def _check(out, ref, lengths, topk):
         row = out[t].tolist()
         n_vis = t - int(starts[t]) + 1
         n = min(topk, n_vis)
-        assert all(x >= 0 for x in row[:n]) and all(x == -1 for x in row[n:]), f"row {t}: -1 not at the end: {row}"
+        assert all(x >= 0 for x in row[:n]) and all(x == -1 for x in row[n:]), (
+            f"row {t}: -1 not at the end: {row}"
+        )
         assert len(set(row[:n])) == n, f"row {t}: duplicates"
-        assert set(row[:n]) == set(ref[t, :n].tolist()), f"row {t}: {sorted(row[:n])} vs {sorted(ref[t, :n].tolist())}"
+        assert set(row[:n]) == set(ref[t, :n].tolist()), (
+            f"row {t}: {sorted(row[:n])} vs {sorted(ref[t, :n].tolist())}"
+        )
 
 
 CASES = [
@@ -63,7 +68,8 @@ def test_matches_reference(lengths, h_i, d_i, topk, seed, kw):
 
 
 def test_chunked_scratch_and_stash_overflow():
-    """Tiny scratch (several query chunks) and a stash of 1 (every tie bucket falls back to the full-row radix)."""
+    """Tiny scratch (several query chunks) and a stash of 1 (every tie bucket falls back to the
+    full-row radix)."""
     lengths = [10, 33, 21]
     q, k, w = _inputs(lengths, 4, 16, 7, zero_frac=0.8)
     cu = cu_seqlens(lengths)
@@ -83,6 +89,7 @@ def test_queries_per_scoring_program():
     """The scoring's BQ (queries per program, 4 by default at 32 heads): other blocks, including
     one that straddles documents and a last block past the rows, select the same keys."""
     from titan_glm52.kernels.tuning import launch_overrides
+
     lengths = [7, 20, 23]
     q, k, w = _inputs(lengths, 4, 16, 1)
     cu = cu_seqlens(lengths)

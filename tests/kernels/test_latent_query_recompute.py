@@ -1,7 +1,8 @@
-"""[dsa] recompute_latent_query: the sparse attention's backward forms the latent query [q_nope W_uk, q_rope] again
-instead of keeping it, with the same bits (the same eager ops on the same inputs), so every gradient is the same;
-after forward nothing holds the latent queries; activation checkpointing (its own recompute) turns it off. On the
-Triton backend (the interpreter without a GPU), whose sparse attention keeps exactly that tensor, and on torch's."""
+"""[dsa] recompute_latent_query: the sparse attention's backward forms the latent query [q_nope
+W_uk, q_rope] again instead of keeping it, with the same bits (the same eager ops on the same
+inputs), so every gradient is the same; after forward nothing holds the latent queries; activation
+checkpointing (its own recompute) turns it off. On the Triton backend (the interpreter without a
+GPU), whose sparse attention keeps exactly that tensor, and on torch's."""
 
 import gc
 import weakref
@@ -25,8 +26,11 @@ CU = torch.tensor([0, 20, 32, 64], dtype=torch.int32)  # 3 documents, one shorte
 
 def _model(backend: str, rebuild: bool) -> GLM52Model:
     if backend == "triton" and not interpreting():
-        pytest.skip("the Triton backend on CPU tensors needs the interpreter (TRITON_INTERPRET=1, which "
-                    "tests/conftest.py sets without a GPU); on a GPU tests/unit/test_forward_determinism.py covers it")
+        pytest.skip(
+            "the Triton backend on CPU tensors needs the interpreter (TRITON_INTERPRET=1, which "
+            "tests/conftest.py sets without a GPU); on a GPU "
+            "tests/unit/test_forward_determinism.py covers it"
+        )
     # sparse at 32 tokens; 2 layers (IndexShare FF) + MTP keep the interpreter's runs short
     options = ModelOptions(dsa_backend=backend, recompute_latent_query=rebuild)
     model = GLM52Model(get_flavor("debug").replace(index_topk=8, num_hidden_layers=2), options)
@@ -39,9 +43,13 @@ def _step(model: GLM52Model, wrap=None):
         for block in list(model.layers.values()) + [model.mtp.block]:
             block.forward = (lambda f: lambda *a: wrap(f, *a))(block.forward)
     logits, mtp = model(TOKENS, CU, with_mtp=True)
-    loss = cross_entropy_sum(logits[:, :-1], TOKENS[:, 1:]) + cross_entropy_sum(mtp[:, :-2], TOKENS[:, 2:])
+    loss = cross_entropy_sum(logits[:, :-1], TOKENS[:, 1:]) + cross_entropy_sum(
+        mtp[:, :-2], TOKENS[:, 2:]
+    )
     loss.backward()
-    return [loss.detach()] + [p.grad for _, p in sorted(model.named_parameters()) if p.grad is not None]
+    return [loss.detach()] + [
+        p.grad for _, p in sorted(model.named_parameters()) if p.grad is not None
+    ]
 
 
 @pytest.mark.parametrize("backend,compile", [("triton", False), ("triton", True), ("torch", False)])
@@ -98,8 +106,8 @@ def test_checkpointed_blocks_install_no_rebuild(monkeypatch):
 
 def test_latent_query_is_the_concatenated_product():
     """``_absorb`` (eager: the product written into its columns of the output) equals
-    ``cat(einsum(q_nope, W_uk), q_rope)`` with the same gradients, on strided views like the model's (q_nope a
-    split of q, W_uk a slice of wkv_b's weight); gradcheck in float64."""
+    ``cat(einsum(q_nope, W_uk), q_rope)`` with the same gradients, on strided views like the model's
+    (q_nope a split of q, W_uk a slice of wkv_b's weight); gradcheck in float64."""
     g = torch.Generator().manual_seed(1)
     t, h, nope, rope, rank = 7, 4, 6, 3, 8
     q = torch.randn(t, h, nope + rope, dtype=torch.float64, generator=g, requires_grad=True)
@@ -117,16 +125,20 @@ def test_latent_query_is_the_concatenated_product():
     grad = torch.randn(out.shape, dtype=torch.float64, generator=g)
     for a, b in zip(torch.autograd.grad(out, (q, w), grad), torch.autograd.grad(ref, (q, w), grad)):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
-    args = (q[..., :nope].detach().requires_grad_(), q[..., nope:].detach().requires_grad_(),
-            w[:, :nope].detach().requires_grad_())
+    args = (
+        q[..., :nope].detach().requires_grad_(),
+        q[..., nope:].detach().requires_grad_(),
+        w[:, :nope].detach().requires_grad_(),
+    )
     assert torch.autograd.gradcheck(attention_mod._LatentQuery.apply, args)
 
 
 def test_latent_query_with_prefix_rows():
-    """Given row blocks (the dense prefix's: ``length`` rows from each start) ``_absorb`` also returns their plain
-    queries ``cat(q_nope[rows], q_rope[rows])``, and the gradients of both outputs reach q_nope / q_rope / W_uk as
-    autograd's for the two expressions (the plain rows' gradient added into the latent query's, also where that one
-    is not zero); gradcheck in float64."""
+    """Given row blocks (the dense prefix's: ``length`` rows from each start) ``_absorb`` also
+    returns their plain queries ``cat(q_nope[rows], q_rope[rows])``, and the gradients of both
+    outputs reach q_nope / q_rope / W_uk as autograd's for the two expressions (the plain rows'
+    gradient added into the latent query's, also where that one is not zero); gradcheck in
+    float64."""
     g = torch.Generator().manual_seed(2)
     t, h, nope, rope, rank = 9, 3, 5, 4, 6
     q = torch.randn(t, h, nope + rope, dtype=torch.float64, generator=g, requires_grad=True)
@@ -139,7 +151,9 @@ def test_latent_query_with_prefix_rows():
         return absorb(q_nope, q_rope * 2, w, starts, length)
 
     def reference(a, b, c, _starts, _length):
-        return torch.cat((torch.einsum("thn,hnr->thr", a, c), b), dim=-1), torch.cat((a[rows], b[rows]), dim=-1)
+        return torch.cat((torch.einsum("thn,hnr->thr", a, c), b), dim=-1), torch.cat(
+            (a[rows], b[rows]), dim=-1
+        )
 
     (out, pre), (ref, ref_pre) = run(attention_mod._absorb), run(reference)
     assert torch.equal(out, ref) and torch.equal(pre, ref_pre) and pre.shape == (4, h, nope + rope)
@@ -148,6 +162,11 @@ def test_latent_query_with_prefix_rows():
     want = torch.autograd.grad((ref, ref_pre), (q, w), grads)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
-    args = (q[..., :nope].detach().requires_grad_(), q[..., nope:].detach().requires_grad_(),
-            w.detach().requires_grad_(), starts, length)
+    args = (
+        q[..., :nope].detach().requires_grad_(),
+        q[..., nope:].detach().requires_grad_(),
+        w.detach().requires_grad_(),
+        starts,
+        length,
+    )
     assert torch.autograd.gradcheck(attention_mod._LatentQuery.apply, args)

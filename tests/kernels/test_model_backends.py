@@ -1,5 +1,6 @@
-"""The model's DSA attention with ``backend = "triton"`` equals ``backend = "torch"`` (loss and every gradient,
-the indexer KL included), eagerly and under torch.compile. Without a GPU the kernels run in the interpreter."""
+"""The model's DSA attention with ``backend = "triton"`` equals ``backend = "torch"`` (loss and
+every gradient, the indexer KL included), eagerly and under torch.compile. Without a GPU the kernels
+run in the interpreter."""
 
 import pytest
 import torch
@@ -12,17 +13,22 @@ from titan_glm52.parallelize import apply_compile
 
 
 def run(backend: str, compile: bool):
-    args = get_flavor("debug").replace(index_topk=8)  # sparse at 32 tokens; IndexShare FFFSSSFS; MTP
-    # the indexers train through the sparse KL too (weight 0.5: the coefficient over a normaliser of 1)
+    # sparse at 32 tokens; IndexShare FFFSSSFS; MTP
+    args = get_flavor("debug").replace(index_topk=8)
+    # the indexers train through the sparse KL too (weight 0.5: the coefficient over a normaliser of
+    # 1)
     model = GLM52Model(args, ModelOptions(dsa_backend=backend, indexer_loss_coeff=0.5))
     model.init_weights(seed=3)
     if compile:
         apply_compile(model, backend="aot_eager")
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, args.vocab_size, (2, 32), generator=g)
-    cu = torch.tensor([0, 20, 32, 64], dtype=torch.int32)  # 3 documents, one shorter than index_topk
+    # 3 documents, one shorter than index_topk
+    cu = torch.tensor([0, 20, 32, 64], dtype=torch.int32)
     logits, mtp = model(tokens, cu, with_mtp=True)
-    loss = cross_entropy_sum(logits[:, :-1], tokens[:, 1:]) + cross_entropy_sum(mtp[:, :-2], tokens[:, 2:])
+    loss = cross_entropy_sum(logits[:, :-1], tokens[:, 1:]) + cross_entropy_sum(
+        mtp[:, :-2], tokens[:, 2:]
+    )
     loss.backward()
     return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
 
@@ -38,8 +44,8 @@ def test_triton_backend_equals_torch_backend(compile):
 
 
 def test_compiled_blocks_do_not_recompile_when_the_kl_scale_changes():
-    """Every step brings a new indexer-KL normaliser (the step's token count, in ``AuxTerms``); the compiled
-    blocks read only whether the KL is on, so a new value must not recompile anything."""
+    """Every step brings a new indexer-KL normaliser (the step's token count, in ``AuxTerms``); the
+    compiled blocks read only whether the KL is on, so a new value must not recompile anything."""
     args = get_flavor("debug").replace(index_topk=8)
     model = GLM52Model(args, ModelOptions(indexer_loss_coeff=0.5))
     model.init_weights(seed=3)
@@ -58,13 +64,16 @@ def test_compiled_blocks_do_not_recompile_when_the_kl_scale_changes():
 
 @pytest.mark.parametrize("prepared", [True, False])
 def test_compiled_blocks_break_only_at_the_eager_calls(prepared):
-    """Compiled blocks break their graphs at the eager DSA calls themselves, not before them to build the
-    ``torch.compiler.disable`` wrappers (``apply_compile`` builds them first; ``prepared=False`` empties the
-    caches again, the case before that, and must show the extra breaks)."""
+    """Compiled blocks break their graphs at the eager DSA calls themselves, not before them to
+    build the ``torch.compiler.disable`` wrappers (``apply_compile`` builds them first;
+    ``prepared=False`` empties the caches again, the case before that, and must show the extra
+    breaks)."""
     from torch._dynamo.utils import counters
     from titan_glm52.model import attention
 
-    args = get_flavor("debug").replace(index_topk=8, num_hidden_layers=4, num_nextn_predict_layers=0)
+    args = get_flavor("debug").replace(
+        index_topk=8, num_hidden_layers=4, num_nextn_predict_layers=0
+    )
     model = GLM52Model(args, ModelOptions(dsa_backend="triton"))
     model.init_weights(seed=3)
     apply_compile(model, backend="eager")
@@ -75,7 +84,15 @@ def test_compiled_blocks_break_only_at_the_eager_calls(prepared):
     counters.clear()
     tokens = torch.randint(0, args.vocab_size, (1, 32), generator=torch.Generator().manual_seed(0))
     model(tokens, torch.tensor([0, 32], dtype=torch.int32)).float().pow(2).mean().backward()
-    builds = sum(v for k, v in counters["graph_break"].items() if k.startswith("Attempted to call function marked"))
-    calls = sum(v for k, v in counters["graph_break"].items() if k.startswith("Skip calling `torch.compiler.disable"))
+    builds = sum(
+        v
+        for k, v in counters["graph_break"].items()
+        if k.startswith("Attempted to call function marked")
+    )
+    calls = sum(
+        v
+        for k, v in counters["graph_break"].items()
+        if k.startswith("Skip calling `torch.compiler.disable")
+    )
     assert calls >= 3 * args.num_hidden_layers // 2, dict(counters["graph_break"])
     assert (builds == 0) == prepared, dict(counters["graph_break"])

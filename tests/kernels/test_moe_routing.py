@@ -1,6 +1,7 @@
-"""The MoE routing gathers (kernels/moe_routing.py; the interpreter on CPU, compiled on a GPU) against the torch path
-model/moe.py runs elsewhere (on CPU here): the combine and the dispatch gather's backward bit for bit, the combine
-weights' gradient (an fp32 dot product in another order) against fp64."""
+"""The MoE routing gathers (kernels/moe_routing.py; the interpreter on CPU, compiled on a GPU)
+against the torch path model/moe.py runs elsewhere (on CPU here): the combine and the dispatch
+gather's backward bit for bit, the combine weights' gradient (an fp32 dot product in another order)
+against fp64."""
 
 import pytest
 import torch
@@ -10,7 +11,8 @@ from titan_glm52.kernels.moe_routing import combine_backward, gather_sum
 from titan_glm52.model import moe as moe_mod
 
 DEV = "cpu" if interpreting() else "cuda"
-CASES = [(37, 16, 8, 64), (50, 8, 3, 33), (5, 4, 1, 8), (9, 32, 8, 1100)]  # (tokens, experts, top-k, hidden)
+# (tokens, experts, top-k, hidden)
+CASES = [(37, 16, 8, 64), (50, 8, 3, 33), (5, 4, 1, 8), (9, 32, 8, 1100)]
 
 
 def _case(n, e, k, d, dtype, seed=0):
@@ -52,7 +54,9 @@ def test_combine_backward_equals_the_torch_path(dtype, n, e, k, d):
     d_rows, d_w = (t.cpu() for t in combine_backward(*_on(grad, rows, pos, w)))
     assert d_rows.dtype == dtype and d_w.dtype == torch.float32
     assert torch.equal(d_rows, r.grad)
-    exact = torch.stack([(grad.double() * rows.double()[pos[:, j]]).sum(-1) for j in range(k)], dim=1)
+    exact = torch.stack(
+        [(grad.double() * rows.double()[pos[:, j]]).sum(-1) for j in range(k)], dim=1
+    )
     scale = (grad.double().abs()[:, None, :] * rows.double().abs()[pos]).sum(-1)
     tol = 2 * d * torch.finfo(torch.float32).eps * scale + 1e-30
     for got in (d_w, ww.grad):  # both fp32 dot products, in different orders
@@ -60,10 +64,12 @@ def test_combine_backward_equals_the_torch_path(dtype, n, e, k, d):
 
 
 def test_combine_through_moe_uses_the_kernels_on_cuda():
-    """model/moe.py's combine: forward and both gradients from the kernels on CUDA equal the torch path on CPU
-    (the weights' gradient up to its summation order)."""
+    """model/moe.py's combine: forward and both gradients from the kernels on CUDA equal the torch
+    path on CPU (the weights' gradient up to its summation order)."""
     if DEV == "cpu":
-        pytest.skip("on CPU the model takes the torch path (the kernels' own tests above run them here)")
+        pytest.skip(
+            "on CPU the model takes the torch path (the kernels' own tests above run them here)"
+        )
     rows, pos, w, grad = _case(40, 16, 8, 300, torch.bfloat16, seed=2)
     results = []
     for dev in ("cpu", DEV):

@@ -39,7 +39,7 @@ def test_matches_reference(lengths, h, d_qk, d_v, topk, seed, empty):
     kv = torch.randn(total, d_qk, generator=g)
     idx = indices_for(lengths, topk, seed, empty_rows=empty)
     go = torch.randn(total, h, d_v, generator=g)
-    scale = d_qk ** -0.5
+    scale = d_qk**-0.5
     out, lse, dq, dkv = _run(sparse_mla, q, kv, idx, scale, d_v, go)
     r_out, r_lse, r_dq, r_dkv = _run(R.sparse_mla, q, kv, idx, scale, d_v, go)
     assert out.dtype == q.dtype and lse.dtype == torch.float32 and out.shape == (total, h, d_v)
@@ -50,7 +50,9 @@ def test_matches_reference(lengths, h, d_qk, d_v, topk, seed, empty):
     torch.testing.assert_close(dq, r_dq, atol=2e-5, rtol=1e-5)
     torch.testing.assert_close(dkv, r_dkv, atol=5e-5, rtol=1e-5)
     for r in empty:
-        assert torch.all(out[r] == 0) and torch.all(lse[r] == float("-inf")) and torch.all(dq[r] == 0)
+        assert (
+            torch.all(out[r] == 0) and torch.all(lse[r] == float("-inf")) and torch.all(dq[r] == 0)
+        )
     assert torch.isfinite(dq).all() and torch.isfinite(dkv).all() and torch.isfinite(out).all()
 
 
@@ -66,12 +68,21 @@ def test_all_rows_empty():
     assert torch.all(q.grad == 0) and torch.all(kv.grad == 0)
 
 
-@pytest.mark.parametrize("tune", [
-    {"bwd_grad": {"DC": 16}},  # column blocks narrower than d_v (the d_v = 512 layout), a tail-only block
-    {"bwd_grad": {"DC": 64}},  # one column block holding the values and the tail
-    {"bwd_ps": {"BH": 1}, "bwd_grad": {"BH": 1}},  # one head per program: head blocks in both parts
-    {"bwd": {"scratch_bytes": 3 * 2 * 2 * 8 * 4}},  # P / dS scratch of 3 queries: several chunks
-])
+@pytest.mark.parametrize(
+    "tune",
+    [
+        # column blocks narrower than d_v (the d_v = 512 layout), a tail-only block
+        {"bwd_grad": {"DC": 16}},
+        {"bwd_grad": {"DC": 64}},  # one column block holding the values and the tail
+        {
+            "bwd_ps": {"BH": 1},
+            "bwd_grad": {"BH": 1},
+        },  # one head per program: head blocks in both parts
+        {
+            "bwd": {"scratch_bytes": 3 * 2 * 2 * 8 * 4}
+        },  # P / dS scratch of 3 queries: several chunks
+    ],
+)
 def test_backward_variants(tune):
     lengths, h, d_qk, d_v, topk = [9, 14], 2, 40, 32, 8
     g = gen(21)
@@ -88,8 +99,10 @@ def test_backward_variants(tune):
 
 
 def test_grad_column_block_is_checked():
-    """At GLM-5.2's widths only the column blocks checked on the GPU are accepted (DC = 32 faulted there)."""
+    """At GLM-5.2's widths only the column blocks checked on the GPU are accepted (DC = 32 faulted
+    there)."""
     from titan_glm52.kernels import sparse_mla as SM
+
     assert SM._config(64, 576, 512, "bwd_grad")[0]["DC"] == 64
     assert SM._config(64, 576, 512, "bwd_grad")[0]["maxnreg"] == 128  # 4 programs per SM
     with launch_overrides({"sparse_mla": {"bwd_grad": {"DC": 32}}}):
@@ -100,9 +113,10 @@ def test_grad_column_block_is_checked():
 
 
 def test_backward_chunks_fit_the_grid():
-    """Part 2 puts a chunk's rows on the grid's second dimension (at most 65,535): a small top-k at many tokens
-    would fit more rows in the scratch than that."""
+    """Part 2 puts a chunk's rows on the grid's second dimension (at most 65,535): a small top-k at
+    many tokens would fit more rows in the scratch than that."""
     from titan_glm52.kernels import sparse_mla as SM
+
     assert SM.chunk_rows(10, 64, 2048, 2) == 10
     assert SM.chunk_rows(1 << 20, 64, 2048, 2) == 2048  # GLM-5.2: 1 GiB of P and dS
     assert SM.chunk_rows(1 << 20, 64, 64, 2) == SM.MAX_GRID_Y == 65535
@@ -112,6 +126,7 @@ def test_gluon_choice_reaches_the_backward(monkeypatch):
     """``gluon=False`` (the Triton kernels only) gives the default call's numbers where the Gluon
     kernels do not apply (here: the CPU), and the backward runs with the forward's choice."""
     from titan_glm52.kernels import sparse_mla as SM
+
     lengths, h, d_qk, d_v, topk = [9, 14], 2, 40, 32, 8
     g = gen(23)
     total = sum(lengths)
@@ -127,8 +142,10 @@ def test_gluon_choice_reaches_the_backward(monkeypatch):
         return bwd(*args)
 
     monkeypatch.setattr(SM, "_bwd", spy)
-    runs = [_run(lambda *a, flag=flag: sparse_mla(*a, gluon=flag), q, kv, idx, 0.2, d_v, go)
-            for flag in (False, True)]
+    runs = [
+        _run(lambda *a, flag=flag: sparse_mla(*a, gluon=flag), q, kv, idx, 0.2, d_v, go)
+        for flag in (False, True)
+    ]
     assert seen == [False, True]
     for a, b in zip(*runs):
         assert torch.equal(a, b)

@@ -22,8 +22,10 @@ def test_overrides_merge_with_the_defaults():
 
 
 def test_unknown_part_or_key_refused():
-    for bad, what in (({"bwd": {"stages": 4}}, "unknown part 'bwd'"),
-                      ({"bwd_ps": {"stage": 4}}, "unknown key.*'stage'")):
+    for bad, what in (
+        ({"bwd": {"stages": 4}}, "unknown part 'bwd'"),
+        ({"bwd_ps": {"stage": 4}}, "unknown key.*'stage'"),
+    ):
         with pytest.raises(ValueError, match=what):
             with launch_overrides({"sparse_mla_ws": bad}):
                 pass

@@ -1,7 +1,7 @@
-"""The routed experts' SwiGLU (model/moe.py ``swiglu``) of the fused gate/up projection ``gu = [gate | up]``: the
-Triton kernels (kernels/swiglu.py; the interpreter on CPU, compiled on a GPU) against the torch formulas the CPU
-path runs, which are the ops autograd runs for ``F.silu(gate) * up`` in fp32 (gradcheck in fp64); one rounding
-per output instead of silu's extra one."""
+"""The routed experts' SwiGLU (model/moe.py ``swiglu``) of the fused gate/up projection ``gu = [gate
+| up]``: the Triton kernels (kernels/swiglu.py; the interpreter on CPU, compiled on a GPU) against
+the torch formulas the CPU path runs, which are the ops autograd runs for ``F.silu(gate) * up`` in
+fp32 (gradcheck in fp64); one rounding per output instead of silu's extra one."""
 
 import pytest
 import torch
@@ -12,7 +12,8 @@ from titan_glm52.kernels.swiglu import swiglu_backward, swiglu_forward
 from titan_glm52.model.moe import swiglu
 
 DEV = "cpu" if interpreting() else "cuda"
-pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # the interpreter's sigmoid at -90
+# the interpreter's sigmoid at -90
+pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp")
 ROWS, COLS = 31, 97  # F = 97: not a power of two (the kernels divide offsets by F)
 
 
@@ -28,7 +29,8 @@ def _inputs(dtype, rows=ROWS, cols=COLS, seed=0):
     """(gu [rows, 2 cols], grad [rows, cols])."""
     g = torch.Generator().manual_seed(seed)
     gate = torch.randn(rows, cols, generator=g) * 4
-    gate.view(-1)[:8] = torch.tensor([-90.0, -20.0, -1e-3, 0.0, 1e-3, 20.0, 90.0, 3.0])  # tails of the sigmoid
+    # tails of the sigmoid
+    gate.view(-1)[:8] = torch.tensor([-90.0, -20.0, -1e-3, 0.0, 1e-3, 20.0, 90.0, 3.0])
     up = torch.randn(rows, cols, generator=g)
     grad = torch.randn(rows, cols, generator=g)
     return torch.cat((gate, up), dim=-1).to(dtype), grad.to(dtype)
@@ -42,8 +44,8 @@ def _exact(gu, grad):
 
 
 def test_kernels_round_the_exact_values_once_in_bf16():
-    """Within an ulp of the exact (fp64) values: the fp32 arithmetic's error is far below bf16's ulp. The gate
-    and up halves stay apart (a swap of the two would change every value)."""
+    """Within an ulp of the exact (fp64) values: the fp32 arithmetic's error is far below bf16's
+    ulp. The gate and up halves stay apart (a swap of the two would change every value)."""
     gu, grad = _inputs(torch.bfloat16)
     wide = torch.cat((gu, torch.zeros_like(gu)), dim=-1)
     h = _fwd(wide[:, : 2 * COLS])  # rows strided by 4 F: made contiguous
@@ -54,12 +56,15 @@ def test_kernels_round_the_exact_values_once_in_bf16():
     exact = _exact(gu, grad)
     for name, got, want in (("h", h, exact[0]), ("d_gu", d_gu, exact[1])):
         err = (got.double() - want).abs()
-        assert (err <= torch.finfo(torch.bfloat16).eps * want.abs() + 1e-30).all(), (name, float(err.max()))
+        assert (err <= torch.finfo(torch.bfloat16).eps * want.abs() + 1e-30).all(), (
+            name,
+            float(err.max()),
+        )
 
 
 def test_kernels_match_the_torch_formulas_in_fp32():
-    """fp32 in and out: the CPU path's torch ops (autograd's for ``F.silu(gate) * up``) up to fp32 rounding (d_gate
-    cancels near silu's minimum, so absolute)."""
+    """fp32 in and out: the CPU path's torch ops (autograd's for ``F.silu(gate) * up``) up to fp32
+    rounding (d_gate cancels near silu's minimum, so absolute)."""
     gu, grad = _inputs(torch.float32)
     x = gu.clone().requires_grad_()
     h = swiglu(x)
@@ -70,7 +75,8 @@ def test_kernels_match_the_torch_formulas_in_fp32():
 
 
 def test_cpu_path_is_autograd_of_silu_times_up_in_fp32():
-    """fp32: the same bits as autograd through ``F.silu(gate) * up`` of the two halves; fp64: gradcheck."""
+    """fp32: the same bits as autograd through ``F.silu(gate) * up`` of the two halves; fp64:
+    gradcheck."""
     gu, grad = _inputs(torch.float32, rows=3, cols=41, seed=1)
     a, b = gu.clone().requires_grad_(), gu.clone().requires_grad_()
     ha = swiglu(a)
@@ -84,7 +90,8 @@ def test_cpu_path_is_autograd_of_silu_times_up_in_fp32():
 
 
 def test_cpu_path_and_kernels_agree_in_bf16():
-    """Both round the fp32 result once: at most an ulp apart (fp32 exp / sigmoid differ in the last bits)."""
+    """Both round the fp32 result once: at most an ulp apart (fp32 exp / sigmoid differ in the last
+    bits)."""
     gu, grad = _inputs(torch.bfloat16, seed=3)
     x = gu.clone().requires_grad_()
     h = swiglu(x)

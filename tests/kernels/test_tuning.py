@@ -17,13 +17,22 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 KERNELS = os.path.join(ROOT, "titan_glm52", "kernels")
 
 
-@pytest.mark.parametrize("bad,message", [
-    ({"sparse_mla_x": {}}, "unknown kernel module 'sparse_mla_x'"),
-    ({"sparse_mla": {"bwd_gradd": {}}}, "unknown part 'bwd_gradd' of sparse_mla"),
-    ({"sparse_mla": {"bwd_grad": {"DC": 64, "dc": 64}}}, "unknown key.*'dc' of sparse_mla part"),
-    ({"indexer_topk": {"select": {"BN": 64}}}, "unknown key.*'BN' of indexer_topk part 'select'"),
-    ({"indexer_loss": {"fwd": {"BH": 8}}}, "unknown key.*'BH'"),
-])
+@pytest.mark.parametrize(
+    "bad,message",
+    [
+        ({"sparse_mla_x": {}}, "unknown kernel module 'sparse_mla_x'"),
+        ({"sparse_mla": {"bwd_gradd": {}}}, "unknown part 'bwd_gradd' of sparse_mla"),
+        (
+            {"sparse_mla": {"bwd_grad": {"DC": 64, "dc": 64}}},
+            "unknown key.*'dc' of sparse_mla part",
+        ),
+        (
+            {"indexer_topk": {"select": {"BN": 64}}},
+            "unknown key.*'BN' of indexer_topk part 'select'",
+        ),
+        ({"indexer_loss": {"fwd": {"BH": 8}}}, "unknown key.*'BH'"),
+    ],
+)
 def test_unknown_module_part_or_key_refused(bad, message):
     with pytest.raises(ValueError, match=message) as err:
         with launch_overrides(bad):
@@ -66,6 +75,7 @@ def test_triton_part_override_laid_over_the_defaults():
     """A part's override changes the keys it names; the shape's other launch parameters stay the
     defaults, and so do the other parts'."""
     from titan_glm52.kernels import sparse_mla as SM
+
     base, nw, ns = SM._config(64, 576, 512, "bwd_ps")
     fwd = SM._config(64, 576, 512, "fwd")
     with launch_overrides({"sparse_mla": {"bwd_ps": {"BK": 32, "num_stages": 2}}}):
@@ -91,23 +101,32 @@ _IMPORT_ALL = (
     "indexer_topk, indexer_topk_ws, linear_fp32, moe_routing, scale, sparse_mla, sparse_mla_ws, "
     "swiglu, tuning; "
     "from triton.runtime import interpreter as I; "
-    "fixed = lambda: bool(getattr(I.InterpreterBuilder.create_dot, '_titan_fixed', False)); ")
+    "fixed = lambda: bool(getattr(I.InterpreterBuilder.create_dot, '_titan_fixed', False)); "
+)
 
 
 def _python(code: str, **env) -> subprocess.CompletedProcess:
     drop = ("TRITON_INTERPRET", "TITAN_DSA_TUNE_FILE")
     base = {k: v for k, v in os.environ.items() if k not in drop}
-    return subprocess.run([sys.executable, "-c", _IMPORT_ALL + code], cwd=ROOT, env={**base, **env},
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-c", _IMPORT_ALL + code],
+        cwd=ROOT,
+        env={**base, **env},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_import_sets_nothing_and_a_cpu_tensor_needs_the_interpreter():
     """Without TRITON_INTERPRET importing every kernel module leaves the environment and the
     interpreter alone, and a CPU tensor is refused with one line."""
-    code = ("assert 'TRITON_INTERPRET' not in os.environ and not fixed() and not E.interpreting(); "
-            "x = torch.ones(4)\n"
-            "try:\n    scale.scaled(x, torch.ones(()))\n"
-            "except RuntimeError as e:\n    print('REFUSED', e)\n")
+    code = (
+        "assert 'TRITON_INTERPRET' not in os.environ and not fixed() and not E.interpreting(); "
+        "x = torch.ones(4)\n"
+        "try:\n    scale.scaled(x, torch.ones(()))\n"
+        "except RuntimeError as e:\n    print('REFUSED', e)\n"
+    )
     res = _python(code, TITAN_DSA_TUNE_FILE="/nonexistent.json")
     assert res.returncode == 0, res.stderr[-3000:]
     (line,) = [x for x in res.stdout.splitlines() if x.startswith("REFUSED")]
@@ -117,10 +136,12 @@ def test_import_sets_nothing_and_a_cpu_tensor_needs_the_interpreter():
 def test_interpreter_fixes_applied_at_the_first_launch():
     """With TRITON_INTERPRET=1 set by the caller the fixes to the interpreter wait for the first
     launch, which then rounds fp32 -> bf16 to nearest even (as a compiled kernel does)."""
-    code = ("assert E.interpreting() and not fixed(); "
-            "x, g = torch.ones(3, dtype=torch.bfloat16), torch.tensor(1 + 2 ** -8 + 2 ** -10); "
-            "out = scale.scaled(x, g); "  # truncating would give 1.0
-            "assert fixed() and torch.equal(out, (x.float() * g).bfloat16()) and out[0] > 1, out; "
-            "print('OK')")
+    code = (
+        "assert E.interpreting() and not fixed(); "
+        "x, g = torch.ones(3, dtype=torch.bfloat16), torch.tensor(1 + 2 ** -8 + 2 ** -10); "
+        "out = scale.scaled(x, g); "  # truncating would give 1.0
+        "assert fixed() and torch.equal(out, (x.float() * g).bfloat16()) and out[0] > 1, out; "
+        "print('OK')"
+    )
     res = _python(code, TRITON_INTERPRET="1")
     assert res.returncode == 0 and res.stdout.strip().endswith("OK"), res.stdout + res.stderr

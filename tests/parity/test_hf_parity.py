@@ -1,8 +1,10 @@
-"""Parity with ``transformers.GlmMoeDsaForCausalLM`` (>= 5.13) on tiny random configs where DSA is sparse.
+"""Parity with ``transformers.GlmMoeDsaForCausalLM`` (>= 5.13) on tiny random configs where DSA is
+sparse.
 
-Every parameter is randomised (norms, ``k_norm.bias`` and ``e_score_correction_bias`` included), index_topk is
-well below the sequence length, the indexer has 8 heads, the batch has 2 rows, and several IndexShare patterns
-are covered. We compare fp32 logits and the top-k set of every full layer.
+Every parameter is randomised (norms, ``k_norm.bias`` and ``e_score_correction_bias`` included),
+index_topk is well below the sequence length, the indexer has 8 heads, the batch has 2 rows, and
+several IndexShare patterns are covered. We compare fp32 logits and the top-k set of every full
+layer.
 """
 
 from __future__ import annotations
@@ -17,12 +19,16 @@ from titan_glm52 import load_hf_model  # noqa: E402
 from titan_glm52.model.options import ModelOptions  # noqa: E402
 from titan_glm52.model.attention import Attention  # noqa: E402
 
-pytestmark = pytest.mark.skipif(Version(transformers.__version__) < Version("5.13"),
-                                reason="transformers >= 5.13 has GLM-5.2's interleaved indexer RoPE")
+pytestmark = pytest.mark.skipif(
+    Version(transformers.__version__) < Version("5.13"),
+    reason="transformers >= 5.13 has GLM-5.2's interleaved indexer RoPE",
+)
 
 PATTERNS = {
     "freq4_offset3": dict(index_topk_freq=4, index_skip_topk_offset=3),  # FFFSSSFS, GLM-5.2's rule
-    "explicit_FSFSSFFS": dict(indexer_types=["full", "shared", "full", "shared", "shared", "full", "full", "shared"]),
+    "explicit_FSFSSFFS": dict(
+        indexer_types=["full", "shared", "full", "shared", "shared", "full", "full", "shared"]
+    ),
     "all_full": dict(index_topk_freq=1),
 }
 
@@ -31,16 +37,40 @@ def tiny_hf_config(pattern: dict, index_topk: int = 6):
     from transformers import GlmMoeDsaConfig
 
     cfg = dict(
-        vocab_size=97, hidden_size=64, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=4,
-        q_lora_rank=40, kv_lora_rank=32, qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=16,
-        intermediate_size=96, moe_intermediate_size=24, n_routed_experts=8, n_shared_experts=1,
-        num_experts_per_tok=3, first_k_dense_replace=3, index_topk=index_topk, index_n_heads=8, index_head_dim=16,
-        rope_parameters={"rope_theta": 10000.0, "rope_type": "default"}, max_position_embeddings=512,
-        routed_scaling_factor=2.5, norm_topk_prob=True, n_group=1, topk_group=1, tie_word_embeddings=False,
+        vocab_size=97,
+        hidden_size=64,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=40,
+        kv_lora_rank=32,
+        qk_nope_head_dim=12,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        intermediate_size=96,
+        moe_intermediate_size=24,
+        n_routed_experts=8,
+        n_shared_experts=1,
+        num_experts_per_tok=3,
+        first_k_dense_replace=3,
+        index_topk=index_topk,
+        index_n_heads=8,
+        index_head_dim=16,
+        rope_parameters={"rope_theta": 10000.0, "rope_type": "default"},
+        max_position_embeddings=512,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+        n_group=1,
+        topk_group=1,
+        tie_word_embeddings=False,
         rms_norm_eps=1e-5,
     )
     cfg.update(pattern)
-    if "indexer_types" not in pattern and "index_topk_freq" in pattern and pattern["index_topk_freq"] == 1:
+    if (
+        "indexer_types" not in pattern
+        and "index_topk_freq" in pattern
+        and pattern["index_topk_freq"] == 1
+    ):
         cfg["indexer_types"] = ["full"] * 8
     return GlmMoeDsaConfig(**cfg)
 
@@ -74,15 +104,18 @@ def build_pair(tmp_path, pattern: dict, seed: int, index_topk: int = 6):
 def load_ours(tmp_path, **options):
     """Our model of the checkpoint ``build_pair`` wrote, with ``ModelOptions(**options)``."""
     # transformers hard-codes eps 1e-6 for q_a/kv_a_layernorm; the trained model used rms_norm_eps.
-    return load_hf_model(str(tmp_path), dtype=torch.float32, latent_norm_eps=1e-6,
-                         options=ModelOptions(**options)).eval()
+    return load_hf_model(
+        str(tmp_path), dtype=torch.float32, latent_norm_eps=1e-6, options=ModelOptions(**options)
+    ).eval()
 
 
 def capture_hf_topk(hf) -> dict[int, torch.Tensor]:
     got = {}
     for i, layer in enumerate(hf.model.layers):
         if layer.self_attn.indexer is not None:
-            layer.self_attn.indexer.register_forward_hook(lambda m, a, out, i=i: got.__setitem__(i, out))
+            layer.self_attn.indexer.register_forward_hook(
+                lambda m, a, out, i=i: got.__setitem__(i, out)
+            )
     return got
 
 
@@ -90,7 +123,9 @@ def capture_our_topk(model) -> dict[int, torch.Tensor]:
     got = {}
     for name, block in model.layers.items():
         if block.attention.indexer is not None:
-            block.attention.register_forward_hook(lambda m, a, out, i=int(name): got.__setitem__(i, out[1]))
+            block.attention.register_forward_hook(
+                lambda m, a, out, i=int(name): got.__setitem__(i, out[1])
+            )
     return got
 
 
@@ -118,12 +153,14 @@ def test_logits_and_topk_match_transformers(tmp_path, pattern, seed):
     for layer in hf_topk:
         for row in range(batch):
             for pos in range(seq):
-                assert topk_sets_hf(hf_topk[layer], row, pos) == topk_sets_ours(our_topk[layer], row, pos, seq), (
-                    f"layer {layer} row {row} position {pos}")
+                assert topk_sets_hf(hf_topk[layer], row, pos) == topk_sets_ours(
+                    our_topk[layer], row, pos, seq
+                ), f"layer {layer} row {row} position {pos}"
 
 
 def test_dense_attention_is_a_different_model(tmp_path):
-    """The comparison above is discriminative: turning the sparsity off moves logits far beyond tolerance."""
+    """The comparison above is discriminative: turning the sparsity off moves logits far beyond
+    tolerance."""
     hf, ours = build_pair(tmp_path, PATTERNS["freq4_offset3"], 3)
     tokens = torch.randint(0, 97, (2, 29), generator=torch.Generator().manual_seed(7))
     with torch.no_grad():
@@ -143,12 +180,15 @@ def test_short_sequences_are_dense_causal_attention(tmp_path):
 
 
 def test_packed_documents_equal_separate_rows(tmp_path):
-    """Two documents packed in one row with cu_seqlens give the logits of the two run as separate rows."""
+    """Two documents packed in one row with cu_seqlens give the logits of the two run as separate
+    rows."""
     _, ours = build_pair(tmp_path, PATTERNS["freq4_offset3"], 5)
     g = torch.Generator().manual_seed(9)
     a, b = torch.randint(0, 97, (1, 17), generator=g), torch.randint(0, 97, (1, 12), generator=g)
     with torch.no_grad():
-        packed = ours(torch.cat((a, b), dim=1), cu_seqlens=torch.tensor([0, 17, 29], dtype=torch.int32))
+        packed = ours(
+            torch.cat((a, b), dim=1), cu_seqlens=torch.tensor([0, 17, 29], dtype=torch.int32)
+        )
         sep_a, sep_b = ours(a), ours(b)
     torch.testing.assert_close(packed[:, :17], sep_a, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(packed[:, 17:], sep_b, rtol=1e-5, atol=1e-5)

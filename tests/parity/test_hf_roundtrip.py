@@ -1,5 +1,5 @@
-"""HF checkpoint round trips: names, shapes and values survive transformers -> ours -> transformers, and our
-own save/load keeps the MTP layer (which transformers drops)."""
+"""HF checkpoint round trips: names, shapes and values survive transformers -> ours -> transformers,
+and our own save/load keeps the MTP layer (which transformers drops)."""
 
 from __future__ import annotations
 
@@ -36,7 +36,9 @@ def test_transformers_ours_transformers(tmp_path, shard_bytes):
     ours = load_hf_model(str(tmp_path / "a"), dtype=torch.float32)
     kwargs = {} if shard_bytes is None else {"max_shard_bytes": shard_bytes}
     save_hf_model(ours, str(tmp_path / "b"), dtype=torch.float32, **kwargs)
-    assert os.path.exists(tmp_path / "b" / ("model.safetensors.index.json" if shard_bytes else "model.safetensors"))
+    assert os.path.exists(
+        tmp_path / "b" / ("model.safetensors.index.json" if shard_bytes else "model.safetensors")
+    )
     a, b = read_all(str(tmp_path / "a")), read_all(str(tmp_path / "b"))
     assert sorted(a) == sorted(b)
     for key in a:
@@ -56,10 +58,21 @@ def test_mtp_layer_survives_our_round_trip(tmp_path):
     save_hf_model(model, str(tmp_path), dtype=torch.bfloat16)
     keys = set(hf_weight_files(str(tmp_path)))
     mtp = f"model.layers.{args.num_hidden_layers}."
-    assert {mtp + k for k in ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight",
-                              "self_attn.indexer.wk.weight", "mlp.experts.0.gate_proj.weight")} <= keys
+    assert {
+        mtp + k
+        for k in (
+            "enorm.weight",
+            "hnorm.weight",
+            "eh_proj.weight",
+            "shared_head.norm.weight",
+            "self_attn.indexer.wk.weight",
+            "mlp.experts.0.gate_proj.weight",
+        )
+    } <= keys
     with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
-        assert f.get_tensor("model.layers.3.mlp.gate.e_score_correction_bias").dtype == torch.float32
+        assert (
+            f.get_tensor("model.layers.3.mlp.gate.e_score_correction_bias").dtype == torch.float32
+        )
         assert f.get_tensor("model.layers.3.mlp.gate.weight").dtype == torch.bfloat16
     back = load_hf_model(str(tmp_path), dtype=torch.float32)
     assert back.mtp is not None
@@ -68,8 +81,11 @@ def test_mtp_layer_survives_our_round_trip(tmp_path):
     tokens = torch.randint(0, args.vocab_size, (2, 24))
     with torch.no_grad():
         model_bf16 = load_hf_model(str(tmp_path), dtype=torch.float32)
-        torch.testing.assert_close(model_bf16(tokens, with_mtp=True)[1], back(tokens, with_mtp=True)[1])
-    # Training without MTP from a checkpoint that has it: the MTP layer is skipped, everything else loads.
+        torch.testing.assert_close(
+            model_bf16(tokens, with_mtp=True)[1], back(tokens, with_mtp=True)[1]
+        )
+    # Training without MTP from a checkpoint that has it: the MTP layer is skipped, everything else
+    # loads.
     no_mtp = load_hf_model(str(tmp_path), dtype=torch.float32, with_mtp=False)
     assert no_mtp.mtp is None
     with torch.no_grad():
@@ -77,14 +93,19 @@ def test_mtp_layer_survives_our_round_trip(tmp_path):
 
 
 def test_published_names_and_shapes_on_meta():
-    """The 744B flavor's HF names and shapes are exactly the published checkpoint's (section 4 of the model doc)."""
+    """The 744B flavor's HF names and shapes are exactly the published checkpoint's (section 4 of
+    the model doc)."""
     args = get_flavor("glm52_744b")
     with torch.device("meta"):
         model = GLM52Model(args)
     from titan_glm52.model.state_dict_adapter import to_hf
 
-    shapes = {k: tuple(t.shape) for k, t in to_hf(
-        {k: v for k, v in model.state_dict().items() if "tokens_per_expert" not in k}, args)}
+    shapes = {
+        k: tuple(t.shape)
+        for k, t in to_hf(
+            {k: v for k, v in model.state_dict().items() if "tokens_per_expert" not in k}, args
+        )
+    }
     assert shapes["model.embed_tokens.weight"] == (154880, 6144)
     assert shapes["lm_head.weight"] == (154880, 6144)
     assert shapes["model.layers.0.self_attn.q_b_proj.weight"] == (16384, 2048)
@@ -102,8 +123,13 @@ def test_published_names_and_shapes_on_meta():
     assert shapes["model.layers.74.self_attn.indexer.wq_b.weight"] == (4096, 2048)
     assert shapes["model.layers.74.self_attn.indexer.weights_proj.weight"] == (32, 6144)
     assert "model.layers.75.self_attn.indexer.wk.weight" not in shapes
-    assert not any("embed_tokens" in k or "shared_head.head" in k for k in shapes if k.startswith("model.layers."))
-    # 3 global + 78 x 9 (attention, norms) + 21 x 5 (indexers) + 3 x 3 (dense MLP) + 75 x (256 x 3 + 3 + 2) (MoE).
+    assert not any(
+        "embed_tokens" in k or "shared_head.head" in k
+        for k in shapes
+        if k.startswith("model.layers.")
+    )
+    # 3 global + 78 x 9 (attention, norms) + 21 x 5 (indexers) + 3 x 3 (dense MLP) + 75 x (256 x 3 +
+    # 3 + 2) (MoE).
     backbone = [k for k in shapes if not k.startswith("model.layers.78.")]
     assert len(backbone) == 3 + 78 * 9 + 21 * 5 + 3 * 3 + 75 * 773
     bias = sum(1 for k in shapes if k.endswith("e_score_correction_bias"))

@@ -1,4 +1,5 @@
-"""GLM52ModelArgs: config.json fields, flavors and parameter counts (analytic and on the meta device)."""
+"""GLM52ModelArgs: config.json fields, flavors and parameter counts (analytic and on the meta
+device)."""
 
 import json
 
@@ -35,9 +36,24 @@ def test_flavor_counts_match_meta(flavor):
 
 def test_proxy_keeps_every_per_layer_width():
     real, proxy = get_flavor("glm52_744b"), get_flavor("glm52_proxy")
-    for key in ("hidden_size", "num_attention_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
-                "qk_rope_head_dim", "v_head_dim", "intermediate_size", "moe_intermediate_size", "num_experts_per_tok",
-                "n_shared_experts", "index_topk", "index_n_heads", "index_head_dim", "vocab_size", "rope_parameters"):
+    for key in (
+        "hidden_size",
+        "num_attention_heads",
+        "q_lora_rank",
+        "kv_lora_rank",
+        "qk_nope_head_dim",
+        "qk_rope_head_dim",
+        "v_head_dim",
+        "intermediate_size",
+        "moe_intermediate_size",
+        "num_experts_per_tok",
+        "n_shared_experts",
+        "index_topk",
+        "index_n_heads",
+        "index_head_dim",
+        "vocab_size",
+        "rope_parameters",
+    ):
         assert getattr(proxy, key) == getattr(real, key), key
     assert proxy.num_hidden_layers == 4 and proxy.n_routed_experts == 16
     assert proxy.index_share.pattern == "FFFS"
@@ -61,13 +77,16 @@ def test_unknown_keys_round_trip():
     assert GLM52ModelArgs.from_hf_config(cfg).to_hf_config()["some_future_key"] == [1, 2]
 
 
-@pytest.mark.parametrize("change, match", [
-    (dict(scoring_func="softmax"), "scoring_func"),
-    (dict(attention_bias=True), "attention_bias"),
-    (dict(rope_parameters={"rope_theta": 1e4, "rope_type": "yarn"}), "rope_type"),
-    (dict(num_nextn_predict_layers=2), "num_nextn_predict_layers"),
-    (dict(index_topk_freq=4, index_skip_topk_offset=0), "shared layer"),
-])
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (dict(scoring_func="softmax"), "scoring_func"),
+        (dict(attention_bias=True), "attention_bias"),
+        (dict(rope_parameters={"rope_theta": 1e4, "rope_type": "yarn"}), "rope_type"),
+        (dict(num_nextn_predict_layers=2), "num_nextn_predict_layers"),
+        (dict(index_topk_freq=4, index_skip_topk_offset=0), "shared layer"),
+    ],
+)
 def test_unsupported_values_are_refused(change, match):
     with pytest.raises(ValueError, match=match):
         get_flavor("debug").replace(**change)

@@ -1,5 +1,6 @@
-"""bench/e2e.py plumbing on CPU: both sides train a tiny model for a few steps in their own subprocesses, the
-JSON / markdown / table come out, and a failing cell is recorded without stopping the run."""
+"""bench/e2e.py plumbing on CPU: both sides train a tiny model for a few steps in their own
+subprocesses, the JSON / markdown / table come out, and a failing cell is recorded without stopping
+the run."""
 
 import importlib.util
 import gzip
@@ -27,15 +28,43 @@ def test_e2e_both_sides_tiny_on_cpu(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("OUT", None)
     proc = subprocess.run(
-        [sys.executable, "bench/e2e.py", "--seq-lens", "64", "--compile", "off", "--ac", "selective",
-         "--steps", "2", "--warmup", "1", "--our-args=--model.flavor debug", "--peer-args=--tiny",
-         "--out", str(out), "--logs", str(tmp_path / "logs"), "--budget-s", "0"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=170)
+        [
+            sys.executable,
+            "bench/e2e.py",
+            "--seq-lens",
+            "64",
+            "--compile",
+            "off",
+            "--ac",
+            "selective",
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--our-args=--model.flavor debug",
+            "--peer-args=--tiny",
+            "--out",
+            str(out),
+            "--logs",
+            str(tmp_path / "logs"),
+            "--budget-s",
+            "0",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=170,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
     (cell,) = report["cells"]
     ours, peer = cell["ours"], cell["peer"]
-    if peer["status"] != "ok" and "torchtitan" in peer.get("stderr_tail", "") and "Import" in peer.get("error", ""):
+    if (
+        peer["status"] != "ok"
+        and "torchtitan" in peer.get("stderr_tail", "")
+        and "Import" in peer.get("error", "")
+    ):
         pytest.skip(f"torchtitan DeepSeek-V3 does not run on this CPU: {peer.get('error')}")
     assert ours["status"] == "ok", ours
     assert peer["status"] == "ok", peer
@@ -44,11 +73,16 @@ def test_e2e_both_sides_tiny_on_cpu(tmp_path):
     for side in (ours, peer):
         assert side["tokens_per_s"] > 0 and side["step_s"] > 0
         assert side["forward_backward_s"] > 0 and side["optimizer_s"] >= 0 and side["data_s"] >= 0
-    assert peer["params_active"] < peer["params_total"] and peer["flops_per_step"] < peer["flops_per_step_tt"]
+    assert (
+        peer["params_active"] < peer["params_total"]
+        and peer["flops_per_step"] < peer["flops_per_step_tt"]
+    )
     assert cell["ratio"] == pytest.approx(ours["tokens_per_s"] / peer["tokens_per_s"])
     timed = [r["step_s"] for r in peer["records"][1:]]  # (1 warm-up step)
     assert peer["step_s_median"] == statistics.median(timed) and ours["step_s_median"] > 0
-    assert cell["ratio_median"] == pytest.approx(64 / ours["step_s_median"] / (64 / peer["step_s_median"]))
+    assert cell["ratio_median"] == pytest.approx(
+        64 / ours["step_s_median"] / (64 / peer["step_s_median"])
+    )
     md = (tmp_path / "e2e.md").read_text()
     assert "| S=64 compile=off ac=selective |" in md and "bench/e2e.py" in md
     table = proc.stdout.strip().splitlines()
@@ -58,32 +92,53 @@ def test_e2e_both_sides_tiny_on_cpu(tmp_path):
 def test_failing_cell_is_recorded(tmp_path):
     e2e = _load("e2e")
     runner = e2e.Runner(str(tmp_path), cell_timeout=60, budget_s=0)
-    run = runner.run([sys.executable, "-c", "import sys; print('x'); "
-                      "sys.exit('torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 9 GiB')"], "oom")
+    run = runner.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys; print('x'); "
+            "sys.exit('torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 9 GiB')",
+        ],
+        "oom",
+    )
     fail = e2e._failure(run)
     assert fail["status"] == "OOM" and "Tried to allocate" in fail["stderr_tail"]
     run = runner.run([sys.executable, "-c", "raise ValueError('boom')"], "err")
     fail = e2e._failure(run)
     assert fail["status"] == "error" and "ValueError: boom" in fail["stderr_tail"]
     run = e2e.Runner(str(tmp_path), cell_timeout=1, budget_s=0).run(
-        [sys.executable, "-c", "import time; time.sleep(30)"], "slow")
+        [sys.executable, "-c", "import time; time.sleep(30)"], "slow"
+    )
     assert e2e._failure(run)["status"] == "TIMEOUT"
     spent = e2e.Runner(str(tmp_path), cell_timeout=60, budget_s=5)
     assert e2e._failure(spent.run([sys.executable, "-c", "pass"], "late"))["status"] == "SKIPPED"
-    head, rows = e2e.table_rows([{"config": "S=1", "ours": {"status": "OOM"}, "peer": {"status": "error"}}])
+    head, rows = e2e.table_rows(
+        [{"config": "S=1", "ours": {"status": "OOM"}, "peer": {"status": "error"}}]
+    )
     assert rows == [["S=1", "OOM", "OOM", "OOM", "OOM", "error", "error", "error", "-", "-"]]
     assert e2e.text_table(head, rows).splitlines()[-1].startswith("S=1")
 
 
 def test_summarize_ours_averages_after_warmup():
     e2e = _load("e2e")
-    rows = [{"step": s, "time/step_s": t, "throughput/tokens_per_s_per_device": 100 / t, "time/data_s": 0.0,
-             "time/forward_backward_s": t - 0.1, "time/optimizer_s": 0.1, "throughput/tflops_per_device": 1.0,
-             "throughput/mfu_pct": m, "memory/peak_allocated_gib": g}
-            for s, t, m, g in ((1, 9.0, 1.0, 50.0), (2, 0.1 * 3, 10.0, 20.0), (3, 0.1 * 3, 20.0, 21.0))]
+    rows = [
+        {
+            "step": s,
+            "time/step_s": t,
+            "throughput/tokens_per_s_per_device": 100 / t,
+            "time/data_s": 0.0,
+            "time/forward_backward_s": t - 0.1,
+            "time/optimizer_s": 0.1,
+            "throughput/tflops_per_device": 1.0,
+            "throughput/mfu_pct": m,
+            "memory/peak_allocated_gib": g,
+        }
+        for s, t, m, g in ((1, 9.0, 1.0, 50.0), (2, 0.1 * 3, 10.0, 20.0), (3, 0.1 * 3, 20.0, 21.0))
+    ]
     out = e2e.summarize_ours(rows, warmup=1, steps=2)
     assert out["tokens_per_s"] == pytest.approx(200 / 0.6) and out["step_s"] == pytest.approx(0.3)
-    assert out["tokens_per_step"] == 100  # whole tokens: 100 / t * t is 99.99999999999999 for this t
+    # whole tokens: 100 / t * t is 99.99999999999999 for this t
+    assert out["tokens_per_step"] == 100
     assert out["mfu_pct"] == pytest.approx(15.0) and out["peak_allocated_gib"] == 21.0
     with pytest.raises(ValueError):
         e2e.summarize_ours(rows, warmup=1, steps=3)
@@ -95,7 +150,12 @@ def test_trace_summary_groups_kernels_per_step(tmp_path):
     events = [
         {"ph": "X", "cat": "kernel", "name": "_bwd_grad_kernel", "dur": 3000.0},
         {"ph": "X", "cat": "kernel", "name": "_bwd_grad_kernel", "dur": 1000.0},
-        {"ph": "X", "cat": "kernel", "name": "nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT", "dur": 2000.0},
+        {
+            "ph": "X",
+            "cat": "kernel",
+            "name": "nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT",
+            "dur": 2000.0,
+        },
         {"ph": "X", "cat": "kernel", "name": "cutlass3x_GroupProblemShape_gemm", "dur": 1000.0},
         {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoD (Device -> Device)", "dur": 1000.0},
         {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "dur": 9000.0},  # host side: not GPU time
@@ -105,36 +165,113 @@ def test_trace_summary_groups_kernels_per_step(tmp_path):
     s = ts.summarize(str(path), steps=2, top=3)
     assert s["gpu_ms_per_step"] == pytest.approx(4.0)  # 8 ms of GPU work over 2 steps
     cats = {c["category"]: c["ms_per_step"] for c in s["categories"]}
-    assert cats == pytest.approx({"dsa: sparse mla bwd": 2.0, "gemm (cublas/cutlass)": 1.0,
-                                  "grouped gemm (moe)": 0.5, "copy / cat / index": 0.5})
+    assert cats == pytest.approx(
+        {
+            "dsa: sparse mla bwd": 2.0,
+            "gemm (cublas/cutlass)": 1.0,
+            "grouped gemm (moe)": 0.5,
+            "copy / cat / index": 0.5,
+        }
+    )
     assert [k["name"] for k in s["kernels"]][0] == "_bwd_grad_kernel" and len(s["kernels"]) == 3
     assert s["kernels"][0]["calls_per_step"] == 1.0
     assert "GPU kernel time 4.0 ms/step" in ts.text(s)
-    for name, cat in (("_fwd_ws_kernel", "dsa: sparse mla fwd"), ("_bwd_ps_ws_kernel", "dsa: sparse mla bwd"),
-                      ("_bwd_grad_ws_kernel", "dsa: sparse mla bwd"), ("_bwd_kernel", "dsa: sparse mla bwd"),
-                      ("_swiglu_bwd_kernel", "elementwise"), ("_ce_rows_kernel", "reduce / softmax / norm")):
+    for name, cat in (
+        ("_fwd_ws_kernel", "dsa: sparse mla fwd"),
+        ("_bwd_ps_ws_kernel", "dsa: sparse mla bwd"),
+        ("_bwd_grad_ws_kernel", "dsa: sparse mla bwd"),
+        ("_bwd_kernel", "dsa: sparse mla bwd"),
+        ("_swiglu_bwd_kernel", "elementwise"),
+        ("_ce_rows_kernel", "reduce / softmax / norm"),
+    ):
         assert ts.category(name) == cat, name
 
 
 def test_trace_gemm_rates_by_op_and_shape(tmp_path):
-    """``--gemms``: GEMM kernels joined to their aten op by "External id", grouped by op and input dims, with the
-    FLOPs each op's dims give; a gzipped trace reads like a plain one."""
+    """``--gemms``: GEMM kernels joined to their aten op by "External id", grouped by op and input
+    dims, with the FLOPs each op's dims give; a gzipped trace reads like a plain one."""
     ts = _load("trace_summary")
     events = [
-        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "args": {"External id": 1, "Input Dims": [[4, 8], [8, 16]]}},
-        {"ph": "X", "cat": "cpu_op", "name": "aten::addmm_",
-         "args": {"External id": 2, "Input Dims": [[16, 8], [16, 4], [4, 8], [], []]}},
-        {"ph": "X", "cat": "cpu_op", "name": "aten::_grouped_mm",
-         "args": {"External id": 3, "Input Dims": [[32, 8], [2, 8, 16], [2]]}},
-        {"ph": "X", "cat": "cpu_op", "name": "aten::bmm", "args": {"External id": 4, "Input Dims": [[2, 4, 8], [2, 8, 16]]}},
-        {"ph": "X", "cat": "kernel", "name": "nvjet_a", "ts": 0.0, "dur": 1000.0, "args": {"External id": 1}},
-        {"ph": "X", "cat": "kernel", "name": "nvjet_a", "ts": 2000.0, "dur": 3000.0, "args": {"External id": 1}},
-        {"ph": "X", "cat": "kernel", "name": "nvjet_b", "ts": 6000.0, "dur": 500.0, "args": {"External id": 2}},
-        {"ph": "X", "cat": "kernel", "name": "void at::cuda::detail::prepare_grouped_gemm_data", "ts": 7000.0,
-         "dur": 1.0, "args": {"External id": 3}},
-        {"ph": "X", "cat": "kernel", "name": "cutlass_grouped", "ts": 7010.0, "dur": 2000.0, "args": {"External id": 3}},
-        {"ph": "X", "cat": "kernel", "name": "nvjet_c", "ts": 9100.0, "dur": 100.0, "args": {"External id": 4}},
-        {"ph": "X", "cat": "kernel", "name": "_fwd_ws_kernel", "ts": 9500.0, "dur": 100.0, "args": {"External id": 5}},
+        {
+            "ph": "X",
+            "cat": "cpu_op",
+            "name": "aten::mm",
+            "args": {"External id": 1, "Input Dims": [[4, 8], [8, 16]]},
+        },
+        {
+            "ph": "X",
+            "cat": "cpu_op",
+            "name": "aten::addmm_",
+            "args": {"External id": 2, "Input Dims": [[16, 8], [16, 4], [4, 8], [], []]},
+        },
+        {
+            "ph": "X",
+            "cat": "cpu_op",
+            "name": "aten::_grouped_mm",
+            "args": {"External id": 3, "Input Dims": [[32, 8], [2, 8, 16], [2]]},
+        },
+        {
+            "ph": "X",
+            "cat": "cpu_op",
+            "name": "aten::bmm",
+            "args": {"External id": 4, "Input Dims": [[2, 4, 8], [2, 8, 16]]},
+        },
+        {
+            "ph": "X",
+            "cat": "kernel",
+            "name": "nvjet_a",
+            "ts": 0.0,
+            "dur": 1000.0,
+            "args": {"External id": 1},
+        },
+        {
+            "ph": "X",
+            "cat": "kernel",
+            "name": "nvjet_a",
+            "ts": 2000.0,
+            "dur": 3000.0,
+            "args": {"External id": 1},
+        },
+        {
+            "ph": "X",
+            "cat": "kernel",
+            "name": "nvjet_b",
+            "ts": 6000.0,
+            "dur": 500.0,
+            "args": {"External id": 2},
+        },
+        {
+            "ph": "X",
+            "cat": "kernel",
+            "name": "void at::cuda::detail::prepare_grouped_gemm_data",
+            "ts": 7000.0,
+            "dur": 1.0,
+            "args": {"External id": 3},
+        },
+        {
+            "ph": "X",
+            "cat": "kernel",
+            "name": "cutlass_grouped",
+            "ts": 7010.0,
+            "dur": 2000.0,
+            "args": {"External id": 3},
+        },
+        {
+            "ph": "X",
+            "cat": "kernel",
+            "name": "nvjet_c",
+            "ts": 9100.0,
+            "dur": 100.0,
+            "args": {"External id": 4},
+        },
+        {
+            "ph": "X",
+            "cat": "kernel",
+            "name": "_fwd_ws_kernel",
+            "ts": 9500.0,
+            "dur": 100.0,
+            "args": {"External id": 5},
+        },
     ]
     path = tmp_path / "trace.json.gz"
     with gzip.open(path, "wt") as f:
@@ -143,71 +280,121 @@ def test_trace_gemm_rates_by_op_and_shape(tmp_path):
     rows = {(r["op"], json.dumps(r["dims"])): r for r in got["shapes"]}
     mm = rows[("aten::mm", json.dumps([[4, 8], [8, 16]]))]
     assert mm["calls_per_step"] == 1 and mm["ms_per_step"] == pytest.approx(2.0)
-    assert mm["tflops"] == pytest.approx(2 * 2 * 4 * 8 * 16 / 4.0 / 1e9)  # two calls' FLOPs over their 4 ms
-    assert rows[("aten::addmm_", json.dumps([[16, 8], [16, 4], [4, 8]]))]["tflops"] == pytest.approx(
-        2 * 16 * 4 * 8 / 0.5 / 1e9)
+    # two calls' FLOPs over their 4 ms
+    assert mm["tflops"] == pytest.approx(2 * 2 * 4 * 8 * 16 / 4.0 / 1e9)
+    assert rows[("aten::addmm_", json.dumps([[16, 8], [16, 4], [4, 8]]))][
+        "tflops"
+    ] == pytest.approx(2 * 16 * 4 * 8 / 0.5 / 1e9)
     grouped = rows[("aten::_grouped_mm", json.dumps([[32, 8], [2, 8, 16], [2]]))]
-    assert grouped["calls_per_step"] == 0.5 and grouped["tflops"] == pytest.approx(2 * 32 * 8 * 16 / 2.0 / 1e9)
+    assert grouped["calls_per_step"] == 0.5 and grouped["tflops"] == pytest.approx(
+        2 * 32 * 8 * 16 / 2.0 / 1e9
+    )
     assert ts.gemm_flops("aten::bmm", [[2, 4, 8], [2, 8, 16]]) == 2 * 2 * 4 * 8 * 16
-    assert ts.gemm_flops("aten::_grouped_mm", [[8, 32], [32, 16], [2]]) == 2 * 8 * 32 * 16  # k-grouped
-    assert len(got["shapes"]) == 4  # the grouped op's setup kernel and the non-GEMM kernel are left out
+    # k-grouped
+    assert ts.gemm_flops("aten::_grouped_mm", [[8, 32], [32, 16], [2]]) == 2 * 8 * 32 * 16
+    # the grouped op's setup kernel and the non-GEMM kernel are left out
+    assert len(got["shapes"]) == 4
     assert [(c["at_ms"], c["ms"]) for c in got["calls"]] == [(0.0, 1.0), (2.0, 3.0), (7.01, 2.0)]
     assert "GEMM shapes" in ts.gemm_text(got)
 
 
 def test_trace_timeline_exposed_communication():
-    """Idle GPU time and NCCL time that no compute kernel overlaps (the exposed communication), per step."""
+    """Idle GPU time and NCCL time that no compute kernel overlaps (the exposed communication), per
+    step."""
     ts = _load("trace_summary")
-    kernels = [("nvjet_gemm", 0.0, 10000.0), ("ncclDevKernel_AllGather", 5000.0, 10000.0),
-               ("nvjet_gemm", 20000.0, 5000.0), ("ncclDevKernel_ReduceScatter", 22000.0, 10000.0),
-               ("_fwd_kernel", 40000.0, 1000.0)]
+    kernels = [
+        ("nvjet_gemm", 0.0, 10000.0),
+        ("ncclDevKernel_AllGather", 5000.0, 10000.0),
+        ("nvjet_gemm", 20000.0, 5000.0),
+        ("ncclDevKernel_ReduceScatter", 22000.0, 10000.0),
+        ("_fwd_kernel", 40000.0, 1000.0),
+    ]
     tl = ts.timeline(kernels, steps=2)
-    # span 41 ms; busy [0, 15] + [20, 32] + [40, 41] = 28 ms; NCCL 20 ms, of which [10, 15] and [25, 32] exposed
-    assert tl == pytest.approx({"span_ms": 20.5, "busy_ms": 14.0, "idle_ms": 6.5, "nccl_ms": 10.0,
-                                "nccl_exposed_ms": 6.0})
+    # span 41 ms; busy [0, 15] + [20, 32] + [40, 41] = 28 ms; NCCL 20 ms, of which [10, 15] and [25,
+    # 32] exposed
+    assert tl == pytest.approx(
+        {"span_ms": 20.5, "busy_ms": 14.0, "idle_ms": 6.5, "nccl_ms": 10.0, "nccl_exposed_ms": 6.0}
+    )
     assert ts.timeline([]) == {}
-    host = [("aten::item", 31000.0, 8000.0), ("ProfilerStep#7", 0.0, 50000.0), ("aten::mm", 100.0, 50.0)]
+    host = [
+        ("aten::item", 31000.0, 8000.0),
+        ("ProfilerStep#7", 0.0, 50000.0),
+        ("aten::mm", 100.0, 50.0),
+    ]
     gaps = ts.idle_gaps(kernels, host, min_us=1000.0)
     assert [(g["ms"], g["after_kernel"], g["before_kernel"]) for g in gaps] == [
-        (8.0, "ncclDevKernel_ReduceScatter", "_fwd_kernel"), (5.0, "ncclDevKernel_AllGather", "nvjet_gemm")]
+        (8.0, "ncclDevKernel_ReduceScatter", "_fwd_kernel"),
+        (5.0, "ncclDevKernel_AllGather", "nvjet_gemm"),
+    ]
     assert gaps[0]["host_ops"] == [["aten::item", 7.0]] and gaps[1]["host_ops"] == []
 
 
 def test_trace_idle_profile_over_the_span_and_the_host():
-    """Idle stretches of at least min_us: their total, split over tenths of the span, and the host ops (every
-    nesting level, ProfilerStep left out) that overlapped them, per step."""
+    """Idle stretches of at least min_us: their total, split over tenths of the span, and the host
+    ops (every nesting level, ProfilerStep left out) that overlapped them, per step."""
     ts = _load("trace_summary")
-    kernels = [("a", 0.0, 1000.0), ("b", 1010.0, 3990.0), ("c", 7000.0, 2000.0), ("d", 9500.0, 500.0)]
+    kernels = [
+        ("a", 0.0, 1000.0),
+        ("b", 1010.0, 3990.0),
+        ("c", 7000.0, 2000.0),
+        ("d", 9500.0, 500.0),
+    ]
     # span 10 ms; stretches: [1000, 1010] (10 us, below min_us), [5000, 7000], [9000, 9500]
-    host = [("ProfilerStep#1", 0.0, 10000.0), ("FSDP::pre_forward", 4500.0, 1000.0), ("aten::copy_", 4900.0, 400.0),
-            ("Torch-Compiled Region: 1/0", 6000.0, 3200.0), ("aten::mm", 100.0, 50.0)]
+    host = [
+        ("ProfilerStep#1", 0.0, 10000.0),
+        ("FSDP::pre_forward", 4500.0, 1000.0),
+        ("aten::copy_", 4900.0, 400.0),
+        ("Torch-Compiled Region: 1/0", 6000.0, 3200.0),
+        ("aten::mm", 100.0, 50.0),
+    ]
     got = ts.idle_profile(kernels, host, steps=2, min_us=20.0)
     assert got["idle_ms"] == pytest.approx(1.25)
     assert got["idle_ms_by_tenth"] == pytest.approx([0, 0, 0, 0, 0, 0.5, 0.5, 0, 0, 0.25])
-    assert got["host_ops"] == [["Torch-Compiled Region: 1/0", pytest.approx(0.6)],
-                               ["FSDP::pre_forward", pytest.approx(0.25)], ["aten::copy_", pytest.approx(0.15)]]
+    assert got["host_ops"] == [
+        ["Torch-Compiled Region: 1/0", pytest.approx(0.6)],
+        ["FSDP::pre_forward", pytest.approx(0.25)],
+        ["aten::copy_", pytest.approx(0.15)],
+    ]
     assert ts.idle_profile([], host) == {}
 
 
 def test_trace_host_syncs_by_enclosing_ops():
-    """Blocking CUDA runtime calls, per step, under the chain of host ops around them (per thread)."""
+    """Blocking CUDA runtime calls, per step, under the chain of host ops around them (per
+    thread)."""
     ts = _load("trace_summary")
-    host = [("ProfilerStep#3", 0.0, 1000.0, 1),
-            ("aten::bincount", 10.0, 100.0, 1), ("aten::max", 20.0, 50.0, 1), ("aten::item", 30.0, 30.0, 1),
-            ("cudaStreamSynchronize", 40.0, 15.0, 1),
-            ("aten::bincount", 200.0, 100.0, 1), ("aten::item", 210.0, 30.0, 1),
-            ("cudaStreamSynchronize", 215.0, 5.0, 1),
-            ("cudaStreamSynchronize", 400.0, 500.0, 1),  # at step level
-            ("cudaLaunchKernel", 500.0, 1.0, 2),  # another thread, not a sync
-            ("aten::copy_", 600.0, 50.0, 2), ("cudaMemcpy", 610.0, 2.0, 2)]
+    host = [
+        ("ProfilerStep#3", 0.0, 1000.0, 1),
+        ("aten::bincount", 10.0, 100.0, 1),
+        ("aten::max", 20.0, 50.0, 1),
+        ("aten::item", 30.0, 30.0, 1),
+        ("cudaStreamSynchronize", 40.0, 15.0, 1),
+        ("aten::bincount", 200.0, 100.0, 1),
+        ("aten::item", 210.0, 30.0, 1),
+        ("cudaStreamSynchronize", 215.0, 5.0, 1),
+        ("cudaStreamSynchronize", 400.0, 500.0, 1),  # at step level
+        ("cudaLaunchKernel", 500.0, 1.0, 2),  # another thread, not a sync
+        ("aten::copy_", 600.0, 50.0, 2),
+        ("cudaMemcpy", 610.0, 2.0, 2),
+    ]
     got = ts.host_syncs(host, steps=1)
     assert got == [
         {"site": "cudaStreamSynchronize", "calls_per_step": 1, "ms_per_step": pytest.approx(0.5)},
-        {"site": "aten::bincount > aten::max > aten::item > cudaStreamSynchronize", "calls_per_step": 1,
-         "ms_per_step": pytest.approx(0.015)},
-        {"site": "aten::bincount > aten::item > cudaStreamSynchronize", "calls_per_step": 1,
-         "ms_per_step": pytest.approx(0.005)},
-        {"site": "aten::copy_ > cudaMemcpy", "calls_per_step": 1, "ms_per_step": pytest.approx(0.002)}]
+        {
+            "site": "aten::bincount > aten::max > aten::item > cudaStreamSynchronize",
+            "calls_per_step": 1,
+            "ms_per_step": pytest.approx(0.015),
+        },
+        {
+            "site": "aten::bincount > aten::item > cudaStreamSynchronize",
+            "calls_per_step": 1,
+            "ms_per_step": pytest.approx(0.005),
+        },
+        {
+            "site": "aten::copy_ > cudaMemcpy",
+            "calls_per_step": 1,
+            "ms_per_step": pytest.approx(0.002),
+        },
+    ]
     assert ts.host_syncs(host, steps=2)[0]["calls_per_step"] == 0.5
 
 
@@ -222,11 +409,21 @@ def test_compiled_cells_get_the_longer_warmup():
 
 
 def _fake_runs(e2e, monkeypatch, fake_peer, ours_speed: float) -> None:
-    """e2e.main with ``fake_peer`` for the peer's runs and ours at a fixed speed, no subprocesses, no $OUT."""
+    """e2e.main with ``fake_peer`` for the peer's runs and ours at a fixed speed, no subprocesses,
+    no $OUT."""
+
     def fake_ours(a, runner, seq_len, compile_on, ac, name):
-        return {"status": "ok", "tokens_per_s": ours_speed, "tokens_per_step": seq_len,
-                "step_s_median": seq_len / ours_speed, "mfu_pct": 1.0, "peak_allocated_gib": 1.0, "data_s": 0.0,
-                "forward_backward_s": 1.0, "optimizer_s": 0.1}
+        return {
+            "status": "ok",
+            "tokens_per_s": ours_speed,
+            "tokens_per_step": seq_len,
+            "step_s_median": seq_len / ours_speed,
+            "mfu_pct": 1.0,
+            "peak_allocated_gib": 1.0,
+            "data_s": 0.0,
+            "forward_backward_s": 1.0,
+            "optimizer_s": 0.1,
+        }
 
     monkeypatch.setattr(e2e, "run_peer", fake_peer)
     monkeypatch.setattr(e2e, "run_ours", fake_ours)
@@ -235,9 +432,10 @@ def _fake_runs(e2e, monkeypatch, fake_peer, ours_speed: float) -> None:
 
 
 def test_both_peer_paths_per_cell(tmp_path, monkeypatch):
-    """--peer-mp fsdp,autocast: one peer run per path (``--mp`` passed on), the first as the cell's "peer" (the
-    ratio), the other as "peer_autocast", and ours against the faster as "ratio_best_peer"; a failed path is left
-    out of the best. The table gets a column per extra path and the best ratio."""
+    """--peer-mp fsdp,autocast: one peer run per path (``--mp`` passed on), the first as the cell's
+    "peer" (the ratio), the other as "peer_autocast", and ours against the faster as
+    "ratio_best_peer"; a failed path is left out of the best. The table gets a column per extra path
+    and the best ratio."""
     e2e = _load("e2e")
     speeds = {("fsdp", 4096): 100.0, ("autocast", 4096): 125.0, ("fsdp", 8192): 90.0}
     seen = []
@@ -246,19 +444,43 @@ def test_both_peer_paths_per_cell(tmp_path, monkeypatch):
         seen.append((name, mp))
         if (mp, seq_len) not in speeds:
             return {"status": "OOM"}
-        return {"status": "ok", "tokens_per_s": speeds[(mp, seq_len)], "tokens_per_step": seq_len,
-                "step_s_median": seq_len / speeds[(mp, seq_len)], "mfu_pct": 1.0, "peak_allocated_gib": 1.0}
+        return {
+            "status": "ok",
+            "tokens_per_s": speeds[(mp, seq_len)],
+            "tokens_per_step": seq_len,
+            "step_s_median": seq_len / speeds[(mp, seq_len)],
+            "mfu_pct": 1.0,
+            "peak_allocated_gib": 1.0,
+        }
 
     _fake_runs(e2e, monkeypatch, fake_peer, ours_speed=110.0)
     out = tmp_path / "e2e.json"
-    assert e2e.main(["--seq-lens", "4096,8192", "--peer-mp", "fsdp,autocast", "--peer-oom-ac", "off",
-                     "--out", str(out), "--logs", str(tmp_path / "logs")]) == 0
+    assert (
+        e2e.main(
+            [
+                "--seq-lens",
+                "4096,8192",
+                "--peer-mp",
+                "fsdp,autocast",
+                "--peer-oom-ac",
+                "off",
+                "--out",
+                str(out),
+                "--logs",
+                str(tmp_path / "logs"),
+            ]
+        )
+        == 0
+    )
     assert [mp for _, mp in seen] == ["fsdp", "autocast"] * 2
     assert [name.split("_s")[0] for name, _ in seen] == ["peer", "peer_autocast"] * 2
     report = json.loads(out.read_text())
     a, b = report["cells"]
     assert a["ratio"] == pytest.approx(1.1) and a["ratio_best_peer"] == pytest.approx(110 / 125)
-    assert a["peer_autocast"]["tokens_per_s"] == 125.0 and report["meta"]["peer_mp"] == ["fsdp", "autocast"]
+    assert a["peer_autocast"]["tokens_per_s"] == 125.0 and report["meta"]["peer_mp"] == [
+        "fsdp",
+        "autocast",
+    ]
     assert b["peer_autocast"]["status"] == "OOM" and b["ratio_best_peer"] == pytest.approx(110 / 90)
     head, rows = e2e.table_rows(report["cells"])
     assert head[-2:] == ["peer autocast tok/s", "ratio vs best peer"]
@@ -271,9 +493,10 @@ def test_both_peer_paths_per_cell(tmp_path, monkeypatch):
 
 
 def test_peer_out_of_memory_runs_again_with_full_ac(tmp_path, monkeypatch):
-    """--peer-oom-ac full (the default): a peer run that runs out of memory at the cell's AC mode runs once more
-    with AC full, the cell's ratio is against that run and the table marks it; no second run when the cell is at
-    AC full already, when the failure is not an OOM, or with --peer-oom-ac off."""
+    """--peer-oom-ac full (the default): a peer run that runs out of memory at the cell's AC mode
+    runs once more with AC full, the cell's ratio is against that run and the table marks it; no
+    second run when the cell is at AC full already, when the failure is not an OOM, or with
+    --peer-oom-ac off."""
     e2e = _load("e2e")
     seen = []
 
@@ -283,27 +506,71 @@ def test_peer_out_of_memory_runs_again_with_full_ac(tmp_path, monkeypatch):
             return {"status": "error"}
         if ac != "full":
             return {"status": "OOM"}
-        return {"status": "ok", "ac": ac, "tokens_per_s": 50.0, "tokens_per_step": seq_len,
-                "step_s_median": seq_len / 50.0, "mfu_pct": 1.0, "peak_allocated_gib": 1.0}
+        return {
+            "status": "ok",
+            "ac": ac,
+            "tokens_per_s": 50.0,
+            "tokens_per_step": seq_len,
+            "step_s_median": seq_len / 50.0,
+            "mfu_pct": 1.0,
+            "peak_allocated_gib": 1.0,
+        }
 
     _fake_runs(e2e, monkeypatch, fake_peer, ours_speed=100.0)
     out = tmp_path / "e2e.json"
-    assert e2e.main(["--seq-lens", "4096,8192", "--ac", "none,full", "--out", str(out),
-                     "--logs", str(tmp_path / "logs")]) == 0
-    assert [(s, ac) for s, ac, _ in seen] == [(4096, "none"), (4096, "full"), (8192, "none"), (4096, "full"),
-                                              (8192, "full")]
+    assert (
+        e2e.main(
+            [
+                "--seq-lens",
+                "4096,8192",
+                "--ac",
+                "none,full",
+                "--out",
+                str(out),
+                "--logs",
+                str(tmp_path / "logs"),
+            ]
+        )
+        == 0
+    )
+    assert [(s, ac) for s, ac, _ in seen] == [
+        (4096, "none"),
+        (4096, "full"),
+        (8192, "none"),
+        (4096, "full"),
+        (8192, "full"),
+    ]
     assert seen[1][2].endswith("_acfull")
     report = json.loads(out.read_text())
     none4k, none8k, full4k, full8k = report["cells"]
     assert none4k["peer"]["oom_at_ac"] == "none" and none4k["peer"]["ac"] == "full"
     assert none4k["ratio"] == pytest.approx(2.0) and "oom_at_ac" not in full4k["peer"]
-    assert none8k["peer"]["status"] == "error" and "ratio" not in none8k and full8k["peer"]["status"] == "error"
+    assert (
+        none8k["peer"]["status"] == "error"
+        and "ratio" not in none8k
+        and full8k["peer"]["status"] == "error"
+    )
     head, rows = e2e.table_rows(report["cells"])
     col = head.index("peer tok/s")
     assert [r[col] for r in rows] == ["50 (AC full)", "error", "50", "error"]
     assert "--peer-oom-ac full" in (tmp_path / "e2e.md").read_text()
     seen.clear()
-    assert e2e.main(["--seq-lens", "4096", "--ac", "none", "--peer-oom-ac", "off", "--out", str(out),
-                     "--logs", str(tmp_path / "logs")]) == 0
+    assert (
+        e2e.main(
+            [
+                "--seq-lens",
+                "4096",
+                "--ac",
+                "none",
+                "--peer-oom-ac",
+                "off",
+                "--out",
+                str(out),
+                "--logs",
+                str(tmp_path / "logs"),
+            ]
+        )
+        == 0
+    )
     assert [(s, ac) for s, ac, _ in seen] == [(4096, "none")]
     assert json.loads(out.read_text())["cells"][0]["peer"]["status"] == "OOM"

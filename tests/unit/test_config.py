@@ -15,7 +15,9 @@ def write(tmp_path, text):
 
 
 def test_cli_overrides_toml_overrides_defaults(tmp_path):
-    toml = write(tmp_path, "[dsa]\nbackend = 'torch'\nindexer_loss_coeff = 0.5\n[training]\nsteps = 7\n")
+    toml = write(
+        tmp_path, "[dsa]\nbackend = 'torch'\nindexer_loss_coeff = 0.5\n[training]\nsteps = 7\n"
+    )
     cfg = parse_job_config(["--job.config_file", toml, "--training.steps", "9"])
     assert (cfg.training.steps, cfg.dsa.backend, cfg.dsa.indexer_loss_coeff) == (9, "torch", 0.5)
     assert cfg.mtp.enable and cfg.mtp.loss_weight == 0.3 and cfg.model.flavor == "debug"
@@ -33,60 +35,106 @@ def test_unknown_cli_key_exits():
         parse_job_config(["--dsa.no_such_option", "1"])
 
 
-@pytest.mark.parametrize("argv, key", [
-    (["--parallelism.tensor_parallel_degree", "2"], "parallelism.tensor_parallel_degree"),
-    (["--parallelism.context_parallel_degree", "2"], "parallelism.context_parallel_degree"),
-    (["--dsa.mode", "dense_warmup"], "dsa.indexer_loss_coeff"),
-    (["--dsa.mode", "dense_warmup", "--dsa.indexer_loss_coeff", "1", "--dsa.freeze_indexer"], "dsa.freeze_indexer"),
-    (["--dsa.freeze_indexer", "--dsa.indexer_loss_coeff", "0.1"], "dsa.freeze_indexer"),
-    (["--checkpoint.enable", "--checkpoint.keep_latest_k", "1"], "checkpoint.keep_latest_k"),
-    (["--checkpoint.async_mode", "async"], "checkpoint.async_mode"),
-    (["--training.dataset_path", "/x"], "training.dataset_path"),
-    (["--training.dtype", "bfloat16"], "training.dtype"),
-    (["--metrics.enable_wandb"], "metrics.enable_wandb"),
-    (["--model.converters", "float8"], "model.converters"),
-    (["--debug.deterministic"], "debug.deterministic"),
-    (["--validation.enable"], "validation.enable"),
-    (["--fault_tolerance.enable"], "fault_tolerance.enable"),
-    (["--comm.init_timeout_seconds", "900"], "comm.init_timeout_seconds"),
-    (["--activation_checkpoint.early_stop"], "activation_checkpoint.early_stop"),
-    (["--quantize.linear.float8.emulate"], "quantize.linear"),
-    (["--training.gc_freq", "0"], "training.gc_freq"),
-    (["--training.dataloader.num_workers", "2"], "training.dataloader.num_workers"),
-    (["--training.dataloader.pin_memory"], "training.dataloader.pin_memory"),
-    (["--data.prefetch", "-1"], "data.prefetch"),
-    (["--dsa.dense_masked_ratio", "1.0"], "dsa.dense_masked_ratio"),
-    (["--dsa.dense_masked_ratio", "-2"], "dsa.dense_masked_ratio"),
-    (["--parallelism.pipeline_parallel_layers_per_stage", "4"], "parallelism.pipeline_parallel_layers_per_stage"),
-    (["--parallelism.pipeline_parallel_layout", "4,x"], "parallelism.pipeline_parallel_layout"),
-    (["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "3",
-      "--parallelism.pipeline_parallel_microbatch_size", "2"],
-     "parallelism.pipeline_parallel_microbatch_size"),
-    (["--model.tokenizer_path", "/x"], "model.tokenizer_path"),
-    (["--faults.max_consecutive_nonfinite", "0"], "faults.max_consecutive_nonfinite"),
-    (["--compile.enable", "--compile.components", "loss"], "compile.components"),
-    (["--training.master_weights", "optimizer", "--optimizer.implementation", "fused"], "training.master_weights"),
-    (["--training.master_weights", "optimizer", "--optimizer.implementation", "triton",
-      "--training.mixed_precision_param", "float32"], "training.master_weights"),
-])
+@pytest.mark.parametrize(
+    "argv, key",
+    [
+        (["--parallelism.tensor_parallel_degree", "2"], "parallelism.tensor_parallel_degree"),
+        (["--parallelism.context_parallel_degree", "2"], "parallelism.context_parallel_degree"),
+        (["--dsa.mode", "dense_warmup"], "dsa.indexer_loss_coeff"),
+        (
+            ["--dsa.mode", "dense_warmup", "--dsa.indexer_loss_coeff", "1", "--dsa.freeze_indexer"],
+            "dsa.freeze_indexer",
+        ),
+        (["--dsa.freeze_indexer", "--dsa.indexer_loss_coeff", "0.1"], "dsa.freeze_indexer"),
+        (["--checkpoint.enable", "--checkpoint.keep_latest_k", "1"], "checkpoint.keep_latest_k"),
+        (["--checkpoint.async_mode", "async"], "checkpoint.async_mode"),
+        (["--training.dataset_path", "/x"], "training.dataset_path"),
+        (["--training.dtype", "bfloat16"], "training.dtype"),
+        (["--metrics.enable_wandb"], "metrics.enable_wandb"),
+        (["--model.converters", "float8"], "model.converters"),
+        (["--debug.deterministic"], "debug.deterministic"),
+        (["--validation.enable"], "validation.enable"),
+        (["--fault_tolerance.enable"], "fault_tolerance.enable"),
+        (["--comm.init_timeout_seconds", "900"], "comm.init_timeout_seconds"),
+        (["--activation_checkpoint.early_stop"], "activation_checkpoint.early_stop"),
+        (["--quantize.linear.float8.emulate"], "quantize.linear"),
+        (["--training.gc_freq", "0"], "training.gc_freq"),
+        (["--training.dataloader.num_workers", "2"], "training.dataloader.num_workers"),
+        (["--training.dataloader.pin_memory"], "training.dataloader.pin_memory"),
+        (["--data.prefetch", "-1"], "data.prefetch"),
+        (["--dsa.dense_masked_ratio", "1.0"], "dsa.dense_masked_ratio"),
+        (["--dsa.dense_masked_ratio", "-2"], "dsa.dense_masked_ratio"),
+        (
+            ["--parallelism.pipeline_parallel_layers_per_stage", "4"],
+            "parallelism.pipeline_parallel_layers_per_stage",
+        ),
+        (["--parallelism.pipeline_parallel_layout", "4,x"], "parallelism.pipeline_parallel_layout"),
+        (
+            [
+                "--parallelism.pipeline_parallel_degree",
+                "2",
+                "--training.local_batch_size",
+                "3",
+                "--parallelism.pipeline_parallel_microbatch_size",
+                "2",
+            ],
+            "parallelism.pipeline_parallel_microbatch_size",
+        ),
+        (["--model.tokenizer_path", "/x"], "model.tokenizer_path"),
+        (["--faults.max_consecutive_nonfinite", "0"], "faults.max_consecutive_nonfinite"),
+        (["--compile.enable", "--compile.components", "loss"], "compile.components"),
+        (
+            ["--training.master_weights", "optimizer", "--optimizer.implementation", "fused"],
+            "training.master_weights",
+        ),
+        (
+            [
+                "--training.master_weights",
+                "optimizer",
+                "--optimizer.implementation",
+                "triton",
+                "--training.mixed_precision_param",
+                "float32",
+            ],
+            "training.master_weights",
+        ),
+    ],
+)
 def test_impossible_combinations_name_the_key(argv, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         parse_job_config(argv)
 
 
 def test_master_weights_in_the_optimizer_need_one_process():
-    cfg = parse_job_config(["--training.master_weights", "optimizer", "--optimizer.implementation", "triton"])
+    cfg = parse_job_config(
+        ["--training.master_weights", "optimizer", "--optimizer.implementation", "triton"]
+    )
     validate(cfg, world_size=1)
     with pytest.raises(ConfigError, match=r"training\.master_weights.*2 ranks"):
         validate(cfg, world_size=2)
-    validate(parse_job_config(["--optimizer.implementation", "triton"]), world_size=8)  # "auto": FSDP there
+    # "auto": FSDP there
+    validate(parse_job_config(["--optimizer.implementation", "triton"]), world_size=8)
 
 
 def test_help_lists_our_options():
-    out = subprocess.run([sys.executable, "train.py", "--help"], capture_output=True, text=True, timeout=120,
-                         cwd=__file__.rsplit("/tests/", 1)[0]).stdout
-    for option in ("--dsa.backend", "--dsa.mode", "--dsa.indexer-loss-coeff", "--moe.bias-update-rate",
-                   "--moe.seq-aux-loss-coeff", "--mtp.loss-weight", "--faults.max-consecutive-nonfinite",
-                   "--parallelism.pipeline-parallel-layout", "--model.hf-config", "--training.dataset"):
+    out = subprocess.run(
+        [sys.executable, "train.py", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=__file__.rsplit("/tests/", 1)[0],
+    ).stdout
+    for option in (
+        "--dsa.backend",
+        "--dsa.mode",
+        "--dsa.indexer-loss-coeff",
+        "--moe.bias-update-rate",
+        "--moe.seq-aux-loss-coeff",
+        "--mtp.loss-weight",
+        "--faults.max-consecutive-nonfinite",
+        "--parallelism.pipeline-parallel-layout",
+        "--model.hf-config",
+        "--training.dataset",
+    ):
         assert option in out, option
     assert "Weight of the indexer KL loss" in out

@@ -1,5 +1,5 @@
-"""``expert_mm``: the routed experts' products one GEMM per expert (model/expert_mm.py), and ``moe.grouped_mm =
-"auto"``'s choice between it and ``torch._grouped_mm``."""
+"""``expert_mm``: the routed experts' products one GEMM per expert (model/expert_mm.py), and
+``moe.grouped_mm = "auto"``'s choice between it and ``torch._grouped_mm``."""
 
 import pytest
 import torch
@@ -13,15 +13,16 @@ from titan_glm52.model.moe import GroupedExperts
 def _reference(x, w, splits):
     out, start = [], 0
     for e, n in enumerate(splits):
-        out.append(x[start:start + n] @ w[e].T)
+        out.append(x[start : start + n] @ w[e].T)
         start += n
     return torch.cat(out)
 
 
 @pytest.mark.parametrize("splits", [[3, 0, 5, 2], [0, 4, 6, 0], [0, 0, 0, 0]])
 def test_products_and_gradients_match_per_expert_math(splits):
-    """Experts without tokens included (first, middle, last, all): output and both gradients as autograd forms them
-    for the concatenated per-expert products, an expert without rows getting a zero weight gradient."""
+    """Experts without tokens included (first, middle, last, all): output and both gradients as
+    autograd forms them for the concatenated per-expert products, an expert without rows getting a
+    zero weight gradient."""
     torch.manual_seed(0)
     x = torch.randn(sum(splits), 5, dtype=torch.float64, requires_grad=True)
     w = torch.randn(4, 6, 5, dtype=torch.float64, requires_grad=True)
@@ -45,16 +46,20 @@ def test_registered_op_passes_torch_checks():
         assert expert_mm(torch.empty(10, 8), torch.empty(4, 16, 8), [3, 0, 5, 2]).shape == (10, 16)
 
 
-@pytest.mark.parametrize("splits,match", [([3, 0, 5], "fit"), ([3, 0, 5, 1], "cover"), ([3, -1, 6, 2], "cover")])
+@pytest.mark.parametrize(
+    "splits,match", [([3, 0, 5], "fit"), ([3, 0, 5, 1], "cover"), ([3, -1, 6, 2], "cover")]
+)
 def test_bad_splits_are_refused(splits, match):
     with pytest.raises(ValueError, match=match):
         expert_mm(torch.randn(10, 8), torch.randn(4, 16, 8), splits)
 
 
-@pytest.mark.parametrize("rows_per_expert,grouped", [(moe_mod.PER_EXPERT_MIN_ROWS - 1, True),
-                                                     (moe_mod.PER_EXPERT_MIN_ROWS, False)])
+@pytest.mark.parametrize(
+    "rows_per_expert,grouped",
+    [(moe_mod.PER_EXPERT_MIN_ROWS - 1, True), (moe_mod.PER_EXPERT_MIN_ROWS, False)],
+)
 def test_auto_takes_grouped_below_the_row_threshold(monkeypatch, rows_per_expert, grouped):
-    """"auto" (``use_grouped_mm = None``) on a GPU with grouped products: torch._grouped_mm below
+    """ "auto" (``use_grouped_mm = None``) on a GPU with grouped products: torch._grouped_mm below
     PER_EXPERT_MIN_ROWS mean rows per expert, expert_mm from there on; "on" / "off" force either."""
     calls = []
 
@@ -64,8 +69,11 @@ def test_auto_takes_grouped_below_the_row_threshold(monkeypatch, rows_per_expert
 
     monkeypatch.setattr(moe_mod, "_grouped_mm_usable", lambda x: True)
     monkeypatch.setattr(torch, "_grouped_mm", fake_grouped, raising=False)
-    monkeypatch.setattr(moe_mod, "expert_mm", lambda x, w, splits: calls.append("per_expert") or
-                        x.new_zeros(x.shape[0], w.shape[1]))
+    monkeypatch.setattr(
+        moe_mod,
+        "expert_mm",
+        lambda x, w, splits: calls.append("per_expert") or x.new_zeros(x.shape[0], w.shape[1]),
+    )
     ex = GroupedExperts(2, 4, 4)
     init_weights_(ex, 0.1)
     rows = 2 * rows_per_expert

@@ -1,8 +1,9 @@
-"""On a GPU the forward is bitwise reproducible: the proxy's widths (4 layers, IndexShare FFFS, really sparse: top-2048
-of 4096 keys; a 4096-row vocabulary), bf16, the Triton DSA kernels and grouped GEMMs, the same weights and batch run
-twice give the same summed loss and the same hidden states after every block. The backward is not bitwise
-reproducible (the sparse attention's backward sums its key gradients with fp32 atomics in arrival order), but the
-latent query it rebuilds (``[dsa] recompute_latent_query``) has the forward's bits."""
+"""On a GPU the forward is bitwise reproducible: the proxy's widths (4 layers, IndexShare FFFS,
+really sparse: top-2048 of 4096 keys; a 4096-row vocabulary), bf16, the Triton DSA kernels and
+grouped GEMMs, the same weights and batch run twice give the same summed loss and the same hidden
+states after every block. The backward is not bitwise reproducible (the sparse attention's backward
+sums its key gradients with fp32 atomics in arrival order), but the latent query it rebuilds
+(``[dsa] recompute_latent_query``) has the forward's bits."""
 
 import pytest
 import torch
@@ -13,8 +14,10 @@ from titan_glm52.model.init import init_weights_
 from titan_glm52.model.model import GLM52Model
 from titan_glm52.model.options import ModelOptions
 
-hopper = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
-                            reason="needs a Hopper-class GPU (the Triton DSA kernels, torch._grouped_mm)")
+hopper = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+    reason="needs a Hopper-class GPU (the Triton DSA kernels, torch._grouped_mm)",
+)
 
 
 def _proxy_model() -> tuple[GLM52Model, torch.Tensor, torch.Tensor]:
@@ -33,7 +36,10 @@ def _proxy_model() -> tuple[GLM52Model, torch.Tensor, torch.Tensor]:
 def test_the_forward_gives_the_same_bits_twice():
     model, tokens, labels = _proxy_model()
     blocks = []
-    hooks = [b.register_forward_hook(lambda m, i, o: blocks.append(o[0].clone())) for b in model.layers.values()]
+    hooks = [
+        b.register_forward_hook(lambda m, i, o: blocks.append(o[0].clone()))
+        for b in model.layers.values()
+    ]
     runs = []
     with torch.no_grad():
         for _ in range(2):

@@ -1,13 +1,20 @@
-"""Gradient clipping folded into the fused Adam/AdamW step (optimizer.clip_in_fused_step) against the in-place
-clip followed by the same fused step; DTensor (FSDP2 / EP) cases are in tests/distributed (``*_fused_clip``)."""
+"""Gradient clipping folded into the fused Adam/AdamW step (optimizer.clip_in_fused_step) against
+the in-place clip followed by the same fused step; DTensor (FSDP2 / EP) cases are in
+tests/distributed (``*_fused_clip``)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from titan_glm52.optimizer import (FOREACH_NORM_MAX_NUMEL, clip_coefficient, clip_grad_norm_, clip_in_fused_step,
-                                     folds_clip, total_grad_norm)
+from titan_glm52.optimizer import (
+    FOREACH_NORM_MAX_NUMEL,
+    clip_coefficient,
+    clip_grad_norm_,
+    clip_in_fused_step,
+    folds_clip,
+    total_grad_norm,
+)
 
 SHAPES = [(64, 48), (48,), (3, 5, 7), (1,), (200,)]
 
@@ -21,7 +28,8 @@ def make_params(seed: int) -> list[torch.nn.Parameter]:
 
 def grads_for(step: int) -> list[torch.Tensor | None]:
     g = torch.Generator().manual_seed(100 + step)
-    scale = 1.0 + step  # the norm (and with a small max_norm the clip coefficient) changes between steps
+    # the norm (and with a small max_norm the clip coefficient) changes between steps
+    scale = 1.0 + step
     return [scale * torch.randn(s, generator=g) for s in SHAPES] + [None]
 
 
@@ -46,9 +54,12 @@ def run(opt_cls, max_norm: float, folded: bool, steps: int = 3):
 
 def state_of(params, opt) -> dict[str, list[torch.Tensor]]:
     with_grad = [p for p in params if p.grad is not None]
-    return {"param": [p.detach() for p in params], "grad": [p.grad for p in with_grad],
-            "exp_avg": [opt.state[p]["exp_avg"] for p in with_grad],
-            "exp_avg_sq": [opt.state[p]["exp_avg_sq"] for p in with_grad]}
+    return {
+        "param": [p.detach() for p in params],
+        "grad": [p.grad for p in with_grad],
+        "exp_avg": [opt.state[p]["exp_avg"] for p in with_grad],
+        "exp_avg_sq": [opt.state[p]["exp_avg_sq"] for p in with_grad],
+    }
 
 
 @pytest.mark.parametrize("opt_cls", [torch.optim.AdamW, torch.optim.Adam])
@@ -56,14 +67,18 @@ def test_active_clip_equals_in_place_clip_to_fp32_rounding(opt_cls):
     p_ref, o_ref, n_ref, c_ref = run(opt_cls, 0.5, folded=False)
     p_new, o_new, n_new, c_new = run(opt_cls, 0.5, folded=True)
     assert n_new == n_ref and c_new == c_ref
-    assert all(c < 0.2 for c in c_ref), c_ref  # the clip is active at every step, with different coefficients
+    # the clip is active at every step, with different coefficients
+    assert all(c < 0.2 for c in c_ref), c_ref
     assert len(set(c_ref)) == len(c_ref), c_ref
     ref, new = state_of(p_ref, o_ref), state_of(p_new, o_new)
     for key in ref:
         for a, b in zip(new[key], ref[key]):
-            # g / (1 / c) vs g * c: the last fp32 bit of a gradient element, carried through three steps (near-zero
-            # elements of the moments and of the parameters lose relative precision: atol relative to the tensor)
-            torch.testing.assert_close(a, b, rtol=2e-6, atol=2e-6 * float(b.abs().max()), msg=lambda m: f"{key}: {m}")
+            # g / (1 / c) vs g * c: the last fp32 bit of a gradient element, carried through three
+            # steps (near-zero elements of the moments and of the parameters lose relative
+            # precision: atol relative to the tensor)
+            torch.testing.assert_close(
+                a, b, rtol=2e-6, atol=2e-6 * float(b.abs().max()), msg=lambda m: f"{key}: {m}"
+            )
     # the gradients left after the step are the clipped ones, as after the in-place clip
     assert not torch.equal(new["grad"][0], grads_for(2)[0])
 
@@ -102,10 +117,18 @@ def test_scale_grads_false_leaves_gradients_and_returns_the_norm():
         assert (p.grad is None) if g is None else torch.equal(p.grad, g)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the large tensors leave the foreach kernel on CUDA only")
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="the large tensors leave the foreach kernel on CUDA only"
+)
 def test_bf16_norm_with_large_tensors_is_torchs_to_fp32_summation_order():
     g = torch.Generator(device="cuda").manual_seed(0)
-    sizes = [FOREACH_NORM_MAX_NUMEL + 7, 3 * FOREACH_NORM_MAX_NUMEL, 1000, FOREACH_NORM_MAX_NUMEL - 1, 5]
+    sizes = [
+        FOREACH_NORM_MAX_NUMEL + 7,
+        3 * FOREACH_NORM_MAX_NUMEL,
+        1000,
+        FOREACH_NORM_MAX_NUMEL - 1,
+        5,
+    ]
     grads = [torch.randn(n, generator=g, device="cuda").to(torch.bfloat16) for n in sizes]
     want = torch.nn.utils.get_total_norm([t.float() for t in grads])
     got = total_grad_norm([grads])
@@ -154,8 +177,9 @@ def test_an_existing_grad_scale_is_refused():
 
 @pytest.mark.parametrize("opt_cls", [torch.optim.AdamW, torch.optim.Adam])
 def test_skip_leaves_everything_untouched_without_a_host_sync(opt_cls):
-    """skip=True (a non-finite loss or norm): the fused kernel returns before touching parameters, moments or the
-    step count (found_inf), even with NaN gradients; skip=False is bitwise the step without it."""
+    """skip=True (a non-finite loss or norm): the fused kernel returns before touching parameters,
+    moments or the step count (found_inf), even with NaN gradients; skip=False is bitwise the step
+    without it."""
     params, opt, _, _ = run(opt_cls, 0.5, folded=True, steps=2)
     before = {k: [t.clone() for t in v] for k, v in state_of(params, opt).items()}
     steps = [opt.state[p]["step"].clone() for p in params if p in opt.state]
@@ -170,7 +194,10 @@ def test_skip_leaves_everything_untouched_without_a_host_sync(opt_cls):
     after = state_of(params, opt)
     for k in ("param", "exp_avg", "exp_avg_sq"):
         assert all(torch.equal(a, b) for a, b in zip(after[k], before[k])), k
-    assert all(torch.equal(opt.state[p]["step"], s) for p, s in zip([p for p in params if p in opt.state], steps))
+    assert all(
+        torch.equal(opt.state[p]["step"], s)
+        for p, s in zip([p for p in params if p in opt.state], steps)
+    )
     # skip=False: the same bits as no skip argument
     a_params, a_opt, _, _ = run(opt_cls, 0.5, folded=True, steps=1)
     b_params = make_params(0)

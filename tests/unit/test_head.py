@@ -1,5 +1,5 @@
-"""model/head.py: the fused linear + cross-entropy loss against autograd through F.cross_entropy (loss and
-gradients), no recompute in backward, and the module's two call forms."""
+"""model/head.py: the fused linear + cross-entropy loss against autograd through F.cross_entropy
+(loss and gradients), no recompute in backward, and the module's two call forms."""
 
 import pytest
 import torch
@@ -29,7 +29,8 @@ def _reference(h, w, labels, scale):
 @pytest.mark.parametrize("chunk", [8, 16, 45, 64])
 def test_fp32_loss_and_grads_equal_autograd(chunk):
     h, w, labels = _setup(torch.float32)
-    scale = 0.37  # not a power of two: the scale is applied after the products, autograd applies it before
+    # not a power of two: the scale is applied after the products, autograd applies it before
+    scale = 0.37
     loss = linear_cross_entropy_sum(h, w, labels, chunk)
     (loss * scale).backward()
     ref_loss, ref_dh, ref_dw = _reference(h, w, labels, scale)
@@ -46,16 +47,23 @@ def test_bf16_grads_within_bf16_rounding_of_autograd(chunk):
     loss = linear_cross_entropy_sum(h, w, labels, chunk)
     (loss * scale).backward()
     ref_loss, ref_dh, ref_dw = _reference(h, w, labels, scale)
-    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-4)  # fp32 logits of the same bf16 GEMM
+    # fp32 logits of the same bf16 GEMM
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-4)
     assert h.grad.dtype == w.grad.dtype == torch.bfloat16
-    # Both sides round to bf16 (2^-8 relative); elements that cancel differ more, so compare whole tensors:
-    # against each other, and against the fp64 truth (no worse than autograd's own bf16 error by more than that).
+    # Both sides round to bf16 (2^-8 relative); elements that cancel differ more, so compare whole
+    # tensors: against each other, and against the fp64 truth (no worse than autograd's own bf16
+    # error by more than that).
     for ours, ref in ((h.grad, ref_dh), (w.grad, ref_dw)):
         assert (ours.float() - ref.float()).norm() / ref.float().norm() < 8e-3
     h64, w64 = h.detach().double().requires_grad_(), w.detach().double().requires_grad_()
-    (F.cross_entropy(F.linear(h64, w64), labels, ignore_index=-100, reduction="sum") * scale).backward()
+    (
+        F.cross_entropy(F.linear(h64, w64), labels, ignore_index=-100, reduction="sum") * scale
+    ).backward()
     for ours, ref, truth in ((h.grad, ref_dh, h64.grad), (w.grad, ref_dw, w64.grad)):
-        err, ref_err = (ours.double() - truth).norm() / truth.norm(), (ref.double() - truth).norm() / truth.norm()
+        err, ref_err = (
+            (ours.double() - truth).norm() / truth.norm(),
+            (ref.double() - truth).norm() / truth.norm(),
+        )
         assert err < ref_err + 4e-3, (float(err), float(ref_err))
 
 
@@ -65,8 +73,14 @@ class _CountGemms(TorchDispatchMode):
         self.count = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func in (torch.ops.aten.mm.default, torch.ops.aten.mm.out, torch.ops.aten.addmm.default,
-                    torch.ops.aten.addmm_.default, torch.ops.aten.matmul.default, torch.ops.aten.linear.default):
+        if func in (
+            torch.ops.aten.mm.default,
+            torch.ops.aten.mm.out,
+            torch.ops.aten.addmm.default,
+            torch.ops.aten.addmm_.default,
+            torch.ops.aten.matmul.default,
+            torch.ops.aten.linear.default,
+        ):
             self.count += 1
         return func(*args, **(kwargs or {}))
 
@@ -81,8 +95,8 @@ def test_three_gemms_per_chunk_in_forward_none_in_backward():
 
 
 def test_backward_twice_and_in_two_passes():
-    """A retained graph gives the same gradients again, and a zero-bubble schedule's two passes (input gradient,
-    then weight gradient) give the one-pass gradients."""
+    """A retained graph gives the same gradients again, and a zero-bubble schedule's two passes
+    (input gradient, then weight gradient) give the one-pass gradients."""
     h, w, labels = _setup(torch.float32)
     loss = linear_cross_entropy_sum(h, w, labels, 16) * 0.5
     loss.backward(retain_graph=True)
@@ -115,7 +129,11 @@ def test_all_ignored_rows_give_zero_loss_and_gradient():
     h, w, labels = _setup(torch.float32)
     loss = linear_cross_entropy_sum(h, w, torch.full_like(labels, -100), 16)
     loss.backward()
-    assert float(loss.detach()) == 0.0 and torch.count_nonzero(h.grad) == 0 and torch.count_nonzero(w.grad) == 0
+    assert (
+        float(loss.detach()) == 0.0
+        and torch.count_nonzero(h.grad) == 0
+        and torch.count_nonzero(w.grad) == 0
+    )
 
 
 def test_output_head_module_forms():

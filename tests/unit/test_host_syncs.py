@@ -1,11 +1,12 @@
-"""A training step queues its work without waiting for the GPU: no host-device synchronisation from the batch's
-arrival to the optimizer step (``torch.cuda.set_sync_debug_mode("error")`` raises on any), on the one-GPU path
-(masters in the optimizer) and on FSDP2's path, whose root copies tensor arguments to the GPU with a blocking copy
-(the model's ``cu_seqlens`` therefore goes as a host list); nor in a pipeline stage's forward and backward, which
-takes its micro-batch's document bounds from the host (``pipeline.micro_batch_bounds``) instead of reading the
-device positions back. A sync there stops the host from queuing ahead, and on several GPUs it delays FSDP's
-all-gathers and the pipeline's sends. On the CPU: a list and a tensor give the model the same result, and the
-stage finds the bounds of every chunk that torch's pipelining splitter hands it."""
+"""A training step queues its work without waiting for the GPU: no host-device synchronisation from
+the batch's arrival to the optimizer step (``torch.cuda.set_sync_debug_mode("error")`` raises on
+any), on the one-GPU path (masters in the optimizer) and on FSDP2's path, whose root copies tensor
+arguments to the GPU with a blocking copy (the model's ``cu_seqlens`` therefore goes as a host
+list); nor in a pipeline stage's forward and backward, which takes its micro-batch's document bounds
+from the host (``pipeline.micro_batch_bounds``) instead of reading the device positions back. A sync
+there stops the host from queuing ahead, and on several GPUs it delays FSDP's all-gathers and the
+pipeline's sends. On the CPU: a list and a tensor give the model the same result, and the stage
+finds the bounds of every chunk that torch's pipelining splitter hands it."""
 
 import pytest
 import torch
@@ -19,24 +20,45 @@ from titan_glm52.model.model import GLM52Model
 from titan_glm52.model.options import ModelOptions
 from titan_glm52.pipeline_split import stage_specs
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
-                          reason="needs a Hopper-class GPU (sync debug mode, the Triton DSA kernels)")
+cuda = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+    reason="needs a Hopper-class GPU (sync debug mode, the Triton DSA kernels)",
+)
 
 
 @cuda
-@pytest.mark.parametrize("path", [["--training.master_weights", "optimizer", "--optimizer.implementation", "triton"],
-                                  ["--training.master_weights", "fsdp"]], ids=["masters-in-optimizer", "fsdp"])
+@pytest.mark.parametrize(
+    "path",
+    [
+        ["--training.master_weights", "optimizer", "--optimizer.implementation", "triton"],
+        ["--training.master_weights", "fsdp"],
+    ],
+    ids=["masters-in-optimizer", "fsdp"],
+)
 def test_a_training_step_makes_no_host_sync(tmp_path, monkeypatch, path):
-    cfg = parse_job_config([
-        "--job.config_file", "train_configs/glm52_debug.toml", "--job.dump_folder", str(tmp_path),
-        "--training.steps", "4", "--training.no-memory-check", "--checkpoint.no-enable",
-        "--metrics.no-enable-tensorboard", "--metrics.log_freq", "2", *path])
+    cfg = parse_job_config(
+        [
+            "--job.config_file",
+            "train_configs/glm52_debug.toml",
+            "--job.dump_folder",
+            str(tmp_path),
+            "--training.steps",
+            "4",
+            "--training.no-memory-check",
+            "--checkpoint.no-enable",
+            "--metrics.no-enable-tensorboard",
+            "--metrics.log_freq",
+            "2",
+            *path,
+        ]
+    )
     trainer_mod.one_process_env()
     tr = trainer_mod.Trainer(cfg)
     checked = []
     launch = tr._launch
 
-    def strict_launch(step, prev):  # step 1 sets things up (FSDP's lazy init, the kernels' first launches)
+    # step 1 sets things up (FSDP's lazy init, the kernels' first launches)
+    def strict_launch(step, prev):
         torch.cuda.set_sync_debug_mode("error" if step >= 2 else "default")
         try:
             return launch(step, prev)
@@ -75,10 +97,13 @@ def _stage_and_batch(device: str):
     options = ModelOptions(dsa_backend="torch" if device == "cpu" else "triton")
     stage = pipeline.GLM52Stage(args, spec, options).to(device)
     init_weights_(stage, 0.02)
-    if device != "cpu":  # as the GPU trains it (in fp32 the experts would run their per-expert loop, which syncs)
+    # as the GPU trains it (in fp32 the experts would run their per-expert loop, which syncs)
+    if device != "cpu":
         stage = stage.to(torch.bfloat16)
     tokens = torch.randint(0, args.vocab_size, (4, 48), device=device)
-    positions = torch.cat([torch.arange(n) for n in (48, 20, 28, 48, 5, 30, 13)]).view(4, 48).to(device)
+    positions = (
+        torch.cat([torch.arange(n) for n in (48, 20, 28, 48, 5, 30, 13)]).view(4, 48).to(device)
+    )
     return stage, tokens, positions
 
 
@@ -91,17 +116,21 @@ def test_pipeline_stages_find_the_host_bounds_of_every_chunk(monkeypatch):
     n = 2
     t_chunks, kw_chunks = split_args_kwargs_into_chunks((tokens,), {"positions": positions}, n)
     with torch.no_grad():
-        expected = [stage(t, **kw) for (t,), kw in zip(t_chunks, kw_chunks)]  # bounds read from the positions
+        # bounds read from the positions
+        expected = [stage(t, **kw) for (t,), kw in zip(t_chunks, kw_chunks)]
         bounds = pipeline.micro_batch_bounds(positions, positions.clone(), n)
         monkeypatch.setattr(pipeline, "cu_seqlens_from_positions", _refuse)
         got = [stage(t, **kw, bounds=bounds) for (t,), kw in zip(t_chunks, kw_chunks)]
     assert all(torch.equal(a, b) for a, b in zip(expected, got))
-    assert sorted(len(b) for b in bounds.by_chunk.values()) == [4, 5]  # 3 and 4 documents in the two halves
+    # 3 and 4 documents in the two halves
+    assert sorted(len(b) for b in bounds.by_chunk.values()) == [4, 5]
     assert not stage._missed_bounds
     with torch.no_grad():  # positions the trainer did not announce: read from them, with a warning
         monkeypatch.undo()
-        assert torch.equal(stage(t_chunks[0][0], positions=kw_chunks[0]["positions"].clone(), bounds=bounds),
-                           expected[0])
+        assert torch.equal(
+            stage(t_chunks[0][0], positions=kw_chunks[0]["positions"].clone(), bounds=bounds),
+            expected[0],
+        )
     assert stage._missed_bounds
     with pytest.raises(ValueError, match="host copy"):
         pipeline.micro_batch_bounds(positions, positions[:2], n)

@@ -18,7 +18,8 @@ def test_megatron_one_indexed_rule_agrees():
     for freq in range(1, 7):
         for offset in range(1, 6):
             s = build_schedule(60, index_topk_freq=freq, index_skip_topk_offset=offset)
-            megatron = [max(n - offset, 0) % freq == 0 for n in range(1, 61)]  # slime's 1-indexed compute rule
+            # slime's 1-indexed compute rule
+            megatron = [max(n - offset, 0) % freq == 0 for n in range(1, 61)]
             assert list(s.full) == megatron, (freq, offset)
 
 
@@ -34,23 +35,32 @@ def test_o1_source_formula_matches_walk():
 
 def test_precedence_indexer_types_over_pattern_over_freq():
     types = ["full", "shared", "full", "shared"]
-    s = build_schedule(4, indexer_types=types, index_topk_pattern="FFFF", index_topk_freq=2, index_skip_topk_offset=1)
+    s = build_schedule(
+        4,
+        indexer_types=types,
+        index_topk_pattern="FFFF",
+        index_topk_freq=2,
+        index_skip_topk_offset=1,
+    )
     assert s.pattern == "FSFS"
     s = build_schedule(4, index_topk_pattern="ffsf", index_topk_freq=2, index_skip_topk_offset=1)
     assert s.pattern == "FFSF"
     assert build_schedule(4, index_topk_freq=None).pattern == "FFFF"
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(indexer_types=["shared", "full"]), "starts with a shared layer"),
-    (dict(index_topk_pattern="SF"), "starts with a shared layer"),
-    (dict(index_topk_freq=4, index_skip_topk_offset=0), "starts with a shared layer"),
-    (dict(indexer_types=["full"]), "2 layers"),
-    (dict(indexer_types=["full", "sparse"]), "full'/'shared"),
-    (dict(index_topk_pattern="FX"), "'F'/'S'"),
-    (dict(index_topk_freq=4), "needs index_skip_topk_offset"),
-    (dict(index_topk_freq=0), ">= 1"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(indexer_types=["shared", "full"]), "starts with a shared layer"),
+        (dict(index_topk_pattern="SF"), "starts with a shared layer"),
+        (dict(index_topk_freq=4, index_skip_topk_offset=0), "starts with a shared layer"),
+        (dict(indexer_types=["full"]), "2 layers"),
+        (dict(indexer_types=["full", "sparse"]), "full'/'shared"),
+        (dict(index_topk_pattern="FX"), "'F'/'S'"),
+        (dict(index_topk_freq=4), "needs index_skip_topk_offset"),
+        (dict(index_topk_freq=0), ">= 1"),
+    ],
+)
 def test_impossible_schedules_are_refused(kwargs, match):
     with pytest.raises(ValueError, match=match):
         build_schedule(2, **kwargs)

@@ -1,6 +1,7 @@
-"""The package's layering (docs/architecture.md, "Data flows one way"): no import cycle, every module imports
-on its own, the model and the kernels import nothing of the training stack, parallelize.py no optimizer, and
-the trainer reaches the memory planner only through the small start-up check."""
+"""The package's layering (docs/architecture.md, "Data flows one way"): no import cycle, every
+module imports on its own, the model and the kernels import nothing of the training stack,
+parallelize.py no optimizer, and the trainer reaches the memory planner only through the small
+start-up check."""
 
 from __future__ import annotations
 
@@ -63,8 +64,16 @@ def test_no_import_cycle():
 
 @pytest.mark.parametrize("layer", ["titan_glm52.model", "titan_glm52.kernels"])
 def test_model_and_kernels_import_nothing_of_the_training_stack(layer):
-    stack = ("titan_glm52.trainer", "titan_glm52.config", "titan_glm52.parallelize", "titan_glm52.pipeline",
-             "titan_glm52.optimizer", "titan_glm52.checkpoint", "titan_glm52.data", "titan_glm52.plan")
+    stack = (
+        "titan_glm52.trainer",
+        "titan_glm52.config",
+        "titan_glm52.parallelize",
+        "titan_glm52.pipeline",
+        "titan_glm52.optimizer",
+        "titan_glm52.checkpoint",
+        "titan_glm52.data",
+        "titan_glm52.plan",
+    )
     for name in (n for n in MODULES if n == layer or n.startswith(layer + ".")):
         bad = sorted(d for d in GRAPH[name] if d.startswith(stack))
         assert bad == [], f"{name} imports {bad}"
@@ -83,7 +92,10 @@ def test_the_trainer_reaches_the_planner_only_through_the_start_up_check():
 
 
 def test_every_module_imports_on_its_own():
-    """Each module in a fresh interpreter (an import cycle or a missing dependency would show here)."""
+    """Each module in a fresh interpreter (an import cycle or a missing dependency would show
+    here)."""
     code = "import importlib, sys\nfor m in sys.argv[1:]:\n    importlib.import_module(m)\n"
     for name in MODULES:
-        subprocess.run([sys.executable, "-c", code, name], cwd=ROOT, check=True, capture_output=True)
+        subprocess.run(
+            [sys.executable, "-c", code, name], cwd=ROOT, check=True, capture_output=True
+        )

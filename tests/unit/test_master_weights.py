@@ -1,6 +1,6 @@
-"""MasterWeights (titan_glm52/master_weights.py): the swap of fp32 masters and bf16 compute copies around a step.
-The optimizer's side (the step from bf16 gradients) is in tests/kernels/test_adam.py; whole runs against FSDP on one
-rank in tests/e2e/test_train.py."""
+"""MasterWeights (titan_glm52/master_weights.py): the swap of fp32 masters and bf16 compute copies
+around a step. The optimizer's side (the step from bf16 gradients) is in tests/kernels/test_adam.py;
+whole runs against FSDP on one rank in tests/e2e/test_train.py."""
 
 from __future__ import annotations
 
@@ -61,8 +61,8 @@ def test_a_master_changed_in_place_is_recast_before_the_next_step():
 
 
 def test_recompute_and_accumulation_use_the_copies():
-    """Activation recompute inside the step sees the compute copies (the backward runs before the swap back), and
-    two backward passes sum their bf16 gradients in fp32."""
+    """Activation recompute inside the step sees the compute copies (the backward runs before the
+    swap back), and two backward passes sum their bf16 gradients in fp32."""
     torch.manual_seed(0)
     x1, x2 = torch.randn(4, 8, dtype=torch.bfloat16), torch.randn(4, 8, dtype=torch.bfloat16)
     grads = {}

@@ -1,5 +1,5 @@
-"""The DSA-aware FLOP count behind MFU (``model/flops.py``), against a row-by-row count whose weights are read off
-the model's own parameters."""
+"""The DSA-aware FLOP count behind MFU (``model/flops.py``), against a row-by-row count whose
+weights are read off the model's own parameters."""
 
 import pytest
 import torch
@@ -9,9 +9,9 @@ from titan_glm52.model.flops import step_flops
 
 
 def _weights_per_token(args, with_mtp) -> float:
-    """Multiply-adds per token of the weight matrices a token meets: every matmul weight of the model (norms,
-    biases and the embedding lookup are not matmuls), the routed experts' by the share a token uses, and the
-    output head a second time for the MTP loss."""
+    """Multiply-adds per token of the weight matrices a token meets: every matmul weight of the
+    model (norms, biases and the embedding lookup are not matmuls), the routed experts' by the share
+    a token uses, and the output head a second time for the MTP loss."""
     with torch.device("meta"):
         model = GLM52Model(args, with_mtp=with_mtp)
     total = 0.0
@@ -34,20 +34,27 @@ def _row_by_row(args, lengths, with_mtp, dense_prefix, masked_ratio=0.0):
     prefix_layers = attn_layers if dense_prefix else 0
     fwd = 2 * _weights_per_token(args, with_mtp) * sum(lengths)
     for length in lengths:
-        if dense_prefix and k < length <= masked_ratio * k:  # the masked rows' keys include the prefix rows' again
+        # the masked rows' keys include the prefix rows' again
+        if dense_prefix and k < length <= masked_ratio * k:
             fwd += attn_layers * up * k
         for p in range(length):
-            fwd += index_layers * 2 * args.index_n_heads * (args.index_head_dim + 1) * (p + 1)  # scores, weighted sum
+            # scores, weighted sum
+            fwd += index_layers * 2 * args.index_n_heads * (args.index_head_dim + 1) * (p + 1)
             if length >= k and p < k:  # a prefix row: plain form on the prefix layers
-                fwd += prefix_layers * (plain * (p + 1) + up) + (attn_layers - prefix_layers) * absorbed * (p + 1)
-            elif dense_prefix and k < length <= masked_ratio * k:  # a masked dense row, and its key's up-projection
+                fwd += prefix_layers * (plain * (p + 1) + up) + (
+                    attn_layers - prefix_layers
+                ) * absorbed * (p + 1)
+            # a masked dense row, and its key's up-projection
+            elif dense_prefix and k < length <= masked_ratio * k:
                 fwd += attn_layers * (plain * k + up)
             else:
                 fwd += attn_layers * absorbed * min(k, p + 1)
     return 3 * fwd
 
 
-@pytest.mark.parametrize("dense_prefix,with_mtp", [(False, False), (True, False), (False, True), (True, True)])
+@pytest.mark.parametrize(
+    "dense_prefix,with_mtp", [(False, False), (True, False), (False, True), (True, True)]
+)
 def test_step_flops_counts_rows_as_they_run(dense_prefix, with_mtp):
     args = get_flavor("debug")  # index_topk 16
     lengths = [7, 16, 40, 3]
@@ -57,15 +64,24 @@ def test_step_flops_counts_rows_as_they_run(dense_prefix, with_mtp):
 
 @pytest.mark.parametrize("ratio", [2.0, 2.5])
 def test_step_flops_counts_masked_dense_rows(ratio):
-    args = get_flavor("debug")  # index_topk 16: the 20- and 32-token documents are masked at 2, and the 40 at 2.5
+    # index_topk 16: the 20- and 32-token documents are masked at 2, and the 40 at 2.5
+    args = get_flavor("debug")
     lengths = [7, 16, 20, 32, 40, 3]
-    got = step_flops(args, torch.tensor(lengths), False, dense_prefix=True, dense_masked_ratio=ratio)
+    got = step_flops(
+        args, torch.tensor(lengths), False, dense_prefix=True, dense_masked_ratio=ratio
+    )
     assert got == pytest.approx(_row_by_row(args, lengths, False, True, ratio), rel=1e-12)
 
 
 def test_dense_prefix_counts_fewer_flops_at_glm52_widths():
-    args = get_flavor("glm52_proxy")  # plain form 2 * 64 * 512 per pair against 2 * 64 * 1088 absorbed
-    sparse, prefix = (step_flops(args, torch.tensor([4096]), False, dense_prefix=d) for d in (False, True))
+    # plain form 2 * 64 * 512 per pair against 2 * 64 * 1088 absorbed
+    args = get_flavor("glm52_proxy")
+    sparse, prefix = (
+        step_flops(args, torch.tensor([4096]), False, dense_prefix=d) for d in (False, True)
+    )
     assert 0.9 * sparse < prefix < sparse
-    masked = step_flops(args, torch.tensor([4096]), False, dense_prefix=True, dense_masked_ratio=2.0)
-    assert 0.9 * prefix < masked < prefix  # the later rows in the plain form too, plus every key's up-projection
+    masked = step_flops(
+        args, torch.tensor([4096]), False, dense_prefix=True, dense_masked_ratio=2.0
+    )
+    # the later rows in the plain form too, plus every key's up-projection
+    assert 0.9 * prefix < masked < prefix

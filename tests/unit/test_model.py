@@ -55,7 +55,8 @@ def test_router_bias_steers_choice_but_not_weights():
     init_weights_(router, 0.5)
     x = torch.randn(10, args.hidden_size)
     scores, idx, w = router(x)
-    assert torch.allclose(w.sum(-1), torch.full((10,), args.routed_scaling_factor))  # norm_topk_prob then x2.5
+    # norm_topk_prob then x2.5
+    assert torch.allclose(w.sum(-1), torch.full((10,), args.routed_scaling_factor))
     with torch.no_grad():
         router.e_score_correction_bias[5] = 100.0
     scores2, idx2, w2 = router(x)
@@ -82,17 +83,21 @@ def test_grouped_experts_loop_equals_dense_math_and_grouped_mm():
     got = ex(x, counts)
     ref, start = [], 0
     for e, n in enumerate(counts.tolist()):
-        c = x[start:start + n]
+        c = x[start : start + n]
         gate, up = ex.w13[e].chunk(2)  # gate_proj rows, then up_proj rows
         ref.append(ex.w2[e] @ (torch.nn.functional.silu(gate @ c.T) * (up @ c.T)))
         start += n
     torch.testing.assert_close(got, torch.cat([r.T for r in ref]))
     if hasattr(torch, "_grouped_mm"):
-        exb, exl = (GroupedExperts(4, 16, 32, use_grouped_mm=g).to(torch.bfloat16) for g in (True, False))
+        exb, exl = (
+            GroupedExperts(4, 16, 32, use_grouped_mm=g).to(torch.bfloat16) for g in (True, False)
+        )
         exb.load_state_dict(ex.state_dict())
         exl.load_state_dict(ex.state_dict())
         xb = x.bfloat16()
-        torch.testing.assert_close(exb(xb, counts).float(), exl(xb, counts).float(), rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(
+            exb(xb, counts).float(), exl(xb, counts).float(), rtol=2e-2, atol=2e-2
+        )
 
 
 def test_moe_counts_tokens_but_not_checkpoint_recomputes():
@@ -109,25 +114,30 @@ def test_shared_layer_without_full_predecessor_raises():
     args = get_flavor("debug")
     model = GLM52Model(args)
     model.init_weights()
-    del model.layers["0"], model.layers["1"], model.layers["2"]  # a "stage" starting on shared layer 3
+    # a "stage" starting on shared layer 3
+    del model.layers["0"], model.layers["1"], model.layers["2"]
     ctx = model.packed_context(1, 8, None, torch.device("cpu"))
     with pytest.raises(ValueError, match="shared layer got no top-k"):
         model.run_layers(torch.randn(8, args.hidden_size), ctx)
 
 
 def test_topk_is_explicit_dataflow_and_recompute_safe():
-    """Full layers emit new indices, shared layers pass theirs on, and a checkpointed rerun selects the same."""
+    """Full layers emit new indices, shared layers pass theirs on, and a checkpointed rerun selects
+    the same."""
     args = get_flavor("debug").replace(index_topk=4)
     torch.manual_seed(0)
     model = GLM52Model(args)
     model.init_weights()
     seen = {}
     for name, blk in model.layers.items():
-        blk.register_forward_hook(lambda m, a, out, i=int(name): seen.setdefault(i, []).append(out[1].clone()))
+        blk.register_forward_hook(
+            lambda m, a, out, i=int(name): seen.setdefault(i, []).append(out[1].clone())
+        )
     ctx = model.packed_context(1, 20, None, torch.device("cpu"))
     h = torch.randn(20, args.hidden_size, requires_grad=True)
     topk = None
-    with torch.utils.checkpoint.set_checkpoint_early_stop(False):  # recompute whole blocks so hooks fire
+    # recompute whole blocks so hooks fire
+    with torch.utils.checkpoint.set_checkpoint_early_stop(False):
         for blk in model.layers.values():
             h, topk = torch.utils.checkpoint.checkpoint(blk, h, ctx, topk, use_reentrant=False)
     h.sum().backward()
@@ -188,20 +198,28 @@ def test_chunked_loss_equals_full_logits_loss_and_grads():
 
 
 def _dsa_layers_model(backend: str, kl: bool, seed: int):
-    """The debug flavor with 4 layers (FFFS), no MTP, in fp64 (torch backend) or fp32 (Triton); ``kl``: the full
-    layers train their indexers through the KL."""
+    """The debug flavor with 4 layers (FFFS), no MTP, in fp64 (torch backend) or fp32 (Triton);
+    ``kl``: the full layers train their indexers through the KL."""
     if backend == "triton":
         pytest.importorskip("triton")
         from titan_glm52.kernels._triton_env import interpreting
 
         if not interpreting():
-            pytest.skip("the Triton backend on CPU tensors needs the interpreter (TRITON_INTERPRET=1, which "
-                        "tests/conftest.py sets without a GPU); on a GPU tests/kernels/test_kernels_gpu.py covers it")
+            pytest.skip(
+                "the Triton backend on CPU tensors needs the interpreter (TRITON_INTERPRET=1, "
+                "which "
+                "tests/conftest.py sets without a GPU); on a GPU tests/kernels/test_kernels_gpu.py "
+                "covers it"
+            )
     dtype = torch.float64 if backend == "torch" else torch.float32
-    args = get_flavor("debug").replace(num_hidden_layers=4, first_k_dense_replace=1, num_nextn_predict_layers=0)
+    args = get_flavor("debug").replace(
+        num_hidden_layers=4, first_k_dense_replace=1, num_nextn_predict_layers=0
+    )
     torch.manual_seed(0)
     # (the KL attached with weight 0.5: coefficient 0.5 over AuxTerms' default normaliser 1)
-    model = GLM52Model(args, ModelOptions(dsa_backend=backend, indexer_loss_coeff=0.5 if kl else 0.0)).to(dtype)
+    model = GLM52Model(
+        args, ModelOptions(dsa_backend=backend, indexer_loss_coeff=0.5 if kl else 0.0)
+    ).to(dtype)
     model.init_weights(seed=seed)
     tol = dict(rtol=1e-9, atol=1e-11) if dtype == torch.float64 else dict(rtol=2e-4, atol=2e-6)
     return args, model, tol
@@ -234,72 +252,95 @@ def _assert_same_run(first, other, tol):
         torch.testing.assert_close(g1[n], g2[n], **tol, msg=lambda m: f"{n}: {m}")
 
 
-@pytest.mark.parametrize("backend,kl", [("torch", False), ("torch", True), ("triton", False), ("triton", True)])
+@pytest.mark.parametrize(
+    "backend,kl", [("torch", False), ("torch", True), ("triton", False), ("triton", True)]
+)
 def test_dense_prefix_equals_all_sparse(backend, kl, monkeypatch):
-    """The first index_topk rows of a long document, computed in the plain form on SDPA, equal the sparse path
-    (loss and every gradient; with ``kl`` the indexers train through the KL, which then takes those rows' LSE
-    from a gradient-free sparse forward); short documents and the later rows stay sparse. Mixed lengths:
-    7 < topk = 16, exactly 16, 40, and a second 40-token row."""
+    """The first index_topk rows of a long document, computed in the plain form on SDPA, equal the
+    sparse path (loss and every gradient; with ``kl`` the indexers train through the KL, which then
+    takes those rows' LSE from a gradient-free sparse forward); short documents and the later rows
+    stay sparse. Mixed lengths: 7 < topk = 16, exactly 16, 40, and a second 40-token row."""
     args, model, tol = _dsa_layers_model(backend, kl, seed=3)
     tokens = torch.randint(0, args.vocab_size, (2, 40))
     cu = torch.tensor([0, 7, 23, 40, 80], dtype=torch.int32)
     ctx = model.packed_context(2, 40, cu, torch.device("cpu"))
-    assert ctx.dense_prefix.rows[:, 0].tolist() == [7, 23, 40] and ctx.dense_prefix.rows.shape[1] == 16
+    assert (
+        ctx.dense_prefix.rows[:, 0].tolist() == [7, 23, 40] and ctx.dense_prefix.rows.shape[1] == 16
+    )
     assert int(ctx.dense_prefix.is_prefix.sum()) == 48
     from titan_glm52.model import attention
+
     calls = []
     sdpa = attention._causal_sdpa
     monkeypatch.setattr(attention, "_causal_sdpa", lambda *a: calls.append(a[0].shape) or sdpa(*a))
     results = []
     for dense_prefix in (True, False):
         results.append(_loss_kls_grads(_with_options(model, dense_prefix=dense_prefix), tokens, cu))
-    assert results[0][0].numel() == (4 if kl else 1)  # CE, then the KL of each of the three full layers (FFFS)
+    # CE, then the KL of each of the three full layers (FFFS)
+    assert results[0][0].numel() == (4 if kl else 1)
     assert any("indexer" in n for n in results[0][1]) == kl
-    assert calls == [torch.Size([3, args.num_attention_heads, 16, args.qk_head_dim])] * 4  # once per layer, on only
+    # once per layer, on only
+    assert calls == [torch.Size([3, args.num_attention_heads, 16, args.qk_head_dim])] * 4
     _assert_same_run(*results, tol)
 
 
-@pytest.mark.parametrize("backend,kl", [("torch", False), ("torch", True), ("triton", False), ("triton", True)])
+@pytest.mark.parametrize(
+    "backend,kl", [("torch", False), ("torch", True), ("triton", False), ("triton", True)]
+)
 def test_dense_masked_equals_all_sparse(backend, kl, monkeypatch):
-    """Documents of index_topk < length <= 2 x index_topk (here 20 tokens, top-16) run their rows after the prefix on
-    SDPA with a mask of exactly their selected keys: loss, KL and every gradient equal the prefix-only and the
-    all-sparse runs. Three such documents (one length group, one SDPA call per layer), a short one and a 40-token
-    one that stays sparse after its prefix."""
+    """Documents of index_topk < length <= 2 x index_topk (here 20 tokens, top-16) run their rows
+    after the prefix on SDPA with a mask of exactly their selected keys: loss, KL and every gradient
+    equal the prefix-only and the all-sparse runs. Three such documents (one length group, one SDPA
+    call per layer), a short one and a 40-token one that stays sparse after its prefix."""
     args, model, tol = _dsa_layers_model(backend, kl, seed=5)
     tokens = torch.randint(0, args.vocab_size, (2, 60))
     cu = torch.tensor([0, 20, 27, 40, 60, 80, 120], dtype=torch.int32)  # 20, 7, 13, 20 | 20, 40
     assert model.options.dense_masked_ratio == 0
     assert model.packed_context(2, 60, cu, torch.device("cpu")).dense_masked is None
-    ctx = _with_options(model, dense_masked_ratio=2.0).packed_context(2, 60, cu, torch.device("cpu"))
+    ctx = _with_options(model, dense_masked_ratio=2.0).packed_context(
+        2, 60, cu, torch.device("cpu")
+    )
     assert {n: k[:, 0].tolist() for n, k in ctx.dense_masked.keys.items()} == {20: [0, 40, 60]}
     assert ctx.dense_masked.rows.tolist() == [*range(16, 20), *range(56, 60), *range(76, 80)]
     assert ctx.dense_prefix.rows[:, 0].tolist() == [0, 40, 60, 80]
     from titan_glm52.model import attention
+
     calls = []
     sdpa = attention._masked_sdpa
-    monkeypatch.setattr(attention, "_masked_sdpa", lambda *a: calls.append((a[0].shape, a[3].shape)) or sdpa(*a))
+    monkeypatch.setattr(
+        attention, "_masked_sdpa", lambda *a: calls.append((a[0].shape, a[3].shape)) or sdpa(*a)
+    )
     results = []
     for prefix, ratio in ((True, 2.0), (True, 0.0), (False, 2.0)):
-        results.append(_loss_kls_grads(_with_options(model, dense_prefix=prefix, dense_masked_ratio=ratio), tokens,
-                                       cu))
+        results.append(
+            _loss_kls_grads(
+                _with_options(model, dense_prefix=prefix, dense_masked_ratio=ratio), tokens, cu
+            )
+        )
     h, d = args.num_attention_heads, args.qk_head_dim
-    assert calls == [(torch.Size([3, h, 4, d]), torch.Size([3, 1, 4, 20]))] * 4  # only in the first run
+    # only in the first run
+    assert calls == [(torch.Size([3, h, 4, d]), torch.Size([3, 1, 4, 20]))] * 4
     for other in results[1:]:
         _assert_same_run(results[0], other, tol)
 
 
 def test_dense_masked_plan_takes_documents_between_topk_and_the_ratio():
     from titan_glm52.model.attention import DenseMasked
+
     assert DenseMasked.build([16, 40, 5], 16, 32, torch.device("cpu")) is None
     plan = DenseMasked.build([17, 3, 32, 17], 16, 32, torch.device("cpu"))
-    assert {n: k.tolist() for n, k in plan.keys.items()} == {17: [list(range(17)), list(range(52, 69))],
-                                                             32: [list(range(20, 52))]}
+    assert {n: k.tolist() for n, k in plan.keys.items()} == {
+        17: [list(range(17)), list(range(52, 69))],
+        32: [list(range(20, 52))],
+    }
     assert plan.rows.tolist() == [16, 68, *range(36, 52)] and int(plan.is_masked.sum()) == 18
 
 
 def test_dense_prefix_plan_skips_short_documents():
     from titan_glm52.model.attention import DensePrefix
+
     assert DensePrefix.build([5, 15], 16, torch.device("cpu")) is None
     plan = DensePrefix.build([20, 3, 16], 16, torch.device("cpu"))
     assert plan.rows[:, 0].tolist() == [0, 23] and plan.is_prefix.tolist() == (
-        [True] * 16 + [False] * 7 + [True] * 16)
+        [True] * 16 + [False] * 7 + [True] * 16
+    )

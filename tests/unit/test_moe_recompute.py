@@ -1,6 +1,7 @@
-"""[moe] recompute_expert_inputs: the routed experts' backward rebuilds the inputs of their GEMMs (the gathered token
-rows, the SwiGLU product silu(gate) * up) instead of keeping them, with the same bits, so every gradient is the same.
-(The fused SwiGLU keeps only gate and up: silu's output is neither kept nor rebuilt.)"""
+"""[moe] recompute_expert_inputs: the routed experts' backward rebuilds the inputs of their GEMMs
+(the gathered token rows, the SwiGLU product silu(gate) * up) instead of keeping them, with the same
+bits, so every gradient is the same. (The fused SwiGLU keeps only gate and up: silu's output is
+neither kept nor rebuilt.)"""
 
 import weakref
 
@@ -18,7 +19,9 @@ from titan_glm52.model.options import ModelOptions
 
 def _block(dtype, grouped: bool, seq_aux_loss_coeff: float = 0.0) -> MoE:
     # Widths that are multiples of 8: torch._grouped_mm on CPU needs 16-byte strides.
-    args = get_flavor("debug").replace(n_routed_experts=16, num_experts_per_tok=8, moe_intermediate_size=48)
+    args = get_flavor("debug").replace(
+        n_routed_experts=16, num_experts_per_tok=8, moe_intermediate_size=48
+    )
     torch.manual_seed(0)
     block = MoE(args, ModelOptions(grouped_mm=grouped, seq_aux_loss_coeff=seq_aux_loss_coeff))
     init_weights_(block, 0.1)
@@ -28,7 +31,8 @@ def _block(dtype, grouped: bool, seq_aux_loss_coeff: float = 0.0) -> MoE:
 
 
 def _grads(block: MoE, x: torch.Tensor, g: torch.Tensor, recompute: bool, wrap=None):
-    block.experts.recompute_inputs = recompute  # (the option's switch, flipped on one block's weights)
+    # (the option's switch, flipped on one block's weights)
+    block.experts.recompute_inputs = recompute
     block.zero_grad(set_to_none=True)
     xi = x.clone().requires_grad_()
     out = (wrap or (lambda f, t: f(t)))(block, xi)
@@ -54,8 +58,8 @@ def test_recompute_gives_the_same_bits(dtype, grouped):
 
 @pytest.mark.parametrize("grouped", [True, False], ids=["grouped_mm", "per_expert"])
 def test_recompute_frees_the_gemm_inputs(grouped, monkeypatch):
-    """After forward nothing holds the gathered rows or the SwiGLU product any more; without the option
-    nothing is registered for rebuilding and the graph keeps the gathered rows."""
+    """After forward nothing holds the gathered rows or the SwiGLU product any more; without the
+    option nothing is registered for rebuilding and the graph keeps the gathered rows."""
     registered = []
     real = recompute_mod.RecomputeSaved.recompute
 
@@ -71,7 +75,8 @@ def test_recompute_frees_the_gemm_inputs(grouped, monkeypatch):
     assert len(registered) >= 2 and all(r() is None for r in registered)
     out.sum().backward()
 
-    # Without the option: no rule is registered, and a weak reference to the rows of a direct call stays alive.
+    # Without the option: no rule is registered, and a weak reference to the rows of a direct call
+    # stays alive.
     registered.clear()
     block.experts.recompute_inputs = False
     rows = torch.arange(40).repeat_interleave(2)
@@ -84,8 +89,8 @@ def test_recompute_frees_the_gemm_inputs(grouped, monkeypatch):
 
 
 def test_each_tensor_is_rebuilt_once_per_backward(monkeypatch):
-    """The gathered rows (saved by the gate/up GEMM) and the SwiGLU output (saved by the down GEMM) are each rebuilt
-    once per backward pass (also in a second pass over a retained graph)."""
+    """The gathered rows (saved by the gate/up GEMM) and the SwiGLU output (saved by the down GEMM)
+    are each rebuilt once per backward pass (also in a second pass over a retained graph)."""
     calls = []
     real = recompute_mod.RecomputeSaved.recompute
 
@@ -93,6 +98,7 @@ def test_each_tensor_is_rebuilt_once_per_backward(monkeypatch):
         def wrapped():
             calls.append(tuple(t.shape))
             return fn()
+
         return real(self, t, wrapped, *sources)
 
     monkeypatch.setattr(recompute_mod.RecomputeSaved, "recompute", counting)
@@ -109,8 +115,9 @@ def test_each_tensor_is_rebuilt_once_per_backward(monkeypatch):
 
 
 def test_recompute_is_skipped_under_checkpoint_and_other_hooks(monkeypatch):
-    """Inside activation checkpointing (or any saved-tensor hooks of someone else) the experts install none of
-    their own: the checkpoint's recompute covers the tensors, and gradients stay the same bits."""
+    """Inside activation checkpointing (or any saved-tensor hooks of someone else) the experts
+    install none of their own: the checkpoint's recompute covers the tensors, and gradients stay the
+    same bits."""
     block = _block(torch.bfloat16, grouped=True)
     x = torch.randn(40, block.router.weight.shape[1]).to(torch.bfloat16)
     g = torch.randn_like(x)
@@ -123,8 +130,13 @@ def test_recompute_is_skipped_under_checkpoint_and_other_hooks(monkeypatch):
 
     monkeypatch.setattr(recompute_mod.RecomputeSaved, "__init__", counting_init)
     plain = _grads(block, x, g, recompute=False)
-    ckpt = _grads(block, x, g, recompute=True,
-                  wrap=lambda f, t: checkpoint(f, t, use_reentrant=False, preserve_rng_state=False))
+    ckpt = _grads(
+        block,
+        x,
+        g,
+        recompute=True,
+        wrap=lambda f, t: checkpoint(f, t, use_reentrant=False, preserve_rng_state=False),
+    )
     assert calls == []
     for a, b in zip(plain, ckpt):
         assert torch.equal(a, b)
@@ -149,13 +161,17 @@ def test_in_place_change_of_a_source_is_refused():
         out.backward(torch.ones_like(out))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch._grouped_mm on Hopper)")
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU (torch._grouped_mm on Hopper)"
+)
 def test_cuda_same_bits_and_the_expected_saving():
-    """On the GPU path (bf16 torch._grouped_mm): the same bits, and the forward keeps k(D + F) bf16 values per token
-    fewer (the gathered rows, the SwiGLU product), less the rebuild's row indices (``token_of``, one int64 per
-    routed row, which nothing else keeps: the dispatch's backward gathers through ``pos``)."""
-    args = get_flavor("debug").replace(hidden_size=1024, n_routed_experts=16, num_experts_per_tok=8,
-                                       moe_intermediate_size=512)
+    """On the GPU path (bf16 torch._grouped_mm): the same bits, and the forward keeps k(D + F) bf16
+    values per token fewer (the gathered rows, the SwiGLU product), less the rebuild's row indices
+    (``token_of``, one int64 per routed row, which nothing else keeps: the dispatch's backward
+    gathers through ``pos``)."""
+    args = get_flavor("debug").replace(
+        hidden_size=1024, n_routed_experts=16, num_experts_per_tok=8, moe_intermediate_size=512
+    )
     torch.manual_seed(0)
     block = MoE(args)
     init_weights_(block, 0.02)

@@ -1,6 +1,6 @@
-"""parallelize.py / distributed.py in one process: degree checks, activation checkpointing (same top-k,
-gradients and MoE loads as without), what selective AC keeps, torch.compile, gradient clipping.
-Multi-process behaviour (FSDP, HSDP, EP) is tested in tests/distributed."""
+"""parallelize.py / distributed.py in one process: degree checks, activation checkpointing (same
+top-k, gradients and MoE loads as without), what selective AC keeps, torch.compile, gradient
+clipping. Multi-process behaviour (FSDP, HSDP, EP) is tested in tests/distributed."""
 
 import copy
 
@@ -32,14 +32,20 @@ def test_degrees_must_multiply_to_world_size():
 
 
 def test_ep_must_divide_the_routed_experts():
-    with pytest.raises(ValueError, match=r"parallelism.expert_parallel_degree = 4 must divide the number of routed "
-                                         r"experts \(6\); choose one of \[1, 2\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"parallelism.expert_parallel_degree = 4 must divide the number of routed "
+        r"experts \(6\); choose one of \[1, 2\]",
+    ):
         validate_degrees(4, dp_shard=4, ep=4, n_routed_experts=6)
 
 
 def test_ep_must_divide_dp_shard():
-    with pytest.raises(ValueError, match=r"expert_parallel_degree = 4 must divide "
-                                         r"parallelism.data_parallel_shard_degree = 6"):
+    with pytest.raises(
+        ValueError,
+        match=r"expert_parallel_degree = 4 must divide "
+        r"parallelism.data_parallel_shard_degree = 6",
+    ):
         validate_degrees(6, dp_shard=6, ep=4)
 
 
@@ -73,13 +79,20 @@ def test_bad_options_are_refused():
     assert _reshard_policy("always", pp_enabled=True, shard_degree=1)
     with pytest.raises(ValueError, match="ep_enabled=True"):
         parallelize_model(model, None, ep_enabled=True)
-    # A mesh built without n_routed_experts: parallelize_model still refuses an EP degree not dividing them.
-    mesh = ParallelMesh(validate_degrees(3, dp_shard=3, ep=3), "cpu", {}, fsdp_mesh=None, expert_fsdp_mesh=None)
-    with pytest.raises(ValueError, match=r"parallelism.expert_parallel_degree = 3 must divide n_routed_experts \(8\)"):
+    # A mesh built without n_routed_experts: parallelize_model still refuses an EP degree not
+    # dividing them.
+    mesh = ParallelMesh(
+        validate_degrees(3, dp_shard=3, ep=3), "cpu", {}, fsdp_mesh=None, expert_fsdp_mesh=None
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"parallelism.expert_parallel_degree = 3 must divide n_routed_experts \(8\)",
+    ):
         parallelize_model(model, mesh)
 
 
-# ----------------------------------------------------------------------------------------- AC / compile
+# ----------------------------------------------------------------------------------------- AC /
+# compile
 ARGS = get_flavor("debug").replace(index_topk=8)  # sparse at S=32; IndexShare FFFSSSFS; MTP
 
 
@@ -93,7 +106,8 @@ def base():
 
 
 def _step(model, tokens):
-    """Loss, grads, MoE loads, and the top-k of every attention call (forward, and recompute separately)."""
+    """Loss, grads, MoE loads, and the top-k of every attention call (forward, and recompute
+    separately)."""
     fwd, rec = [], []
 
     def grab(mod, args, out):
@@ -101,7 +115,10 @@ def _step(model, tokens):
 
     hooks = [m.register_forward_hook(grab) for m in model.modules() if isinstance(m, Attention)]
     logits, mtp = model(tokens, with_mtp=True)
-    loss = (cross_entropy_sum(logits[:, :-1], tokens[:, 1:]) + cross_entropy_sum(mtp[:, :-2], tokens[:, 2:])) / 100
+    loss = (
+        cross_entropy_sum(logits[:, :-1], tokens[:, 1:])
+        + cross_entropy_sum(mtp[:, :-2], tokens[:, 2:])
+    ) / 100
     loss.backward()
     for h in hooks:
         h.remove()
@@ -119,12 +136,15 @@ def test_ac_gives_same_topk_gradients_and_loads(base, mode, option):
     torch.testing.assert_close(loss, ref[0], rtol=0, atol=0)
     assert grads.keys() == ref[1].keys()
     for n in grads:
-        torch.testing.assert_close(grads[n], ref[1][n], rtol=1e-6, atol=1e-7, msg=lambda m: f"{n}: {m}")
+        torch.testing.assert_close(
+            grads[n], ref[1][n], rtol=1e-6, atol=1e-7, msg=lambda m: f"{n}: {m}"
+        )
     for got, want in zip(loads, ref[2]):  # recomputes do not count again
         torch.testing.assert_close(got, want, rtol=0, atol=0)
     assert len(fwd) == len(ref[3]) and all(torch.equal(a, b) for a, b in zip(fwd, ref[3]))
-    # Every recomputed block selected exactly the keys of its forward. Blocks in forward order: layers 0-7,
-    # then the MTP block; recomputes come in backward (reverse) order. "2" checkpoints blocks 2, 4, 6, 8.
+    # Every recomputed block selected exactly the keys of its forward. Blocks in forward order:
+    # layers 0-7, then the MTP block; recomputes come in backward (reverse) order. "2" checkpoints
+    # blocks 2, 4, 6, 8.
     ckpt = list(range(9)) if option == "op" else [1, 3, 5, 7]
     assert len(rec) == len(ckpt)
     assert all(torch.equal(r, fwd[i]) for r, i in zip(rec[::-1], ckpt))
@@ -136,7 +156,11 @@ class _MatmulCounter(TorchDispatchMode):
         self.total = self.untracked = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.titan_glm52.expert_mm.default):
+        if func in (
+            torch.ops.aten.mm.default,
+            torch.ops.aten.addmm.default,
+            torch.ops.titan_glm52.expert_mm.default,
+        ):
             self.total += 1
             self.untracked += not any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
         return func(*args, **(kwargs or {}))
@@ -169,12 +193,16 @@ def test_compile_matches_eager_and_keeps_names(base):
         torch._dynamo.utils.counters.clear()
         model = copy.deepcopy(base[0])
         parallelize_model(model, None, ac_mode=ac_mode, compile=True, compile_backend="aot_eager")
-        assert [n for n, _ in model.named_parameters()] == [n for n, _ in base[0].named_parameters()]
+        assert [n for n, _ in model.named_parameters()] == [
+            n for n, _ in base[0].named_parameters()
+        ]
         assert model.state_dict().keys() == base[0].state_dict().keys()
         loss, grads, loads, fwd, _ = _step(model, base[1])
         torch.testing.assert_close(loss, ref[0], rtol=1e-5, atol=1e-6)
         for n in grads:
-            torch.testing.assert_close(grads[n], ref[1][n], rtol=1e-4, atol=1e-6, msg=lambda m: f"{n}: {m}")
+            torch.testing.assert_close(
+                grads[n], ref[1][n], rtol=1e-4, atol=1e-6, msg=lambda m: f"{n}: {m}"
+            )
         for got, want in zip(loads, ref[2]):
             torch.testing.assert_close(got, want, rtol=0, atol=0)
         assert all(torch.equal(a, b) for a, b in zip(fwd, ref[3]))

@@ -1,7 +1,9 @@
-"""Tests for titan_glm52/pipeline_split.py: placement, cost model, the skip-aware splitter and layout checks.
+"""Tests for titan_glm52/pipeline_split.py: placement, cost model, the skip-aware splitter and
+layout checks.
 
-The splitter is claimed exact, so the property tests compare it with brute force over every valid cut set on
-small models (random IndexShare schedules, stage counts and costs) and assert equal maximum stage cost.
+The splitter is claimed exact, so the property tests compare it with brute force over every valid
+cut set on small models (random IndexShare schedules, stage counts and costs) and assert equal
+maximum stage cost.
 """
 
 from __future__ import annotations
@@ -57,7 +59,9 @@ def _random_schedule(rng: random.Random, num_layers: int) -> IndexShareSchedule:
     types = ["full"] + [rng.choice(["full", "shared", "shared"]) for _ in range(num_layers - 1)]
     if form == 1:
         return build_schedule(num_layers, indexer_types=types)
-    return build_schedule(num_layers, index_topk_pattern="".join("F" if t == "full" else "S" for t in types))
+    return build_schedule(
+        num_layers, index_topk_pattern="".join("F" if t == "full" else "S" for t in types)
+    )
 
 
 def _suggestion(message: str) -> list[int]:
@@ -75,9 +79,12 @@ def test_single_stage_schedules_hold_one_stage_per_rank(name):
     assert ps.stage_placement(name, 4, 1) == pl
 
 
-@pytest.mark.parametrize("name", ["Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "interleaved1f1b"])
+@pytest.mark.parametrize(
+    "name", ["Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "interleaved1f1b"]
+)
 def test_loop_schedules_place_stage_s_on_rank_s_mod_pp(name):
-    assert ps.stage_placement(name, 4).stage_to_rank == (0, 1, 2, 3, 0, 1, 2, 3)  # default 2 per rank
+    # default 2 per rank
+    assert ps.stage_placement(name, 4).stage_to_rank == (0, 1, 2, 3, 0, 1, 2, 3)
     pl = ps.stage_placement(name, 3, 4)
     assert (pl.style, pl.num_stages) == ("loop", 12)
     assert pl.stage_to_rank == tuple(s % 3 for s in range(12))
@@ -99,14 +106,17 @@ def test_schedule_name_is_the_torch_name():
     assert ps.stage_placement("zbvzerobubble", 2).schedule == "ZBVZeroBubble"
 
 
-@pytest.mark.parametrize("name,spr,needle", [
-    ("1F1B", 2, "one stage per rank"),
-    ("GPipe", 3, "one stage per rank"),
-    ("ZBVZeroBubble", 3, "exactly 2 stages per rank"),
-    ("DualPipeV", 1, "exactly 2 stages per rank"),
-    ("Interleaved1F1B", 1, "stages_per_rank >= 2"),
-    ("LoopedBFS", 0, "stages_per_rank must be an integer >= 1"),
-])
+@pytest.mark.parametrize(
+    "name,spr,needle",
+    [
+        ("1F1B", 2, "one stage per rank"),
+        ("GPipe", 3, "one stage per rank"),
+        ("ZBVZeroBubble", 3, "exactly 2 stages per rank"),
+        ("DualPipeV", 1, "exactly 2 stages per rank"),
+        ("Interleaved1F1B", 1, "stages_per_rank >= 2"),
+        ("LoopedBFS", 0, "stages_per_rank must be an integer >= 1"),
+    ],
+)
 def test_impossible_schedule_combinations_are_refused(name, spr, needle):
     with pytest.raises(ValueError, match=re.escape(needle)):
         ps.stage_placement(name, 4, spr)
@@ -128,7 +138,9 @@ def test_cost_model_pieces(glm52):
     # Same kind of MLP: a full layer costs exactly one indexer more than a shared one.
     full_moe, shared_moe = costs[6], costs[7]
     assert a.is_moe_layer(6) and a.is_moe_layer(7) and sched.is_full(6) and not sched.is_full(7)
-    indexer = 2.0 * (flops.indexer_macs_per_token(a) + flops.indexer_macs_per_pair(a) * flops.mean_keys(4096))
+    indexer = 2.0 * (
+        flops.indexer_macs_per_token(a) + flops.indexer_macs_per_pair(a) * flops.mean_keys(4096)
+    )
     assert full_moe - shared_moe == pytest.approx(indexer, rel=REL)
     # Layers 0-2 are dense and full; 6 is MoE and full.
     mlp = 2.0 * (flops.mlp_macs_per_token(a, True) - flops.mlp_macs_per_token(a, False))
@@ -160,7 +172,8 @@ def test_seq_len_is_checked(glm52):
             ps.layer_costs(glm52, bad)
 
 
-# ------------------------------------------------------------------------------------- GLM-5.2 layouts
+# ------------------------------------------------------------------------------------- GLM-5.2
+# layouts
 def test_glm52_pp4_20_20_20_18_is_refused_with_a_near_valid_layout(glm52):
     with pytest.raises(ps.LayoutError) as err:
         ps.split(glm52, 4, explicit=[20, 20, 20, 18])
@@ -171,7 +184,9 @@ def test_glm52_pp4_20_20_20_18_is_refused_with_a_near_valid_layout(glm52):
     assert _suggestion(msg) == [18, 20, 20, 20]
 
 
-@pytest.mark.parametrize("layout", [[18, 20, 20, 20], [14, 8, 8, 8, 8, 8, 8, 16], [38, 40], [1, 77], [78]])
+@pytest.mark.parametrize(
+    "layout", [[18, 20, 20, 20], [14, 8, 8, 8, 8, 8, 8, 16], [38, 40], [1, 77], [78]]
+)
 def test_glm52_known_good_layouts_are_accepted(glm52, layout):
     assert ps.split(glm52, len(layout), explicit=layout) == layout
 
@@ -204,7 +219,9 @@ def test_glm52_best_split_is_valid_and_optimal_among_valid_layouts(glm52, num_st
     if num_stages <= 4:  # brute force stays small: C(20, 3) = 1140 cut sets
         costs = ps.layer_costs(glm52)
         first, last = ps.stage_extra_costs(glm52)
-        best = min(max(ps.stage_costs(v, costs, first, last)) for v in _valid_layouts(sched, num_stages))
+        best = min(
+            max(ps.stage_costs(v, costs, first, last)) for v in _valid_layouts(sched, num_stages)
+        )
         assert max(ps.stage_costs(layout, costs, first, last)) == pytest.approx(best, rel=REL)
 
 
@@ -216,22 +233,35 @@ def test_glm52_too_many_stages_is_refused(glm52):
 
 
 def test_glm52_choose_layout(glm52):
-    plan = ps.choose_layout(glm52, "ZBVZeroBubble", 4, layers_per_stage=[10, 8, 8, 12, 12, 12, 12, 4])
+    plan = ps.choose_layout(
+        glm52, "ZBVZeroBubble", 4, layers_per_stage=[10, 8, 8, 12, 12, 12, 12, 4]
+    )
     assert plan.placement.num_stages == 8
     assert plan.first_layers == (0, 10, 18, 26, 38, 50, 62, 74)
     assert plan.module_names[0][:2] == ("tok_embeddings", "layers.0")
-    assert plan.module_names[-1] == ("layers.74", "layers.75", "layers.76", "layers.77", "norm", "output", "mtp")
+    assert plan.module_names[-1] == (
+        "layers.74",
+        "layers.75",
+        "layers.76",
+        "layers.77",
+        "norm",
+        "output",
+        "mtp",
+    )
     assert sum(plan.rank_costs) == pytest.approx(plan.total_cost, rel=REL)
     assert plan.rank_costs[0] == pytest.approx(plan.stage_costs[0] + plan.stage_costs[7], rel=REL)
     with pytest.raises(ps.LayoutError, match="Nearest valid layout"):
         ps.choose_layout(glm52, "1F1B", 4, layers_per_stage=[20, 20, 20, 18])
-    assert ps.choose_layout(glm52, "1F1B", 2, with_mtp=False).module_names[-1][-2:] == ("norm", "output")
+    assert ps.choose_layout(glm52, "1F1B", 2, with_mtp=False).module_names[-1][-2:] == (
+        "norm",
+        "output",
+    )
 
 
 # ------------------------------------------------------------------------------------- properties
 def test_split_is_exact_on_random_small_models():
-    """Against brute force: valid, covers every layer once, optimal max stage cost, and the documented
-    tie-break (smallest sum of squares among optimal splits)."""
+    """Against brute force: valid, covers every layer once, optimal max stage cost, and the
+    documented tie-break (smallest sum of squares among optimal splits)."""
     rng = random.Random(1234)
     checked = 0
     for _ in range(400):
@@ -245,21 +275,33 @@ def test_split_is_exact_on_random_small_models():
         got = ps.stage_costs(layout, costs, first, last)
         options = [ps.stage_costs(v, costs, first, last) for v in _valid_layouts(sched, num_stages)]
         best_max = min(max(o) for o in options)
-        assert max(got) == pytest.approx(best_max, rel=REL), (sched.pattern, num_stages, costs, layout)
-        best_sq = min(sum(c * c for c in o) for o in options if math.isclose(max(o), best_max, rel_tol=REL))
+        assert max(got) == pytest.approx(best_max, rel=REL), (
+            sched.pattern,
+            num_stages,
+            costs,
+            layout,
+        )
+        best_sq = min(
+            sum(c * c for c in o) for o in options if math.isclose(max(o), best_max, rel_tol=REL)
+        )
         assert sum(c * c for c in got) == pytest.approx(best_sq, rel=REL)
         checked += 1
     assert checked == 400
 
 
 def test_split_is_exact_with_model_costs():
-    """Same, with the cost model on small models of every (freq, offset, dense prefix, MTP, seq_len) mix."""
+    """Same, with the cost model on small models of every (freq, offset, dense prefix, MTP, seq_len)
+    mix."""
     rng = random.Random(99)
     base = _debug_args()
     for num_layers, freq, offset in itertools.product([1, 2, 5, 8, 11], [1, 2, 3, 4], [1, 2, 3]):
-        args = base.replace(num_hidden_layers=num_layers, index_topk_freq=freq, index_skip_topk_offset=offset,
-                            first_k_dense_replace=rng.randint(0, 3),
-                            num_nextn_predict_layers=rng.randint(0, 1))
+        args = base.replace(
+            num_hidden_layers=num_layers,
+            index_topk_freq=freq,
+            index_skip_topk_offset=offset,
+            first_k_dense_replace=rng.randint(0, 3),
+            num_nextn_predict_layers=rng.randint(0, 1),
+        )
         seq_len = rng.choice([1, 8, 16, 100, 4096])
         sched = args.index_share
         costs = ps.layer_costs(args, seq_len)
@@ -267,7 +309,10 @@ def test_split_is_exact_with_model_costs():
         for num_stages in range(1, len(sched.full_layers) + 1):
             layout = ps.split(args, num_stages, seq_len=seq_len)
             _assert_valid(sched, num_stages, layout)
-            best = min(max(ps.stage_costs(v, costs, first, last)) for v in _valid_layouts(sched, num_stages))
+            best = min(
+                max(ps.stage_costs(v, costs, first, last))
+                for v in _valid_layouts(sched, num_stages)
+            )
             assert max(ps.stage_costs(layout, costs, first, last)) == pytest.approx(best, rel=REL)
         with pytest.raises(ps.LayoutError, match="only"):
             ps.split(args, len(sched.full_layers) + 1, seq_len=seq_len)
@@ -308,7 +353,9 @@ def _move_cut(sched, layout, k, delta):
 
 def test_infeasible_requests_raise_clear_errors():
     sched = build_schedule(10, index_topk_pattern="FSSFSSSFSS")
-    with pytest.raises(ps.LayoutError, match=r"cannot split 10 layers into 4 pipeline stages.*only 3 \(0,3,7\)"):
+    with pytest.raises(
+        ps.LayoutError, match=r"cannot split 10 layers into 4 pipeline stages.*only 3 \(0,3,7\)"
+    ):
         ps.split_layers(sched, 4, [1.0] * 10)
     with pytest.raises(ps.LayoutError, match="only 3"):
         ps.validate_layout(sched, 4, [3, 4, 2, 1])
@@ -325,7 +372,9 @@ def test_validation_agrees_with_brute_force_and_suggests_the_nearest_layout():
         sched = _random_schedule(rng, num_layers)
         num_stages = rng.randint(1, len(sched.full_layers))
         valid = list(_valid_layouts(sched, num_stages))
-        given = rng.choice(valid) if rng.random() < 0.3 else _random_layout(rng, num_layers, num_stages)
+        given = (
+            rng.choice(valid) if rng.random() < 0.3 else _random_layout(rng, num_layers, num_stages)
+        )
         if given in valid:
             assert ps.validate_layout(sched, num_stages, given) == given
             continue
@@ -341,8 +390,10 @@ def test_validation_agrees_with_brute_force_and_suggests_the_nearest_layout():
         start = 0
         for k, n in enumerate(given):
             if 0 < start < num_layers and n >= 1 and not sched.is_full(start):
-                assert f"stage {k} starts at layer {start}, a shared layer (source layer " \
-                       f"{sched.source_layer(start)})" in msg
+                assert (
+                    f"stage {k} starts at layer {start}, a shared layer (source layer "
+                    f"{sched.source_layer(start)})" in msg
+                )
             start += max(n, 0)
 
 
@@ -367,7 +418,8 @@ def test_module_names_per_stage():
         ["layers.3", "layers.4", "norm", "output", "mtp"],
     ]
     assert _module_names([3], has_mtp=False) == [
-        ["tok_embeddings", "layers.0", "layers.1", "layers.2", "norm", "output"]]
+        ["tok_embeddings", "layers.0", "layers.1", "layers.2", "norm", "output"]
+    ]
     names = _module_names([14, 8, 8, 8, 8, 8, 8, 16], has_mtp=True)
     flat = [n for stage in names for n in stage if n.startswith("layers.")]
     assert flat == [f"layers.{i}" for i in range(78)]

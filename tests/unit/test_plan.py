@@ -1,7 +1,8 @@
 """Tests for titan_glm52/plan.py: the ``python -m titan_glm52.plan layout`` command line.
 
-The 744B cases run as real subprocesses; each imports torch (~3 s of CPU), so they start together in one module
-fixture. The other cases call ``plan.main(argv)`` in this process (same parser, printing and exit status).
+The 744B cases run as real subprocesses; each imports torch (~3 s of CPU), so they start together in
+one module fixture. The other cases call ``plan.main(argv)`` in this process (same parser, printing
+and exit status).
 """
 
 from __future__ import annotations
@@ -22,16 +23,39 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 SUBPROCESS_RUNS = {
     "pp8": ["layout", "--flavor", "glm52_744b", "--pp", "8"],
-    "bad_pp4": ["layout", "--flavor", "glm52_744b", "--pp", "4", "--layers-per-stage", "20,20,20,18"],
-    "good_pp4": ["layout", "--flavor", "glm52_744b", "--pp", "4", "--layers-per-stage", "18,20,20,20"],
+    "bad_pp4": [
+        "layout",
+        "--flavor",
+        "glm52_744b",
+        "--pp",
+        "4",
+        "--layers-per-stage",
+        "20,20,20,18",
+    ],
+    "good_pp4": [
+        "layout",
+        "--flavor",
+        "glm52_744b",
+        "--pp",
+        "4",
+        "--layers-per-stage",
+        "18,20,20,20",
+    ],
 }
 
 
 @pytest.fixture(scope="module")
 def results():
-    procs = {name: subprocess.Popen([sys.executable, "-m", "titan_glm52.plan", *argv], cwd=REPO, text=True,
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-             for name, argv in SUBPROCESS_RUNS.items()}
+    procs = {
+        name: subprocess.Popen(
+            [sys.executable, "-m", "titan_glm52.plan", *argv],
+            cwd=REPO,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        for name, argv in SUBPROCESS_RUNS.items()
+    }
     out = {}
     for name, p in procs.items():
         stdout, stderr = p.communicate(timeout=120)
@@ -90,8 +114,20 @@ def test_layout_accepts_a_valid_split(results):
 
 
 def test_layout_accepts_the_megatron_pp8_split(capsys):
-    rc, stdout, stderr = _main(capsys, "layout", "--flavor", "glm52_744b", "--pp", "8", "--schedule", "1F1B",
-                               "--seq-len", "8192", "--layers-per-stage", "14,8,8,8,8,8,8,16")
+    rc, stdout, stderr = _main(
+        capsys,
+        "layout",
+        "--flavor",
+        "glm52_744b",
+        "--pp",
+        "8",
+        "--schedule",
+        "1F1B",
+        "--seq-len",
+        "8192",
+        "--layers-per-stage",
+        "14,8,8,8,8,8,8,16",
+    )
     assert rc == 0, stderr
     assert _layers_line(stdout) == [14, 8, 8, 8, 8, 8, 8, 16]
     assert len(_stage_lines(stdout)) == 8
@@ -99,22 +135,30 @@ def test_layout_accepts_the_megatron_pp8_split(capsys):
 
 def test_layout_reads_an_hf_config_and_a_v_schedule(capsys, tmp_path):
     write_hf_config(_debug_args(), str(tmp_path), torch.float32)  # 8 layers, full at 0, 1, 2, 6
-    rc, stdout, stderr = _main(capsys, "layout", "--hf-config", str(tmp_path), "--pp", "2",
-                               "--schedule", "ZBVZeroBubble")
+    rc, stdout, stderr = _main(
+        capsys, "layout", "--hf-config", str(tmp_path), "--pp", "2", "--schedule", "ZBVZeroBubble"
+    )
     assert rc == 0, stderr
     layout = _layers_line(stdout)
     assert len(layout) == 4 and sum(layout) == 8
     ranks = [int(line.split("rank ")[1].split(",")[0]) for line in _stage_lines(stdout)]
     assert ranks == [0, 1, 1, 0]
     assert "rank 0: stages 0,3" in stdout
-    rc, _, stderr = _main(capsys, "layout", "--flavor", "debug", "--hf-config", str(tmp_path), "--pp", "2")
-    assert rc == 2 and "not allowed with argument" in stderr  # argparse: --flavor and --hf-config exclude
+    rc, _, stderr = _main(
+        capsys, "layout", "--flavor", "debug", "--hf-config", str(tmp_path), "--pp", "2"
+    )
+    # argparse: --flavor and --hf-config exclude
+    assert rc == 2 and "not allowed with argument" in stderr
 
 
 def test_layout_refuses_impossible_requests(capsys):
-    rc, stdout, stderr = _main(capsys, "layout", "--pp", "4", "--schedule", "1F1B", "--stages-per-rank", "2")
+    rc, stdout, stderr = _main(
+        capsys, "layout", "--pp", "4", "--schedule", "1F1B", "--stages-per-rank", "2"
+    )
     assert rc == 1 and "1F1B runs one stage per rank" in stderr and stdout == ""
-    rc, _, stderr = _main(capsys, "layout", "--pp", "8", "--schedule", "Interleaved1F1B", "--stages-per-rank", "3")
+    rc, _, stderr = _main(
+        capsys, "layout", "--pp", "8", "--schedule", "Interleaved1F1B", "--stages-per-rank", "3"
+    )
     assert rc == 1 and "into 24 pipeline stages" in stderr and "only 21" in stderr
     rc, _, stderr = _main(capsys, "layout", "--pp", "4", "--layers-per-stage", "18,x")
     assert rc == 2 and "comma-separated integers" in stderr

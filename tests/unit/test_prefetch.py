@@ -1,4 +1,5 @@
-"""data/prefetch.py: the prefetched batches and checkpoint states are exactly the wrapped loader's."""
+"""data/prefetch.py: the prefetched batches and checkpoint states are exactly the wrapped
+loader's."""
 
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ def test_same_batches_and_states_as_the_loader(depth):
     assert pre.state_dict() == plain.state_dict()
     for _ in range(7):
         assert _equal(next(pre), next(plain))
-        time.sleep(0.01)  # let the thread run ahead: the state is still that of the last batch handed out
+        # let the thread run ahead: the state is still that of the last batch handed out
+        time.sleep(0.01)
         assert pre.state_dict() == plain.state_dict()
     pre.close()
 

@@ -21,8 +21,8 @@ def test_topk_matches_brute_force_with_documents_and_padding():
     for i in range(t):
         keys = list(range(int(starts[i]), i + 1))
         ranked = sorted(keys, key=lambda j: (-float(s[i, j]), j))[:5]
-        assert got[i, :len(ranked)].tolist() == ranked
-        assert (got[i, len(ranked):] == -1).all()
+        assert got[i, : len(ranked)].tolist() == ranked
+        assert (got[i, len(ranked) :] == -1).all()
 
 
 def test_topk_ties_break_toward_lower_index():
@@ -54,7 +54,9 @@ def test_empty_rows_give_zero_output_and_finite_grads():
     kv = torch.randn(4, 6, requires_grad=True)
     idx = torch.tensor([[0, -1], [-1, -1], [1, 0], [-1, -1]], dtype=torch.int32)
     out, lse = R.sparse_mla(q, kv, idx, 1.0, 4)
-    assert torch.equal(out[1], torch.zeros(2, 4)) and torch.isinf(lse[1]).all() and (lse[1] < 0).all()
+    assert (
+        torch.equal(out[1], torch.zeros(2, 4)) and torch.isinf(lse[1]).all() and (lse[1] < 0).all()
+    )
     out.sum().backward()
     assert torch.isfinite(q.grad).all() and torch.isfinite(kv.grad).all()
     assert torch.equal(q.grad[1], torch.zeros(2, 6))
@@ -72,14 +74,18 @@ def test_indexer_kl_matches_direct_formula(sparse):
     starts = packed.doc_starts(cu, t)
     for i in range(t):
         keys = idx[i][idx[i] >= 0].long() if sparse else torch.arange(int(starts[i]), i + 1)
-        p = torch.softmax(torch.einsum("hd,kd->hk", q[i].double(), kv[keys].double()) * 0.4, -1).sum(0)
+        p = torch.softmax(
+            torch.einsum("hd,kd->hk", q[i].double(), kv[keys].double()) * 0.4, -1
+        ).sum(0)
         p = p / p.sum()
         logits = (wi[i, :, None] * torch.relu(qi[i] @ ki[keys].T)).sum(0) * 0.5
         ref = (p * (p.log() - torch.log_softmax(logits, -1))).sum()
         torch.testing.assert_close(kl[i].double(), ref.detach(), rtol=1e-5, atol=1e-6)
     kl.sum().backward()
     assert torch.isfinite(qi.grad).all() and qi.grad.abs().sum() > 0
-    torch.autograd.gradcheck(lambda a: R.indexer_kl(q, kv, 0.4, a, ki, wi, 0.5, cu, indices=idx, chunk=4), (qi,))
+    torch.autograd.gradcheck(
+        lambda a: R.indexer_kl(q, kv, 0.4, a, ki, wi, 0.5, cu, indices=idx, chunk=4), (qi,)
+    )
 
 
 def test_cu_seqlens_checks():
@@ -87,11 +93,21 @@ def test_cu_seqlens_checks():
         packed.check_cu_seqlens(torch.tensor([0, 5], dtype=torch.int32), 6)
     with pytest.raises(ValueError, match="non-decreasing"):
         packed.check_cu_seqlens(torch.tensor([0, 4, 3, 6], dtype=torch.int32), 6)
-    assert packed.check_cu_seqlens([0, 4, 6], 6) == packed.check_cu_seqlens(torch.tensor([0, 4, 6]), 6) == [0, 4, 6]
+    assert (
+        packed.check_cu_seqlens([0, 4, 6], 6)
+        == packed.check_cu_seqlens(torch.tensor([0, 4, 6]), 6)
+        == [0, 4, 6]
+    )
     with pytest.raises(ValueError, match=">= 2 entries"):
         packed.check_cu_seqlens([6], 6)
     with pytest.raises(ValueError, match="non-decreasing"):
         packed.check_cu_seqlens((0, 4, 3, 6), 6)
     with pytest.raises(TypeError):
         packed.check_cu_seqlens([0, 2.5, 6], 6)
-    assert packed.doc_positions(torch.tensor([0, 3, 5], dtype=torch.int32), 5).tolist() == [0, 1, 2, 0, 1]
+    assert packed.doc_positions(torch.tensor([0, 3, 5], dtype=torch.int32), 5).tolist() == [
+        0,
+        1,
+        2,
+        0,
+        1,
+    ]

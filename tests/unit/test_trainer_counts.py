@@ -1,6 +1,6 @@
-"""The step's token counts (the loss normalisers) are counted on the host and sent to the device without a sync:
-exact, and without a collective on one rank (the multi-rank sum is covered by the distributed tests' equality with
-one process)."""
+"""The step's token counts (the loss normalisers) are counted on the host and sent to the device
+without a sync: exact, and without a collective on one rank (the multi-rank sum is covered by the
+distributed tests' equality with one process)."""
 
 from types import SimpleNamespace
 
@@ -16,7 +16,8 @@ def test_global_counts_on_one_rank_are_exact_and_need_no_collective(monkeypatch)
 
     monkeypatch.setattr(trainer_mod.dist, "all_reduce", refuse)
     x = IGNORE_INDEX
-    # Row 0: a document ending at position 3 (label ignored), then another; row 1: padding at the end.
+    # Row 0: a document ending at position 3 (label ignored), then another; row 1: padding at the
+    # end.
     a = torch.tensor([[5, 6, 7, x, 9, 4, 2, 1], [3, 3, 3, 3, 3, x, x, x]])
     b = torch.tensor([[x, x, 1, 2, 3, 4, 5, 6]])
     me = SimpleNamespace(dp_world=1, device=torch.device("cpu"))
@@ -44,5 +45,10 @@ def test_global_counts_sum_over_ranks(monkeypatch):
     labels = torch.tensor([[1, 2, IGNORE_INDEX, 4]])
     me = SimpleNamespace(dp_world=world, device=torch.device("cpu"), dp_group="dp")
     n_tok, n_mtp, n_rows, tokens = Trainer._global_counts(me, [{"labels": labels}])
-    assert (n_tok.item(), n_mtp.item(), n_rows, tokens.item()) == (3.0 * world, 1.0 * world, 1.0 * world, 3.0 * world)
+    assert (n_tok.item(), n_mtp.item(), n_rows, tokens.item()) == (
+        3.0 * world,
+        1.0 * world,
+        1.0 * world,
+        3.0 * world,
+    )
     assert calls == ["dp"]

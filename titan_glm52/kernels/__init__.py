@@ -38,9 +38,13 @@ def triton_available() -> bool:
 def triton_kernels() -> dict:
     """``{"indexer_topk", "sparse_mla", "indexer_kl_sparse"}`` -> the Triton implementations."""
     if not triton_available():
-        raise RuntimeError("[dsa] backend = 'triton' needs the triton package (pip install triton); "
-                           "use backend = 'torch' otherwise")
-    return {fn: getattr(importlib.import_module(f".{mod}", __name__), fn) for mod, fn in _LAZY.values()}
+        raise RuntimeError(
+            "[dsa] backend = 'triton' needs the triton package (pip install triton); "
+            "use backend = 'torch' otherwise"
+        )
+    return {
+        fn: getattr(importlib.import_module(f".{mod}", __name__), fn) for mod, fn in _LAZY.values()
+    }
 
 
 def __getattr__(name: str):

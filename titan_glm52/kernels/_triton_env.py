@@ -20,16 +20,17 @@ def interpreting() -> bool:
 
 
 def elementwise_block(block: int) -> int:
-    """The block of an elementwise kernel: as given on the GPU; 65536 under the interpreter, which pays per program
-    instance (an AdamW step over 2M parameters: 14 s at 1024, 1 s at 65536) and whose results do not depend on the
-    block (every element is computed on its own)."""
+    """The block of an elementwise kernel: as given on the GPU; 65536 under the interpreter, which
+    pays per program instance (an AdamW step over 2M parameters: 14 s at 1024, 1 s at 65536) and
+    whose results do not depend on the block (every element is computed on its own)."""
     return max(block, 1 << 16) if interpreting() else block
 
 
 def _fix_interpreter_scalar_index() -> None:
-    """Triton 3.6's interpreter keeps scalars as 1-element arrays and turns them into loop bounds with
-    ``int(array)``, which numpy >= 2.3 refuses for arrays with ndim > 0. Make ``__index__`` take the element
-    instead, so ``range(0, n, BLOCK)`` with a computed ``n`` works in the interpreter as it does when compiled."""
+    """Triton 3.6's interpreter keeps scalars as 1-element arrays and turns them into loop bounds
+    with ``int(array)``, which numpy >= 2.3 refuses for arrays with ndim > 0. Make ``__index__``
+    take the element instead, so ``range(0, n, BLOCK)`` with a computed ``n`` works in the
+    interpreter as it does when compiled."""
     try:
         from triton.runtime import interpreter as interp
     except ImportError:  # pragma: no cover - layout of a future triton
@@ -47,10 +48,11 @@ def _fix_interpreter_scalar_index() -> None:
 
 
 def _fix_interpreter_bf16_rounding() -> None:
-    """Triton 3.6's interpreter converts fp32 to bf16 by dropping the low 16 bits (round toward zero), while a
-    compiled kernel rounds to nearest even (as torch does); its own RTNE path drops the carry into the exponent,
-    and bf16 subnormals widen to zero. Convert as the GPU does (bf16 -> fp32 is exact: the bits shifted up), so
-    interpreter tests see the numbers a compiled kernel produces."""
+    """Triton 3.6's interpreter converts fp32 to bf16 by dropping the low 16 bits (round toward
+    zero), while a compiled kernel rounds to nearest even (as torch does); its own RTNE path drops
+    the carry into the exponent, and bf16 subnormals widen to zero. Convert as the GPU does (bf16 ->
+    fp32 is exact: the bits shifted up), so interpreter tests see the numbers a compiled kernel
+    produces."""
     try:
         import numpy as np
         import triton.language as tl
@@ -74,21 +76,25 @@ def _fix_interpreter_bf16_rounding() -> None:
             if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
                 return interp.TensorHandle(to_bf16(src.data), dst_type.scalar)
             if src.dtype.scalar == tl.bfloat16 and dst_type.scalar == tl.float32:
-                wide = (np.ascontiguousarray(src.data).view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+                wide = (
+                    np.ascontiguousarray(src.data).view(np.uint16).astype(np.uint32) << 16
+                ).view(np.float32)
                 return interp.TensorHandle(wide, dst_type.scalar)
             return original(self, src, dst_type, *rest)
+
         patched._titan_fixed = True
         return patched
 
-    # create_fp_trunc is a lambda calling cast_impl; create_fp_to_fp carries an explicit rounding mode (RTNE
-    # is the only one the kernels ask for on this conversion).
+    # create_fp_trunc is a lambda calling cast_impl; create_fp_to_fp carries an explicit rounding
+    # mode (RTNE is the only one the kernels ask for on this conversion).
     builder.cast_impl = wrap(builder.cast_impl)
     builder.create_fp_to_fp = wrap(builder.create_fp_to_fp)
 
 
 def _fix_interpreter_bf16_dot() -> None:
-    """Triton 3.6's interpreter keeps bf16 values as their uint16 bits and multiplies those in ``tl.dot`` (it widens
-    only fp8 operands). Widen bf16 operands to fp32 first (exact), as the tensor cores take them."""
+    """Triton 3.6's interpreter keeps bf16 values as their uint16 bits and multiplies those in
+    ``tl.dot`` (it widens only fp8 operands). Widen bf16 operands to fp32 first (exact), as the
+    tensor cores take them."""
     try:
         import numpy as np
         import triton.language as tl
@@ -103,7 +109,9 @@ def _fix_interpreter_bf16_dot() -> None:
     def widen(h):
         if h.dtype.scalar != tl.bfloat16:
             return h
-        wide = (np.ascontiguousarray(h.data).view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+        wide = (np.ascontiguousarray(h.data).view(np.uint16).astype(np.uint32) << 16).view(
+            np.float32
+        )
         return interp.TensorHandle(wide, tl.float32)
 
     def patched(self, a, b, d, *rest):
@@ -114,12 +122,13 @@ def _fix_interpreter_bf16_dot() -> None:
 
 
 def _fix_interpreter_nested_repatch() -> None:
-    """Triton 3.6's interpreter patches ``triton.language`` (every builtin, on the module objects) when a kernel
-    launches and restores it when the kernel ends, and patches it again, the same way, at every call of a
-    ``@triton.jit`` helper inside the kernel: about 1.7 ms a call, a third of the interpreter's time in the
-    sparse MLA and top-k kernels, whose helpers run per program and loop step. Skip that repeat while a kernel's
-    patch covering the helper's language modules is active (the helper then sees the same patched modules); results
-    are unchanged, only the repeated patching goes."""
+    """Triton 3.6's interpreter patches ``triton.language`` (every builtin, on the module objects)
+    when a kernel launches and restores it when the kernel ends, and patches it again, the same way,
+    at every call of a ``@triton.jit`` helper inside the kernel: about 1.7 ms a call, a third of the
+    interpreter's time in the sparse MLA and top-k kernels, whose helpers run per program and loop
+    step. Skip that repeat while a kernel's patch covering the helper's language modules is active
+    (the helper then sees the same patched modules); results are unchanged, only the repeated
+    patching goes."""
     try:
         import inspect
 
@@ -127,19 +136,26 @@ def _fix_interpreter_nested_repatch() -> None:
         from triton.runtime import interpreter as interp
     except ImportError:  # pragma: no cover - layout of a future triton
         return
-    grid_cls, fn_cls = getattr(interp, "GridExecutor", None), getattr(interp, "InterpretedFunction", None)
+    grid_cls, fn_cls = (
+        getattr(interp, "GridExecutor", None),
+        getattr(interp, "InterpretedFunction", None),
+    )
     if grid_cls is None or fn_cls is None or getattr(fn_cls.__call__, "_titan_fixed", False):
         return
     if not hasattr(fn_cls, "rewrite") or not hasattr(interp, "InterpreterError"):
         return  # pragma: no cover - a triton whose helper call works differently: keep it as it is
-    active: list[frozenset] = []  # the language modules each running kernel's patch covers (innermost last)
+    # the language modules each running kernel's patch covers (innermost last)
+    active: list[frozenset] = []
     cache: dict[int, frozenset] = {}
 
     def langs(fn) -> frozenset:
         key = id(fn.__globals__)
         if key not in cache:
-            cache[key] = frozenset(id(v) for v in list(fn.__globals__.values())
-                                   if inspect.ismodule(v) and v in (tl, tl.core))
+            cache[key] = frozenset(
+                id(v)
+                for v in list(fn.__globals__.values())
+                if inspect.ismodule(v) and v in (tl, tl.core)
+            )
         return cache[key]
 
     grid_call, helper_call = grid_cls.__call__, fn_cls.__call__
@@ -188,9 +204,11 @@ def check_device(*tensors: torch.Tensor) -> None:
         return
     for t in tensors:
         if t.device.type != "cuda":
-            raise RuntimeError("the triton kernels need CUDA tensors (or TRITON_INTERPRET=1, set "
-                               "before the kernels are imported, for the CPU interpreter); got one "
-                               f"on {t.device}")
+            raise RuntimeError(
+                "the triton kernels need CUDA tensors (or TRITON_INTERPRET=1, set "
+                "before the kernels are imported, for the CPU interpreter); got one "
+                f"on {t.device}"
+            )
 
 
 def pow2(n: int, minimum: int = 16) -> int:

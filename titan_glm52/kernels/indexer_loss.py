@@ -1,20 +1,21 @@
 """Triton indexer KL loss for the sparse stage (DeepSeek-V3.2), without [T, T] tensors.
 
-Contract: ``reference.indexer_kl(q, kv, sm_scale, q_idx, k_idx, w_idx, idx_scale, cu_seqlens, indices=indices)``
-per row ``[T]``: KL(target || softmax(indexer logits)) over the selected keys of each row, 0 for a row without a
-valid key; gradients flow into q_idx, k_idx and w_idx only.
+Contract: ``reference.indexer_kl(q, kv, sm_scale, q_idx, k_idx, w_idx, idx_scale, cu_seqlens,
+indices=indices)`` per row ``[T]``: KL(target || softmax(indexer logits)) over the selected keys of
+each row, 0 for a row without a valid key; gradients flow into q_idx, k_idx and w_idx only.
 
-* target: the main attention's probabilities on the selected keys summed over heads and L1-normalised. They are
-  recomputed from the attention LSE that ``sparse_mla`` returned (one QK^T pass, no softmax passes):
-  ``p[h, s] = exp(q_h . kv_s * sm_scale - lse_h)``. ``lse`` must come from ``sparse_mla`` with the same q, kv,
-  indices and sm_scale.
+* target: the main attention's probabilities on the selected keys summed over heads and
+  L1-normalised. They are recomputed from the attention LSE that ``sparse_mla`` returned (one QK^T
+  pass, no softmax passes): ``p[h, s] = exp(q_h . kv_s * sm_scale - lse_h)``. ``lse`` must come from
+  ``sparse_mla`` with the same q, kv, indices and sm_scale.
 * logits: ``sum_h w_idx[t, h] * relu(q_idx[t, h] . k_idx[s]) * idx_scale``.
 
-Forward (one program per row): walk the K slots in blocks; per block gather kv and k_idx rows, compute the head
-sum of P and the logits, keep the sums for the normalisers; a second pass over the row's [K] buffers forms the KL.
-The normalised target [T, K] (fp32) and the logits' logsumexp [T] are kept for backward.
-Backward (one program per row): recompute the logits from q_idx, k_idx; ``dlogit = (sum(target) * softmax -
-target) * grad``; dw and dq_idx accumulate in registers, dk_idx with fp32 atomic adds.
+Forward (one program per row): walk the K slots in blocks; per block gather kv and k_idx rows,
+compute the head sum of P and the logits, keep the sums for the normalisers; a second pass over the
+row's [K] buffers forms the KL. The normalised target [T, K] (fp32) and the logits' logsumexp [T]
+are kept for backward. Backward (one program per row): recompute the logits from q_idx, k_idx;
+``dlogit = (sum(target) * softmax - target) * grad``; dw and dq_idx accumulate in registers, dk_idx
+with fp32 atomic adds.
 """
 
 from __future__ import annotations
@@ -30,8 +31,10 @@ from .sparse_mla import LOG2E, _dot, _gather
 # What ``tuning.launch_overrides({"indexer_loss": {part: {...}}})`` may set over the defaults
 # (``_config``, ``_fwd_stages``, ``_bwd_launch``), per kernel: the slots per step and the launch's
 # warps and stages.
-LAUNCH_KEYS = {"fwd": frozenset({"BK", "num_warps", "num_stages"}),
-               "bwd": frozenset({"BK", "num_warps", "num_stages"})}
+LAUNCH_KEYS = {
+    "fwd": frozenset({"BK", "num_warps", "num_stages"}),
+    "bwd": frozenset({"BK", "num_warps", "num_stages"}),
+}
 
 
 @triton.jit
@@ -42,13 +45,47 @@ def _index_logits(qi, w, ki, idx_scale, IEEE_I: tl.constexpr):
 
 
 @triton.jit
-def _kl_fwd_kernel(q_ptr, kv_ptr, lse_ptr, qi_ptr, ki_ptr, wi_ptr, idx_ptr, tgt_ptr, lg_ptr, kl_ptr, stat_ptr,
-                   T, H, HI, K, qk_scale, idx_scale,
-                   stride_qt, stride_qh, stride_kvt, stride_lt, stride_qit, stride_qih, stride_kit, stride_wit,
-                   stride_it, stride_st,
-                   DA: tl.constexpr, DB: tl.constexpr, DAP: tl.constexpr, DBP: tl.constexpr, HAS_B: tl.constexpr,
-                   BH: tl.constexpr, DI: tl.constexpr, DIP: tl.constexpr, HIP: tl.constexpr, BK: tl.constexpr,
-                   IEEE: tl.constexpr, IEEE_I: tl.constexpr):
+def _kl_fwd_kernel(
+    q_ptr,
+    kv_ptr,
+    lse_ptr,
+    qi_ptr,
+    ki_ptr,
+    wi_ptr,
+    idx_ptr,
+    tgt_ptr,
+    lg_ptr,
+    kl_ptr,
+    stat_ptr,
+    T,
+    H,
+    HI,
+    K,
+    qk_scale,
+    idx_scale,
+    stride_qt,
+    stride_qh,
+    stride_kvt,
+    stride_lt,
+    stride_qit,
+    stride_qih,
+    stride_kit,
+    stride_wit,
+    stride_it,
+    stride_st,
+    DA: tl.constexpr,
+    DB: tl.constexpr,
+    DAP: tl.constexpr,
+    DBP: tl.constexpr,
+    HAS_B: tl.constexpr,
+    BH: tl.constexpr,
+    DI: tl.constexpr,
+    DIP: tl.constexpr,
+    HIP: tl.constexpr,
+    BK: tl.constexpr,
+    IEEE: tl.constexpr,
+    IEEE_I: tl.constexpr,
+):
     t = tl.program_id(0)
     t64 = t.to(tl.int64)
     offs_h = tl.arange(0, BH)
@@ -58,7 +95,9 @@ def _kl_fwd_kernel(q_ptr, kv_ptr, lse_ptr, qi_ptr, ki_ptr, wi_ptr, idx_ptr, tgt_
     qa = tl.load(qrow + offs_a[None, :], mask=hmask[:, None] & (offs_a < DA)[None, :], other=0.0)
     if HAS_B:
         offs_b = tl.arange(0, DBP)
-        qb = tl.load(qrow + DA + offs_b[None, :], mask=hmask[:, None] & (offs_b < DB)[None, :], other=0.0)
+        qb = tl.load(
+            qrow + DA + offs_b[None, :], mask=hmask[:, None] & (offs_b < DB)[None, :], other=0.0
+        )
     lse = tl.load(lse_ptr + t64 * stride_lt + offs_h, mask=hmask, other=float("-inf"))
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
 
@@ -66,27 +105,36 @@ def _kl_fwd_kernel(q_ptr, kv_ptr, lse_ptr, qi_ptr, ki_ptr, wi_ptr, idx_ptr, tgt_
     offs_di = tl.arange(0, DIP)
     himask = offs_hi < HI
     dimask = offs_di < DI
-    qi = tl.load(qi_ptr + t64 * stride_qit + offs_hi[:, None] * stride_qih + offs_di[None, :],
-                 mask=himask[:, None] & dimask[None, :], other=0.0)
+    qi = tl.load(
+        qi_ptr + t64 * stride_qit + offs_hi[:, None] * stride_qih + offs_di[None, :],
+        mask=himask[:, None] & dimask[None, :],
+        other=0.0,
+    )
     w = tl.load(wi_ptr + t64 * stride_wit + offs_hi, mask=himask, other=0.0).to(tl.float32)
     idx_row = idx_ptr + t64 * stride_it
     tgt_row = tgt_ptr + t64 * stride_st
     lg_row = lg_ptr + t64 * stride_st
 
     p_total = tl.zeros([BK], tl.float32)
-    m_l = tl.full([BK], float("-inf"), tl.float32)  # running max / sum of exp of the logits, per lane
+    # running max / sum of exp of the logits, per lane
+    m_l = tl.full([BK], float("-inf"), tl.float32)
     s_l = tl.zeros([BK], tl.float32)
     for k0 in range(0, K, BK):
         offs_k = k0 + tl.arange(0, BK)
-        valid, safe, ka, kb = _gather(kv_ptr, idx_row, k0, K, T, stride_kvt, DA, DB, DAP, DBP, BK, HAS_B)
+        valid, safe, ka, kb = _gather(
+            kv_ptr, idx_row, k0, K, T, stride_kvt, DA, DB, DAP, DBP, BK, HAS_B
+        )
         s = _dot(qa, tl.trans(ka), IEEE)
         if HAS_B:
             s += _dot(qb, tl.trans(kb), IEEE)
         p = tl.math.exp2(s * qk_scale - lse2[:, None])
         p = tl.where(valid[None, :] & hmask[:, None], p, 0.0)
         psum = tl.sum(p, axis=0)  # [BK]
-        ki = tl.load(ki_ptr + safe[:, None] * stride_kit + offs_di[None, :], mask=valid[:, None] & dimask[None, :],
-                     other=0.0)
+        ki = tl.load(
+            ki_ptr + safe[:, None] * stride_kit + offs_di[None, :],
+            mask=valid[:, None] & dimask[None, :],
+            other=0.0,
+        )
         r, lg = _index_logits(qi, w, ki, idx_scale, IEEE_I)
         lg = tl.where(valid, lg, float("-inf"))
         kmask = offs_k < K
@@ -114,7 +162,9 @@ def _kl_fwd_kernel(q_ptr, kv_ptr, lse_ptr, qi_ptr, ki_ptr, wi_ptr, idx_ptr, tgt_
         tg = tl.load(tgt_row + offs_k, mask=kmask, other=0.0) * norm
         lg = tl.load(lg_row + offs_k, mask=kmask, other=float("-inf"))
         pos = (tg > 0.0) & (lg > float("-inf"))
-        term = tg * (tl.log(tl.where(pos, tg, 1.0)) - (tl.where(pos, lg, 0.0) - tl.where(pos, lse_l, 0.0)))
+        term = tg * (
+            tl.log(tl.where(pos, tg, 1.0)) - (tl.where(pos, lg, 0.0) - tl.where(pos, lse_l, 0.0))
+        )
         kl += tl.where(pos, term, 0.0)
         tl.store(tgt_row + offs_k, tg, mask=kmask)
     kl_row = tl.where(has, tl.sum(kl, axis=0), 0.0)
@@ -124,12 +174,37 @@ def _kl_fwd_kernel(q_ptr, kv_ptr, lse_ptr, qi_ptr, ki_ptr, wi_ptr, idx_ptr, tgt_
 
 
 @triton.jit
-def _kl_bwd_kernel(qi_ptr, ki_ptr, wi_ptr, idx_ptr, tgt_ptr, stat_ptr, g_ptr, dqi_ptr, dki_ptr, dwi_ptr,
-                   T, HI, K, idx_scale,
-                   stride_qit, stride_qih, stride_kit, stride_wit, stride_it, stride_st, stride_dqt, stride_dqh,
-                   stride_dkt, stride_dwt,
-                   DI: tl.constexpr, DIP: tl.constexpr, HIP: tl.constexpr, BK: tl.constexpr,
-                   IEEE_I: tl.constexpr):
+def _kl_bwd_kernel(
+    qi_ptr,
+    ki_ptr,
+    wi_ptr,
+    idx_ptr,
+    tgt_ptr,
+    stat_ptr,
+    g_ptr,
+    dqi_ptr,
+    dki_ptr,
+    dwi_ptr,
+    T,
+    HI,
+    K,
+    idx_scale,
+    stride_qit,
+    stride_qih,
+    stride_kit,
+    stride_wit,
+    stride_it,
+    stride_st,
+    stride_dqt,
+    stride_dqh,
+    stride_dkt,
+    stride_dwt,
+    DI: tl.constexpr,
+    DIP: tl.constexpr,
+    HIP: tl.constexpr,
+    BK: tl.constexpr,
+    IEEE_I: tl.constexpr,
+):
     t = tl.program_id(0)
     t64 = t.to(tl.int64)
     offs_hi = tl.arange(0, HIP)
@@ -137,7 +212,11 @@ def _kl_bwd_kernel(qi_ptr, ki_ptr, wi_ptr, idx_ptr, tgt_ptr, stat_ptr, g_ptr, dq
     himask = offs_hi < HI
     dimask = offs_di < DI
     qmask = himask[:, None] & dimask[None, :]
-    qi = tl.load(qi_ptr + t64 * stride_qit + offs_hi[:, None] * stride_qih + offs_di[None, :], mask=qmask, other=0.0)
+    qi = tl.load(
+        qi_ptr + t64 * stride_qit + offs_hi[:, None] * stride_qih + offs_di[None, :],
+        mask=qmask,
+        other=0.0,
+    )
     w = tl.load(wi_ptr + t64 * stride_wit + offs_hi, mask=himask, other=0.0).to(tl.float32)
     lse_l = tl.load(stat_ptr + t64 * 2)
     tsum = tl.load(stat_ptr + t64 * 2 + 1)
@@ -152,29 +231,58 @@ def _kl_bwd_kernel(qi_ptr, ki_ptr, wi_ptr, idx_ptr, tgt_ptr, stat_ptr, g_ptr, dq
         idx = tl.load(idx_row + offs_k, mask=offs_k < K, other=-1)
         valid = (idx >= 0) & (idx < T)
         safe = tl.where(valid, idx, 0).to(tl.int64)
-        ki = tl.load(ki_ptr + safe[:, None] * stride_kit + offs_di[None, :], mask=valid[:, None] & dimask[None, :],
-                     other=0.0)
+        ki = tl.load(
+            ki_ptr + safe[:, None] * stride_kit + offs_di[None, :],
+            mask=valid[:, None] & dimask[None, :],
+            other=0.0,
+        )
         r, lg = _index_logits(qi, w, ki, idx_scale, IEEE_I)
         tg = tl.load(tgt_row + offs_k, mask=valid, other=0.0)
-        dl = tl.where(valid, (tsum * tl.exp(tl.where(valid, lg, 0.0) - tl.where(valid, lse_l, 0.0)) - tg) * g, 0.0)
+        dl = tl.where(
+            valid,
+            (tsum * tl.exp(tl.where(valid, lg, 0.0) - tl.where(valid, lse_l, 0.0)) - tg) * g,
+            0.0,
+        )
         dw += tl.sum(tl.maximum(r, 0.0) * dl[None, :], axis=1)
         dr = tl.where(r > 0.0, w[:, None] * dl[None, :], 0.0).to(ki.dtype)  # [HIP, BK]
         dqi += _dot(dr, ki, IEEE_I)
         dki = _dot(tl.trans(dr), qi, IEEE_I)  # [BK, DIP]
-        tl.atomic_add(dki_ptr + safe[:, None] * stride_dkt + offs_di[None, :], dki * idx_scale,
-                      mask=valid[:, None] & dimask[None, :], sem="relaxed")
-    tl.store(dqi_ptr + t64 * stride_dqt + offs_hi[:, None] * stride_dqh + offs_di[None, :],
-             (dqi * idx_scale).to(dqi_ptr.dtype.element_ty), mask=qmask)
-    tl.store(dwi_ptr + t64 * stride_dwt + offs_hi, (dw * idx_scale).to(dwi_ptr.dtype.element_ty), mask=himask)
+        tl.atomic_add(
+            dki_ptr + safe[:, None] * stride_dkt + offs_di[None, :],
+            dki * idx_scale,
+            mask=valid[:, None] & dimask[None, :],
+            sem="relaxed",
+        )
+    tl.store(
+        dqi_ptr + t64 * stride_dqt + offs_hi[:, None] * stride_dqh + offs_di[None, :],
+        (dqi * idx_scale).to(dqi_ptr.dtype.element_ty),
+        mask=qmask,
+    )
+    tl.store(
+        dwi_ptr + t64 * stride_dwt + offs_hi,
+        (dw * idx_scale).to(dwi_ptr.dtype.element_ty),
+        mask=himask,
+    )
 
 
 def _config(h: int, d_qk: int, h_i: int, d_i: int):
-    d_v = 1 << (d_qk.bit_length() - 1)  # largest power of two <= D_qk: 576 -> 512 + 64, no padding waste
+    # largest power of two <= D_qk: 576 -> 512 + 64, no padding waste
+    d_v = 1 << (d_qk.bit_length() - 1)
     dap = pow2(d_v)
     db = d_qk - d_v
     big = dap >= 256
-    return dict(DA=d_v, DB=db, DAP=dap, DBP=pow2(db) if db > 0 else 16, HAS_B=db > 0, BH=pow2(h), DI=d_i,
-                DIP=pow2(d_i), HIP=pow2(h_i), BK=64 if big else 16), (8 if big else 4)
+    return dict(
+        DA=d_v,
+        DB=db,
+        DAP=dap,
+        DBP=pow2(db) if db > 0 else 16,
+        HAS_B=db > 0,
+        BH=pow2(h),
+        DI=d_i,
+        DIP=pow2(d_i),
+        HIP=pow2(h_i),
+        BK=64 if big else 16,
+    ), (8 if big else 4)
 
 
 def _contig(x: torch.Tensor) -> torch.Tensor:
@@ -182,12 +290,17 @@ def _contig(x: torch.Tensor) -> torch.Tensor:
 
 
 def _fwd_stages(c: dict) -> int:
-    return 1 if c["BK"] >= 64 else 2  # 64 slots x 576 dims in two stages would not fit shared memory
+    # 64 slots x 576 dims in two stages would not fit shared memory
+    return 1 if c["BK"] >= 64 else 2
 
 
 def _bwd_launch(dip: int) -> dict:
     # measured on one H200 at T = 32K: 32 slots x 4 warps beat 64 x 8 by 6%
-    return {"BK": 32, "num_warps": 4, "num_stages": 2} if dip >= 64 else {"BK": 16, "num_warps": 4, "num_stages": 2}
+    return (
+        {"BK": 32, "num_warps": 4, "num_stages": 2}
+        if dip >= 64
+        else {"BK": 16, "num_warps": 4, "num_stages": 2}
+    )
 
 
 class _IndexerKL(torch.autograd.Function):
@@ -208,13 +321,42 @@ class _IndexerKL(torch.autograd.Function):
             lg = torch.empty_like(tgt)
             c, nw = _config(h, d_qk, h_i, d_i)
             _kl_fwd_kernel[(total,)](
-                q, kv, lse, q_idx, k_idx, w_idx, indices, tgt, lg, kl, stat,
-                kv.shape[0], h, h_i, n_k, sm_scale * LOG2E, idx_scale,
-                q.stride(0), q.stride(1), kv.stride(0), lse.stride(0), q_idx.stride(0), q_idx.stride(1),
-                k_idx.stride(0), w_idx.stride(0), indices.stride(0), tgt.stride(0),
-                IEEE=q.dtype == torch.float32, IEEE_I=q_idx.dtype == torch.float32,
-                **{**c, "num_warps": nw, "num_stages": _fwd_stages(c),
-                   **tuning.overrides("indexer_loss", "fwd")})
+                q,
+                kv,
+                lse,
+                q_idx,
+                k_idx,
+                w_idx,
+                indices,
+                tgt,
+                lg,
+                kl,
+                stat,
+                kv.shape[0],
+                h,
+                h_i,
+                n_k,
+                sm_scale * LOG2E,
+                idx_scale,
+                q.stride(0),
+                q.stride(1),
+                kv.stride(0),
+                lse.stride(0),
+                q_idx.stride(0),
+                q_idx.stride(1),
+                k_idx.stride(0),
+                w_idx.stride(0),
+                indices.stride(0),
+                tgt.stride(0),
+                IEEE=q.dtype == torch.float32,
+                IEEE_I=q_idx.dtype == torch.float32,
+                **{
+                    **c,
+                    "num_warps": nw,
+                    "num_stages": _fwd_stages(c),
+                    **tuning.overrides("indexer_loss", "fwd"),
+                },
+            )
         ctx.save_for_backward(q_idx, k_idx, w_idx, indices, tgt, stat)
         ctx.idx_scale = idx_scale
         ctx.cfg = (h, d_qk)
@@ -232,31 +374,72 @@ class _IndexerKL(torch.autograd.Function):
             grad = _contig(grad.float())
             c, _ = _config(*ctx.cfg, h_i, d_i)
             _kl_bwd_kernel[(total,)](
-                q_idx, k_idx, w_idx, indices, tgt, stat, grad, dq, dk, dw, k_idx.shape[0], h_i, n_k, ctx.idx_scale,
-                q_idx.stride(0), q_idx.stride(1), k_idx.stride(0), w_idx.stride(0), indices.stride(0), tgt.stride(0),
-                dq.stride(0), dq.stride(1), dk.stride(0), dw.stride(0),
-                DI=c["DI"], DIP=c["DIP"], HIP=c["HIP"], IEEE_I=q_idx.dtype == torch.float32,
-                **{**_bwd_launch(c["DIP"]), **tuning.overrides("indexer_loss", "bwd")})
+                q_idx,
+                k_idx,
+                w_idx,
+                indices,
+                tgt,
+                stat,
+                grad,
+                dq,
+                dk,
+                dw,
+                k_idx.shape[0],
+                h_i,
+                n_k,
+                ctx.idx_scale,
+                q_idx.stride(0),
+                q_idx.stride(1),
+                k_idx.stride(0),
+                w_idx.stride(0),
+                indices.stride(0),
+                tgt.stride(0),
+                dq.stride(0),
+                dq.stride(1),
+                dk.stride(0),
+                dw.stride(0),
+                DI=c["DI"],
+                DIP=c["DIP"],
+                HIP=c["HIP"],
+                IEEE_I=q_idx.dtype == torch.float32,
+                **{**_bwd_launch(c["DIP"]), **tuning.overrides("indexer_loss", "bwd")},
+            )
         return None, None, None, dq, dk.to(k_idx.dtype), dw, None, None, None
 
 
-def indexer_kl_sparse(q: torch.Tensor, kv: torch.Tensor, sm_scale: float, lse: torch.Tensor, q_idx: torch.Tensor,
-                      k_idx: torch.Tensor, w_idx: torch.Tensor, idx_scale: float, indices: torch.Tensor) -> torch.Tensor:
+def indexer_kl_sparse(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    sm_scale: float,
+    lse: torch.Tensor,
+    q_idx: torch.Tensor,
+    k_idx: torch.Tensor,
+    w_idx: torch.Tensor,
+    idx_scale: float,
+    indices: torch.Tensor,
+) -> torch.Tensor:
     """Per-row sparse indexer KL ``[T]`` (fp32), differentiable in q_idx, k_idx, w_idx.
 
-    q ``[T, H, D_qk]``, kv ``[T, D_qk]``: the main (absorbed) attention inputs, used without gradient; lse
-    ``[T, H]``: the natural-log LSE that ``sparse_mla(q, kv, indices, sm_scale, d_v)`` returned; q_idx
-    ``[T, H_I, D_I]``, k_idx ``[T, D_I]``, w_idx ``[T, H_I]``: indexer inputs; indices ``[T, K]`` (-1 = none).
+    q ``[T, H, D_qk]``, kv ``[T, D_qk]``: the main (absorbed) attention inputs, used without
+    gradient; lse ``[T, H]``: the natural-log LSE that ``sparse_mla(q, kv, indices, sm_scale, d_v)``
+    returned; q_idx ``[T, H_I, D_I]``, k_idx ``[T, D_I]``, w_idx ``[T, H_I]``: indexer inputs;
+    indices ``[T, K]`` (-1 = none).
     """
     total, h, d_qk = q.shape
     if kv.shape != (total, d_qk) or lse.shape != (total, h) or indices.shape[0] != total:
-        raise ValueError(f"shape mismatch: q {tuple(q.shape)}, kv {tuple(kv.shape)}, lse {tuple(lse.shape)}, "
-                         f"indices {tuple(indices.shape)}")
+        raise ValueError(
+            f"shape mismatch: q {tuple(q.shape)}, kv {tuple(kv.shape)}, lse {tuple(lse.shape)}, "
+            f"indices {tuple(indices.shape)}"
+        )
     if q_idx.dim() != 3 or k_idx.shape != (total, q_idx.shape[2]) or w_idx.shape != q_idx.shape[:2]:
-        raise ValueError(f"indexer shape mismatch: q_idx {tuple(q_idx.shape)}, k_idx {tuple(k_idx.shape)}, "
-                         f"w_idx {tuple(w_idx.shape)}")
+        raise ValueError(
+            f"indexer shape mismatch: q_idx {tuple(q_idx.shape)}, k_idx {tuple(k_idx.shape)}, "
+            f"w_idx {tuple(w_idx.shape)}"
+        )
     check_device(q, kv, lse, q_idx, k_idx, w_idx, indices)
-    return _IndexerKL.apply(q, kv, lse, q_idx, k_idx, w_idx, indices, float(sm_scale), float(idx_scale))
+    return _IndexerKL.apply(
+        q, kv, lse, q_idx, k_idx, w_idx, indices, float(sm_scale), float(idx_scale)
+    )
 
 
 def compile_specs(small: bool = False):
@@ -265,17 +448,45 @@ def compile_specs(small: bool = False):
     h, d_qk, h_i, d_i = (4, 24, 4, 16) if small else (64, 576, 32, 128)
     c, nw = _config(h, d_qk, h_i, d_i)
     c.update(IEEE=False, IEEE_I=False)
-    fwd = {**c, "num_warps": nw, "num_stages": _fwd_stages(c),
-           **tuning.overrides("indexer_loss", "fwd")}
-    bwd = {"DI": c["DI"], "DIP": c["DIP"], "HIP": c["HIP"], "IEEE_I": False,
-           **_bwd_launch(c["DIP"]), **tuning.overrides("indexer_loss", "bwd")}
+    fwd = {
+        **c,
+        "num_warps": nw,
+        "num_stages": _fwd_stages(c),
+        **tuning.overrides("indexer_loss", "fwd"),
+    }
+    bwd = {
+        "DI": c["DI"],
+        "DIP": c["DIP"],
+        "HIP": c["HIP"],
+        "IEEE_I": False,
+        **_bwd_launch(c["DIP"]),
+        **tuning.overrides("indexer_loss", "bwd"),
+    }
     out = []
-    for name, fn, launch in (("indexer_kl_fwd", _kl_fwd_kernel, fwd),
-                             ("indexer_kl_bwd", _kl_bwd_kernel, bwd)):
-        sig = {n: "i32" for n in fn.arg_names if n.startswith("stride") or n in ("T", "H", "HI", "K")}
+    for name, fn, launch in (
+        ("indexer_kl_fwd", _kl_fwd_kernel, fwd),
+        ("indexer_kl_bwd", _kl_bwd_kernel, bwd),
+    ):
+        sig = {
+            n: "i32" for n in fn.arg_names if n.startswith("stride") or n in ("T", "H", "HI", "K")
+        }
         sig.update({n: "*bf16" for n in fn.arg_names if n.endswith("_ptr")})
-        sig.update({n: "*fp32" for n in ("lse_ptr", "wi_ptr", "tgt_ptr", "lg_ptr", "kl_ptr", "stat_ptr", "g_ptr",
-                                         "dki_ptr", "dwi_ptr")})
+        sig.update(
+            {
+                n: "*fp32"
+                for n in (
+                    "lse_ptr",
+                    "wi_ptr",
+                    "tgt_ptr",
+                    "lg_ptr",
+                    "kl_ptr",
+                    "stat_ptr",
+                    "g_ptr",
+                    "dki_ptr",
+                    "dwi_ptr",
+                )
+            }
+        )
         sig.update({"idx_ptr": "*i32", "qk_scale": "fp32", "idx_scale": "fp32"})
         sig = {k: v for k, v in sig.items() if k in fn.arg_names}
         div = tuple(n for n in fn.arg_names if n.endswith("_ptr"))

@@ -1,9 +1,10 @@
 """Triton lightning indexer with exact, deterministic top-k over packed documents.
 
-Contract: ``reference.indexer_topk``. Score of key s for query t is ``sum_h w[t,h] * relu(q[t,h] . k[s]) * scale``
-over the keys ``start(t) <= s <= t`` of t's document; the result holds the global rows of the ``topk`` best keys
-(ties: lower row wins, exactly like the reference's stable sort) followed by ``-1`` padding. Within a row the
-selected rows come in ascending row order, not in score order.
+Contract: ``reference.indexer_topk``. Score of key s for query t is ``sum_h w[t,h] * relu(q[t,h] .
+k[s]) * scale`` over the keys ``start(t) <= s <= t`` of t's document; the result holds the global
+rows of the ``topk`` best keys (ties: lower row wins, exactly like the reference's stable sort)
+followed by ``-1`` padding. Within a row the selected rows come in ascending row order, not in score
+order.
 
 How (per chunk of R query rows, so memory is O(R * longest document), never [T, T]):
 
@@ -13,14 +14,16 @@ How (per chunk of R query rows, so memory is O(R * longest document), never [T, 
    ``K_tile @ Q^T`` on tensor cores, ReLU, weight and head sum in registers, and writes one fp32
    score per visible (query, key) pair into the chunk's scratch, plus the row's max and min. Rows
    with at most ``topk`` visible keys are skipped (they keep all their keys).
-2. ``_select_kernel``: one program per row. Pass 1: 256-bin histogram of the scores bucketed linearly between
-   the row's min and max; the threshold bucket follows from the suffix counts. Pass 2: emit every key of a
-   higher bucket, stash the keys of the threshold bucket (score + row, in row order). Then an exact 4 x 8-bit
-   radix select on the stash (order-preserving int32 image of the fp32 score) and an emission that takes the
-   lowest rows among exact ties. If the threshold bucket is larger than the stash (massive ties), the radix
-   select runs on the whole row instead: slower, same result.
+2. ``_select_kernel``: one program per row. Pass 1: 256-bin histogram of the scores bucketed
+   linearly between the row's min and max; the threshold bucket follows from the suffix counts. Pass
+   2: emit every key of a higher bucket, stash the keys of the threshold bucket (score + row, in row
+   order). Then an exact 4 x 8-bit radix select on the stash (order-preserving int32 image of the
+   fp32 score) and an emission that takes the lowest rows among exact ties. If the threshold bucket
+   is larger than the stash (massive ties), the radix select runs on the whole row instead: slower,
+   same result.
 
--0.0 is canonicalised to +0.0 so that bit-level ties agree with the float comparison of the reference.
+-0.0 is canonicalised to +0.0 so that bit-level ties agree with the float comparison of the
+reference.
 """
 
 from __future__ import annotations
@@ -34,25 +37,48 @@ from . import tuning
 from ._triton_env import check_device, interpreting, pow2
 
 SCRATCH_BYTES = 1 << 30  # budget for one chunk's scores (fp32) + stash
-STASH_CAP = 16384  # threshold-bucket candidates kept per row before falling back to a full-row radix select
+# threshold-bucket candidates kept per row before falling back to a full-row radix select
+STASH_CAP = 16384
 NBINS = 256
 
-# launch parameters (chosen on one H200 at T = 32K, bench/results/2026-11-30_h200_dsa_kernels.md); a benchmark lays
-# variants over them with ``tuning.launch_overrides({"indexer_topk": {part: {...}}})``, keys as in
-# LAUNCH_KEYS: also the scoring's BQ (queries per program; by default from the heads, ``_config``)
-# and the selection's "skip" (no selection: times the scoring alone)
+# launch parameters (chosen on one H200 at T = 32K, bench/results/2026-11-30_h200_dsa_kernels.md); a
+# benchmark lays variants over them with ``tuning.launch_overrides({"indexer_topk": {part:
+# {...}}})``, keys as in LAUNCH_KEYS: also the scoring's BQ (queries per program; by default from
+# the heads, ``_config``) and the selection's "skip" (no selection: times the scoring alone)
 SCORE_LAUNCH = {"BN": 64, "num_warps": 8, "num_stages": 3}
 SELECT_LAUNCH = {"BLOCK": 1024, "num_warps": 4}
-LAUNCH_KEYS = {"score": frozenset({*SCORE_LAUNCH, "BQ"}),
-               "select": frozenset({*SELECT_LAUNCH, "skip"})}
+LAUNCH_KEYS = {
+    "score": frozenset({*SCORE_LAUNCH, "BQ"}),
+    "select": frozenset({*SELECT_LAUNCH, "skip"}),
+}
 
 
 @triton.jit
-def _score_kernel(q_ptr, k_ptr, w_ptr, starts_ptr, scores_ptr, rmax_ptr, rmin_ptr,
-                  row0, row_end, scale, topk,
-                  stride_qt, stride_qh, stride_kt, stride_wt, stride_sr,
-                  H: tl.constexpr, D: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr,
-                  BQ: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr):
+def _score_kernel(
+    q_ptr,
+    k_ptr,
+    w_ptr,
+    starts_ptr,
+    scores_ptr,
+    rmax_ptr,
+    rmin_ptr,
+    row0,
+    row_end,
+    scale,
+    topk,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_wt,
+    stride_sr,
+    H: tl.constexpr,
+    D: tl.constexpr,
+    HP: tl.constexpr,
+    DP: tl.constexpr,
+    BQ: tl.constexpr,
+    BN: tl.constexpr,
+    IEEE: tl.constexpr,
+):
     pid = tl.program_id(0)
     r0 = row0 + pid * BQ
     rows = r0 + tl.arange(0, BQ)
@@ -60,7 +86,8 @@ def _score_kernel(q_ptr, k_ptr, w_ptr, starts_ptr, scores_ptr, rmax_ptr, rmin_pt
     rstart = tl.load(starts_ptr + rows, mask=row_ok, other=0)
     big = row_ok & (rows - rstart + 1 > topk)  # rows that need a selection
     lo = tl.min(tl.where(big, rstart, 2147483647), axis=0)
-    hi = tl.max(tl.where(big, rows + 1, 0), axis=0)  # exclusive; 0 when no row of the block needs scores
+    # exclusive; 0 when no row of the block needs scores
+    hi = tl.max(tl.where(big, rows + 1, 0), axis=0)
     lo = tl.minimum(lo, hi)
 
     cols = tl.arange(0, BQ * HP)
@@ -69,18 +96,26 @@ def _score_kernel(q_ptr, k_ptr, w_ptr, starts_ptr, scores_ptr, rmax_ptr, rmin_pt
     qmask = (qrow < row_end) & (qh < H)
     offs_d = tl.arange(0, DP)
     dmask = offs_d < D
-    q = tl.load(q_ptr + qrow.to(tl.int64)[:, None] * stride_qt + qh[:, None] * stride_qh + offs_d[None, :],
-                mask=qmask[:, None] & dmask[None, :], other=0.0)
+    q = tl.load(
+        q_ptr + qrow.to(tl.int64)[:, None] * stride_qt + qh[:, None] * stride_qh + offs_d[None, :],
+        mask=qmask[:, None] & dmask[None, :],
+        other=0.0,
+    )
     w = tl.load(w_ptr + qrow.to(tl.int64) * stride_wt + qh, mask=qmask, other=0.0)
     q_t = tl.trans(q)  # [DP, BQ*HP]
 
-    srow = scores_ptr + (rows - row0).to(tl.int64) * stride_sr - rstart  # scores of key s at srow + s
-    run_max = tl.full([BN, BQ], float("-inf"), tl.float32)  # elementwise; reduced once after the loop
+    # scores of key s at srow + s
+    srow = scores_ptr + (rows - row0).to(tl.int64) * stride_sr - rstart
+    # elementwise; reduced once after the loop
+    run_max = tl.full([BN, BQ], float("-inf"), tl.float32)
     run_min = tl.full([BN, BQ], float("inf"), tl.float32)
     for n0 in range((lo // BN) * BN, hi, BN):
         offs_n = n0 + tl.arange(0, BN)
-        kt = tl.load(k_ptr + offs_n.to(tl.int64)[:, None] * stride_kt + offs_d[None, :],
-                     mask=((offs_n >= lo) & (offs_n < hi))[:, None] & dmask[None, :], other=0.0)
+        kt = tl.load(
+            k_ptr + offs_n.to(tl.int64)[:, None] * stride_kt + offs_d[None, :],
+            mask=((offs_n >= lo) & (offs_n < hi))[:, None] & dmask[None, :],
+            other=0.0,
+        )
         if IEEE:
             acc = tl.dot(kt, q_t, input_precision="ieee")
         else:
@@ -88,7 +123,9 @@ def _score_kernel(q_ptr, k_ptr, w_ptr, starts_ptr, scores_ptr, rmax_ptr, rmin_pt
         acc = tl.maximum(acc, 0.0) * w[None, :]
         sc = tl.sum(tl.reshape(acc, (BN, BQ, HP)), axis=2) * scale  # [BN, BQ]
         sc = tl.where(sc == 0.0, 0.0, sc)  # -0.0 -> +0.0
-        vis = (offs_n[:, None] >= rstart[None, :]) & (offs_n[:, None] <= rows[None, :]) & big[None, :]
+        vis = (
+            (offs_n[:, None] >= rstart[None, :]) & (offs_n[:, None] <= rows[None, :]) & big[None, :]
+        )
         tl.store(srow[None, :] + offs_n[:, None], sc, mask=vis)
         run_max = tl.maximum(run_max, tl.where(vis, sc, float("-inf")))
         run_min = tl.minimum(run_min, tl.where(vis, sc, float("inf")))
@@ -98,7 +135,8 @@ def _score_kernel(q_ptr, k_ptr, w_ptr, starts_ptr, scores_ptr, rmax_ptr, rmin_pt
 
 @triton.jit
 def _fkey(x):
-    """Order-preserving int32 image of fp32 (signed comparison of keys == float comparison, -0.0 excluded)."""
+    """Order-preserving int32 image of fp32 (signed comparison of keys == float comparison, -0.0
+    excluded)."""
     b = x.to(tl.int32, bitcast=True)
     return b ^ ((b >> 31) & 0x7FFFFFFF)
 
@@ -110,9 +148,23 @@ def _bucket(x, mn, inv, NB: tl.constexpr):
 
 
 @triton.jit
-def _select_kernel(scores_ptr, stash_idx_ptr, rmax_ptr, rmin_ptr, starts_ptr, out_ptr,
-                   row0, topk, stride_sr, stride_ir, stride_ot, stash_off, stash_cap,
-                   BLOCK: tl.constexpr, NB: tl.constexpr):
+def _select_kernel(
+    scores_ptr,
+    stash_idx_ptr,
+    rmax_ptr,
+    rmin_ptr,
+    starts_ptr,
+    out_ptr,
+    row0,
+    topk,
+    stride_sr,
+    stride_ir,
+    stride_ot,
+    stash_off,
+    stash_cap,
+    BLOCK: tl.constexpr,
+    NB: tl.constexpr,
+):
     pid = tl.program_id(0)
     t = row0 + pid
     start = tl.load(starts_ptr + t)
@@ -182,7 +234,11 @@ def _select_kernel(scores_ptr, stash_idx_ptr, rmax_ptr, rmin_ptr, starts_ptr, ou
                 if lvl == 0:
                     h += tl.histogram((key >> 24) + 128, NB, mask=m)
                 else:
-                    h += tl.histogram((key >> (24 - 8 * lvl)) & 255, NB, mask=m & ((key >> (32 - 8 * lvl)) == prefix))
+                    h += tl.histogram(
+                        (key >> (24 - 8 * lvl)) & 255,
+                        NB,
+                        mask=m & ((key >> (32 - 8 * lvl)) == prefix),
+                    )
             tot = tl.sum(h, 0)
             ge = tot - tl.cumsum(h, 0) + h
             bs = tl.sum((ge >= rneed).to(tl.int32), 0) - 1
@@ -233,19 +289,33 @@ def _config(h_i: int, d_i: int, dtype: torch.dtype):
 
 
 @torch.no_grad()
-def indexer_topk(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, cu_seqlens: torch.Tensor, topk: int,
-                 scale: float, *, max_len: int | None = None, scratch_bytes: int = SCRATCH_BYTES,
-                 stash_cap: int = STASH_CAP, gluon: bool = True) -> torch.Tensor:
-    """Same contract as ``reference.indexer_topk`` (selected set identical; rows listed in ascending order).
+def indexer_topk(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    weights: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    topk: int,
+    scale: float,
+    *,
+    max_len: int | None = None,
+    scratch_bytes: int = SCRATCH_BYTES,
+    stash_cap: int = STASH_CAP,
+    gluon: bool = True,
+) -> torch.Tensor:
+    """Same contract as ``reference.indexer_topk`` (selected set identical; rows listed in ascending
+    order).
 
-    ``max_len``: the longest document's length, when the caller knows it on the host (the model's packed
-    context does); then ``cu_seqlens`` is taken as valid and the call makes no device-to-host copy.
-    ``gluon``: True scores with the warp-specialised Gluon kernel (``indexer_topk_ws``) where it
-    applies (CUDA sm_90, 32 heads of 128 in bf16, not under the interpreter) and with the Triton
+    ``max_len``: the longest document's length, when the caller knows it on the host (the model's
+    packed context does); then ``cu_seqlens`` is taken as valid and the call makes no device-to-host
+    copy. ``gluon``: True scores with the warp-specialised Gluon kernel (``indexer_topk_ws``) where
+    it applies (CUDA sm_90, 32 heads of 128 in bf16, not under the interpreter) and with the Triton
     kernel elsewhere; False with the Triton kernel only (the same scores, so the same selection)."""
     total, h_i, d_i = q.shape
     if k.shape != (total, d_i) or weights.shape != (total, h_i):
-        raise ValueError(f"shape mismatch: q {tuple(q.shape)}, k {tuple(k.shape)}, weights {tuple(weights.shape)}")
+        raise ValueError(
+            f"shape mismatch: q {tuple(q.shape)}, k {tuple(k.shape)}, weights "
+            f"{tuple(weights.shape)}"
+        )
     check_device(q, k, weights)
     out = torch.full((total, topk), -1, dtype=torch.int32, device=q.device)
     if total == 0 or topk == 0:
@@ -262,7 +332,8 @@ def indexer_topk(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, cu_seq
     k = k.to(q.dtype)
     hp, dp, bq = _config(h_i, d_i, q.dtype)
     sc_cfg = {**SCORE_LAUNCH, **tuning.overrides("indexer_topk", "score")}
-    bq = sc_cfg.pop("BQ", bq)  # queries per scoring program (each key tile is read once per BQ queries)
+    # queries per scoring program (each key tile is read once per BQ queries)
+    bq = sc_cfg.pop("BQ", bq)
     # Hopper: the warp-specialised scoring
     ws = gluon and not interpreting() and _ws.supported(q, k) and _ws.config()["enable"]
     if ws:
@@ -272,10 +343,12 @@ def indexer_topk(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, cu_seq
     # scratch: per row the scores of its visible keys (column = key - doc start), then the stash
     cap = min(stash_cap, maxlen)
     width = maxlen + cap
-    # a row's bytes: its fp32 scores and stash scores (width), its int32 stash rows (cap), its max and min
+    # a row's bytes: its fp32 scores and stash scores (width), its int32 stash rows (cap), its max
+    # and min
     rows = max(bq, min(total, scratch_bytes // (4 * (width + cap) + 8)))
     wave = bq * _num_sms(q.device)
-    rows = rows // wave * wave if rows >= wave else max(bq, rows // bq * bq)  # whole waves of score programs
+    # whole waves of score programs
+    rows = rows // wave * wave if rows >= wave else max(bq, rows // bq * bq)
     scores = torch.empty((rows, width), dtype=torch.float32, device=q.device)
     stash_idx = torch.empty((rows, cap), dtype=torch.int32, device=q.device)
     rmax = torch.empty(rows, dtype=torch.float32, device=q.device)
@@ -288,14 +361,49 @@ def indexer_topk(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, cu_seq
             _ws.score(q, k, weights, starts, scores, rmax, rmin, a, b, scale, topk)
         else:
             _score_kernel[(triton.cdiv(b - a, bq),)](
-                q, k, weights, starts, scores, rmax, rmin, a, b, float(scale), topk,
-                q.stride(0), q.stride(1), k.stride(0), weights.stride(0), scores.stride(0),
-                H=h_i, D=d_i, HP=hp, DP=dp, BQ=bq, IEEE=ieee, **sc_cfg)
+                q,
+                k,
+                weights,
+                starts,
+                scores,
+                rmax,
+                rmin,
+                a,
+                b,
+                float(scale),
+                topk,
+                q.stride(0),
+                q.stride(1),
+                k.stride(0),
+                weights.stride(0),
+                scores.stride(0),
+                H=h_i,
+                D=d_i,
+                HP=hp,
+                DP=dp,
+                BQ=bq,
+                IEEE=ieee,
+                **sc_cfg,
+            )
         if skip_select:
             continue
         _select_kernel[(b - a,)](
-            scores, stash_idx, rmax, rmin, starts, out, a, topk, scores.stride(0), stash_idx.stride(0),
-            out.stride(0), maxlen, cap, NB=NBINS, **se_cfg)
+            scores,
+            stash_idx,
+            rmax,
+            rmin,
+            starts,
+            out,
+            a,
+            topk,
+            scores.stride(0),
+            stash_idx.stride(0),
+            out.stride(0),
+            maxlen,
+            cap,
+            NB=NBINS,
+            **se_cfg,
+        )
     return out
 
 
@@ -310,17 +418,54 @@ def compile_specs(small: bool = False):
     sc = {**SCORE_LAUNCH, **tuning.overrides("indexer_topk", "score")}
     se = {**SELECT_LAUNCH, **tuning.overrides("indexer_topk", "select")}
     ptr = {n: "*fp32" for n in ("w_ptr", "scores_ptr", "rmax_ptr", "rmin_ptr")}
-    score_sig = {"q_ptr": "*bf16", "k_ptr": "*bf16", "starts_ptr": "*i32", **ptr, "row0": "i32", "row_end": "i32",
-                 "scale": "fp32", "topk": "i32", "stride_qt": "i32", "stride_qh": "i32", "stride_kt": "i32",
-                 "stride_wt": "i32", "stride_sr": "i32"}
-    score_c = {"H": h_i, "D": d_i, "HP": hp, "DP": dp, "BQ": sc.get("BQ", bq), "BN": sc["BN"],
-               "IEEE": False}
-    sel_sig = {"scores_ptr": "*fp32", "stash_idx_ptr": "*i32", "rmax_ptr": "*fp32", "rmin_ptr": "*fp32",
-               "starts_ptr": "*i32", "out_ptr": "*i32", "row0": "i32", "topk": "i32", "stride_sr": "i32",
-               "stride_ir": "i32", "stride_ot": "i32", "stash_off": "i32", "stash_cap": "i32"}
+    score_sig = {
+        "q_ptr": "*bf16",
+        "k_ptr": "*bf16",
+        "starts_ptr": "*i32",
+        **ptr,
+        "row0": "i32",
+        "row_end": "i32",
+        "scale": "fp32",
+        "topk": "i32",
+        "stride_qt": "i32",
+        "stride_qh": "i32",
+        "stride_kt": "i32",
+        "stride_wt": "i32",
+        "stride_sr": "i32",
+    }
+    score_c = {
+        "H": h_i,
+        "D": d_i,
+        "HP": hp,
+        "DP": dp,
+        "BQ": sc.get("BQ", bq),
+        "BN": sc["BN"],
+        "IEEE": False,
+    }
+    sel_sig = {
+        "scores_ptr": "*fp32",
+        "stash_idx_ptr": "*i32",
+        "rmax_ptr": "*fp32",
+        "rmin_ptr": "*fp32",
+        "starts_ptr": "*i32",
+        "out_ptr": "*i32",
+        "row0": "i32",
+        "topk": "i32",
+        "stride_sr": "i32",
+        "stride_ir": "i32",
+        "stride_ot": "i32",
+        "stash_off": "i32",
+        "stash_cap": "i32",
+    }
     div = ("q_ptr", "k_ptr", "stride_qt", "stride_qh", "stride_kt", "stride_sr")
     sel_c = {"BLOCK": se["BLOCK"], "NB": NBINS}
-    return [("indexer_score", (_score_kernel, score_sig, score_c, sc["num_warps"], sc["num_stages"],
-                               div)),
-            ("indexer_select", (_select_kernel, sel_sig, sel_c, se["num_warps"], 1,
-                                ("scores_ptr", "stride_sr")))]
+    return [
+        (
+            "indexer_score",
+            (_score_kernel, score_sig, score_c, sc["num_warps"], sc["num_stages"], div),
+        ),
+        (
+            "indexer_select",
+            (_select_kernel, sel_sig, sel_c, se["num_warps"], 1, ("scores_ptr", "stride_sr")),
+        ),
+    ]

@@ -1,7 +1,8 @@
-"""``x * g`` for a device-resident fp32 scalar ``g``, the product formed in fp32 and rounded once into x's dtype,
-in one pass (read x, write the result). The fused loss (model/head.py) scales the head gradient it formed in
-forward by the incoming gradient with it: in torch that takes a cast, a product and a cast back (a 0-dim fp32
-operand of a bf16 tensor is otherwise rounded to bf16 first), three passes over ~1 G elements for GLM-5.2's head.
+"""``x * g`` for a device-resident fp32 scalar ``g``, the product formed in fp32 and rounded once
+into x's dtype, in one pass (read x, write the result). The fused loss (model/head.py) scales the
+head gradient it formed in forward by the incoming gradient with it: in torch that takes a cast, a
+product and a cast back (a 0-dim fp32 operand of a bf16 tensor is otherwise rounded to bf16 first),
+three passes over ~1 G elements for GLM-5.2's head.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ def _scale_kernel(x_ptr, g_ptr, out_ptr, n, BLOCK: tl.constexpr):
 
 
 def scaled(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """A new tensor ``dtype(float(x) * float(g))`` shaped like ``x``; ``g`` is a one-element tensor."""
+    """A new tensor ``dtype(float(x) * float(g))`` shaped like ``x``; ``g`` is a one-element
+    tensor."""
     if g.numel() != 1:
         raise ValueError(f"scaled: g must have one element, got shape {tuple(g.shape)}")
     x = x.contiguous()

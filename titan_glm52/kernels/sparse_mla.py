@@ -1,9 +1,10 @@
 """Triton sparse MLA (absorbed / MQA form) forward and backward over top-k gathered latent rows.
 
-Contract: ``reference.sparse_mla``. q ``[T, H, D_qk]``, kv ``[T, D_qk]`` (one latent row per token shared by all
-heads; values are ``kv[:, :d_v]``), indices int32 ``[T, K]`` of global rows, ``-1`` = none. Returns
-``out [T, H, d_v]`` (q's dtype) and ``lse [T, H]`` (fp32, natural log, ``-inf`` for a row without a valid key,
-whose output and gradients are 0). Differentiable in q and kv; lse is returned without gradient.
+Contract: ``reference.sparse_mla``. q ``[T, H, D_qk]``, kv ``[T, D_qk]`` (one latent row per token
+shared by all heads; values are ``kv[:, :d_v]``), indices int32 ``[T, K]`` of global rows, ``-1`` =
+none. Returns ``out [T, H, d_v]`` (q's dtype) and ``lse [T, H]`` (fp32, natural log, ``-inf`` for a
+row without a valid key, whose output and gradients are 0). Differentiable in q and kv; lse is
+returned without gradient.
 
 Layout: D_qk is split into the value part A = ``[:d_v]`` and the tail B = ``[d_v:]`` (512 + 64 for
 GLM-5.2); each part is padded to a power of two (masked), so any D_qk/d_v works. One program handles
@@ -23,8 +24,9 @@ the GEMM reduction) into an fp32 buffer with atomics, cast to kv's dtype at the 
 blocks keep each program small, so several share an SM and hide one another's load latency (what
 bounds part 2, by ncu); part 1 holds no dQ accumulator, so its 64 heads share one gather. Measured
 on one H200 (T = 32K, top-2048): 122 ms against 160 for a split with dQ in part 1 and 32 heads per
-program (bench/results/2026-11-30_h200_dsa_kernels.md), 117 ms with part 2's registers capped at 128 (a fourth
-program per SM); a one-kernel backward needs Q and dO in two operand layouts each and was slower.
+program (bench/results/2026-11-30_h200_dsa_kernels.md), 117 ms with part 2's registers capped at 128
+(a fourth program per SM); a one-kernel backward needs Q and dO in two operand layouts each and was
+slower.
 
 Launch parameters: ``_config``'s measured defaults; a benchmark lays variants over them with
 ``tuning.launch_overrides`` (parts and keys: ``LAUNCH_KEYS``).
@@ -47,16 +49,18 @@ LN2 = 0.6931471805599453
 # columns of part 2), num_warps, num_stages, maxnreg (the register cap per thread; None = the
 # compiler's choice); "bwd": scratch_bytes, the backward's P / dS budget (SCRATCH_BYTES), i.e. its
 # chunk of queries.
-LAUNCH_KEYS = {"fwd": frozenset({"BH", "BK", "num_warps", "num_stages", "maxnreg"}),
-               "bwd_ps": frozenset({"BH", "BK", "num_warps", "num_stages", "maxnreg"}),
-               "bwd_grad": frozenset({"BH", "BK", "DC", "num_warps", "num_stages", "maxnreg"}),
-               "bwd": frozenset({"scratch_bytes"})}
+LAUNCH_KEYS = {
+    "fwd": frozenset({"BH", "BK", "num_warps", "num_stages", "maxnreg"}),
+    "bwd_ps": frozenset({"BH", "BK", "num_warps", "num_stages", "maxnreg"}),
+    "bwd_grad": frozenset({"BH", "BK", "DC", "num_warps", "num_stages", "maxnreg"}),
+    "bwd": frozenset({"scratch_bytes"}),
+}
 
 
 @triton.jit
 def _slots(idx_ptr, k0, K, T, BK: tl.constexpr):
-    """Slots k0..k0+BK of one row's indices: (slot offsets [BK], valid [BK], row ids clamped to 0 where invalid,
-    int64 [BK])."""
+    """Slots k0..k0+BK of one row's indices: (slot offsets [BK], valid [BK], row ids clamped to 0
+    where invalid, int64 [BK])."""
     offs_k = k0 + tl.arange(0, BK)
     idx = tl.load(idx_ptr + offs_k, mask=offs_k < K, other=-1)
     valid = (idx >= 0) & (idx < T)
@@ -65,18 +69,37 @@ def _slots(idx_ptr, k0, K, T, BK: tl.constexpr):
 
 
 @triton.jit
-def _gather(kv_ptr, idx_ptr, k0, K, T, stride_kvt, DA: tl.constexpr, DB: tl.constexpr, DAP: tl.constexpr,
-            DBP: tl.constexpr, BK: tl.constexpr, HAS_B: tl.constexpr):
+def _gather(
+    kv_ptr,
+    idx_ptr,
+    k0,
+    K,
+    T,
+    stride_kvt,
+    DA: tl.constexpr,
+    DB: tl.constexpr,
+    DAP: tl.constexpr,
+    DBP: tl.constexpr,
+    BK: tl.constexpr,
+    HAS_B: tl.constexpr,
+):
     """Rows kv[idx[k0:k0+BK]] split into parts A [BK, DAP] and B [BK, DBP]; invalid slots read as 0.
     Returns (valid [BK], clamped row ids [BK] int64, A, B)."""
     _, valid, safe = _slots(idx_ptr, k0, K, T, BK)
     rows = safe * stride_kvt
     offs_a = tl.arange(0, DAP)
-    ka = tl.load(kv_ptr + rows[:, None] + offs_a[None, :], mask=valid[:, None] & (offs_a < DA)[None, :], other=0.0)
+    ka = tl.load(
+        kv_ptr + rows[:, None] + offs_a[None, :],
+        mask=valid[:, None] & (offs_a < DA)[None, :],
+        other=0.0,
+    )
     if HAS_B:
         offs_b = tl.arange(0, DBP)
-        kb = tl.load(kv_ptr + rows[:, None] + DA + offs_b[None, :], mask=valid[:, None] & (offs_b < DB)[None, :],
-                     other=0.0)
+        kb = tl.load(
+            kv_ptr + rows[:, None] + DA + offs_b[None, :],
+            mask=valid[:, None] & (offs_b < DB)[None, :],
+            other=0.0,
+        )
     else:
         kb = ka
     return valid, safe, ka, kb
@@ -100,11 +123,33 @@ def _dot_acc(a, b, acc, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _fwd_kernel(q_ptr, kv_ptr, idx_ptr, kend_ptr, out_ptr, lse_ptr,
-                T, H, K, qk_scale,
-                stride_qt, stride_qh, stride_kvt, stride_it, stride_ot, stride_oh, stride_lt,
-                DA: tl.constexpr, DB: tl.constexpr, DAP: tl.constexpr, DBP: tl.constexpr,
-                BH: tl.constexpr, BK: tl.constexpr, HAS_B: tl.constexpr, IEEE: tl.constexpr):
+def _fwd_kernel(
+    q_ptr,
+    kv_ptr,
+    idx_ptr,
+    kend_ptr,
+    out_ptr,
+    lse_ptr,
+    T,
+    H,
+    K,
+    qk_scale,
+    stride_qt,
+    stride_qh,
+    stride_kvt,
+    stride_it,
+    stride_ot,
+    stride_oh,
+    stride_lt,
+    DA: tl.constexpr,
+    DB: tl.constexpr,
+    DAP: tl.constexpr,
+    DBP: tl.constexpr,
+    BH: tl.constexpr,
+    BK: tl.constexpr,
+    HAS_B: tl.constexpr,
+    IEEE: tl.constexpr,
+):
     t = tl.program_id(0)
     offs_h = tl.program_id(1) * BH + tl.arange(0, BH)
     hmask = offs_h < H
@@ -113,7 +158,9 @@ def _fwd_kernel(q_ptr, kv_ptr, idx_ptr, kend_ptr, out_ptr, lse_ptr,
     qa = tl.load(qrow + offs_a[None, :], mask=hmask[:, None] & (offs_a < DA)[None, :], other=0.0)
     if HAS_B:
         offs_b = tl.arange(0, DBP)
-        qb = tl.load(qrow + DA + offs_b[None, :], mask=hmask[:, None] & (offs_b < DB)[None, :], other=0.0)
+        qb = tl.load(
+            qrow + DA + offs_b[None, :], mask=hmask[:, None] & (offs_b < DB)[None, :], other=0.0
+        )
     idx_row = idx_ptr + t.to(tl.int64) * stride_it
     kend = tl.load(kend_ptr + t)  # slots past the row's last valid index are skipped
 
@@ -121,13 +168,16 @@ def _fwd_kernel(q_ptr, kv_ptr, idx_ptr, kend_ptr, out_ptr, lse_ptr,
     l_i = tl.zeros([BH], tl.float32)
     acc = tl.zeros([BH, DAP], tl.float32)
     for k0 in range(0, kend, BK):
-        valid, safe, ka, kb = _gather(kv_ptr, idx_row, k0, K, T, stride_kvt, DA, DB, DAP, DBP, BK, HAS_B)
+        valid, safe, ka, kb = _gather(
+            kv_ptr, idx_row, k0, K, T, stride_kvt, DA, DB, DAP, DBP, BK, HAS_B
+        )
         s = _dot(qa, tl.trans(ka), IEEE)
         if HAS_B:
             s += _dot(qb, tl.trans(kb), IEEE)
         s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # no valid key yet: keep exp2 finite (= 0)
+        # no valid key yet: keep exp2 finite (= 0)
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.math.exp2(m_i - m_use)
         p = tl.math.exp2(s - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
@@ -135,22 +185,58 @@ def _fwd_kernel(q_ptr, kv_ptr, idx_ptr, kend_ptr, out_ptr, lse_ptr,
         m_i = m_new
     has = l_i > 0.0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
-    lse = tl.where(has, (m_i + tl.math.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    lse = tl.where(
+        has, (m_i + tl.math.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf")
+    )
     orow = out_ptr + t.to(tl.int64) * stride_ot + offs_h[:, None] * stride_oh
-    tl.store(orow + offs_a[None, :], out.to(out_ptr.dtype.element_ty), mask=hmask[:, None] & (offs_a < DA)[None, :])
+    tl.store(
+        orow + offs_a[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=hmask[:, None] & (offs_a < DA)[None, :],
+    )
     tl.store(lse_ptr + t.to(tl.int64) * stride_lt + offs_h, lse, mask=hmask)
 
 
 @triton.jit
-def _bwd_ps_kernel(q_ptr, kv_ptr, idx_ptr, kend_ptr, out_ptr, do_ptr, lse_ptr, p_ptr, ds_ptr,
-                   T, H, K, sm_scale, row0,
-                   stride_qt, stride_qh, stride_kvt, stride_it, stride_ot, stride_oh, stride_dot, stride_doh,
-                   stride_lt, stride_pt, stride_pk,
-                   DA: tl.constexpr, DB: tl.constexpr, DAP: tl.constexpr, DBP: tl.constexpr,
-                   BH: tl.constexpr, BK: tl.constexpr, HAS_B: tl.constexpr, IEEE: tl.constexpr):
-    """Backward, part 1 (no atomics, no accumulator): recompute P and form dS (already times sm_scale) of every
-    (slot, head) into a scratch ``[rows, K, H]`` for part 2 (heads innermost: part 2 reads [slots, heads] tiles
-    coalesced). Without a [heads, D_qk] accumulator all 64 heads fit one program: one gather per query."""
+def _bwd_ps_kernel(
+    q_ptr,
+    kv_ptr,
+    idx_ptr,
+    kend_ptr,
+    out_ptr,
+    do_ptr,
+    lse_ptr,
+    p_ptr,
+    ds_ptr,
+    T,
+    H,
+    K,
+    sm_scale,
+    row0,
+    stride_qt,
+    stride_qh,
+    stride_kvt,
+    stride_it,
+    stride_ot,
+    stride_oh,
+    stride_dot,
+    stride_doh,
+    stride_lt,
+    stride_pt,
+    stride_pk,
+    DA: tl.constexpr,
+    DB: tl.constexpr,
+    DAP: tl.constexpr,
+    DBP: tl.constexpr,
+    BH: tl.constexpr,
+    BK: tl.constexpr,
+    HAS_B: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    """Backward, part 1 (no atomics, no accumulator): recompute P and form dS (already times
+    sm_scale) of every (slot, head) into a scratch ``[rows, K, H]`` for part 2 (heads innermost:
+    part 2 reads [slots, heads] tiles coalesced). Without a [heads, D_qk] accumulator all 64 heads
+    fit one program: one gather per query."""
     t = row0 + tl.program_id(0)
     offs_h = tl.program_id(1) * BH + tl.arange(0, BH)
     hmask = offs_h < H
@@ -161,18 +247,31 @@ def _bwd_ps_kernel(q_ptr, kv_ptr, idx_ptr, kend_ptr, out_ptr, do_ptr, lse_ptr, p
     qa = tl.load(qrow + offs_a[None, :], mask=amask, other=0.0)
     if HAS_B:
         offs_b = tl.arange(0, DBP)
-        qb = tl.load(qrow + DA + offs_b[None, :], mask=hmask[:, None] & (offs_b < DB)[None, :], other=0.0)
-    do = tl.load(do_ptr + t64 * stride_dot + offs_h[:, None] * stride_doh + offs_a[None, :], mask=amask, other=0.0)
-    o = tl.load(out_ptr + t64 * stride_ot + offs_h[:, None] * stride_oh + offs_a[None, :], mask=amask, other=0.0)
+        qb = tl.load(
+            qrow + DA + offs_b[None, :], mask=hmask[:, None] & (offs_b < DB)[None, :], other=0.0
+        )
+    do = tl.load(
+        do_ptr + t64 * stride_dot + offs_h[:, None] * stride_doh + offs_a[None, :],
+        mask=amask,
+        other=0.0,
+    )
+    o = tl.load(
+        out_ptr + t64 * stride_ot + offs_h[:, None] * stride_oh + offs_a[None, :],
+        mask=amask,
+        other=0.0,
+    )
     delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), axis=1)  # [BH]
     lse = tl.load(lse_ptr + t64 * stride_lt + offs_h, mask=hmask, other=float("-inf"))
-    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)  # empty row -> P = 0
+    # empty row -> P = 0
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
     qk_scale = sm_scale * 1.4426950408889634
     idx_row = idx_ptr + t64 * stride_it
     kend = tl.load(kend_ptr + t)
     prow = (t - row0).to(tl.int64) * stride_pt + offs_h[:, None]  # [BH, 1] offsets into P / dS
     for k0 in range(0, kend, BK):
-        valid, safe, ka, kb = _gather(kv_ptr, idx_row, k0, K, T, stride_kvt, DA, DB, DAP, DBP, BK, HAS_B)
+        valid, safe, ka, kb = _gather(
+            kv_ptr, idx_row, k0, K, T, stride_kvt, DA, DB, DAP, DBP, BK, HAS_B
+        )
         s = _dot(qa, tl.trans(ka), IEEE)
         if HAS_B:
             s += _dot(qb, tl.trans(kb), IEEE)
@@ -182,49 +281,111 @@ def _bwd_ps_kernel(q_ptr, kv_ptr, idx_ptr, kend_ptr, out_ptr, do_ptr, lse_ptr, p
         ds_c = (p * (dp - delta[:, None]) * sm_scale).to(ka.dtype)  # gradient w.r.t. q.k
         offs_k = k0 + tl.arange(0, BK)
         smask = hmask[:, None] & (offs_k < K)[None, :]
-        tl.store(p_ptr + prow + offs_k[None, :] * stride_pk, p.to(p_ptr.dtype.element_ty), mask=smask)
+        tl.store(
+            p_ptr + prow + offs_k[None, :] * stride_pk, p.to(p_ptr.dtype.element_ty), mask=smask
+        )
         tl.store(ds_ptr + prow + offs_k[None, :] * stride_pk, ds_c, mask=smask)
 
 
 @triton.jit
-def _grad_block(kv_ptr, p_ptr, ds_ptr, dkv_ptr, dq_ptr, idx_row, kend, T, K, qrow, dorow, prow, dqrow, stride_kvt,
-                stride_pk, stride_dkvt, hmask, offs_c, DA: tl.constexpr, DQK: tl.constexpr, BH: tl.constexpr,
-                BK: tl.constexpr, DC: tl.constexpr, WITH_P: tl.constexpr, IEEE: tl.constexpr):
-    """Over one row's slots: dKV[idx, offs_c] += dS^T Q[:, offs_c] (+ P^T dO[:, offs_c] with WITH_P) and
-    dQ[:, offs_c] = dS KV[idx, offs_c]."""
+def _grad_block(
+    kv_ptr,
+    p_ptr,
+    ds_ptr,
+    dkv_ptr,
+    dq_ptr,
+    idx_row,
+    kend,
+    T,
+    K,
+    qrow,
+    dorow,
+    prow,
+    dqrow,
+    stride_kvt,
+    stride_pk,
+    stride_dkvt,
+    hmask,
+    offs_c,
+    DA: tl.constexpr,
+    DQK: tl.constexpr,
+    BH: tl.constexpr,
+    BK: tl.constexpr,
+    DC: tl.constexpr,
+    WITH_P: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    """Over one row's slots: dKV[idx, offs_c] += dS^T Q[:, offs_c] (+ P^T dO[:, offs_c] with WITH_P)
+    and dQ[:, offs_c] = dS KV[idx, offs_c]."""
     cmask = offs_c < DQK
     q_c = tl.load(qrow + offs_c[None, :], mask=hmask[:, None] & cmask[None, :], other=0.0)
     if WITH_P:
-        do_c = tl.load(dorow + offs_c[None, :], mask=hmask[:, None] & (offs_c < DA)[None, :], other=0.0)
+        do_c = tl.load(
+            dorow + offs_c[None, :], mask=hmask[:, None] & (offs_c < DA)[None, :], other=0.0
+        )
     dq = tl.zeros([BH, DC], tl.float32)
     for k0 in range(0, kend, BK):
         offs_k, valid, safe = _slots(idx_row, k0, K, T, BK)
         lmask = valid[:, None] & hmask[None, :]
-        dst = tl.load(ds_ptr + prow + offs_k[:, None] * stride_pk, mask=lmask, other=0.0)  # [BK, BH], heads contiguous
+        # [BK, BH], heads contiguous
+        dst = tl.load(ds_ptr + prow + offs_k[:, None] * stride_pk, mask=lmask, other=0.0)
         acc = _dot(dst, q_c, IEEE)
         if WITH_P:
             pt = tl.load(p_ptr + prow + offs_k[:, None] * stride_pk, mask=lmask, other=0.0)
             acc = _dot_acc(pt, do_c, acc, IEEE)
         kmask = valid[:, None] & cmask[None, :]
-        tl.atomic_add(dkv_ptr + safe[:, None] * stride_dkvt + offs_c[None, :], acc, mask=kmask, sem="relaxed")
+        tl.atomic_add(
+            dkv_ptr + safe[:, None] * stride_dkvt + offs_c[None, :], acc, mask=kmask, sem="relaxed"
+        )
         kv_c = tl.load(kv_ptr + safe[:, None] * stride_kvt + offs_c[None, :], mask=kmask, other=0.0)
         dq = _dot_acc(tl.trans(dst), kv_c, dq, IEEE)
-    tl.store(dqrow + offs_c[None, :], dq.to(dq_ptr.dtype.element_ty), mask=hmask[:, None] & cmask[None, :])
+    tl.store(
+        dqrow + offs_c[None, :],
+        dq.to(dq_ptr.dtype.element_ty),
+        mask=hmask[:, None] & cmask[None, :],
+    )
 
 
 @triton.jit
-def _bwd_grad_kernel(q_ptr, kv_ptr, idx_ptr, kend_ptr, do_ptr, p_ptr, ds_ptr, dkv_ptr, dq_ptr,
-                     T, H, K, row0,
-                     stride_qt, stride_qh, stride_kvt, stride_it, stride_dot, stride_doh, stride_pt, stride_pk,
-                     stride_dkvt, stride_dqt, stride_dqh,
-                     DA: tl.constexpr, DQK: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, DC: tl.constexpr,
-                     IEEE: tl.constexpr):
-    """Backward, part 2: dKV[idx] += dS^T Q + P^T dO (fp32 atomics, once per (query, slot), head block and column
-    block; dS carries sm_scale) and dQ = dS KV[idx]. One program per (column block of DC, query, head block), the
-    column block fastest, so the programs of one query run side by side and share its P / dS tiles in L2. Small
-    programs (a [BK, DC] tile, Q and dO of DC columns) let several run per SM (4 with the 128-register cap), so
-    their loads, products and atomics overlap: the latency of its loads is what bounds this kernel. Blocks past
-    d_v only add dS^T Q."""
+def _bwd_grad_kernel(
+    q_ptr,
+    kv_ptr,
+    idx_ptr,
+    kend_ptr,
+    do_ptr,
+    p_ptr,
+    ds_ptr,
+    dkv_ptr,
+    dq_ptr,
+    T,
+    H,
+    K,
+    row0,
+    stride_qt,
+    stride_qh,
+    stride_kvt,
+    stride_it,
+    stride_dot,
+    stride_doh,
+    stride_pt,
+    stride_pk,
+    stride_dkvt,
+    stride_dqt,
+    stride_dqh,
+    DA: tl.constexpr,
+    DQK: tl.constexpr,
+    BH: tl.constexpr,
+    BK: tl.constexpr,
+    DC: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    """Backward, part 2: dKV[idx] += dS^T Q + P^T dO (fp32 atomics, once per (query, slot), head
+    block and column block; dS carries sm_scale) and dQ = dS KV[idx]. One program per (column block
+    of DC, query, head block), the column block fastest, so the programs of one query run side by
+    side and share its P / dS tiles in L2. Small programs (a [BK, DC] tile, Q and dO of DC columns)
+    let several run per SM (4 with the 128-register cap), so their loads, products and atomics
+    overlap: the latency of its loads is what bounds this kernel. Blocks past d_v only add dS^T
+    Q."""
     c0 = tl.program_id(0) * DC
     t = row0 + tl.program_id(1)
     offs_h = tl.program_id(2) * BH + tl.arange(0, BH)
@@ -238,11 +399,61 @@ def _bwd_grad_kernel(q_ptr, kv_ptr, idx_ptr, kend_ptr, do_ptr, p_ptr, ds_ptr, dk
     prow = (t - row0).to(tl.int64) * stride_pt + offs_h[None, :]  # [1, BH]
     offs_c = c0 + tl.arange(0, DC)
     if c0 < DA:
-        _grad_block(kv_ptr, p_ptr, ds_ptr, dkv_ptr, dq_ptr, idx_row, kend, T, K, qrow, dorow, prow, dqrow, stride_kvt,
-                    stride_pk, stride_dkvt, hmask, offs_c, DA, DQK, BH, BK, DC, True, IEEE)
+        _grad_block(
+            kv_ptr,
+            p_ptr,
+            ds_ptr,
+            dkv_ptr,
+            dq_ptr,
+            idx_row,
+            kend,
+            T,
+            K,
+            qrow,
+            dorow,
+            prow,
+            dqrow,
+            stride_kvt,
+            stride_pk,
+            stride_dkvt,
+            hmask,
+            offs_c,
+            DA,
+            DQK,
+            BH,
+            BK,
+            DC,
+            True,
+            IEEE,
+        )
     else:
-        _grad_block(kv_ptr, p_ptr, ds_ptr, dkv_ptr, dq_ptr, idx_row, kend, T, K, qrow, dorow, prow, dqrow, stride_kvt,
-                    stride_pk, stride_dkvt, hmask, offs_c, DA, DQK, BH, BK, DC, False, IEEE)
+        _grad_block(
+            kv_ptr,
+            p_ptr,
+            ds_ptr,
+            dkv_ptr,
+            dq_ptr,
+            idx_row,
+            kend,
+            T,
+            K,
+            qrow,
+            dorow,
+            prow,
+            dqrow,
+            stride_kvt,
+            stride_pk,
+            stride_dkvt,
+            hmask,
+            offs_c,
+            DA,
+            DQK,
+            BH,
+            BK,
+            DC,
+            False,
+            IEEE,
+        )
 
 
 def _config(h: int, d_qk: int, d_v: int, part: str = "fwd"):
@@ -259,17 +470,18 @@ def _config(h: int, d_qk: int, d_v: int, part: str = "fwd"):
         bk, num_stages = (64, 2) if big else (16, 2)
         cfg = dict(DA=d_v, DB=db, DAP=dap, DBP=dbp, BH=bh, BK=bk, HAS_B=db > 0)
     elif part == "bwd_ps":
-        # 64 heads x 64 slots unpipelined measured best on one H200 (43.96 ms at T = 32K against 59.1 with 32 slots
-        # and 2 stages; 128 registers, 217 KB shared memory)
+        # 64 heads x 64 slots unpipelined measured best on one H200 (43.96 ms at T = 32K against
+        # 59.1 with 32 slots and 2 stages; 128 registers, 217 KB shared memory)
         bk, num_stages = (64, 1) if big else (16, 2)
         cfg = dict(DA=d_v, DB=db, DAP=dap, DBP=dbp, BH=bh, BK=bk, HAS_B=db > 0)
     elif part == "bwd_grad":
-        # 64 slots per step: the dKV tile is the M side of the products (wgmma needs M >= 64); one warpgroup per
-        # [64, DC] tile. DC = 64 unpipelined (41 KB shared memory) measured best on one H200 at T = 4K and 32K
-        # (DC = 128: 3% slower with 1 stage, 50% slower with 2; 8 warps 50% slower; 128 slots per step 11% slower).
-        # The kernel is latency-bound (ncu: 3 warps per scheduler, half the stalls on global loads), so registers
-        # are capped at 128 (from 146): 4 programs per SM instead of 3, 4-7% less backward time at 32K, 3.5-4.5%
-        # at 4K in two calls (96: 5 per SM, 21% slower; bench/results/2026-12-01_h200_dsa_kernels.md)
+        # 64 slots per step: the dKV tile is the M side of the products (wgmma needs M >= 64); one
+        # warpgroup per [64, DC] tile. DC = 64 unpipelined (41 KB shared memory) measured best on
+        # one H200 at T = 4K and 32K (DC = 128: 3% slower with 1 stage, 50% slower with 2; 8 warps
+        # 50% slower; 128 slots per step 11% slower). The kernel is latency-bound (ncu: 3 warps per
+        # scheduler, half the stalls on global loads), so registers are capped at 128 (from 146): 4
+        # programs per SM instead of 3, 4-7% less backward time at 32K, 3.5-4.5% at 4K in two calls
+        # (96: 5 per SM, 21% slower; bench/results/2026-12-01_h200_dsa_kernels.md)
         bk, num_stages = (64, 1) if big else (16, 2)
         num_warps = 4
         cfg = dict(DA=d_v, DQK=d_qk, BH=bh, BK=bk, DC=64)
@@ -282,26 +494,32 @@ def _config(h: int, d_qk: int, d_v: int, part: str = "fwd"):
     num_stages = tune.pop("num_stages", num_stages)
     cfg.update(tune)
     if part == "bwd_grad" and big and cfg["DC"] not in (64, 128):
-        # DC = 32 at 64 heads x 576 faulted with an illegal memory access on one H200 under Triton 3.6 (every run,
-        # T = 512, 1024 and 32K; bench/results/2026-11-30_h200_dsa_kernels.md); 64 and 128 are checked on the GPU
+        # DC = 32 at 64 heads x 576 faulted with an illegal memory access on one H200 under Triton
+        # 3.6 (every run, T = 512, 1024 and 32K; bench/results/2026-11-30_h200_dsa_kernels.md); 64
+        # and 128 are checked on the GPU
         raise ValueError(f"sparse_mla bwd_grad DC = {cfg['DC']}: at d_v >= 256 use 64 or 128")
     return cfg, num_warps, num_stages
 
 
 def _check(q, kv, indices, d_v):
     if q.dim() != 3 or kv.dim() != 2 or indices.dim() != 2:
-        raise ValueError(f"expected q [T,H,D], kv [T,D], indices [T,K]; got {tuple(q.shape)}, {tuple(kv.shape)}, "
-                         f"{tuple(indices.shape)}")
+        raise ValueError(
+            f"expected q [T,H,D], kv [T,D], indices [T,K]; got {tuple(q.shape)}, "
+            f"{tuple(kv.shape)}, "
+            f"{tuple(indices.shape)}"
+        )
     if kv.shape[1] != q.shape[2] or indices.shape[0] != q.shape[0] or not 0 < d_v <= q.shape[2]:
-        raise ValueError(f"shape mismatch: q {tuple(q.shape)}, kv {tuple(kv.shape)}, indices "
-                         f"{tuple(indices.shape)}, d_v {d_v}")
+        raise ValueError(
+            f"shape mismatch: q {tuple(q.shape)}, kv {tuple(kv.shape)}, indices "
+            f"{tuple(indices.shape)}, d_v {d_v}"
+        )
     check_device(q, kv, indices)
 
 
 def valid_extent(indices: torch.Tensor) -> torch.Tensor:
-    """int32 ``[T]``: 1 + the slot of each row's last valid index (0 for a row without one). The kernels walk
-    only these slots: the indexer pads rows with fewer visible keys than top-k with a -1 tail, which at short
-    contexts is a large share of the slots (at T = 4K, a quarter)."""
+    """int32 ``[T]``: 1 + the slot of each row's last valid index (0 for a row without one). The
+    kernels walk only these slots: the indexer pads rows with fewer visible keys than top-k with a
+    -1 tail, which at short contexts is a large share of the slots (at T = 4K, a quarter)."""
     k = indices.shape[1]
     if k == 0:
         return torch.zeros(indices.shape[0], dtype=torch.int32, device=indices.device)
@@ -331,9 +549,29 @@ def _fwd(q, kv, indices, kend, sm_scale, d_v, gluon: bool = True):
         return out, lse
     c, nw, ns = _config(h, d_qk, d_v)
     grid = (total, triton.cdiv(h, c["BH"]))
-    _fwd_kernel[grid](q, kv, indices, kend, out, lse, kv.shape[0], h, indices.shape[1], sm_scale * LOG2E,
-                      q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), out.stride(0), out.stride(1),
-                      lse.stride(0), IEEE=q.dtype == torch.float32, num_warps=nw, num_stages=ns, **c)
+    _fwd_kernel[grid](
+        q,
+        kv,
+        indices,
+        kend,
+        out,
+        lse,
+        kv.shape[0],
+        h,
+        indices.shape[1],
+        sm_scale * LOG2E,
+        q.stride(0),
+        q.stride(1),
+        kv.stride(0),
+        indices.stride(0),
+        out.stride(0),
+        out.stride(1),
+        lse.stride(0),
+        IEEE=q.dtype == torch.float32,
+        num_warps=nw,
+        num_stages=ns,
+        **c,
+    )
     return out, lse
 
 
@@ -343,8 +581,9 @@ SCRATCH_BYTES = 1 << 30  # P and dS of one chunk of queries (backward)
 MAX_GRID_Y = 65535  # CUDA's limit on a grid's second dimension, where part 2 puts a chunk's rows
 
 
-def chunk_rows(total: int, h: int, n_k: int, element_size: int,
-               scratch_bytes: int = SCRATCH_BYTES) -> int:
+def chunk_rows(
+    total: int, h: int, n_k: int, element_size: int, scratch_bytes: int = SCRATCH_BYTES
+) -> int:
     """Queries per backward chunk: as many as fit P and dS ([rows, n_k, h] each) in
     ``scratch_bytes``, at least 1, and at most MAX_GRID_Y (reached with a small top-k: 64 slots at
     64 heads would fit 65,536 rows)."""
@@ -357,22 +596,73 @@ def _triton_bwd_ps(q, kv, indices, kend, out, grad_out, lse, p, ds, sm_scale, ro
     h, d_qk = q.shape[1:]
     c, nw, ns = cfg or _config(h, d_qk, out.shape[2], "bwd_ps")
     _bwd_ps_kernel[(n, triton.cdiv(h, c["BH"]))](
-        q, kv, indices, kend, out, grad_out, lse, p, ds, kv.shape[0], h, indices.shape[1], sm_scale, row0,
-        q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), out.stride(0), out.stride(1),
-        grad_out.stride(0), grad_out.stride(1), lse.stride(0), p.stride(0), p.stride(1),
-        IEEE=q.dtype == torch.float32, num_warps=nw, num_stages=ns, **c)
+        q,
+        kv,
+        indices,
+        kend,
+        out,
+        grad_out,
+        lse,
+        p,
+        ds,
+        kv.shape[0],
+        h,
+        indices.shape[1],
+        sm_scale,
+        row0,
+        q.stride(0),
+        q.stride(1),
+        kv.stride(0),
+        indices.stride(0),
+        out.stride(0),
+        out.stride(1),
+        grad_out.stride(0),
+        grad_out.stride(1),
+        lse.stride(0),
+        p.stride(0),
+        p.stride(1),
+        IEEE=q.dtype == torch.float32,
+        num_warps=nw,
+        num_stages=ns,
+        **c,
+    )
 
 
 def _triton_bwd_grad(q, kv, indices, kend, grad_out, p, ds, dkv, dq, row0, n, cfg=None):
-    """The Triton part 2 for rows row0 .. row0 + n - 1 (same contract as ``sparse_mla_ws.bwd_grad``); cfg:
-    ``_config(..., "bwd_grad")`` when the caller has it."""
+    """The Triton part 2 for rows row0 .. row0 + n - 1 (same contract as
+    ``sparse_mla_ws.bwd_grad``); cfg: ``_config(..., "bwd_grad")`` when the caller has it."""
     h, d_qk = q.shape[1:]
     c, nw, ns = cfg or _config(h, d_qk, grad_out.shape[2], "bwd_grad")
     _bwd_grad_kernel[(triton.cdiv(d_qk, c["DC"]), n, triton.cdiv(h, c["BH"]))](
-        q, kv, indices, kend, grad_out, p, ds, dkv, dq, kv.shape[0], h, indices.shape[1], row0,
-        q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), grad_out.stride(0), grad_out.stride(1),
-        p.stride(0), p.stride(1), dkv.stride(0), dq.stride(0), dq.stride(1), IEEE=q.dtype == torch.float32,
-        num_warps=nw, num_stages=ns, **c)
+        q,
+        kv,
+        indices,
+        kend,
+        grad_out,
+        p,
+        ds,
+        dkv,
+        dq,
+        kv.shape[0],
+        h,
+        indices.shape[1],
+        row0,
+        q.stride(0),
+        q.stride(1),
+        kv.stride(0),
+        indices.stride(0),
+        grad_out.stride(0),
+        grad_out.stride(1),
+        p.stride(0),
+        p.stride(1),
+        dkv.stride(0),
+        dq.stride(0),
+        dq.stride(1),
+        IEEE=q.dtype == torch.float32,
+        num_warps=nw,
+        num_stages=ns,
+        **c,
+    )
 
 
 def _bwd(q, kv, indices, kend, out, lse, grad_out, sm_scale, d_v, gluon: bool = True):
@@ -428,8 +718,15 @@ class _SparseMLA(torch.autograd.Function):
         return dq, dkv, None, None, None, None
 
 
-def sparse_mla(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scale: float,
-               d_v: int, *, gluon: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def sparse_mla(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    indices: torch.Tensor,
+    sm_scale: float,
+    d_v: int,
+    *,
+    gluon: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as ``reference.sparse_mla``: ``(out [T, H, d_v], lse [T, H] fp32)``,
     differentiable in q and kv.
 
@@ -444,19 +741,38 @@ def compile_specs(small: bool = False):
     """Launch configurations for ``bench/compile_check.py`` (offline sm_90 compile)."""
     h, d_qk, d_v = (4, 24, 16) if small else (64, 576, 512)
     out = []
-    for name, fn, part in (("sparse_mla_fwd", _fwd_kernel, "fwd"), ("sparse_mla_bwd_ps", _bwd_ps_kernel, "bwd_ps"),
-                           ("sparse_mla_bwd_grad", _bwd_grad_kernel, "bwd_grad")):
+    for name, fn, part in (
+        ("sparse_mla_fwd", _fwd_kernel, "fwd"),
+        ("sparse_mla_bwd_ps", _bwd_ps_kernel, "bwd_ps"),
+        ("sparse_mla_bwd_grad", _bwd_grad_kernel, "bwd_grad"),
+    ):
         c, nw, ns = _config(h, d_qk, d_v, part)
         c["IEEE"] = False
-        sig = {n: "i32" for n in fn.arg_names if n.startswith("stride") or n in ("T", "H", "K", "row0")}
+        sig = {
+            n: "i32" for n in fn.arg_names if n.startswith("stride") or n in ("T", "H", "K", "row0")
+        }
         sig.update({n: "*bf16" for n in fn.arg_names if n.endswith("_ptr")})
-        sig.update({"idx_ptr": "*i32", "kend_ptr": "*i32", "lse_ptr": "*fp32", "qk_scale": "fp32", "sm_scale": "fp32",
-                    "dkv_ptr": "*fp32"})
+        sig.update(
+            {
+                "idx_ptr": "*i32",
+                "kend_ptr": "*i32",
+                "lse_ptr": "*fp32",
+                "qk_scale": "fp32",
+                "sm_scale": "fp32",
+                "dkv_ptr": "*fp32",
+            }
+        )
         sig = {k: v for k, v in sig.items() if k in fn.arg_names}
-        div = tuple(n for n in fn.arg_names if n.endswith("_ptr") or (n.startswith("stride") and not n.endswith("h")
-                                                                       and n != "stride_lt"))
+        div = tuple(
+            n
+            for n in fn.arg_names
+            if n.endswith("_ptr")
+            or (n.startswith("stride") and not n.endswith("h") and n != "stride_lt")
+        )
         opts = {k: c[k] for k in ("maxnreg",) if k in c}
-        out.append((name, (fn, sig, {k: v for k, v in c.items() if k in fn.arg_names}, nw, ns, div, opts)))
+        out.append(
+            (name, (fn, sig, {k: v for k, v in c.items() if k in fn.arg_names}, nw, ns, div, opts))
+        )
     return out
 
 

@@ -34,28 +34,37 @@ _active: dict[str, dict[str, dict]] = {}
 def _validated(overrides: Mapping) -> dict[str, dict[str, dict]]:
     """A copy of ``overrides`` once every module, part and key is found in ``LAUNCH_KEYS``."""
     if not isinstance(overrides, Mapping):
-        raise TypeError("launch_overrides takes {module: {part: {key: value}}}, got "
-                        f"{type(overrides).__name__}")
+        raise TypeError(
+            "launch_overrides takes {module: {part: {key: value}}}, got "
+            f"{type(overrides).__name__}"
+        )
     out: dict[str, dict[str, dict]] = {}
     for module, parts in overrides.items():
         if module not in MODULES:
-            raise ValueError(f"launch_overrides: unknown kernel module {module!r}; tunable: "
-                             f"{', '.join(MODULES)}")
+            raise ValueError(
+                f"launch_overrides: unknown kernel module {module!r}; tunable: {', '.join(MODULES)}"
+            )
         known = importlib.import_module(f"{__package__}.{module}").LAUNCH_KEYS
         if not isinstance(parts, Mapping):
-            raise TypeError(f"launch_overrides: {module} takes {{part: {{key: value}}}}, "
-                            f"got {parts!r}")
+            raise TypeError(
+                f"launch_overrides: {module} takes {{part: {{key: value}}}}, got {parts!r}"
+            )
         for part, cfg in parts.items():
             if part not in known:
-                raise ValueError(f"launch_overrides: unknown part {part!r} of {module}; parts: "
-                                 f"{', '.join(known)}")
+                raise ValueError(
+                    f"launch_overrides: unknown part {part!r} of {module}; parts: "
+                    f"{', '.join(known)}"
+                )
             if not isinstance(cfg, Mapping):
-                raise TypeError(f"launch_overrides: {module} part {part!r} takes {{key: value}}, "
-                                f"got {cfg!r}")
+                raise TypeError(
+                    f"launch_overrides: {module} part {part!r} takes {{key: value}}, got {cfg!r}"
+                )
             unknown = ", ".join(map(repr, sorted(set(cfg) - set(known[part]))))
             if unknown:
-                raise ValueError(f"launch_overrides: unknown key(s) {unknown} of {module} part "
-                                 f"{part!r}; keys: {', '.join(sorted(known[part]))}")
+                raise ValueError(
+                    f"launch_overrides: unknown key(s) {unknown} of {module} part "
+                    f"{part!r}; keys: {', '.join(sorted(known[part]))}"
+                )
             out.setdefault(module, {})[part] = dict(cfg)
     return out
 

@@ -1,10 +1,11 @@
 """GLM52ModelArgs: every field of the published GLM-5.2 ``config.json``, the flavors, and counts.
 
-Field names are the ``config.json`` keys, so ``from_hf_config``/``to_hf_config`` are a plain copy with
-validation. Two fields are this project's own (they are not written to ``config.json``):
+Field names are the ``config.json`` keys, so ``from_hf_config``/``to_hf_config`` are a plain copy
+with validation. Two fields are this project's own (they are not written to ``config.json``):
 
-* ``latent_norm_eps``: epsilon of ``q_a_layernorm``/``kv_a_layernorm``. The published model was trained (and
-  is served by vLLM/SGLang) with ``rms_norm_eps``; ``transformers`` hard-codes 1e-6. ``None`` = ``rms_norm_eps``.
+* ``latent_norm_eps``: epsilon of ``q_a_layernorm``/``kv_a_layernorm``. The published model was
+  trained (and is served by vLLM/SGLang) with ``rms_norm_eps``; ``transformers`` hard-codes 1e-6.
+  ``None`` = ``rms_norm_eps``.
 * ``index_norm_eps``: epsilon of the indexer's ``k_norm`` LayerNorm (1e-6 everywhere).
 """
 
@@ -61,7 +62,9 @@ class GLM52ModelArgs:
     moe_router_dtype: str | None = "float32"
     ep_size: int = 1  # ignored (parallelism comes from the job config)
     # Positions.
-    rope_parameters: dict[str, Any] = field(default_factory=lambda: {"rope_theta": 8000000, "rope_type": "default"})
+    rope_parameters: dict[str, Any] = field(
+        default_factory=lambda: {"rope_theta": 8000000, "rope_type": "default"}
+    )
     rope_interleave: bool = True
     max_position_embeddings: int = 1048576
     # Norms, misc.
@@ -94,8 +97,8 @@ class GLM52ModelArgs:
     index_norm_eps: float = 1e-6
     # Keys of a config.json that no field above covers, kept so that to_hf_config round-trips them.
     extra: dict[str, Any] = field(default_factory=dict)
-    # The keys the source config.json had (None: built in code); to_hf_config writes those (and always an
-    # explicit indexer_types, since codebases derive different defaults from freq/offset).
+    # The keys the source config.json had (None: built in code); to_hf_config writes those (and
+    # always an explicit indexer_types, since codebases derive different defaults from freq/offset).
     hf_source_keys: tuple[str, ...] | None = None
 
     _OWN_FIELDS = ("latent_norm_eps", "index_norm_eps", "extra", "hf_source_keys")
@@ -105,12 +108,15 @@ class GLM52ModelArgs:
             self.qk_head_dim = self.qk_nope_head_dim + self.qk_rope_head_dim
         if self.mlp_layer_types is None:
             self.mlp_layer_types = [
-                "sparse" if (i >= self.first_k_dense_replace and i % self.moe_layer_freq == 0) else "dense"
+                "sparse"
+                if (i >= self.first_k_dense_replace and i % self.moe_layer_freq == 0)
+                else "dense"
                 for i in range(self.num_hidden_layers)
             ]
         self.validate()
 
-    # ----------------------------------------------------------------------------------------- checks
+    # -----------------------------------------------------------------------------------------
+    # checks
     def validate(self) -> None:
         """Refuses values this implementation does not support, naming the key and the fix."""
 
@@ -118,34 +124,64 @@ class GLM52ModelArgs:
             raise ValueError(f"GLM52ModelArgs.{key}: {why}")
 
         if self.qk_head_dim != self.qk_nope_head_dim + self.qk_rope_head_dim:
-            refuse("qk_head_dim", f"{self.qk_head_dim} != qk_nope_head_dim + qk_rope_head_dim "
-                   f"({self.qk_nope_head_dim} + {self.qk_rope_head_dim}); fix the config")
+            refuse(
+                "qk_head_dim",
+                f"{self.qk_head_dim} != qk_nope_head_dim + qk_rope_head_dim "
+                f"({self.qk_nope_head_dim} + {self.qk_rope_head_dim}); fix the config",
+            )
         if self.qk_rope_head_dim % 2 or self.index_head_dim < self.qk_rope_head_dim:
-            refuse("qk_rope_head_dim", "must be even and <= index_head_dim (the indexer ropes its first "
-                   f"qk_rope_head_dim dims); got {self.qk_rope_head_dim} with index_head_dim {self.index_head_dim}")
+            refuse(
+                "qk_rope_head_dim",
+                "must be even and <= index_head_dim (the indexer ropes its first "
+                f"qk_rope_head_dim dims); got {self.qk_rope_head_dim} with index_head_dim "
+                f"{self.index_head_dim}",
+            )
         if self.hidden_act != "silu":
             refuse("hidden_act", f"only 'silu' (SwiGLU) is implemented, got {self.hidden_act!r}")
         if self.scoring_func != "sigmoid":
-            refuse("scoring_func", f"only 'sigmoid' routing is implemented, got {self.scoring_func!r}")
+            refuse(
+                "scoring_func", f"only 'sigmoid' routing is implemented, got {self.scoring_func!r}"
+            )
         if self.topk_method != "noaux_tc":
-            refuse("topk_method", f"only 'noaux_tc' (bias-corrected top-k) is implemented, got {self.topk_method!r}")
+            refuse(
+                "topk_method",
+                f"only 'noaux_tc' (bias-corrected top-k) is implemented, got {self.topk_method!r}",
+            )
         if self.attention_bias:
             refuse("attention_bias", "GLM-5.2 has no attention biases; set attention_bias=false")
         if self.rope_type != "default":
-            refuse("rope_parameters.rope_type", f"only 'default' RoPE is implemented, got {self.rope_type!r}")
-        if len(self.mlp_layer_types) != self.num_hidden_layers or set(self.mlp_layer_types) - {"dense", "sparse"}:
+            refuse(
+                "rope_parameters.rope_type",
+                f"only 'default' RoPE is implemented, got {self.rope_type!r}",
+            )
+        if len(self.mlp_layer_types) != self.num_hidden_layers or set(self.mlp_layer_types) - {
+            "dense",
+            "sparse",
+        }:
             refuse("mlp_layer_types", f"needs {self.num_hidden_layers} entries of 'dense'/'sparse'")
         if self.n_routed_experts % self.n_group or self.topk_group > self.n_group:
-            refuse("n_group", f"n_routed_experts ({self.n_routed_experts}) must divide into n_group "
-                   f"({self.n_group}) groups and topk_group ({self.topk_group}) <= n_group")
+            refuse(
+                "n_group",
+                f"n_routed_experts ({self.n_routed_experts}) must divide into n_group "
+                f"({self.n_group}) groups and topk_group ({self.topk_group}) <= n_group",
+            )
         if self.num_experts_per_tok > self.n_routed_experts:
-            refuse("num_experts_per_tok", f"{self.num_experts_per_tok} > n_routed_experts {self.n_routed_experts}")
+            refuse(
+                "num_experts_per_tok",
+                f"{self.num_experts_per_tok} > n_routed_experts {self.n_routed_experts}",
+            )
         if self.index_topk < 1:
             refuse("index_topk", "must be >= 1")
         if self.num_nextn_predict_layers not in (0, 1):
-            refuse("num_nextn_predict_layers", f"0 or 1 MTP layers are supported, got {self.num_nextn_predict_layers}")
+            refuse(
+                "num_nextn_predict_layers",
+                f"0 or 1 MTP layers are supported, got {self.num_nextn_predict_layers}",
+            )
         if self.tie_word_embeddings:
-            refuse("tie_word_embeddings", "GLM-5.2 has an untied lm_head; set tie_word_embeddings=false")
+            refuse(
+                "tie_word_embeddings",
+                "GLM-5.2 has an untied lm_head; set tie_word_embeddings=false",
+            )
         self.index_share  # builds (and so validates) the IndexShare schedule
 
     # ------------------------------------------------------------------------------------ derived
@@ -172,12 +208,15 @@ class GLM52ModelArgs:
         )
 
     def is_moe_layer(self, layer_id: int) -> bool:
-        """Backbone layers follow ``mlp_layer_types``; the MTP layer (id >= num_hidden_layers) is MoE."""
+        """Backbone layers follow ``mlp_layer_types``; the MTP layer (id >= num_hidden_layers) is
+        MoE."""
         return layer_id >= self.num_hidden_layers or self.mlp_layer_types[layer_id] == "sparse"
 
     # ------------------------------------------------------------------------------------- HF I/O
     @classmethod
-    def from_hf_config(cls, path_or_dict: str | os.PathLike | dict[str, Any], **overrides: Any) -> GLM52ModelArgs:
+    def from_hf_config(
+        cls, path_or_dict: str | os.PathLike | dict[str, Any], **overrides: Any
+    ) -> GLM52ModelArgs:
         """Reads a ``config.json`` (a file, a checkpoint directory holding one, or the dict)."""
         if isinstance(path_or_dict, dict):
             cfg = copy.deepcopy(path_or_dict)
@@ -188,7 +227,9 @@ class GLM52ModelArgs:
             with open(path) as f:
                 cfg = json.load(f)
         if cfg.get("model_type", "glm_moe_dsa") != "glm_moe_dsa":
-            raise ValueError(f"config.json model_type is {cfg['model_type']!r}; titan_glm52 reads 'glm_moe_dsa'")
+            raise ValueError(
+                f"config.json model_type is {cfg['model_type']!r}; titan_glm52 reads 'glm_moe_dsa'"
+            )
         names = {f.name for f in dataclasses.fields(cls)} - set(cls._OWN_FIELDS)
         if "rope_parameters" not in cfg and "rope_theta" in cfg:  # transformers 4.x style configs
             cfg["rope_parameters"] = {"rope_theta": cfg.pop("rope_theta"), "rope_type": "default"}
@@ -199,8 +240,11 @@ class GLM52ModelArgs:
 
     def to_hf_config(self) -> dict[str, Any]:
         """The ``config.json`` dict (keys sorted, as the published file)."""
-        out = {f.name: copy.deepcopy(getattr(self, f.name)) for f in dataclasses.fields(self)
-               if f.name not in self._OWN_FIELDS}
+        out = {
+            f.name: copy.deepcopy(getattr(self, f.name))
+            for f in dataclasses.fields(self)
+            if f.name not in self._OWN_FIELDS
+        }
         out.update(copy.deepcopy(self.extra))
         out["indexer_types"] = self.index_share.indexer_types()
         if self.hf_source_keys is not None:
@@ -223,9 +267,15 @@ class GLM52ModelArgs:
     # ------------------------------------------------------------------------------------- counts
     def _attention_params(self) -> int:
         d, h = self.hidden_size, self.num_attention_heads
-        return (d * self.q_lora_rank + self.q_lora_rank + self.q_lora_rank * h * self.qk_head_dim
-                + d * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank
-                + self.kv_lora_rank * h * (self.qk_nope_head_dim + self.v_head_dim) + h * self.v_head_dim * d)
+        return (
+            d * self.q_lora_rank
+            + self.q_lora_rank
+            + self.q_lora_rank * h * self.qk_head_dim
+            + d * (self.kv_lora_rank + self.qk_rope_head_dim)
+            + self.kv_lora_rank
+            + self.kv_lora_rank * h * (self.qk_nope_head_dim + self.v_head_dim)
+            + h * self.v_head_dim * d
+        )
 
     def _indexer_params(self) -> int:
         d, hi, di = self.hidden_size, self.index_n_heads, self.index_head_dim
@@ -244,30 +294,44 @@ class GLM52ModelArgs:
         return (routed + self.n_shared_experts) * self._expert_params() + self._router_params()
 
     def _layer_params(self, layer_id: int, has_indexer: bool, active: bool) -> int:
-        return (self._attention_params() + 2 * self.hidden_size + self._mlp_params(layer_id, active)
-                + (self._indexer_params() if has_indexer else 0))
+        return (
+            self._attention_params()
+            + 2 * self.hidden_size
+            + self._mlp_params(layer_id, active)
+            + (self._indexer_params() if has_indexer else 0)
+        )
 
     def _mtp_params(self, active: bool) -> int:
         d = self.hidden_size
         mtp_id = self.num_hidden_layers
-        return self._layer_params(mtp_id, self.index_share.has_indexer(mtp_id), active) + 2 * d * d + 3 * d
+        return (
+            self._layer_params(mtp_id, self.index_share.has_indexer(mtp_id), active)
+            + 2 * d * d
+            + 3 * d
+        )
 
     def num_params(self, include_mtp: bool = True) -> int:
         """Trainable parameters (buffers such as e_score_correction_bias excluded)."""
         sched = self.index_share
-        total = sum(self._layer_params(i, sched.is_full(i), False) for i in range(self.num_hidden_layers))
+        total = sum(
+            self._layer_params(i, sched.is_full(i), False) for i in range(self.num_hidden_layers)
+        )
         total += 2 * self.vocab_size * self.hidden_size + self.hidden_size
         if include_mtp and self.num_nextn_predict_layers:
             total += self._mtp_params(active=False)
         return total
 
     def num_active_params(self, include_mtp: bool = False, include_head: bool = True) -> int:
-        """Parameters touched per token: routed top-k + shared experts, indexers only on full layers.
+        """Parameters touched per token: routed top-k + shared experts, indexers only on full
+        layers.
 
-        The embedding lookup is excluded (it is a gather, not a matmul); the output head is included by default.
+        The embedding lookup is excluded (it is a gather, not a matmul); the output head is included
+        by default.
         """
         sched = self.index_share
-        total = sum(self._layer_params(i, sched.is_full(i), True) for i in range(self.num_hidden_layers))
+        total = sum(
+            self._layer_params(i, sched.is_full(i), True) for i in range(self.num_hidden_layers)
+        )
         total += self.hidden_size
         if include_head:
             total += self.vocab_size * self.hidden_size
@@ -278,20 +342,39 @@ class GLM52ModelArgs:
 
 def _debug_args() -> GLM52ModelArgs:
     return GLM52ModelArgs(
-        vocab_size=2048, hidden_size=64, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=4,
-        q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, head_dim=16,
-        intermediate_size=128, moe_intermediate_size=32, n_routed_experts=8, n_shared_experts=1,
-        num_experts_per_tok=3, first_k_dense_replace=3, index_topk=16, index_n_heads=8, index_head_dim=16,
-        index_topk_freq=4, index_skip_topk_offset=3, max_position_embeddings=4096,
+        vocab_size=2048,
+        hidden_size=64,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=48,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        head_dim=16,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        n_routed_experts=8,
+        n_shared_experts=1,
+        num_experts_per_tok=3,
+        first_k_dense_replace=3,
+        index_topk=16,
+        index_n_heads=8,
+        index_head_dim=16,
+        index_topk_freq=4,
+        index_skip_topk_offset=3,
+        max_position_embeddings=4096,
         rope_parameters={"rope_theta": 10000.0, "rope_type": "default"},
-        eos_token_id=0, pad_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
     )
 
 
 def _proxy_args() -> GLM52ModelArgs:
-    # Every per-layer width of GLM-5.2 (hidden, MLA ranks and head dims, indexer, expert and dense widths,
-    # top-8 + 1 shared routing, vocabulary); 4 layers (1 dense + 3 MoE, IndexShare FFFS) and 16 experts so that
-    # bf16 training with fp32 master weights and AdamW fits one 141 GB H200.
+    # Every per-layer width of GLM-5.2 (hidden, MLA ranks and head dims, indexer, expert and dense
+    # widths, top-8 + 1 shared routing, vocabulary); 4 layers (1 dense + 3 MoE, IndexShare FFFS) and
+    # 16 experts so that bf16 training with fp32 master weights and AdamW fits one 141 GB H200.
     base = glm52_744b_args()
     return base.replace(num_hidden_layers=4, first_k_dense_replace=1, n_routed_experts=16)
 

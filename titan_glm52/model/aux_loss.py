@@ -1,10 +1,11 @@
 """Auxiliary losses: attached to activations (pipeline- and recompute-safe), reported by name.
 
-The indexer KL and the MoE sequence balance loss are formed inside the blocks. Their gradient is attached to the
-block's activations by ``AuxLoss`` (so it needs no path to the final loss and works unchanged under pipeline
-parallelism and activation checkpointing), weighted by the model option's coefficient over the step's
-normaliser. The caller hands the normalisers in, and gets the detached sums back, in one ``AuxTerms`` per step
-(or per forward): explicit dataflow through the forward call, no state on the modules.
+The indexer KL and the MoE sequence balance loss are formed inside the blocks. Their gradient is
+attached to the block's activations by ``AuxLoss`` (so it needs no path to the final loss and works
+unchanged under pipeline parallelism and activation checkpointing), weighted by the model option's
+coefficient over the step's normaliser. The caller hands the normalisers in, and gets the detached
+sums back, in one ``AuxTerms`` per step (or per forward): explicit dataflow through the forward
+call, no state on the modules.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import torch
 
 
 class AuxLoss(torch.autograd.Function):
-    """Identity on ``x`` that makes backward through ``x`` also differentiate ``loss`` (with gradient 1).
+    """Identity on ``x`` that makes backward through ``x`` also differentiate ``loss`` (with
+    gradient 1).
 
     ``loss`` must already carry its coefficient and normaliser.
     """
@@ -37,17 +39,21 @@ def in_backward() -> bool:
 
 @dataclass
 class AuxTerms:
-    """The auxiliary terms of the forwards that receive it (one training step: all its micro-batches).
+    """The auxiliary terms of the forwards that receive it (one training step: all its
+    micro-batches).
 
     In:
-        tokens: the indexer KL's normaliser, the step's valid tokens over all ranks (the cross-entropy's): the
+        tokens: the indexer KL's normaliser, the step's valid tokens over all ranks (the
+        cross-entropy's): the
             gradient attached is ``indexer_loss_coeff * KL_sum / tokens``.
         sequences: the sequence balance loss's normaliser, the step's sequences over all ranks.
         recall_queries: > 0 measures the top-k recall of layer 0 on that many queries (a metric).
     Out (detached, summed over forwards; activation-checkpoint recomputes are not counted again):
-        indexer_kl: layer id -> that layer's indexer KL summed over its tokens (empty: no layer trained its
+        indexer_kl: layer id -> that layer's indexer KL summed over its tokens (empty: no layer
+        trained its
             indexer; ``indexer_kl_sum`` adds the layers up).
-        seq_aux: the sequence balance loss as added to the loss (``seq_aux_loss_coeff`` x the loss summed over
+        seq_aux: the sequence balance loss as added to the loss (``seq_aux_loss_coeff`` x the loss
+        summed over
             sequences / ``sequences``), summed over MoE layers (None: off).
         recall: layer 0's top-k recall (None: not measured).
     """
@@ -63,15 +69,18 @@ class AuxTerms:
         """The KL of every indexer layer, in forward order (None: none trained its indexer)."""
         return sum(self.indexer_kl.values()) if self.indexer_kl else None
 
-    def attach_indexer_kl(self, out: torch.Tensor, kl: torch.Tensor, coeff: float, layer_id: int) -> torch.Tensor:
-        """``out``, with the gradient of ``coeff * kl / tokens`` attached; ``kl`` (summed) recorded for layer
-        ``layer_id``."""
+    def attach_indexer_kl(
+        self, out: torch.Tensor, kl: torch.Tensor, coeff: float, layer_id: int
+    ) -> torch.Tensor:
+        """``out``, with the gradient of ``coeff * kl / tokens`` attached; ``kl`` (summed) recorded
+        for layer ``layer_id``."""
         if not in_backward():
             self.indexer_kl[layer_id] = _added(self.indexer_kl.get(layer_id), kl)
         return AuxLoss.apply(out, kl * (coeff / self.tokens))
 
     def attach_seq_aux(self, out: torch.Tensor, aux: torch.Tensor, coeff: float) -> torch.Tensor:
-        """``out``, with the gradient of ``coeff * aux / sequences`` attached; that term recorded."""
+        """``out``, with the gradient of ``coeff * aux / sequences`` attached; that term
+        recorded."""
         term = aux * (coeff / self.sequences)
         if not in_backward():
             self.seq_aux = _added(self.seq_aux, term)

@@ -1,19 +1,21 @@
 """The routed experts' products as one ordinary GEMM per expert: ``expert_mm(x, w, splits)``.
 
-``x [rows, K]`` holds the tokens sorted by expert (``splits[e]`` rows for expert e, host integers), ``w [E, N, K]``
-the experts' weights as stored (``nn.Linear``'s out x in); the result ``[rows, N]`` has ``x_e @ w[e]^T`` in expert
-e's rows. Forward and backward write each expert's product straight into its slice of one output (``torch.mm``
-with ``out=``; the weight gradient into ``dw[e]``), so nothing is concatenated, split or scattered.
+``x [rows, K]`` holds the tokens sorted by expert (``splits[e]`` rows for expert e, host integers),
+``w [E, N, K]`` the experts' weights as stored (``nn.Linear``'s out x in); the result ``[rows, N]``
+has ``x_e @ w[e]^T`` in expert e's rows. Forward and backward write each expert's product straight
+into its slice of one output (``torch.mm`` with ``out=``; the weight gradient into ``dw[e]``), so
+nothing is concatenated, split or scattered.
 
-It is ``torch._grouped_mm``'s product computed by cuBLAS one expert at a time. On one H200 at the proxy's 32K shapes
-(16 experts x 16,384 rows; ``bench/energy_probe.py``, ``bench/results/2026-12-03_h200_kernels.md``) cuBLAS formed
-the same bits (max abs difference 0 in all four products) with 9-11 % less energy and time than the grouped CUTLASS
-kernel for the forward and input-gradient products and 4-5 % less for the weight gradient; the power-capped
-training step gains what the GEMMs save. Its price is ``splits`` on the host: one device-to-host read of the
+It is ``torch._grouped_mm``'s product computed by cuBLAS one expert at a time. On one H200 at the
+proxy's 32K shapes (16 experts x 16,384 rows; ``bench/energy_probe.py``,
+``bench/results/2026-12-03_h200_kernels.md``) cuBLAS formed the same bits (max abs difference 0 in
+all four products) with 9-11 % less energy and time than the grouped CUTLASS kernel for the forward
+and input-gradient products and 4-5 % less for the weight gradient; the power-capped training step
+gains what the GEMMs save. Its price is ``splits`` on the host: one device-to-host read of the
 expert counts per MoE layer in forward (the backward reuses them).
 
-A registered custom op (not an ``autograd.Function``) so that op-level activation checkpointing can save its output
-like any other matmul's (``parallelize._MATMULS``).
+A registered custom op (not an ``autograd.Function``) so that op-level activation checkpointing can
+save its output like any other matmul's (``parallelize._MATMULS``).
 """
 
 from __future__ import annotations
@@ -30,11 +32,16 @@ def _spans(splits: list[int]):
 
 def _check(x: torch.Tensor, w: torch.Tensor, splits: list[int]) -> None:
     if x.dim() != 2 or w.dim() != 3 or x.shape[1] != w.shape[2] or len(splits) != w.shape[0]:
-        raise ValueError(f"expert_mm: x {tuple(x.shape)}, w {tuple(w.shape)} and {len(splits)} splits do not fit "
-                         "(x [rows, K], w [E, N, K], one split per expert)")
+        raise ValueError(
+            f"expert_mm: x {tuple(x.shape)}, w {tuple(w.shape)} and {len(splits)} splits do not "
+            "fit "
+            "(x [rows, K], w [E, N, K], one split per expert)"
+        )
     if sum(splits) != x.shape[0] or min(splits, default=0) < 0:
-        raise ValueError(f"expert_mm: the splits ({sum(splits)} rows) must be non-negative and cover x's "
-                         f"{x.shape[0]} rows")
+        raise ValueError(
+            f"expert_mm: the splits ({sum(splits)} rows) must be non-negative and cover x's "
+            f"{x.shape[0]} rows"
+        )
 
 
 @torch.library.custom_op("titan_glm52::expert_mm", mutates_args=())
@@ -44,7 +51,7 @@ def expert_mm(x: torch.Tensor, w: torch.Tensor, splits: list[int]) -> torch.Tens
     out = x.new_empty(x.shape[0], w.shape[1])
     for e, s, n in _spans(splits):
         if n:
-            torch.mm(x[s:s + n], w[e].t(), out=out[s:s + n])
+            torch.mm(x[s : s + n], w[e].t(), out=out[s : s + n])
     return out
 
 
@@ -68,18 +75,21 @@ def _backward(ctx, grad: torch.Tensor):
         dx = x.new_empty(x.shape)
         for e, s, n in _spans(ctx.splits):
             if n:
-                torch.mm(grad[s:s + n], w[e], out=dx[s:s + n])
+                torch.mm(grad[s : s + n], w[e], out=dx[s : s + n])
     if ctx.needs_input_grad[1]:
         dw = weight_grad(grad, x, ctx.splits, w.new_empty(w.shape))
     return dx, dw, None
 
 
-def weight_grad(grad: torch.Tensor, x: torch.Tensor, splits: list[int], dw: torch.Tensor) -> torch.Tensor:
-    """``dw[e] = grad[rows of e]^T @ x[rows of e]`` into ``dw [E, N, K]`` (zero for an expert without rows); returns
-    ``dw``. The weight gradient of ``expert_mm`` (also timed alone by ``bench/energy_probe.py``)."""
+def weight_grad(
+    grad: torch.Tensor, x: torch.Tensor, splits: list[int], dw: torch.Tensor
+) -> torch.Tensor:
+    """``dw[e] = grad[rows of e]^T @ x[rows of e]`` into ``dw [E, N, K]`` (zero for an expert
+    without rows); returns ``dw``. The weight gradient of ``expert_mm`` (also timed alone by
+    ``bench/energy_probe.py``)."""
     for e, s, n in _spans(splits):
         if n:
-            torch.mm(grad[s:s + n].t(), x[s:s + n], out=dw[e])
+            torch.mm(grad[s : s + n].t(), x[s : s + n], out=dw[e])
         else:  # an expert without tokens gets a zero gradient
             dw[e].zero_()
     return dw

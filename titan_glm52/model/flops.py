@@ -1,29 +1,32 @@
-"""The one FLOP model of GLM-5.2: the pipeline splitter's stage costs and the MFU metric both come from here.
+"""The one FLOP model of GLM-5.2: the pipeline splitter's stage costs and the MFU metric both come
+from here.
 
-Forward FLOPs, 2 per multiply-add, matmuls only (norms, activations, RoPE, softmax and the top-k selection are
-left out: small next to the matmuls). A training step is 3 forwards (backward costs twice the forward;
-activation recomputation is not counted).
+Forward FLOPs, 2 per multiply-add, matmuls only (norms, activations, RoPE, softmax and the top-k
+selection are left out: small next to the matmuls). A training step is 3 forwards (backward costs
+twice the forward; activation recomputation is not counted).
 
 Per token, the weights a token multiplies:
-  * MLA projections: q down ``D x q_lora_rank``, q up ``q_lora_rank x H (nope + rope)``, kv down
-    ``D x (kv_lora_rank + rope)``, kv up ``kv_lora_rank x H (nope + v)`` (or its absorption into the queries and
-    outputs: the same products), output ``H v x D``;
-  * on layers with an indexer (IndexShare full layers and the MTP layer): ``wq_b`` ``q_lora_rank x H_I D_I``,
-    ``wk`` ``D x D_I``, ``weights_proj`` ``D x H_I``;
-  * the MLP: the dense SwiGLU ``3 D I``, or the router ``D x E`` plus ``num_experts_per_tok`` routed and
-    ``n_shared_experts`` shared experts of ``3 D F`` each;
-  * the output head ``D x V``; with MTP, ``eh_proj`` ``2D x D``, the MTP layer, and the head once more.
+  * MLA projections: q down ``D x q_lora_rank``, q up ``q_lora_rank x H (nope + rope)``, kv down ``D
+    x (kv_lora_rank + rope)``, kv up ``kv_lora_rank x H (nope + v)`` (or its absorption into the
+    queries and outputs: the same products), output ``H v x D``;
+  * on layers with an indexer (IndexShare full layers and the MTP layer): ``wq_b`` ``q_lora_rank x
+    H_I D_I``, ``wk`` ``D x D_I``, ``weights_proj`` ``D x H_I``;
+  * the MLP: the dense SwiGLU ``3 D I``, or the router ``D x E`` plus ``num_experts_per_tok`` routed
+    and ``n_shared_experts`` shared experts of ``3 D F`` each;
+  * the output head ``D x V``; with MTP, ``eh_proj`` ``2D x D``, the MTP layer, and the head once
+    more.
 Per (query, key) pair:
-  * the sparse attention core in the absorbed form the kernels run: ``H (2 kv_lora_rank + rope)`` per selected
-    pair (scores over ``kv_lora_rank + rope``, values over ``kv_lora_rank``); a query selects
-    ``min(index_topk, position + 1)`` keys (every visible key in the dense warm-up);
+  * the sparse attention core in the absorbed form the kernels run: ``H (2 kv_lora_rank + rope)``
+    per selected pair (scores over ``kv_lora_rank + rope``, values over ``kv_lora_rank``); a query
+    selects ``min(index_topk, position + 1)`` keys (every visible key in the dense warm-up);
   * the indexer: ``H_I (D_I + 1)`` per visible pair (the per-head scores, then their weighted sum).
-Dense prefix (``[dsa] dense_prefix``): the first ``index_topk`` rows of each document of at least ``index_topk``
-tokens run in the plain MLA form instead: ``H (qk_head_dim + v_head_dim)`` per pair, plus their keys'
-up-projection ``kv_lora_rank x H (nope + v)`` per row. Masked dense (``[dsa] dense_masked_ratio``): a document of
-``index_topk < L <= ratio x index_topk`` tokens runs its later rows in the plain form too, per selected pair,
-plus the up-projection of all its ``L`` keys. The absorbed-form work such rows still do and discard is not
-counted, nor the gradient-free sparse forward that gives a trained indexer's KL those rows' log-sum-exp.
+Dense prefix (``[dsa] dense_prefix``): the first ``index_topk`` rows of each document of at least
+``index_topk`` tokens run in the plain MLA form instead: ``H (qk_head_dim + v_head_dim)`` per pair,
+plus their keys' up-projection ``kv_lora_rank x H (nope + v)`` per row. Masked dense (``[dsa]
+dense_masked_ratio``): a document of ``index_topk < L <= ratio x index_topk`` tokens runs its later
+rows in the plain form too, per selected pair, plus the up-projection of all its ``L`` keys. The
+absorbed-form work such rows still do and discard is not counted, nor the gradient-free sparse
+forward that gives a trained indexer's KL those rows' log-sum-exp.
 """
 
 from __future__ import annotations
@@ -33,13 +36,17 @@ import torch
 from titan_glm52.model.args import GLM52ModelArgs
 
 
-# ------------------------------------------------------------------------------------- multiply-adds
+# -------------------------------------------------------------------------------------
+# multiply-adds
 def attention_macs_per_token(args: GLM52ModelArgs) -> int:
     d, h = args.hidden_size, args.num_attention_heads
-    return (d * args.q_lora_rank + args.q_lora_rank * h * args.qk_head_dim
-            + d * (args.kv_lora_rank + args.qk_rope_head_dim)
-            + args.kv_lora_rank * h * (args.qk_nope_head_dim + args.v_head_dim)
-            + h * args.v_head_dim * d)
+    return (
+        d * args.q_lora_rank
+        + args.q_lora_rank * h * args.qk_head_dim
+        + d * (args.kv_lora_rank + args.qk_rope_head_dim)
+        + args.kv_lora_rank * h * (args.qk_nope_head_dim + args.v_head_dim)
+        + h * args.v_head_dim * d
+    )
 
 
 def core_macs_per_pair(args: GLM52ModelArgs) -> int:
@@ -70,12 +77,15 @@ def head_macs_per_token(args: GLM52ModelArgs) -> int:
 
 
 # ------------------------------------------------------------------------------------- pieces
-def layer_flops(args: GLM52ModelArgs, layer_id: int, tokens: float, selected_pairs: float,
-                visible_pairs: float) -> float:
-    """Forward FLOPs of decoder layer ``layer_id`` (``num_hidden_layers``: the MTP layer's block) over ``tokens``
-    tokens whose queries select ``selected_pairs`` keys and see ``visible_pairs`` keys in all."""
-    macs = ((attention_macs_per_token(args) + mlp_macs_per_token(args, args.is_moe_layer(layer_id))) * tokens
-            + core_macs_per_pair(args) * selected_pairs)
+def layer_flops(
+    args: GLM52ModelArgs, layer_id: int, tokens: float, selected_pairs: float, visible_pairs: float
+) -> float:
+    """Forward FLOPs of decoder layer ``layer_id`` (``num_hidden_layers``: the MTP layer's block)
+    over ``tokens`` tokens whose queries select ``selected_pairs`` keys and see ``visible_pairs``
+    keys in all."""
+    macs = (
+        attention_macs_per_token(args) + mlp_macs_per_token(args, args.is_moe_layer(layer_id))
+    ) * tokens + core_macs_per_pair(args) * selected_pairs
     if args.index_share.has_indexer(layer_id):
         macs += indexer_macs_per_token(args) * tokens + indexer_macs_per_pair(args) * visible_pairs
     return 2.0 * macs
@@ -85,11 +95,16 @@ def head_flops(args: GLM52ModelArgs, tokens: float = 1.0) -> float:
     return 2.0 * head_macs_per_token(args) * tokens
 
 
-def mtp_flops(args: GLM52ModelArgs, tokens: float, selected_pairs: float, visible_pairs: float) -> float:
+def mtp_flops(
+    args: GLM52ModelArgs, tokens: float, selected_pairs: float, visible_pairs: float
+) -> float:
     """The MTP layer's forward: ``eh_proj``, its block, and the output head once more."""
     d = args.hidden_size
-    return (2.0 * 2 * d * d * tokens + layer_flops(args, args.num_hidden_layers, tokens, selected_pairs, visible_pairs)
-            + head_flops(args, tokens))
+    return (
+        2.0 * 2 * d * d * tokens
+        + layer_flops(args, args.num_hidden_layers, tokens, selected_pairs, visible_pairs)
+        + head_flops(args, tokens)
+    )
 
 
 # ------------------------------------------------------------------------------------- pairs
@@ -101,24 +116,36 @@ def mean_keys(seq_len: int, cap: int | None = None) -> float:
 
 
 def pairs(doc_lengths: torch.Tensor, cap: int | None = None) -> int:
-    """Sum over documents and their queries of min(cap, position + 1) (every visible key when cap is None)."""
+    """Sum over documents and their queries of min(cap, position + 1) (every visible key when cap is
+    None)."""
     lengths = doc_lengths.to(torch.int64)
     causal = lengths * (lengths + 1) // 2
     if cap is None:
         return int(causal.sum())
-    return int(torch.where(lengths <= cap, causal, cap * (cap + 1) // 2 + (lengths - cap) * cap).sum())
+    return int(
+        torch.where(lengths <= cap, causal, cap * (cap + 1) // 2 + (lengths - cap) * cap).sum()
+    )
 
 
-# ------------------------------------------------------------------------------------- a training step
-def step_flops(args: GLM52ModelArgs, doc_lengths: torch.Tensor, with_mtp: bool, sparse: bool = True,
-               dense_prefix: bool = False, dense_masked_ratio: float = 0.0) -> float:
-    """Training FLOPs (forward + backward) of the documents ``doc_lengths`` (their lengths sum to the token
-    count). ``sparse``: the DSA sparse stage (else the dense warm-up); ``dense_prefix`` /
+# ------------------------------------------------------------------------------------- a training
+# step
+def step_flops(
+    args: GLM52ModelArgs,
+    doc_lengths: torch.Tensor,
+    with_mtp: bool,
+    sparse: bool = True,
+    dense_prefix: bool = False,
+    dense_masked_ratio: float = 0.0,
+) -> float:
+    """Training FLOPs (forward + backward) of the documents ``doc_lengths`` (their lengths sum to
+    the token count). ``sparse``: the DSA sparse stage (else the dense warm-up); ``dense_prefix`` /
     ``dense_masked_ratio``: the model runs with those ``[dsa]`` options."""
     tokens = int(doc_lengths.sum())
     selected = pairs(doc_lengths, args.index_topk if sparse else None)
     visible = pairs(doc_lengths)
-    forward = sum(layer_flops(args, i, tokens, selected, visible) for i in range(args.num_hidden_layers))
+    forward = sum(
+        layer_flops(args, i, tokens, selected, visible) for i in range(args.num_hidden_layers)
+    )
     forward += head_flops(args, tokens)
     attention_layers = args.num_hidden_layers
     if with_mtp:
@@ -129,13 +156,16 @@ def step_flops(args: GLM52ModelArgs, doc_lengths: torch.Tensor, with_mtp: bool, 
     return 3.0 * forward
 
 
-def _dense_rows_extra(args: GLM52ModelArgs, doc_lengths: torch.Tensor, masked_ratio: float) -> float:
-    """Per attention layer: the plain form's FLOPs over the absorbed form's for the dense prefix's (and the masked
-    dense) rows, plus their keys' up-projection."""
+def _dense_rows_extra(
+    args: GLM52ModelArgs, doc_lengths: torch.Tensor, masked_ratio: float
+) -> float:
+    """Per attention layer: the plain form's FLOPs over the absorbed form's for the dense prefix's
+    (and the masked dense) rows, plus their keys' up-projection."""
     k, h = args.index_topk, args.num_attention_heads
     lengths = doc_lengths.to(torch.int64)
     docs = int((lengths >= k).sum())
-    extra = 2 * h * (args.qk_head_dim + args.v_head_dim) - 2 * core_macs_per_pair(args)  # per selected pair
+    # per selected pair
+    extra = 2 * h * (args.qk_head_dim + args.v_head_dim) - 2 * core_macs_per_pair(args)
     up = 2 * args.kv_lora_rank * h * (args.qk_nope_head_dim + args.v_head_dim)  # per key row
     total = docs * (extra * (k * (k + 1) // 2) + up * k)
     if masked_ratio > 0:

@@ -1,12 +1,13 @@
-"""``F.linear(x.float(), w.float())``: the fp32 projections of the published model (the MoE router, the indexer's
-head weights) on a bf16 residual stream.
+"""``F.linear(x.float(), w.float())``: the fp32 projections of the published model (the MoE router,
+the indexer's head weights) on a bf16 residual stream.
 
 On CUDA with a bf16 ``x`` each direction is one Triton pass over ``x`` on the tensor cores
-(``kernels/linear_fp32.py``: fp32 operands split into three bf16 terms, exact products, fp32 sums): no fp32 copy of
-``x`` is formed, kept or cast back, and no small-tile fp32 cuBLAS kernel runs (32K tokens x 6144 -> 16 on an H200:
-forward + backward 1.92 -> 0.63 ms). Elsewhere (CPU, other dtypes, more than ``MAX_N`` outputs) the same products
-in torch, and for DTensor weights the torch expression itself. Both are fp32 products and differ by fp32 summation
-order only. The input gradient is summed in fp32 and rounded once into x's dtype, the weight gradient into w's, as
+(``kernels/linear_fp32.py``: fp32 operands split into three bf16 terms, exact products, fp32 sums):
+no fp32 copy of ``x`` is formed, kept or cast back, and no small-tile fp32 cuBLAS kernel runs (32K
+tokens x 6144 -> 16 on an H200: forward + backward 1.92 -> 0.63 ms). Elsewhere (CPU, other dtypes,
+more than ``MAX_N`` outputs) the same products in torch, and for DTensor weights the torch
+expression itself. Both are fp32 products and differ by fp32 summation order only. The input
+gradient is summed in fp32 and rounded once into x's dtype, the weight gradient into w's, as
 autograd does through the two casts.
 """
 
@@ -17,14 +18,21 @@ import torch.nn.functional as F
 
 from titan_glm52.kernels import triton_available
 
-MAX_N = 64  # kernels/linear_fp32.MAX_N (not imported here: importing the model must not import triton)
+# kernels/linear_fp32.MAX_N (not imported here: importing the model must not import triton)
+MAX_N = 64
 _W_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def _on_kernel(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether ``kernels/linear_fp32.py`` takes the product: CUDA, bf16 x, at most ``MAX_N`` outputs."""
-    return (x.is_cuda and x.dtype == torch.bfloat16 and w.dtype in _W_DTYPES and 1 <= w.shape[0] <= MAX_N
-            and triton_available())
+    """Whether ``kernels/linear_fp32.py`` takes the product: CUDA, bf16 x, at most ``MAX_N``
+    outputs."""
+    return (
+        x.is_cuda
+        and x.dtype == torch.bfloat16
+        and w.dtype in _W_DTYPES
+        and 1 <= w.shape[0] <= MAX_N
+        and triton_available()
+    )
 
 
 class _LinearFp32(torch.autograd.Function):
@@ -33,7 +41,8 @@ class _LinearFp32(torch.autograd.Function):
         ctx.save_for_backward(x, w)
         x2 = x.reshape(-1, x.shape[-1])
         if _on_kernel(x, w):
-            from titan_glm52.kernels.linear_fp32 import linear_fp32_forward  # lazy, as in model/moe.py
+            # lazy, as in model/moe.py
+            from titan_glm52.kernels.linear_fp32 import linear_fp32_forward
 
             out = linear_fp32_forward(x2, w)
         else:
@@ -47,7 +56,10 @@ class _LinearFp32(torch.autograd.Function):
         x2 = x.reshape(-1, x.shape[-1])
         dx = dw = None
         if _on_kernel(x, w):
-            from titan_glm52.kernels.linear_fp32 import linear_fp32_grad_input, linear_fp32_grad_weight
+            from titan_glm52.kernels.linear_fp32 import (
+                linear_fp32_grad_input,
+                linear_fp32_grad_weight,
+            )
 
             if ctx.needs_input_grad[0]:
                 dx = linear_fp32_grad_input(g, w, x.dtype)
@@ -62,7 +74,8 @@ class _LinearFp32(torch.autograd.Function):
 
 
 def linear_fp32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``F.linear(x.float(), w.float())`` (fp32 ``[..., N]``) for ``w [N, D]``; see the module docstring."""
+    """``F.linear(x.float(), w.float())`` (fp32 ``[..., N]``) for ``w [N, D]``; see the module
+    docstring."""
     if hasattr(w, "to_local"):  # DTensor weights: the torch expression, which DTensor dispatches
         return F.linear(x.float(), w.float())
     return _LinearFp32.apply(x, w)

@@ -1,20 +1,22 @@
 """The output head and its fused linear + cross-entropy loss.
 
-``OutputHead`` is the checkpoint's ``lm_head`` (a bias-free ``nn.Linear``, state-dict key ``weight``). Called with
-labels it returns the summed token cross-entropy instead of logits, and the ``[T, vocab]`` logits never exist at
-once: ``LOSS_CHUNK`` tokens at a time, each chunk's logits are formed, reduced to the loss, turned into their
-gradient ``softmax - onehot`` right away and multiplied out into the gradients of the hidden states and of the
-weight. Backward then only scales those two by the incoming gradient. Against a chunked loss that recomputes
-each chunk's logits in backward this saves the recompute (one head GEMM and one softmax per chunk) and, under
-FSDP, makes one module call per loss instead of one per chunk (one gradient reduce-scatter instead of one per
+``OutputHead`` is the checkpoint's ``lm_head`` (a bias-free ``nn.Linear``, state-dict key
+``weight``). Called with labels it returns the summed token cross-entropy instead of logits, and the
+``[T, vocab]`` logits never exist at once: ``LOSS_CHUNK`` tokens at a time, each chunk's logits are
+formed, reduced to the loss, turned into their gradient ``softmax - onehot`` right away and
+multiplied out into the gradients of the hidden states and of the weight. Backward then only scales
+those two by the incoming gradient. Against a chunked loss that recomputes each chunk's logits in
+backward this saves the recompute (one head GEMM and one softmax per chunk) and, under FSDP, makes
+one module call per loss instead of one per chunk (one gradient reduce-scatter instead of one per
 chunk).
 
-Numerics: the loss is ``logsumexp(z) - z[label]`` over fp32 logits ``z = float(h W^T)`` (on CUDA one Triton kernel
-forms loss and gradient from the logits in two reads, with no fp32 copy), as
-``F.cross_entropy(head(h).float(), labels, reduction="sum")`` computes it up to fp32 rounding. The logits'
-gradient is rounded to the compute dtype before the incoming gradient multiplies the products (autograd rounds
-after); with bf16 weights the two agree to bf16 rounding, with fp32 to fp32 rounding. The weight's gradient is
-summed over chunks in its own dtype, as autograd sums the per-chunk gradients of a recomputed loss.
+Numerics: the loss is ``logsumexp(z) - z[label]`` over fp32 logits ``z = float(h W^T)`` (on CUDA one
+Triton kernel forms loss and gradient from the logits in two reads, with no fp32 copy), as
+``F.cross_entropy(head(h).float(), labels, reduction="sum")`` computes it up to fp32 rounding. The
+logits' gradient is rounded to the compute dtype before the incoming gradient multiplies the
+products (autograd rounds after); with bf16 weights the two agree to bf16 rounding, with fp32 to
+fp32 rounding. The weight's gradient is summed over chunks in its own dtype, as autograd sums the
+per-chunk gradients of a recomputed loss.
 """
 
 from __future__ import annotations
@@ -29,10 +31,12 @@ IGNORE_INDEX = -100
 LOSS_CHUNK = 4096
 
 
-def _chunk_loss_and_grad(h_c: torch.Tensor, weight: torch.Tensor, labels_c: torch.Tensor, want_grad: bool):
-    """(summed fp32 CE of the chunk, gradient of that sum w.r.t. the chunk's logits in h's dtype or None).
-    On CUDA one Triton kernel (``kernels/cross_entropy.py``) reads the logits twice and writes the gradient over
-    them; elsewhere the same numbers in torch through an fp32 copy."""
+def _chunk_loss_and_grad(
+    h_c: torch.Tensor, weight: torch.Tensor, labels_c: torch.Tensor, want_grad: bool
+):
+    """(summed fp32 CE of the chunk, gradient of that sum w.r.t. the chunk's logits in h's dtype or
+    None). On CUDA one Triton kernel (``kernels/cross_entropy.py``) reads the logits twice and
+    writes the gradient over them; elsewhere the same numbers in torch through an fp32 copy."""
     z = F.linear(h_c, weight)
     if z.is_cuda and triton_available():
         from titan_glm52.kernels.cross_entropy import cross_entropy_rows  # lazy, as in _scaled
@@ -46,7 +50,8 @@ def _chunk_loss_and_grad(h_c: torch.Tensor, weight: torch.Tensor, labels_c: torc
     loss = torch.where(valid, lse - z.gather(1, target).squeeze(1), 0.0).sum()
     if not want_grad:
         return loss, None
-    # d loss / d z = softmax(z) - onehot(label) on valid rows, 0 on ignored ones; formed in place in z.
+    # d loss / d z = softmax(z) - onehot(label) on valid rows, 0 on ignored ones; formed in place in
+    # z.
     z.sub_(lse.unsqueeze(1)).exp_()
     z.scatter_add_(1, target, torch.full_like(target, -1.0, dtype=z.dtype))
     z.mul_(valid.unsqueeze(1))
@@ -67,7 +72,7 @@ class _LinearCrossEntropySum(torch.autograd.Function):
             loss, g = _chunk_loss_and_grad(h_c, weight, labels_c, True)
             total += loss
             if need_h:
-                torch.mm(g, weight, out=dh[start:start + h_c.shape[0]])
+                torch.mm(g, weight, out=dh[start : start + h_c.shape[0]])
             if need_w:
                 if dw is None:
                     dw = torch.mm(g.t(), h_c).to(weight.dtype)
@@ -81,21 +86,24 @@ class _LinearCrossEntropySum(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_total: torch.Tensor):
-        # Out of place: a schedule may run backward through this node more than once (zero-bubble pipelines take
-        # the input gradient and the weight gradient in two passes with the graph retained).
+        # Out of place: a schedule may run backward through this node more than once (zero-bubble
+        # pipelines take the input gradient and the weight gradient in two passes with the graph
+        # retained).
         dh, dw = ctx.saved_tensors
         return _scaled(dh, grad_total), _scaled(dw, grad_total), None, None
 
 
 def _scaled(x: torch.Tensor | None, g: torch.Tensor, rows: int = 8192) -> torch.Tensor | None:
-    """``x * g`` in x's dtype with the product formed in fp32 and rounded once (a 0-dim fp32 ``g`` would otherwise
-    be rounded to a bf16 ``x``'s dtype first). On CUDA one Triton pass (``kernels/scale.py``); elsewhere the same
-    numbers in torch, ``rows`` rows at a time to bound the fp32 temporary."""
+    """``x * g`` in x's dtype with the product formed in fp32 and rounded once (a 0-dim fp32 ``g``
+    would otherwise be rounded to a bf16 ``x``'s dtype first). On CUDA one Triton pass
+    (``kernels/scale.py``); elsewhere the same numbers in torch, ``rows`` rows at a time to bound
+    the fp32 temporary."""
     if x is None:
         return None
     g = g.detach().to(torch.float32)
     if x.is_cuda and triton_available():
-        from titan_glm52.kernels.scale import scaled  # lazy: importing the package must not import triton
+        # lazy: importing the package must not import triton
+        from titan_glm52.kernels.scale import scaled
 
         return scaled(x, g)
     out = torch.empty_like(x)
@@ -104,11 +112,12 @@ def _scaled(x: torch.Tensor | None, g: torch.Tensor, rows: int = 8192) -> torch.
     return out
 
 
-def linear_cross_entropy_sum(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                             chunk: int | None = None) -> torch.Tensor:
-    """``sum_t CE(h_t W^T, labels_t)`` in fp32 (``IGNORE_INDEX`` rows count 0) for ``h [T, D]``, ``weight
-    [V, D]``, ``labels [T]``, ``chunk`` (default ``LOSS_CHUNK``) tokens at a time. Differentiable in ``h`` and
-    ``weight``."""
+def linear_cross_entropy_sum(
+    h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int | None = None
+) -> torch.Tensor:
+    """``sum_t CE(h_t W^T, labels_t)`` in fp32 (``IGNORE_INDEX`` rows count 0) for ``h [T, D]``,
+    ``weight [V, D]``, ``labels [T]``, ``chunk`` (default ``LOSS_CHUNK``) tokens at a time.
+    Differentiable in ``h`` and ``weight``."""
     chunk = chunk or LOSS_CHUNK
     labels = labels.reshape(-1)
     if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
@@ -120,9 +129,9 @@ def linear_cross_entropy_sum(h: torch.Tensor, weight: torch.Tensor, labels: torc
 
 
 class OutputHead(nn.Linear):
-    """The vocabulary projection (``lm_head``). ``head(h)`` gives logits; ``head(h, labels)`` the summed fp32
-    cross-entropy by ``linear_cross_entropy_sum``. Going through the module call keeps FSDP's unshard and
-    gradient hooks on it."""
+    """The vocabulary projection (``lm_head``). ``head(h)`` gives logits; ``head(h, labels)`` the
+    summed fp32 cross-entropy by ``linear_cross_entropy_sum``. Going through the module call keeps
+    FSDP's unshard and gradient hooks on it."""
 
     def __init__(self, hidden_size: int, vocab_size: int) -> None:
         super().__init__(hidden_size, vocab_size, bias=False)

@@ -1,12 +1,13 @@
 """Random initialisation that does not depend on how the model is parallelised.
 
-Every parameter is drawn from its own random streams, seeded by (seed, parameter name, block of rows), and a
-sharded parameter (a DTensor under FSDP/EP) draws only the row blocks it holds. A model split into pipeline
-stages, sharded over any number of ranks, or kept whole therefore starts from the same weights: runs on
-different layouts can be compared step for step, and no two shards repeat each other's values.
+Every parameter is drawn from its own random streams, seeded by (seed, parameter name, block of
+rows), and a sharded parameter (a DTensor under FSDP/EP) draws only the row blocks it holds. A model
+split into pipeline stages, sharded over any number of ranks, or kept whole therefore starts from
+the same weights: runs on different layouts can be compared step for step, and no two shards repeat
+each other's values.
 
-Rules (by parameter name): RMSNorm and LayerNorm weights 1, the indexer ``k_norm.bias`` 0, every other weight
-``normal(0, std)``; buffers (routing bias, load counts) 0.
+Rules (by parameter name): RMSNorm and LayerNorm weights 1, the indexer ``k_norm.bias`` 0, every
+other weight ``normal(0, std)``; buffers (routing bias, load counts) 0.
 """
 
 from __future__ import annotations
@@ -38,7 +39,9 @@ def local_view(param: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tupl
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
         local = param.to_local()
-        shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+        shape, offset = compute_local_shape_and_global_offset(
+            param.shape, param.device_mesh, param.placements
+        )
         return local, tuple(shape), tuple(offset)
     return param, tuple(param.shape), (0,) * param.dim()
 
@@ -60,9 +63,15 @@ def _normal_(name: str, param: torch.Tensor, std: float, seed: int) -> None:
     for block in range(lo // per_block, (hi - 1) // per_block + 1):
         b_lo, b_hi = block * per_block, min((block + 1) * per_block, rows)
         g = torch.Generator(device=local.device).manual_seed(_seed(seed, name, block))
-        values = torch.normal(0.0, std, (b_hi - b_lo, *param.shape[1:]), generator=g, device=local.device,
-                              dtype=torch.float32)
-        pieces.append(values[max(lo - b_lo, 0): hi - b_lo])
+        values = torch.normal(
+            0.0,
+            std,
+            (b_hi - b_lo, *param.shape[1:]),
+            generator=g,
+            device=local.device,
+            dtype=torch.float32,
+        )
+        pieces.append(values[max(lo - b_lo, 0) : hi - b_lo])
     full_rows = torch.cat(pieces)
     index = tuple(slice(o, o + s) for o, s in zip(offset[1:], shape[1:]))
     local.copy_(full_rows[(slice(None), *index)].to(local.dtype))

@@ -1,11 +1,14 @@
-"""GLM52Model: token embedding, 78 MLA+DSA blocks (3 dense, 75 MoE), final norm, output head, MTP layer.
+"""GLM52Model: token embedding, 78 MLA+DSA blocks (3 dense, 75 MoE), final norm, output head, MTP
+layer.
 
-Inputs are ``tokens [B, S]`` and optionally ``cu_seqlens`` (int32 over the flattened ``B * S`` stream) for
-packed documents: no attention or indexer score crosses a document and positions restart per document.
-Without ``cu_seqlens`` each row is one document. Internally tokens are flattened to ``[T = B * S, D]``.
+Inputs are ``tokens [B, S]`` and optionally ``cu_seqlens`` (int32 over the flattened ``B * S``
+stream) for packed documents: no attention or indexer score crosses a document and positions restart
+per document. Without ``cu_seqlens`` each row is one document. Internally tokens are flattened to
+``[T = B * S, D]``.
 
-Pipeline stages are this same module with pieces removed (``tok_embeddings``, ``norm``, ``output`` or ``mtp``
-set to None and layers deleted from ``layers``); ``forward`` then takes / returns hidden states.
+Pipeline stages are this same module with pieces removed (``tok_embeddings``, ``norm``, ``output``
+or ``mtp`` set to None and layers deleted from ``layers``); ``forward`` then takes / returns hidden
+states.
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ from titan_glm52.packed import check_cu_seqlens, doc_positions
 
 
 class Block(nn.Module):
-    """Pre-norm block: ``h += attn(norm(h))``; ``h += mlp(norm(h))``; threads the IndexShare top-k."""
+    """Pre-norm block: ``h += attn(norm(h))``; ``h += mlp(norm(h))``; threads the IndexShare
+    top-k."""
 
     def __init__(self, layer_id: int, args: GLM52ModelArgs, options: ModelOptions) -> None:
         super().__init__()
@@ -54,9 +58,10 @@ class Block(nn.Module):
 class MTPLayer(nn.Module):
     """Depth-1 multi-token prediction (checkpoint layer ``num_hidden_layers``).
 
-    At position i it combines the main model's final-normed hidden ``h_i`` with the embedding of token
-    ``t_{i+1}``: ``x = eh_proj([enorm(emb), hnorm(h)])``, runs its own full block (own indexer, MoE), and
-    returns ``shared_head.norm(x)``; the caller applies the shared output head to predict ``t_{i+2}``.
+    At position i it combines the main model's final-normed hidden ``h_i`` with the embedding of
+    token ``t_{i+1}``: ``x = eh_proj([enorm(emb), hnorm(h)])``, runs its own full block (own
+    indexer, MoE), and returns ``shared_head.norm(x)``; the caller applies the shared output head to
+    predict ``t_{i+2}``.
     """
 
     def __init__(self, args: GLM52ModelArgs, options: ModelOptions) -> None:
@@ -75,19 +80,25 @@ class MTPLayer(nn.Module):
 
 
 def next_token_embeddings(emb: torch.Tensor, batch: int) -> torch.Tensor:
-    """``emb [B*S, D]`` shifted left by one token within each row (the last position gets zeros); a new tensor,
-    not a view."""
+    """``emb [B*S, D]`` shifted left by one token within each row (the last position gets zeros); a
+    new tensor, not a view."""
     shifted = torch.cat((emb[1:], emb.new_zeros(1, emb.shape[-1])))
     row_end = (torch.arange(emb.shape[0], device=emb.device) + 1) % (emb.shape[0] // batch) == 0
     return shifted.masked_fill(row_end[:, None], 0.0)
 
 
 class GLM52Model(nn.Module):
-    """The model of ``args`` computed as ``options`` say (``ModelOptions``; default: the torch reference, every
-    parameter trained); ``with_mtp`` builds the MTP layer (default: when the args have one)."""
+    """The model of ``args`` computed as ``options`` say (``ModelOptions``; default: the torch
+    reference, every parameter trained); ``with_mtp`` builds the MTP layer (default: when the args
+    have one)."""
 
-    def __init__(self, args: GLM52ModelArgs, options: ModelOptions | None = None, *,
-                 with_mtp: bool | None = None) -> None:
+    def __init__(
+        self,
+        args: GLM52ModelArgs,
+        options: ModelOptions | None = None,
+        *,
+        with_mtp: bool | None = None,
+    ) -> None:
         super().__init__()
         self.args, self.options = args, options or ModelOptions()
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.hidden_size)
@@ -104,65 +115,99 @@ class GLM52Model(nn.Module):
 
     # ------------------------------------------------------------------------------------- setup
     def init_weights(self, seed: int = 0) -> None:
-        """Random init (normal with ``initializer_range``, norms 1, biases and buffers 0), the same values whatever
-        the parallel layout (``model/init.py``); valid after ``to_empty``."""
+        """Random init (normal with ``initializer_range``, norms 1, biases and buffers 0), the same
+        values whatever the parallel layout (``model/init.py``); valid after ``to_empty``."""
         init_weights_(self, self.args.initializer_range, seed)
 
     # ------------------------------------------------------------------------------------- forward
-    def packed_context(self, batch: int, seq: int, cu_seqlens: torch.Tensor | Sequence[int] | None,
-                       device: torch.device, aux: AuxTerms | None = None) -> PackedContext:
+    def packed_context(
+        self,
+        batch: int,
+        seq: int,
+        cu_seqlens: torch.Tensor | Sequence[int] | None,
+        device: torch.device,
+        aux: AuxTerms | None = None,
+    ) -> PackedContext:
         total = batch * seq
         if cu_seqlens is None:
             cu_seqlens = torch.arange(0, total + 1, seq, dtype=torch.int32, device=device)
             lengths = [seq] * batch
         else:
-            # Validated where it arrives: host bounds (a list, or a host tensor) are read without a device-to-host
-            # sync and go to the device pinned, without blocking; a tensor on the GPU is read back (one sync).
+            # Validated where it arrives: host bounds (a list, or a host tensor) are read without a
+            # device-to-host sync and go to the device pinned, without blocking; a tensor on the GPU
+            # is read back (one sync).
             bounds = check_cu_seqlens(cu_seqlens, total)
             if not isinstance(cu_seqlens, torch.Tensor):
                 cu_seqlens = torch.tensor(bounds, dtype=torch.int32)
-            cu_seqlens = (host_to_device(cu_seqlens.to(torch.int32), device) if cu_seqlens.device.type == "cpu"
-                          else cu_seqlens.to(device=device, dtype=torch.int32))
+            cu_seqlens = (
+                host_to_device(cu_seqlens.to(torch.int32), device)
+                if cu_seqlens.device.type == "cpu"
+                else cu_seqlens.to(device=device, dtype=torch.int32)
+            )
             lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
-        cos, sin = rope_cos_sin(doc_positions(cu_seqlens, total), self.args.qk_rope_head_dim, self.args.rope_theta)
+        cos, sin = rope_cos_sin(
+            doc_positions(cu_seqlens, total), self.args.qk_rope_head_dim, self.args.rope_theta
+        )
         k = self.args.index_topk
         opts = self.options
         prefix = DensePrefix.build(lengths, k, device) if opts.dense_prefix else None
-        masked = (DenseMasked.build(lengths, k, int(opts.dense_masked_ratio * k), device)
-                  if opts.dense_prefix and opts.dense_masked_ratio > 0 else None)
-        return PackedContext(cu_seqlens, cos, sin, batch=batch, max_doc_len=max(lengths), dense_prefix=prefix,
-                             dense_masked=masked, aux=aux if aux is not None else AuxTerms())
+        masked = (
+            DenseMasked.build(lengths, k, int(opts.dense_masked_ratio * k), device)
+            if opts.dense_prefix and opts.dense_masked_ratio > 0
+            else None
+        )
+        return PackedContext(
+            cu_seqlens,
+            cos,
+            sin,
+            batch=batch,
+            max_doc_len=max(lengths),
+            dense_prefix=prefix,
+            dense_masked=masked,
+            aux=aux if aux is not None else AuxTerms(),
+        )
 
     def run_layers(self, h: torch.Tensor, ctx: PackedContext) -> torch.Tensor:
-        topk = None  # every stage starts on a full layer (pipeline splitter), so it begins with no top-k
+        # every stage starts on a full layer (pipeline splitter), so it begins with no top-k
+        topk = None
         for block in self.layers.values():
             h, topk = block(h, ctx, topk)
         return h
 
-    def forward(self, tokens: torch.Tensor, cu_seqlens: torch.Tensor | Sequence[int] | None = None, *,
-                with_mtp: bool = False, labels: torch.Tensor | None = None,
-                mtp_labels: torch.Tensor | None = None, aux: AuxTerms | None = None):
-        """Main-head logits ``[B, S, vocab]``; with ``with_mtp`` also the MTP head's ``[B, S, vocab]``
-        (position i predicts token i + 2).
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        cu_seqlens: torch.Tensor | Sequence[int] | None = None,
+        *,
+        with_mtp: bool = False,
+        labels: torch.Tensor | None = None,
+        mtp_labels: torch.Tensor | None = None,
+        aux: AuxTerms | None = None,
+    ):
+        """Main-head logits ``[B, S, vocab]``; with ``with_mtp`` also the MTP head's ``[B, S,
+        vocab]`` (position i predicts token i + 2).
 
-        ``cu_seqlens``: a tensor or a host sequence of ints. Under FSDP pass a list (as the trainer does): FSDP's
-        root moves tensor arguments to the GPU with a blocking copy, and their bounds would then be read back,
-        two host syncs per forward that stop the host from queuing ahead of the GPU.
+        ``cu_seqlens``: a tensor or a host sequence of ints. Under FSDP pass a list (as the trainer
+        does): FSDP's root moves tensor arguments to the GPU with a blocking copy, and their bounds
+        would then be read back, two host syncs per forward that stop the host from queuing ahead of
+        the GPU.
 
-        With ``labels`` (and ``mtp_labels`` when ``with_mtp``) it returns the summed token cross-entropies instead
-        of logits (``OutputHead``: ``LOSS_CHUNK`` tokens at a time, the gradients formed in forward; the
-        ``[T, vocab]`` logits never exist at once).
+        With ``labels`` (and ``mtp_labels`` when ``with_mtp``) it returns the summed token
+        cross-entropies instead of logits (``OutputHead``: ``LOSS_CHUNK`` tokens at a time, the
+        gradients formed in forward; the ``[T, vocab]`` logits never exist at once).
 
-        ``aux``: the auxiliary losses' normalisers for this forward, and where their detached sums are added
-        (``AuxTerms``; default: normalisers 1, the sums discarded).
+        ``aux``: the auxiliary losses' normalisers for this forward, and where their detached sums
+        are added (``AuxTerms``; default: normalisers 1, the sums discarded).
         """
         b, s = tokens.shape[:2]
         ctx = self.packed_context(b, s, cu_seqlens, tokens.device, aux)
         emb = self.tok_embeddings(tokens).view(b * s, -1)
         h = self.norm(self.run_layers(emb, ctx))
         if with_mtp and self.mtp is None:
-            raise ValueError("with_mtp=True but the model was built without its MTP layer "
-                             "(num_nextn_predict_layers = 0 or with_mtp=False)")
+            raise ValueError(
+                "with_mtp=True but the model was built without its MTP layer "
+                "(num_nextn_predict_layers = 0 or with_mtp=False)"
+            )
         x = self.mtp(h, next_token_embeddings(emb, b), ctx) if with_mtp else None
         if labels is not None:
             ce, mtp = self.head_loss_sums(h, labels, x, mtp_labels)
@@ -170,11 +215,16 @@ class GLM52Model(nn.Module):
         logits = self.output(h).view(b, s, -1)
         return (logits, self.output(x).view(b, s, -1)) if with_mtp else logits
 
-    def head_loss_sums(self, h: torch.Tensor, labels: torch.Tensor, x: torch.Tensor | None = None,
-                       mtp_labels: torch.Tensor | None = None):
-        """Summed fp32 cross-entropy of the output head over the final hidden states ``h`` against ``labels``, and
-        over the MTP layer's ``x`` against ``mtp_labels`` (None without ``x``): one call of the head per loss
-        (``OutputHead``)."""
+    def head_loss_sums(
+        self,
+        h: torch.Tensor,
+        labels: torch.Tensor,
+        x: torch.Tensor | None = None,
+        mtp_labels: torch.Tensor | None = None,
+    ):
+        """Summed fp32 cross-entropy of the output head over the final hidden states ``h`` against
+        ``labels``, and over the MTP layer's ``x`` against ``mtp_labels`` (None without ``x``): one
+        call of the head per loss (``OutputHead``)."""
         ce = self.output(h, labels)
         if x is None:
             return ce, None

@@ -14,10 +14,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # F.rms_norm without a weight normalises in fp32 (its accumulation type for bf16/fp16 inputs) and rounds
-        # once to x's dtype: the published numerics, in one fused kernel instead of seven elementwise passes.
+        # F.rms_norm without a weight normalises in fp32 (its accumulation type for bf16/fp16
+        # inputs) and rounds once to x's dtype: the published numerics, in one fused kernel instead
+        # of seven elementwise passes.
         return self.weight * F.rms_norm(x, (x.shape[-1],), None, self.eps)
-
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"

@@ -1,9 +1,10 @@
 """Published HF checkpoint names <-> this project's module names.
 
-HF (``zai-org/GLM-5.2``) keeps one tensor per expert (``mlp.experts.{e}.gate_proj.weight``) and stores the MTP
-layer as ``model.layers.{num_hidden_layers}`` with ``enorm``/``hnorm``/``eh_proj``/``shared_head.norm``; we keep
-3-D expert weights, gate and up stacked (``moe.experts.w13 [E, 2F, D]``: ``gate_proj`` in rows ``:F``, ``up_proj``
-in rows ``F:``; ``moe.experts.w2 [E, D, F]``), and the MTP layer under ``mtp``. Indexer weights exist only on full
+HF (``zai-org/GLM-5.2``) keeps one tensor per expert (``mlp.experts.{e}.gate_proj.weight``) and
+stores the MTP layer as ``model.layers.{num_hidden_layers}`` with
+``enorm``/``hnorm``/``eh_proj``/``shared_head.norm``; we keep 3-D expert weights, gate and up
+stacked (``moe.experts.w13 [E, 2F, D]``: ``gate_proj`` in rows ``:F``, ``up_proj`` in rows ``F:``;
+``moe.experts.w2 [E, D, F]``), and the MTP layer under ``mtp``. Indexer weights exist only on full
 layers and the MTP layer, exactly as in the checkpoint.
 """
 
@@ -44,10 +45,17 @@ _LAYER = {
 }
 # Ours -> the HF projections it stacks along dim 1 (equal parts, in this order).
 _EXPERTS = {"moe.experts.w13": ("gate_proj", "up_proj"), "moe.experts.w2": ("down_proj",)}
-_MTP_OWN = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight", "eh_proj.weight": "eh_proj.weight",
-            "norm.weight": "shared_head.norm.weight"}
-_GLOBAL = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
-           "output.weight": "lm_head.weight"}
+_MTP_OWN = {
+    "enorm.weight": "enorm.weight",
+    "hnorm.weight": "hnorm.weight",
+    "eh_proj.weight": "eh_proj.weight",
+    "norm.weight": "shared_head.norm.weight",
+}
+_GLOBAL = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
 _LAYER_REV = {v: k for k, v in _LAYER.items()}
 _EXPERT_REV = {hf: (k, part) for k, hfs in _EXPERTS.items() for part, hf in enumerate(hfs)}
 _MTP_REV = {v: k for k, v in _MTP_OWN.items()}
@@ -67,7 +75,9 @@ def _split_block_key(key: str) -> tuple[str, str] | None:
     return None
 
 
-def to_hf(state: dict[str, torch.Tensor], args: GLM52ModelArgs) -> Iterator[tuple[str, torch.Tensor]]:
+def to_hf(
+    state: dict[str, torch.Tensor], args: GLM52ModelArgs
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Yields ``(hf_name, tensor)`` for our state dict (3-D experts become per-expert tensors)."""
     mtp_prefix = f"model.layers.{args.num_hidden_layers}."
     for key, t in state.items():
@@ -75,11 +85,11 @@ def to_hf(state: dict[str, torch.Tensor], args: GLM52ModelArgs) -> Iterator[tupl
             yield _GLOBAL[key], t
             continue
         if key.startswith("mtp."):
-            rest = key[len("mtp."):]
+            rest = key[len("mtp.") :]
             if rest in _MTP_OWN:
                 yield mtp_prefix + _MTP_OWN[rest], t
                 continue
-            prefix, rest = mtp_prefix, rest[len("block."):]
+            prefix, rest = mtp_prefix, rest[len("block.") :]
         else:
             split = _split_block_key(key)
             if split is None:
@@ -90,7 +100,10 @@ def to_hf(state: dict[str, torch.Tensor], args: GLM52ModelArgs) -> Iterator[tupl
             rows = t.shape[1] // len(parts)
             for e in range(t.shape[0]):
                 for part, hf in enumerate(parts):
-                    yield f"{prefix}mlp.experts.{e}.{hf}.weight", t[e, part * rows:(part + 1) * rows]
+                    yield (
+                        f"{prefix}mlp.experts.{e}.{hf}.weight",
+                        t[e, part * rows : (part + 1) * rows],
+                    )
         elif rest in _LAYER:
             yield prefix + _LAYER[rest], t
         else:
@@ -99,8 +112,8 @@ def to_hf(state: dict[str, torch.Tensor], args: GLM52ModelArgs) -> Iterator[tupl
 
 @dataclass(frozen=True)
 class ExpertSlice:
-    """Where a per-expert HF tensor lies in our 3-D weight: ``weight[expert, part * rows:(part + 1) * rows]`` with
-    ``rows = weight.shape[1] // parts``."""
+    """Where a per-expert HF tensor lies in our 3-D weight: ``weight[expert, part * rows:(part + 1)
+    * rows]`` with ``rows = weight.shape[1] // parts``."""
 
     expert: int
     part: int = 0
@@ -108,16 +121,22 @@ class ExpertSlice:
 
 
 def hf_to_ours(hf_key: str, args: GLM52ModelArgs) -> tuple[str, ExpertSlice | None]:
-    """Our name for an HF key, and where in it the HF tensor lies when it is one expert's slice of a 3-D weight."""
+    """Our name for an HF key, and where in it the HF tensor lies when it is one expert's slice of a
+    3-D weight."""
     if hf_key in _GLOBAL_REV:
         return _GLOBAL_REV[hf_key], None
     m = _HF_LAYER.fullmatch(hf_key)
     if not m:
         raise KeyError(f"unexpected key in the HF checkpoint: {hf_key!r}")
     layer, rest = int(m.group(1)), m.group(2)
-    if layer > args.num_hidden_layers or (layer == args.num_hidden_layers and not args.num_nextn_predict_layers):
-        raise KeyError(f"{hf_key!r}: layer {layer} does not exist for num_hidden_layers={args.num_hidden_layers} "
-                       f"and num_nextn_predict_layers={args.num_nextn_predict_layers}")
+    if layer > args.num_hidden_layers or (
+        layer == args.num_hidden_layers and not args.num_nextn_predict_layers
+    ):
+        raise KeyError(
+            f"{hf_key!r}: layer {layer} does not exist for "
+            f"num_hidden_layers={args.num_hidden_layers} "
+            f"and num_nextn_predict_layers={args.num_nextn_predict_layers}"
+        )
     if layer == args.num_hidden_layers:
         if rest in _MTP_REV:
             return "mtp." + _MTP_REV[rest], None
