@@ -7,23 +7,26 @@ run, before any work, with a message that names the key and the fix. ``python tr
 lists every option.
 """
 
+import contextlib
 import dataclasses
+import io
 import os
 import re
+import sys
+import tomllib
+import types
+import typing
 from dataclasses import dataclass, field
 from typing import Literal
 
 from torchtitan.config import ConfigManager
 from torchtitan.config import job_config as tt
 
+from titan_glm52.errors import ConfigError
 from titan_glm52.model.args import GLM52ModelArgs, get_flavor
 from titan_glm52.model.options import ModelOptions
 from titan_glm52.parallelize import AC_MODES, RESHARD_POLICIES
 from titan_glm52.pipeline_split import LayoutError, microbatches, parse_layout
-
-
-class ConfigError(ValueError):
-    """A job config that cannot work; the message names the key and the fix."""
 
 
 @dataclass
@@ -44,6 +47,10 @@ class Model(tt.Model):
 
     n_routed_experts: int | None = None
     """Override the number of routed experts of the chosen args."""
+
+    extend_positions: bool = False
+    """Allow ``training.seq_len`` above the model's ``max_position_embeddings`` (RoPE then runs at
+    positions the published model was not trained on). Off: such a sequence length is refused."""
 
     hf_assets_path: str = "embedded"
     """The tokenizer: an HF tokenizer directory (tokenizer.json), or "embedded" for the one shipped
@@ -94,6 +101,14 @@ class Parallelism(tt.Parallelism):
     """Stages per pipeline rank: 1 for single-stage schedules (GPipe, 1F1B), >= 2 for looped ones
     (Interleaved1F1B, ...), 2 for V schedules (ZBVZeroBubble, DualPipeV). Unset: 1 or 2 by
     schedule."""
+
+
+@dataclass
+class Checkpoint(tt.Checkpoint):
+    start_fresh_if_unusable: bool = False
+    """When the checkpoint folder holds step folders but none of them is complete (a save that did
+    not finish, a truncated or missing file), train from the start and leave them as they are. Off:
+    such a folder is refused, naming each step folder and what is wrong with it."""
 
 
 @dataclass
@@ -248,6 +263,7 @@ class JobConfig(tt.JobConfig):
     training: Training = field(default_factory=Training)
     parallelism: Parallelism = field(default_factory=Parallelism)
     optimizer: Optimizer = field(default_factory=Optimizer)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
     data: Data = field(default_factory=Data)
     dsa: DSA = field(default_factory=DSA)
     moe: MoE = field(default_factory=MoE)
@@ -355,6 +371,7 @@ def validate(cfg: JobConfig, world_size: int | None = None, device_type: str | N
     """Refuses combinations this project cannot run; the message names the key and the fix.
     ``world_size`` and ``device_type`` ("cuda" or "cpu"), where known, are checked against too."""
     p = cfg.parallelism
+    _check_types_and_ranges(cfg)
     if device_type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") != "1":
         for key, value in (
             ("dsa.backend", cfg.dsa.backend),
@@ -398,18 +415,10 @@ def validate(cfg: JobConfig, world_size: int | None = None, device_type: str | N
             "optimizer.early_step_in_backward",
             "the step runs after the gradient clip; set it to false",
         )
-    if cfg.training.seq_len < 2:
-        _refuse("training.seq_len", "must be >= 2")
-    if cfg.training.local_batch_size < 1:
-        _refuse("training.local_batch_size", "must be >= 1")
-    if cfg.training.steps < 1:
-        _refuse("training.steps", "must be >= 1")
     if cfg.training.dataset_path is not None:
         _refuse(
             "training.dataset_path", 'put the path in training.dataset ("embedded" or a local path)'
         )
-    if cfg.data.prefetch < 0:
-        _refuse("data.prefetch", "must be >= 0 (0 = make each batch on the training loop)")
     if cfg.training.dtype != "float32":
         _refuse(
             "training.dtype",
@@ -418,12 +427,8 @@ def validate(cfg: JobConfig, world_size: int | None = None, device_type: str | N
             "training.mixed_precision_param = "
             "'bfloat16' (fp32 master weights, bf16 compute)",
         )
-    if cfg.training.gc_freq < 1:
-        _refuse("training.gc_freq", "must be >= 1 (steps between Python garbage collections)")
     if cfg.training.enable_cpu_offload:
         _refuse("training.enable_cpu_offload", "CPU offload is not implemented; set it to false")
-    if cfg.mtp.loss_weight < 0 or cfg.dsa.indexer_loss_coeff < 0 or cfg.moe.seq_aux_loss_coeff < 0:
-        _refuse("mtp.loss_weight / dsa.indexer_loss_coeff / moe.seq_aux_loss_coeff", "must be >= 0")
     if cfg.dsa.mode == "dense_warmup":
         if cfg.dsa.freeze_indexer:
             _refuse(
@@ -455,8 +460,6 @@ def validate(cfg: JobConfig, world_size: int | None = None, device_type: str | N
             f"{prof.profile_freq} < profiler_warmup + profiler_active "
             f"({prof.profiler_warmup} + {prof.profiler_active}); raise it or shorten the window",
         )
-    if cfg.faults.max_consecutive_nonfinite < 1:
-        _refuse("faults.max_consecutive_nonfinite", "must be >= 1")
     if cfg.checkpoint.enable and cfg.checkpoint.keep_latest_k == 1:
         _refuse(
             "checkpoint.keep_latest_k",
@@ -544,12 +547,17 @@ def validate(cfg: JobConfig, world_size: int | None = None, device_type: str | N
 
 def model_args(cfg: JobConfig) -> GLM52ModelArgs:
     """The model args of a job: the flavor or ``model.hf_config``, with the ``[model]`` / ``[dsa]``
-    overrides."""
-    args = (
-        GLM52ModelArgs.from_hf_config(cfg.model.hf_config)
-        if cfg.model.hf_config
-        else get_flavor(cfg.model.flavor)
-    )
+    overrides; a ``training.seq_len`` past the args' ``max_position_embeddings`` is refused unless
+    ``model.extend_positions``."""
+    try:
+        args = (
+            GLM52ModelArgs.from_hf_config(cfg.model.hf_config)
+            if cfg.model.hf_config
+            else get_flavor(cfg.model.flavor)
+        )
+    except (OSError, ValueError) as e:
+        key = "model.hf_config" if cfg.model.hf_config else "model.flavor"
+        raise ConfigError(f"{key}: {e}") from e
     changes = {}
     if cfg.model.num_layers is not None:
         changes["num_hidden_layers"] = cfg.model.num_layers
@@ -559,9 +567,17 @@ def model_args(cfg: JobConfig) -> GLM52ModelArgs:
     if cfg.dsa.index_topk is not None:
         changes["index_topk"] = cfg.dsa.index_topk
     try:
-        return args.replace(**changes) if changes else args
+        args = args.replace(**changes) if changes else args
     except ValueError as e:
         raise ConfigError(f"model overrides ({', '.join(changes)}): {e}") from e
+    if cfg.training.seq_len > args.max_position_embeddings and not cfg.model.extend_positions:
+        _refuse(
+            "training.seq_len",
+            f"{cfg.training.seq_len} is above the model's max_position_embeddings "
+            f"({args.max_position_embeddings}); shorten it, or set model.extend_positions to train "
+            "there",
+        )
+    return args
 
 
 def dsa_backend(cfg: JobConfig, device_type: str) -> str:
@@ -596,6 +612,110 @@ def model_options(cfg: JobConfig, device_type: str) -> ModelOptions:
     )
 
 
+# ------------------------------------------------------------------------------------ types and
+# ranges Smallest (and, where there is one, largest) value of the numeric options a value out of
+# range would break.
+_RANGES: dict[str, tuple[float | None, float | None]] = {
+    "training.steps": (1, None),
+    "training.seq_len": (2, None),
+    "training.local_batch_size": (1, None),
+    "training.global_batch_size": (-1, None),
+    "training.max_norm": (0, None),
+    "training.gc_freq": (1, None),
+    "optimizer.lr": (0, None),
+    "optimizer.eps": (0, None),
+    "optimizer.weight_decay": (0, None),
+    "optimizer.beta1": (0, 1),
+    "optimizer.beta2": (0, 1),
+    "lr_scheduler.warmup_steps": (0, None),
+    "lr_scheduler.min_lr_factor": (0, 1),
+    "checkpoint.interval": (1, None),
+    "checkpoint.keep_latest_k": (0, None),
+    "metrics.log_freq": (1, None),
+    "data.prefetch": (0, None),
+    "data.seed": (0, None),
+    "dsa.recall_queries": (0, None),
+    "dsa.index_topk": (1, None),
+    "dsa.indexer_loss_coeff": (0, None),
+    "moe.bias_update_rate": (0, None),
+    "moe.seq_aux_loss_coeff": (0, None),
+    "mtp.loss_weight": (0, None),
+    "model.num_layers": (1, None),
+    "model.n_routed_experts": (1, None),
+    "parallelism.data_parallel_replicate_degree": (1, None),
+    "parallelism.data_parallel_shard_degree": (-1, None),
+    "parallelism.expert_parallel_degree": (1, None),
+    "parallelism.pipeline_parallel_degree": (1, None),
+    "parallelism.pipeline_parallel_microbatch_size": (1, None),
+    "parallelism.pipeline_parallel_stages_per_rank": (1, None),
+    "faults.max_consecutive_nonfinite": (1, None),
+    "profiling.profile_freq": (1, None),
+}
+
+
+def _describe(hint) -> str:
+    if typing.get_origin(hint) is Literal:
+        return "one of " + ", ".join(repr(v) for v in typing.get_args(hint))
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return " or ".join(_describe(a) for a in typing.get_args(hint))
+    return (
+        "None"
+        if hint is type(None)
+        else getattr(hint, "__name__", str(hint).replace("typing.", ""))
+    )
+
+
+def _fits(value, hint) -> bool:
+    """Whether ``value`` (as TOML gives it) is a value of the annotation ``hint``."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is typing.Any:
+        return True
+    if origin in (typing.Union, types.UnionType):
+        return any(_fits(value, a) for a in args)
+    if origin is Literal:
+        return value in args
+    if origin in (list, tuple):
+        return isinstance(value, (list, tuple)) and (
+            not args or all(_fits(v, args[0]) for v in value)
+        )
+    if origin is dict:
+        return isinstance(value, dict)
+    if hint is type(None):
+        return value is None
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if isinstance(hint, type):
+        return isinstance(value, hint)
+    return True  # an annotation this check does not know: tyro and validate have the last word
+
+
+def _check_types_and_ranges(cfg: JobConfig) -> None:
+    """Every option's value has its annotated type (TOML values arrive unconverted) and every count
+    its range."""
+    for section in dataclasses.fields(cfg):
+        part = getattr(cfg, section.name)
+        if not dataclasses.is_dataclass(part):
+            continue
+        hints = typing.get_type_hints(type(part))
+        for f in dataclasses.fields(part):
+            key, value = f"{section.name}.{f.name}", getattr(part, f.name)
+            if dataclasses.is_dataclass(value):
+                continue
+            if not _fits(value, hints.get(f.name, typing.Any)):
+                _refuse(
+                    key,
+                    f"expected {_describe(hints[f.name])}, got {value!r} ({type(value).__name__}); "
+                    "fix it in the TOML file or on the command line",
+                )
+            low, high = _RANGES.get(key, (None, None))
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                if (low is not None and value < low) or (high is not None and value > high):
+                    bounds = f">= {low}" if high is None else f"in [{low}, {high}]"
+                    _refuse(key, f"{value} is out of range: must be {bounds}")
+
+
 class _ConfigManager(ConfigManager):
     def _validate_config(self) -> None:
         """torchtitan's checks concern its own tokenizer assets; ours are in ``validate``."""
@@ -606,11 +726,55 @@ class _ConfigManager(ConfigManager):
             )
 
 
+def _config_file(argv: list[str]) -> str | None:
+    for i, arg in enumerate(argv):
+        key, _, value = arg.partition("=")
+        if key in ("--job.config_file", "--job.config-file"):
+            return value or (argv[i + 1] if i + 1 < len(argv) else None)
+    return None
+
+
+def _tyro_message(text: str) -> str:
+    """tyro's boxed command-line error as one line: its first paragraph, and a suggestion where it
+    has one."""
+    rows = [r.strip(" │╭╮╰╯─") for r in text.splitlines()]
+    rows = [r for r in rows if r and not r.startswith(("For full helptext", "Argument helptext"))]
+    body = " ".join(rows[1:] if len(rows) > 1 else rows)
+    body = body.split("Perhaps you meant:")
+    message = re.sub(r"\s+", " ", body[0]).strip()
+    if len(body) > 1 and (hint := re.search(r"(--[\w.-]+)", body[1])):
+        message += f"; did you mean {hint.group(1).replace('-', '_').replace('__', '--')}?"
+    return message + "; `python train.py --help` lists every option"
+
+
 def parse_job_config(argv: list[str]) -> JobConfig:
-    """Parses TOML + CLI into a JobConfig (refusing unknown keys) and validates what needs no
-    process group."""
+    """Parses TOML + CLI into a JobConfig (refusing unknown keys, wrong types and values out of
+    range) and validates what needs no process group. ``-h`` / ``--help`` prints this project's
+    options and exits."""
+    argv = list(argv)
+    if "-h" in argv or "--help" in argv:
+        from titan_glm52.config_help import print_help
+
+        print_help(JobConfig, _NOT_IMPLEMENTED)
+        sys.exit(0)
+    path = _config_file(argv)
+    if path is not None and not os.path.isfile(path):
+        raise ConfigError(
+            f"job.config_file: {path} is not a file; give the path of a TOML config "
+            "(e.g. train_configs/glm52_debug.toml)"
+        )
+    if path is not None:
+        try:
+            with open(path, "rb") as f:
+                tomllib.load(f)
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"job.config_file: {path} is not valid TOML ({e})") from None
+    errors = io.StringIO()
     try:
-        cfg = _ConfigManager(JobConfig).parse_args(list(argv))
+        with contextlib.redirect_stderr(errors):
+            cfg = _ConfigManager(JobConfig).parse_args(argv)
+    except SystemExit:  # tyro printed a boxed error about the command line
+        raise ConfigError(_tyro_message(errors.getvalue())) from None
     except ValueError as e:  # torchtitan's message names the class and the unknown keys
         m = re.search(r"Invalid field names in <class '[\w.]*?(\w+)'> data: (\{.*?\})", str(e))
         if m:
@@ -619,5 +783,8 @@ def parse_job_config(argv: list[str]) -> JobConfig:
                 "(e.g. [model] for Model); `python train.py --help` lists every valid key"
             ) from e
         raise ConfigError(str(e)) from e
+    except TypeError as e:  # a TOML section that is not a table, a value of another shape
+        raise ConfigError(f"job.config_file: {path}: {e}") from e
+    sys.stderr.write(errors.getvalue())
     validate(cfg)
     return cfg

@@ -25,7 +25,14 @@ from torchtitan.components.lr_scheduler import build_lr_schedulers
 from torchtitan.tools.utils import GarbageCollection
 
 from titan_glm52 import distributed as tdist
-from titan_glm52.checkpoint import TrainState, build_checkpointer, export_hf, initial_load
+from titan_glm52.checkpoint import (
+    TrainState,
+    build_checkpointer,
+    export_hf,
+    initial_load,
+    run_record,
+    step_folders,
+)
 from titan_glm52.config import (
     ConfigError,
     JobConfig,
@@ -35,6 +42,14 @@ from titan_glm52.config import (
     validate,
 )
 from titan_glm52.data import IGNORE_INDEX, Prefetcher, build_dataloader, build_tokenizer
+from titan_glm52.errors import (
+    CheckpointError,
+    DataError,
+    TrainingStopped,
+    UserError,
+    report_refusal,
+    show_tracebacks,
+)
 from titan_glm52.host_copy import host_to_device
 from titan_glm52.master_weights import MasterWeights
 from titan_glm52.memory_check import log_memory_check
@@ -61,6 +76,7 @@ from titan_glm52.parallelize import parallelize_model
 from titan_glm52.pipeline import build_pipeline_stages, build_schedule, micro_batch_bounds
 from titan_glm52.pipeline_split import choose_layout, microbatches, parse_layout
 from titan_glm52.profiling import profiling
+from titan_glm52.run_lock import OutputLock
 from titan_glm52.step import GpuMarks, Launched, Readback, StepLosses, mtp_labels
 
 logger = logging.getLogger("titan_glm52")
@@ -85,7 +101,10 @@ class Trainer:
         self.args = model_args(cfg)
         self.options = model_options(cfg, self.device.type)
         self._build_mesh()
-        self.tokenizer = build_tokenizer(cfg.model.hf_assets_path)
+        try:
+            self.tokenizer = build_tokenizer(cfg.model.hf_assets_path)
+        except (OSError, ValueError) as e:
+            raise DataError(f"model.hf_assets_path: {e}") from e
         if self.tokenizer.vocab_size > self.args.vocab_size:
             raise ConfigError(
                 f"model.hf_assets_path: the tokenizer has {self.tokenizer.vocab_size} tokens but "
@@ -108,16 +127,28 @@ class Trainer:
         self.state = TrainState()
         self._launching = 0  # the step being queued (``_launch``)
         self.checkpointer = build_checkpointer(
-            cfg, self.model_parts, self.optimizers, self.lr_schedulers, self.dataloader, self.state
+            cfg,
+            self.model_parts,
+            self.optimizers,
+            self.lr_schedulers,
+            self.dataloader,
+            self.state,
+            self._run_record(),
         )
         resumed = self.checkpointer.load(step=cfg.checkpoint.load_step)
         if not resumed and cfg.checkpoint.initial_load_path:
-            initial_load(
-                self.model_parts,
-                cfg.checkpoint.initial_load_path,
-                cfg.checkpoint.initial_load_in_hf,
-                pipelined=self.pp,
-            )
+            try:
+                initial_load(
+                    self.model_parts,
+                    cfg.checkpoint.initial_load_path,
+                    cfg.checkpoint.initial_load_in_hf,
+                    pipelined=self.pp,
+                )
+            except (OSError, KeyError, ValueError) as e:
+                raise CheckpointError(
+                    f"checkpoint.initial_load_path {cfg.checkpoint.initial_load_path}: {e}"
+                ) from e
+        self._last_loss: float | None = None
         self.metrics = MetricsLogger(
             os.path.join(cfg.job.dump_folder, cfg.metrics.save_tb_folder)
             if cfg.metrics.enable_tensorboard
@@ -134,6 +165,9 @@ class Trainer:
         # stop after the same step.
         self._sigterm = self._stop = False
         signal.signal(signal.SIGTERM, self._on_sigterm)
+        signal.signal(
+            signal.SIGINT, self._on_sigterm
+        )  # Ctrl-C: the same checkpoint, then a clean exit
         logger.info(
             "model %s: %s params (%s active/token), layers %d (IndexShare %s), MTP %s, DSA %s/%s, "
             "world %d (dp %d), accum %d, mixed precision: %s",
@@ -248,18 +282,33 @@ class Trainer:
             ep_enabled=p.expert_parallel_degree > 1,
         )
 
+    def _run_record(self) -> dict:
+        p = self.cfg.parallelism
+        layout = dict(
+            world=self.env.world_size,
+            pp=p.pipeline_parallel_degree,
+            ep=p.expert_parallel_degree,
+            dp_replicate=p.data_parallel_replicate_degree,
+            dp_shard=p.data_parallel_shard_degree,
+        )
+        data_world = 1 if self.cfg.data.same_global_batch else self.dp_world
+        return run_record(self.args, self.with_mtp, data_world, self.cfg.data.seed, layout)
+
     def _build_data(self) -> None:
         cfg, same = self.cfg, self.cfg.data.same_global_batch
-        self.dataloader = build_dataloader(
-            self.tokenizer,
-            cfg.training.dataset,
-            cfg.training.seq_len,
-            cfg.training.local_batch_size * (self.dp_world if same else 1),
-            dp_rank=0 if same else self.dp_rank,
-            dp_world=1 if same else self.dp_world,
-            seed=cfg.data.seed,
-            text_field=cfg.data.text_field,
-        )
+        try:
+            self.dataloader = build_dataloader(
+                self.tokenizer,
+                cfg.training.dataset,
+                cfg.training.seq_len,
+                cfg.training.local_batch_size * (self.dp_world if same else 1),
+                dp_rank=0 if same else self.dp_rank,
+                dp_world=1 if same else self.dp_world,
+                seed=cfg.data.seed,
+                text_field=cfg.data.text_field,
+            )
+        except (OSError, ValueError) as e:
+            raise DataError(f"training.dataset {cfg.training.dataset!r}: {e}") from e
         # pinned batches: the copies to the GPU below do not wait for the host
         if cfg.data.prefetch > 0:
             self.dataloader = Prefetcher(
@@ -296,8 +345,9 @@ class Trainer:
 
     def _on_sigterm(self, signum, frame) -> None:
         logger.warning(
-            "SIGTERM: saving a checkpoint within two steps (at the same step on every rank), then "
-            "stopping"
+            "%s: saving a checkpoint within two steps (at the same step on every rank), then "
+            "stopping",
+            signal.Signals(signum).name,
         )
         self._sigterm = True
 
@@ -511,12 +561,24 @@ class Trainer:
     # ----------------------------------------------------------------------------------------- the
     # loop
     def train(self) -> None:
-        """Steps until ``training.steps``. The host queues step N + 1's forward and backward before
-        it reads step N's numbers, where step N ``overlaps`` (see ``_launch``), so it stays a step
-        ahead of the GPU."""
+        """Steps until ``training.steps``, then one summary line. The host queues step N + 1's
+        forward and backward before it reads step N's numbers, where step N ``overlaps`` (see
+        ``_launch``), so it stays a step ahead of the GPU."""
         cfg = self.cfg
         total = cfg.training.steps
         self._t_start, self._start_step = time.perf_counter(), self.state.step
+        if self.state.step >= total:
+            if self.env.rank == 0:
+                logger.info(
+                    "the checkpoint in %s is at step %d, training.steps is %d: nothing left to "
+                    "train "
+                    "(raise --training.steps to train on)",
+                    os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder),
+                    self.state.step,
+                    total,
+                )
+            self._close()
+            return
         with profiling(
             cfg.profiling, cfg.job.dump_folder, self.env.rank, self.device, self.state.step
         ) as self._profilers:
@@ -543,6 +605,37 @@ class Trainer:
             )
             if self.env.rank == 0:
                 logger.info("exported HF checkpoint to %s", out_dir)
+        self._close()
+        if self.env.rank == 0:
+            logger.info(self._summary(time.perf_counter() - self._t_start))
+
+    def _summary(self, seconds: float) -> str:
+        """One line: what the run did and where its outputs went."""
+        cfg, steps = self.cfg, self.state.step - self._start_step
+        folder = os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder)
+        saved = (
+            [os.path.basename(p) for _, p in step_folders(folder)] if cfg.checkpoint.enable else []
+        )
+        parts = [
+            f"run summary: {steps} steps ({self._start_step + 1}-{self.state.step} of "
+            f"{cfg.training.steps})"
+            f" in {seconds:.1f} s"
+            if steps
+            else "run summary: no step trained",
+            f"final loss {self._last_loss:.4f}" if self._last_loss is not None else "",
+            "stopped by a signal" if self._stop else "",
+            f"checkpoints {folder} ({', '.join(saved)})" if saved else "no checkpoint written",
+            f"TensorBoard {os.path.join(cfg.job.dump_folder, cfg.metrics.save_tb_folder)}"
+            if cfg.metrics.enable_tensorboard
+            else "",
+            f"metrics {os.path.join(cfg.job.dump_folder, 'metrics.jsonl')}",
+        ]
+        hf = os.path.join(folder, f"step-{self.state.step}-hf")
+        if cfg.checkpoint.last_save_in_hf and os.path.isdir(hf):
+            parts.append(f"HF export {hf}")
+        return "; ".join(p for p in parts if p)
+
+    def _close(self) -> None:
         self.metrics.close()
         self.checkpointer.close()
         if isinstance(self.dataloader, Prefetcher):
@@ -671,6 +764,7 @@ class Trainer:
         vals = s.readback.values()
         grad_norm = vals["grad_norm"]
         finite = math.isfinite(vals["total"]) and math.isfinite(grad_norm)
+        self._last_loss = vals["total"]
         self.state.step = s.step
         self.state.tokens_seen += int(vals["tokens"])
         if finite:
@@ -695,7 +789,7 @@ class Trainer:
             vals.update({k: float(v) for k, v in s.memory.pop("device", {}).items()})
         t_host = (s.t_end - s.t0 - s.host_other_s) + (time.perf_counter() - t_start)
         if self.state.consecutive_skips >= cfg.faults.max_consecutive_nonfinite:
-            raise RuntimeError(
+            raise TrainingStopped(
                 f"stopping: {self.state.consecutive_skips} consecutive steps with a non-finite "
                 "loss or "
                 f"gradient (faults.max_consecutive_nonfinite = "
@@ -796,6 +890,8 @@ class Trainer:
 
 
 def main(argv: list[str]) -> None:
+    """``train.py``: a refusal (``UserError``) ends the job with one line and status 2, any other
+    error keeps its traceback (``errors.py``)."""
     from titan_glm52.config import parse_job_config
 
     logging.basicConfig(
@@ -804,16 +900,32 @@ def main(argv: list[str]) -> None:
     rank = os.environ.get("RANK", "0")
     for h in logging.getLogger().handlers:
         h.addFilter(lambda r: setattr(r, "rank", rank) or True)
-    cfg = parse_job_config(argv)
-    one_process_env()
-    trainer = Trainer(cfg)
+    lock = None
     try:
+        cfg = parse_job_config(argv)
+        one_process_env()
+        if rank == "0":  # one job per output folder (the first process holds the lock for the job)
+            lock = OutputLock(cfg.job.dump_folder)
+            lock.acquire()
+        trainer = Trainer(cfg)
         trainer.train()
         if dist.is_initialized():
             # nobody tears down (rank 0 hosts the store) while another rank still works
             dist.barrier()
-    finally:
         tdist.destroy_distributed()
+    except UserError as e:
+        if lock is not None:
+            lock.release()
+        if show_tracebacks():
+            raise
+        logging.shutdown()
+        report_refusal(e)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+    if lock is not None:
+        lock.release()
     # The run is complete and everything is written. Rarely (about 1 in 30 two-process CPU runs
     # here), a C++ thread of the distributed stack aborted during interpreter teardown ("terminate
     # called without an active exception"), turning a finished run into a failure; leave without
