@@ -8,12 +8,13 @@ trained on one device or on the N GPUs of one host (under torchrun, FSDP or EP +
 What runs (every piece is torchtitan 0.2.2's, used as a library; only this loop is ours):
 
 * model: ``torchtitan.models.deepseek_v3.DeepSeekV3Model`` with ``DeepSeekV3ModelArgs`` = the
-  ``glm52_proxy`` widths: hidden 6144, 64 heads, MLA q_lora 2048 / kv_lora 512, qk_nope 192 +
-  qk_rope 64, v 256, vocab 154,880, 4 layers (1 dense, inter 12,288; 3 MoE), ``MoEArgs`` 16 experts
-  top-8 + 1 shared, moe_inter 2048, sigmoid scores, route_norm, route_scale 2.5, score after the
-  experts (DeepSeek-V3 671B's settings), aux-loss-free bias (load_balance_coeff 1e-3),
-  ``GroupedExperts`` with use_grouped_mm (``torch._grouped_mm`` + torchtitan's Triton permute/pad
-  kernel); attention ``attn_type="sdpa"`` with ``attn_mask_type="causal"`` (torchtitan's
+  ``glm52_proxy``
+  widths: hidden 6144, 64 heads, MLA q_lora 2048 / kv_lora 512, qk_nope 192 + qk_rope 64, v 256,
+  vocab 154,880, 4 layers (1 dense, inter 12,288; 3 MoE), ``MoEArgs`` 16 experts top-8 + 1 shared,
+  moe_inter 2048, sigmoid scores, route_norm, route_scale 2.5, score after the experts (DeepSeek-V3
+  671B's settings), aux-loss-free bias (load_balance_coeff 1e-3), ``GroupedExperts`` with
+  use_grouped_mm (``torch._grouped_mm`` + torchtitan's Triton permute/pad kernel); attention
+  ``attn_type="sdpa"`` with ``attn_mask_type="causal"`` (torchtitan's
   ``ScaledDotProductAttentionWrapper``: cuDNN > flash > math, is_causal); no MTP (0.2.2 has none).
   The RoPE table is plain (original_seq_len = seq_len: no YaRN rescaling).
 * parallelisms: ``parallelize_deepseekv3`` (its AC -> per-block compile; with one rank it applies no
@@ -28,11 +29,12 @@ What runs (every piece is torchtitan 0.2.2's, used as a library; only this loop 
   with ``training.mixed_precision_param`` bf16 / reduce fp32, as torchtitan's trainer does. As
   there, FSDP's gradient division is off and the loss is the local sum / the global token count;
   clip_grad_norm_ gets ``ep_enabled``. Each rank draws its own random tokens (a generator seeded by
-  rank) at the same local batch. AC: ``activation_checkpoint.mode`` none / selective
-  (``selective_ac_option`` "2" = checkpoint every 2nd block, torchtitan's default and ours; "op" =
-  its per-op SAC with DeepSeek-V3's save list) / full. Compile: ``compile.components = ["model"]``
-  (per-block ``torch.compile``, MoE blocks per child as torchtitan does; the loss stays eager, as
-  ours).
+  rank) at the same local batch.
+  AC: ``activation_checkpoint.mode`` none / selective (``selective_ac_option`` "2" = checkpoint
+  every 2nd block, torchtitan's default and ours; "op" = its per-op SAC with DeepSeek-V3's save
+  list) / full.
+  Compile: ``compile.components = ["model"]`` (per-block ``torch.compile``, MoE blocks per child as
+  torchtitan does; the loss stays eager, as ours).
 * optimizer: ``build_optimizers_with_moe_load_balancing`` (AdamW fused, lr 3e-4, betas 0.9/0.95, wd
   0.1, eps 1e-8, plus the expert-bias pre-step hook), grad clipping
   ``torchtitan.distributed.utils.clip_grad_norm_`` at 1.0, loss
@@ -41,8 +43,10 @@ What runs (every piece is torchtitan 0.2.2's, used as a library; only this loop 
 
 FLOPs (forward + backward = 3 x forward), per step of B x S tokens:
 
-    flops       = 6 * N_active * B * S + n_layers * 3 * 2 * H * (d_qk + d_v) * B * S (S + 1) / 2    (causal)
-    flops_tt    = (6 * N_active + 6 * n_layers * H * (d_qk + d_v) * S) * B * S    (torchtitan's own: full S x S)
+    flops       = 6 * N_active * B * S + n_layers * 3 * 2 * H * (d_qk + d_v) * B * S (S + 1) / 2
+                (causal)
+    flops_tt    = (6 * N_active + 6 * n_layers * H * (d_qk + d_v) * S) * B * S (torchtitan's own:
+                full S x S)
 
 ``N_active`` is torchtitan's count (``get_moe_model_nparams_and_flops``): every parameter but the
 embedding, with the routed experts scaled by top_k / num_experts (the output head included); d_qk =

@@ -112,6 +112,16 @@ class Checkpoint(tt.Checkpoint):
 
 
 @dataclass
+class ActivationCheckpoint(tt.ActivationCheckpoint):
+    mlp_token_chunk: int = 0
+    """> 0: every MLP (the dense ones, and the routed and shared experts of the MoE layers) runs
+    over chunks of this many tokens, each chunk recomputed in backward, so that a step holds one
+    chunk's intermediates at a time instead of the batch's: long sequences on few GPUs (at 128K
+    tokens and top-8 the routed experts' dispatched copy alone is 12 GiB per MoE layer at GLM-5.2's
+    width). The same math; the MLPs' forward runs twice. 0: the whole batch at once."""
+
+
+@dataclass
 class Optimizer(tt.Optimizer):
     implementation: Literal["for-loop", "foreach", "fused", "triton"] = "fused"
     """AdamW / Adam step: "fused" (torch's fused kernel), "foreach", "for-loop" (torch's), or
@@ -264,6 +274,7 @@ class JobConfig(tt.JobConfig):
     parallelism: Parallelism = field(default_factory=Parallelism)
     optimizer: Optimizer = field(default_factory=Optimizer)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     data: Data = field(default_factory=Data)
     dsa: DSA = field(default_factory=DSA)
     moe: MoE = field(default_factory=MoE)
@@ -608,6 +619,7 @@ def model_options(cfg: JobConfig, device_type: str) -> ModelOptions:
         seq_aux_loss_coeff=m.seq_aux_loss_coeff,
         grouped_mm={"auto": None, "on": True, "off": False}[m.grouped_mm],
         recompute_expert_inputs=m.recompute_expert_inputs,
+        mlp_token_chunk=cfg.activation_checkpoint.mlp_token_chunk,
         trainable=trainable,
     )
 
@@ -638,6 +650,7 @@ _RANGES: dict[str, tuple[float | None, float | None]] = {
     "dsa.index_topk": (1, None),
     "dsa.indexer_loss_coeff": (0, None),
     "moe.bias_update_rate": (0, None),
+    "activation_checkpoint.mlp_token_chunk": (0, None),
     "moe.seq_aux_loss_coeff": (0, None),
     "mtp.loss_weight": (0, None),
     "model.num_layers": (1, None),

@@ -22,10 +22,11 @@ Peak. The buffers of a step do not all exist at once: fp32 gradients appear unit
 backward while the saved activations are being freed, the activations are largest when backward
 starts, a block's recompute and workspace exist only during its own backward. So the plan walks the
 step through its phases and reports the largest; each column of the table is what is alive at that
-moment, and the columns add up to it. Held the whole step (after the first): the fp32 master weights
-(padded local shard numel x 4, the model is built in fp32) and the AdamW states (exp_avg +
-exp_avg_sq, 2 x 4 bytes per local trainable element). The rest follows torch 2.13's FSDP2 and
-pipelining (``torch/distributed/fsdp/_fully_shard``, ``torch/distributed/pipelining/stage.py``):
+moment, and the columns add up to it. Held the whole
+step (after the first): the fp32 master weights (padded local shard numel x 4, the model is built in
+fp32) and the AdamW states (exp_avg + exp_avg_sq, 2 x 4 bytes per local trainable element). The rest
+follows torch 2.13's FSDP2 and pipelining (``torch/distributed/fsdp/_fully_shard``,
+``torch/distributed/pipelining/stage.py``):
 
   * The trainer zeroes gradients with ``set_to_none`` after the optimizer step, so a step starts
     with no gradient.
@@ -60,16 +61,16 @@ pipelining (``torch/distributed/fsdp/_fully_shard``, ``torch/distributed/pipelin
 Phases, without pipeline parallelism (one micro-batch of ``local_batch_size x seq_len`` tokens), in
 backward order over the steps head, MTP layer, final norm, blocks last to first, embedding (a step
 is the FSDP units that run backward together: a block's unit and, under EP, its experts' unit):
-  backward X        the sharded gradients of the steps already reduced; the unsharded parameters of X and the
-                    steps after it (all, or X and the next when resharding after forward); the
-                    activations saved for X and every step after it, plus the stage extras below;
-                    transient: X's backward bytes (below), its unsharded ``param_dtype`` gradient,
-                    the pending reduce-scatter input and the waiting gradients of the final norm and
-                    embedding
+  backward X        the sharded gradients of the steps already reduced; the unsharded parameters of
+                    X and the steps after it (all, or X and the next when resharding after forward);
+                    the activations saved for X and every step after it, plus the stage extras
+                    below; transient: X's backward bytes (below), its unsharded ``param_dtype``
+                    gradient, the pending reduce-scatter input and the waiting gradients of the
+                    final norm and embedding
   reduce-scatter X X resharded and its activations freed; transient: its ``param_dtype`` gradient +
-  its fp32
-                    reduce-scatter input
-  end of backward   all sharded gradients + the last reduce-scatter input (the optimizer step allocates nothing)
+                    its fp32 reduce-scatter input
+  end of backward   all sharded gradients + the last reduce-scatter input (the optimizer step
+                    allocates nothing)
 The forward never exceeds the first block's backward phase: it holds a subset of the same
 activations and parameters and no gradient, and a block's forward temporaries are a subset of its
 backward's. (It can exceed the head's phase: measured at 32K on the proxy, 127.3 GiB at the last
@@ -81,8 +82,9 @@ bytes per element) and the bf16 compute copies the model trains on (2; ``params`
 AdamW's states. Nothing is all-gathered or reduce-scattered: a step's backward leaves its bf16
 gradient in place (autograd's accumulation takes the tensor it formed), so the walk is the one above
 without FSDP's buffers:
-  backward X        the bf16 gradients of the steps already run; the activations saved for X and every step after
-                    it, plus the stage extras; transient: X's backward bytes and its bf16 gradient
+  backward X        the bf16 gradients of the steps already run; the activations saved for X and
+                    every step after it, plus the stage extras; transient: X's backward bytes and
+                    its bf16 gradient
   end of backward   all bf16 gradients (the Triton step updates in place)
 The final norm's and the embedding's gradients form at their own backward (no FSDP final callback).
 With gradient accumulation (``grad_accumulation``) a hook adds each fresh bf16 gradient into an fp32
@@ -90,15 +92,14 @@ sum and frees it: the sums (4 bytes per trainable element) are held from the fir
 an upper bound for the first.
 
 Phases, with pipeline parallelism (per rank):
-  backward X        all units unsharded + their fp32 accumulation; the activations of the in-flight micro-batches
-                    (below), of which the one being run backward (a chunk of one of the rank's
-                    stages in flight) holds only what X and the steps after it saved; the schedule's
-                    buffers (below); transient: X's backward bytes + its fresh ``param_dtype``
-                    gradient
+  backward X        all units unsharded + their fp32 accumulation; the activations of the in-flight
+                    micro-batches (below), of which the one being run backward (a chunk of one of
+                    the rank's stages in flight) holds only what X and the steps after it saved; the
+                    schedule's buffers (below); transient: X's backward bytes + its fresh
+                    ``param_dtype`` gradient
   gradient reduction the accumulation and the unsharded parameters of every unit (an upper bound:
-  each unit is
-                    resharded and its accumulation freed as it is reduced) + the largest fp32
-                    reduce-scatter input
+                    each unit is resharded and its accumulation freed as it is reduced) + the
+                    largest fp32 reduce-scatter input
   end of backward   all sharded gradients (the schedule's buffers stay until the next step)
 Schedule buffers: ``PipelineStage`` allocates, for EVERY micro-batch of the step, a receive buffer
 per stage input (not on the first stage) and per output gradient (not on the last): per micro-batch
@@ -120,81 +121,78 @@ extent, out, lse); the indexer runs under no_grad (no indexer loss); an RMSNorm 
 fp32 rstd and the normalised copy its weight multiplies:
 
   none       every tensor autograd keeps, per block:
-             attention a*(3D + 3r + H(n+p) + 2(c+p) + c + H(c+p) + Hc + Hv) + 4H (lse) + 16 (3 rstd,
-             extent)
-                        + 8p (complex RoPE tables of q and k) + 4K on full layers (the int32 top-k;
-                        shared layers reference the same tensor) + on the dense-prefix rows (min(K,
-                        S) of each sequence of S tokens: one document per row assumed; packed
-                        documents of K to 2K tokens put a larger share of rows there) a*(H(2(n+p) +
-                        2v + n) + c) + 4H (SDPA's q and k, v inside the wkv_b output, out, lse; the
-                        gathered latents) (3D: norm input, normalised copy, output; 3r: the
-                        q_norm's; (c+p) + c: the kv_norm's; H(c+p): the latent query, a*Hp instead
-                        with ``recompute_latent_query``, the default, in a block that is not
-                        checkpointed: rebuilt in backward, its rope part kept)
+             attention  a*(3D + 3r + H(n+p) + 2(c+p) + c + H(c+p) + Hc + Hv) + 4H (lse) + 16 (3 rstd, extent)
+                        + 8p (complex RoPE tables of q and k) + 4K on full layers (the int32 top-k; shared
+                        layers reference the same tensor) + on the dense-prefix rows (min(K, S) of each
+                        sequence of S tokens: one document per row assumed; packed documents of K to 2K tokens
+                        put a larger share of rows there) a*(H(2(n+p) + 2v + n) + c) + 4H (SDPA's q and k, v
+                        inside the wkv_b output, out, lse; the gathered latents)
+                        (3D: norm input, normalised copy, output; 3r: the q_norm's; (c+p) + c: the kv_norm's;
+                        H(c+p): the latent query, a*Hp instead with ``recompute_latent_query``, the default, in a
+                        block that is not checkpointed: rebuilt in backward, its rope part kept)
              dense MLP  a*(3D + 4Fd) + 4;  MoE  a*3D + 4 + 4D + 4E (fp32 router input, scores)
-                        + 32k (int64 routing indices, fp32 combine weights; + 16kL under EP: the
-                        permutations) + L*a*(kD + 4kF) (routed token copies, expert intermediates) +
-                        a*kD + 12k (the combine's token-ordered copy of the routed rows, its
-                        permutation and weights) + a*4Fs (shared expert); with ``[moe]
-                        recompute_expert_inputs`` (default) L*a*2kF instead of L*a*(kD + 4kF),
-                        L*a*(kD + 2kF) under EP (the received rows are kept)
-  full       the block input a*D, plus 4K on full layers (the top-k a checkpointed full block returns is kept
-             by the shared blocks' checkpoints)
+                        + 32k (int64 routing indices, fp32 combine weights; + 16kL under EP: the permutations)
+                        + L*a*(kD + 4kF) (routed token copies, expert intermediates) + a*kD + 12k (the
+                        combine's token-ordered copy of the routed rows, its permutation and weights)
+                        + a*4Fs (shared expert); with ``[moe] recompute_expert_inputs`` (default) L*a*2kF
+                        instead of L*a*(kD + 4kF), L*a*(kD + 2kF) under EP (the received rows are kept)
+  full       the block input a*D, plus 4K on full layers (the top-k a checkpointed full block
+             returns is kept by the shared blocks' checkpoints)
   selective "op" (the policy of ``parallelize.py``): block input a*D, 4K on full layers, and the
-  outputs of the
-             matmuls with a tracked input and of the EP all-to-alls: attention a*(r + H(n+p) + (c+p)
-             + D) + a*H(n+v) on the dense-prefix rows; dense MLP a*(2Fd + D); MoE 4E + a*(2Fs + D) +
-             L*a*(2kF + kD) + EP only: L*a*kD (dispatch all-to-all) + a*kD (combine all-to-all); an
-             integer N: every N-th block (1-based, forward order) as "full", the others as "none"
-  extras     held through the whole backward of the micro-batch: 8 (positions) [+ 8 token ids on the first
-             stage] + a*D with MTP (next-token embeddings; + a*D for the copy a middle stage sends
-             on); not last stage: + a*D (stage output kept by the schedule); last stage: + a*3D + 4
-             (final norm: input, normalised copy, output) and, with MTP, + a*7D + 12 (enorm and
-             hnorm copies, their concat, MTP norm) + the MTP block (a full MoE block)
-  logits     none kept, pipelined or not: the head runs the fused chunked loss (model/head.py; the trainer's,
-             and the last pipeline stage's loss function), which keeps only the gradients it formed
-             (see head)
+             outputs of the matmuls with a tracked input and of the EP all-to-alls: attention a*(r +
+             H(n+p) + (c+p) + D) + a*H(n+v) on the dense-prefix rows; dense MLP a*(2Fd + D); MoE 4E
+             + a*(2Fs + D) + L*a*(2kF + kD) + EP only: L*a*kD (dispatch all-to-all) + a*kD (combine
+             all-to-all); an integer N: every N-th block (1-based, forward order) as "full", the
+             others as "none"
+  extras     held through the whole backward of the micro-batch: 8 (positions) [+ 8 token ids on the
+             first stage] + a*D with MTP (next-token embeddings; + a*D for the copy a middle stage
+             sends on); not last
+             stage: + a*D (stage output kept by the schedule); last stage: + a*3D + 4 (final norm:
+             input, normalised copy, output) and, with MTP, + a*7D + 12 (enorm and hnorm copies,
+             their concat, MTP norm) + the MTP block (a full MoE block)
+  logits     none kept, pipelined or not: the head runs the fused chunked loss (model/head.py; the
+             trainer's, and the last pipeline stage's loss function), which keeps only the gradients
+             it formed (see head)
 
 Backward bytes of a step (on top of what it saved):
   block      a checkpointed block ("full", "op") rebuilds its "none" set while its own saved tensors are still
-             held (for "op" the cached ones are shared: counted twice, an upper bound), plus the
-             larger of the attention's and the MLP's backward workspace (they run one after the
-             other): attention a*H(2c+p) (gradient of the latent output, dQ) + 4(c+p) (fp32 dKV) +
-             3aD (residual and
-                        input gradients) + a*H(c+p) where the latent query is rebuilt, plus the DSA
-                        kernels' scratch: min(1 GiB, 2HKa per token) (P and dS of the split
-                        backward; the indexer's 1 GiB score scratch of a recompute comes before
-                        them); with the dense prefix, per prefix row a*H(2(n+p) + 3v + n) (its
-                        output gradient, dQ, dK, dV, the wkv_b output's gradient) and per token
-                        a*H(n+p) (the gathered queries' full-size gradient), n = qk_nope_head_dim, p
-                        = qk_rope_head_dim, v = v_head_dim
-             MoE        3aD + the largest moment of the routed path (``moe_backward_peak``), walked in the order
-                        autograd runs it with the saved tensors each step frees subtracted (u = a*k
-                        per token, l = L*a*k on the experts' side, R: silu and its product rebuilt,
-                        X: the gathered rows rebuilt, i.e. ``recompute_expert_inputs`` in a block
-                        that is not checkpointed, without EP): the shared expert 2aFs; the combine
-                        uD + 4k (its one-pass backward: the rows' gradient and the weights' fp32
-                        gradient), under EP lD (the all-to-all); then with h = lD - uD: the down
-                        projection h + 2lF (R) / h + lF, the product h + lF - lD + 3lF (R) / h - lD
-                        + 2lF, silu, the gate/up GEMM's input gradient (one GEMM of the stacked
-                        ``w13``; + lD rebuilt rows with X) and the [T, D] gradient back to the
-                        tokens (+ uD under EP). (The SwiGLU steps are written for the unfused
-                        SwiGLU, which kept silu's output; the fused SwiGLU of model/moe.py keeps and
-                        forms none, so they over-count by lF, and the saved set by a*kF per token
-                        without R.) On an H200 (eager, bf16, grouped GEMMs, 8192 tokens, three
-                        widths, rebuilt or kept; tests/unit/test_moe_backward_memory.py) a MoE
-                        block's backward peaked 0.19-0.86 of T x (this term + 3aD) + its gradients
-                        above its start (0.41 / 0.86 at the proxy's widths, with the one-pass
-                        combine and the stacked gate/up weight;
-                        bench/results/2026-12-02_h200_memory.md)
+             held (for "op" the cached ones are shared: counted twice, an upper bound), plus the larger of the
+             attention's and the MLP's backward workspace (they run one after the other):
+             attention  a*H(2c+p) (gradient of the latent output, dQ) + 4(c+p) (fp32 dKV) + 3aD (residual and
+                        input gradients) + a*H(c+p) where the latent query is rebuilt, plus the DSA kernels'
+                        scratch: min(1 GiB, 2HKa per token) (P and dS of the split backward; the
+                        indexer's 1 GiB score scratch of a recompute comes before them); with the
+                        dense prefix, per prefix row a*H(2(n+p) + 3v + n) (its output gradient, dQ,
+                        dK, dV, the wkv_b output's gradient) and per token a*H(n+p) (the gathered
+                        queries' full-size gradient), n = qk_nope_head_dim, p = qk_rope_head_dim, v
+                        = v_head_dim
+             MoE        3aD + the largest moment of the routed path (``moe_backward_peak``), walked
+                        in the order autograd runs it with the saved tensors each step frees
+                        subtracted (u = a*k per token, l = L*a*k on the experts' side, R: silu and
+                        its product rebuilt, X: the gathered rows rebuilt, i.e.
+                        ``recompute_expert_inputs`` in a block that is not checkpointed, without
+                        EP): the shared expert 2aFs; the combine uD + 4k (its one-pass backward: the
+                        rows' gradient and the weights' fp32 gradient), under EP lD (the
+                        all-to-all); then with h = lD - uD: the down projection h + 2lF (R) / h +
+                        lF, the product h + lF - lD + 3lF (R) / h - lD + 2lF, silu, the gate/up
+                        GEMM's input gradient (one GEMM of the stacked ``w13``; + lD rebuilt rows
+                        with X) and the [T, D] gradient back to the tokens (+ uD under EP). (The
+                        SwiGLU steps are written for the unfused SwiGLU, which kept silu's output;
+                        the fused SwiGLU of model/moe.py keeps and forms none, so they over-count by
+                        lF, and the saved set by a*kF per token without R.) On an H200 (eager, bf16,
+                        grouped GEMMs, 8192 tokens, three widths, rebuilt or kept;
+                        tests/unit/test_moe_backward_memory.py) a MoE block's backward peaked
+                        0.19-0.86 of T x (this term + 3aD) + its gradients above its start (0.41 /
+                        0.86 at the proxy's widths, with the one-pass combine and the stacked
+                        gate/up weight; bench/results/2026-12-02_h200_memory.md)
              dense MLP  a*(3Fd + 3D)
-  head       the fused loss (model/head.py) forms each chunk's gradients at the end of forward, with every
-             activation still held: one chunk of min(tokens, LOSS_CHUNK) tokens x vocab x 8 (the
-             fp32 logits and logsumexp's fp32 temporary; later the fp32 gradient and its param_dtype
-             copy), plus the head weight's unsharded gradient, which it forms there and keeps until
-             backward (where a scaled copy of it is made: the larger of the chunk and that copy is
-             counted); with MTP the second loss runs while the first one's gradient is held. Counted
-             in the head's backward step (the same tensors, all alive)
+  head       the fused loss (model/head.py) forms each chunk's gradients at the end of forward, with
+             every activation still held: one chunk of min(tokens, LOSS_CHUNK) tokens x vocab x 8
+             (the fp32 logits and logsumexp's fp32 temporary; later the fp32 gradient and its
+             param_dtype copy), plus the head weight's unsharded gradient, which it forms there and
+             keeps until backward (where a scaled copy of it is made: the larger of the chunk and
+             that copy is counted); with MTP the second loss runs while the first one's gradient is
+             held. Counted in the head's backward step (the same tensors, all alive)
 
 Checked against ``torch.cuda.max_memory_allocated`` on H200s
 (bench/results/2026-12-02_h200_memory.md, "The measured peaks the plan is checked against";
@@ -261,6 +259,7 @@ class MemoryRequest:
     dense_masked_ratio: float = 0.0  # [dsa] dense_masked_ratio (used with dense_prefix)
     recompute_expert_inputs: bool = True  # [moe] recompute_expert_inputs
     recompute_latent_query: bool = True  # [dsa] recompute_latent_query
+    mlp_token_chunk: int = 0  # [activation_checkpoint] mlp_token_chunk
     # training.master_weights as resolved: "fsdp" or "optimizer" (one process)
     master_weights: str = "fsdp"
     # more than one micro-batch per optimizer step (training.global_batch_size)
@@ -361,12 +360,16 @@ def block_bytes_per_token(
     prefix_share: float = 0.0,
     recompute_experts: bool = False,
     recompute_query: bool = False,
+    mlp_chunked: bool = False,
 ) -> float:
     """Saved activation bytes per token of one block under an AC mode ("none" | "full" | "op"); see
     the module docstring for the terms. ``layer_id == num_hidden_layers`` is the MTP block.
     ``prefix_share``: the share of rows on the dense prefix (``[dsa] dense_prefix``).
     ``recompute_experts``: ``[moe] recompute_expert_inputs``, ``recompute_query``: ``[dsa]
-    recompute_latent_query`` (both act in blocks that are not checkpointed, "none")."""
+    recompute_latent_query`` (both act in blocks that are not checkpointed, "none").
+    ``mlp_chunked``: ``[activation_checkpoint] mlp_token_chunk`` splits this block's tokens: the MLP
+    keeps only its input (and, in a MoE layer, each chunk's routing, 12k) and rebuilds the rest in
+    backward."""
     a, d, h = act_bytes, args.hidden_size, args.num_attention_heads
     r, c, p = args.q_lora_rank, args.kv_lora_rank, args.qk_rope_head_dim
     n, v, kk = args.qk_nope_head_dim, args.v_head_dim, args.index_topk
@@ -393,19 +396,18 @@ def block_bytes_per_token(
             routed = (k * d if ep or not recompute_experts else 0) + (
                 2 if recompute_experts else 4
             ) * k * f
+            routed_saved = ints + load * a * routed + a * k * d
             mlp = (
                 a * 3 * d
                 + 4
                 + 4 * d
                 + 4 * e
-                + ints
-                + load * a * routed
-                + a * k * d
+                + (0.0 if mlp_chunked else routed_saved)
                 + 12 * k
                 + a * 4 * fs
             )
         else:
-            mlp = a * (3 * d + 4 * fd) + 4
+            mlp = a * 3 * d + 4 + (0.0 if mlp_chunked else a * 4 * fd)
         return attn + mlp
     if mode == "op":
         attn = a * (r + h * (n + p) + (c + p) + d) + prefix_share * a * h * (n + v)
@@ -496,11 +498,14 @@ def backward_workspace(
     recompute_experts: bool = False,
     ep: bool = False,
     recompute_query: bool = False,
+    moe_chunk: int = 0,
 ) -> float:
     """Bytes a block's backward allocates on top of the activations it saved (or recomputed), at its
     largest moment, for ``tokens`` tokens: the larger of the attention's and the MLP's (they run one
     after the other; see the module docstring for the terms). ``prefix_share``: the share of rows on
-    the dense prefix."""
+    the dense prefix. ``moe_chunk`` (``[activation_checkpoint] mlp_token_chunk``, when below
+    ``tokens``): the routed path's backward holds one chunk's rebuilt activations and workspace at a
+    time."""
     a, d, h = act_bytes, args.hidden_size, args.num_attention_heads
     c, p, kk = args.kv_lora_rank, args.qk_rope_head_dim, args.index_topk
     n, v = args.qk_nope_head_dim, args.v_head_dim
@@ -510,8 +515,20 @@ def backward_workspace(
     ) + min(DSA_SCRATCH_BYTES, tokens * 2 * h * kk * a)
     if prefix_share > 0:
         attn += tokens * a * h * (prefix_share * (2 * (n + p) + 3 * v + n) + n + p)
-    if args.is_moe_layer(layer_id):
+    if args.is_moe_layer(layer_id) and 0 < moe_chunk < tokens:
+        rebuilt = block_bytes_per_token(
+            args, layer_id, "none", a, load, ep, 0.0, recompute_experts
+        ) - (
+            block_bytes_per_token(
+                args, layer_id, "none", a, load, ep, 0.0, recompute_experts, False, True
+            )
+        )
+        mlp = moe_chunk * (moe_backward_peak(args, a, load, ep, recompute_experts) + rebuilt)
+        mlp += tokens * 3 * a * d
+    elif args.is_moe_layer(layer_id):
         mlp = tokens * (moe_backward_peak(args, a, load, ep, recompute_experts) + 3 * a * d)
+    elif 0 < moe_chunk < tokens:  # a chunk's rebuilt intermediates (4F) and its backward (3F)
+        mlp = moe_chunk * a * 7 * fd + tokens * a * 3 * d
     else:
         mlp = tokens * a * (3 * fd + 3 * d)
     return max(attn, mlp)
@@ -564,6 +581,7 @@ def stage_activations(
     mask_per_token: float = 0.0,
     recompute_experts: bool = False,
     recompute_query: bool = False,
+    moe_chunk: int = 0,
 ) -> StageActivations:
     """Activations of one pipeline stage for micro-batches of ``tokens`` tokens (module docstring).
     ``mask_per_token``: the masked dense rows' selection mask, bytes per token of every block (saved
@@ -578,15 +596,18 @@ def stage_activations(
         # bound). (The experts' and the latent query's rebuilds act only in blocks that are not
         # checkpointed: model/recompute.py, can_recompute.)
         lean, lean_q = recompute_experts and m == "none", recompute_query and m == "none"
+        chunked = 0 < moe_chunk < tokens
         none = (
-            block_bytes_per_token(args, b, "none", a, load, ep, prefix_share, lean, lean_q)
+            block_bytes_per_token(args, b, "none", a, load, ep, prefix_share, lean, lean_q, chunked)
             + mask_per_token
         )
         saved = (
             none if m == "none" else block_bytes_per_token(args, b, m, a, load, ep, prefix_share)
         )
         recompute = none if m != "none" else 0.0
-        work = backward_workspace(args, b, tokens, a, load, prefix_share, lean, ep, lean_q)
+        work = backward_workspace(
+            args, b, tokens, a, load, prefix_share, lean, ep, lean_q, moe_chunk
+        )
         blocks.append(BlockActivations(b, m, saved, tokens * recompute + work))
     extras = 8 + (a * d if with_mtp else 0)  # positions; next-token embeddings
     if is_first:
@@ -1106,6 +1127,7 @@ def estimate_memory(req: MemoryRequest) -> MemoryReport:
             mask_per_token,
             req.recompute_expert_inputs,
             req.recompute_latent_query,
+            req.mlp_token_chunk,
         )
         for spec in layout.stages
     ]
@@ -1271,6 +1293,7 @@ def request_from_job_config(
         dense_masked_ratio=cfg.dsa.dense_masked_ratio,
         recompute_expert_inputs=cfg.moe.recompute_expert_inputs,
         recompute_latent_query=cfg.dsa.recompute_latent_query,
+        mlp_token_chunk=cfg.activation_checkpoint.mlp_token_chunk,
         master_weights=master,
         grad_accumulation=t.global_batch_size // per_step > 1,
     )

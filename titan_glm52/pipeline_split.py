@@ -172,9 +172,9 @@ def stage_extra_costs(
     """(first-stage extra, last-stage extra) in the units of ``layer_costs``.
 
     First: the embedding lookup, a gather counted as 0. Last: final norm + output head, and the MTP
-    layer with ``with_mtp`` (default: when ``num_nextn_predict_layers`` is 1): ``eh_proj`` on the
-    concatenated [embedding, hidden], one MoE decoder layer with its own indexer, and the head
-    again.
+        layer with
+    ``with_mtp`` (default: when ``num_nextn_predict_layers`` is 1): ``eh_proj`` on the concatenated
+    [embedding, hidden], one MoE decoder layer with its own indexer, and the head again.
     """
     _check_seq_len(seq_len)
     last = flops.head_flops(args)

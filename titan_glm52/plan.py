@@ -265,6 +265,14 @@ def _add_memory_parser(sub: argparse._SubParsersAction) -> None:
         "query instead of keeping it",
     )
     p.add_argument(
+        "--mlp-token-chunk",
+        type=int,
+        default=None,
+        help="activation_checkpoint.mlp_token_chunk (default 0 = off): the routed experts over "
+        "chunks of this many tokens, "
+        "each rebuilt in backward",
+    )
+    p.add_argument(
         "--dense-masked-ratio",
         type=float,
         default=None,
@@ -324,6 +332,7 @@ _JOB_KEYS = {
     "local_batch_size": "training.local_batch_size",
     "ac": "activation_checkpoint.mode",
     "selective_ac_option": "activation_checkpoint.selective_ac_option",
+    "mlp_token_chunk": "activation_checkpoint.mlp_token_chunk",
     "dense_masked_ratio": "dsa.dense_masked_ratio",
 }
 _JOB_SWITCHES = {

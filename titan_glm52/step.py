@@ -32,12 +32,13 @@ class StepLosses:
     (and, after ``all_reduce``, over ranks).
 
     Attributes:
-        ce: the cross-entropy over the global valid tokens. mtp: ``mtp.loss_weight`` x the MTP
-        cross-entropy over the global valid MTP tokens. indexer_kl: ``dsa.indexer_loss_coeff`` x the
-        indexer KL over the global valid tokens. moe_aux: ``moe.seq_aux_loss_coeff`` x the sequence
-        balance loss over the global sequences. kl_per_token: the indexer KL over the global valid
-        tokens (summed over indexer layers; a metric). total: the loss whose gradient the step
-        applies (non-finite where the step must be skipped).
+        ce: the cross-entropy over the global valid tokens.
+        mtp: ``mtp.loss_weight`` x the MTP cross-entropy over the global valid MTP tokens.
+        indexer_kl: ``dsa.indexer_loss_coeff`` x the indexer KL over the global valid tokens.
+        moe_aux: ``moe.seq_aux_loss_coeff`` x the sequence balance loss over the global sequences.
+        kl_per_token: the indexer KL over the global valid tokens (summed over indexer layers; a
+            metric).
+        total: the loss whose gradient the step applies (non-finite where the step must be skipped).
     """
 
     ce: torch.Tensor

@@ -97,12 +97,14 @@ def check_train_step(
 
     ``route_to_first_experts``: a large routing bias on the first half of the experts, so that under
     EP=2 the second EP rank receives no tokens at all (all-to-alls with zero splits, experts with
-    empty input). ``clip_in_step``: ``"fused"`` / ``"triton"``: the parallel run uses torch's fused
-    AdamW / this project's TritonAdamW on the DTensor parameters with the clip folded into its step
-    (the trainer's paths for ``optimizer.implementation = "fused"`` / ``"triton"``); the reference
-    still clips in place. ``dsa_backend``: "triton" runs the DSA kernels (in the interpreter on CPU)
-    on both sides, whose sparse attention keeps the latent query that ``[dsa]
-    recompute_latent_query`` (on) rebuilds in backward.
+    empty input).
+    ``clip_in_step``: ``"fused"`` / ``"triton"``: the parallel run uses torch's fused AdamW / this
+    project's TritonAdamW on the DTensor parameters with the clip folded into its step (the
+    trainer's paths for ``optimizer.implementation = "fused"`` / ``"triton"``); the reference still
+    clips in place.
+    ``dsa_backend``: "triton" runs the DSA kernels (in the interpreter on CPU) on both sides, whose
+    sparse attention keeps the latent query that ``[dsa] recompute_latent_query`` (on) rebuilds in
+    backward.
     """
     if dsa_backend == "triton" and DEVICE_TYPE == "cpu":
         # before the kernels are imported (lazily, below)

@@ -42,9 +42,9 @@ def check_hf_load(
     """Every tensor of this rank's shards equals the single-process load, bitwise.
 
     ``args_from_checkpoint``: the model args come from ``hf_dir/config.json`` (else the debug
-    flavor's). ``fp8_export_dir``: the sharded model is then exported there in the block-wise FP8
-    format, streamed (``save_hf_distributed``), for the caller to compare with the single-process
-    export.
+        flavor's).
+    ``fp8_export_dir``: the sharded model is then exported there in the block-wise FP8 format,
+    streamed (``save_hf_distributed``), for the caller to compare with the single-process export.
     """
     env = init_distributed()
     args = GLM52ModelArgs.from_hf_config(hf_dir) if args_from_checkpoint else debug_args()

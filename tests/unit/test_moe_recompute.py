@@ -195,3 +195,19 @@ def test_cuda_same_bits_and_the_expected_saving():
     for a, b in zip(*results):
         assert torch.equal(a, b)
     assert kept[0] - kept[1] == n * k * ((d + f) * 2 - 8), (kept, n * k * ((d + f) * 2 - 8))
+
+
+@pytest.mark.parametrize("grouped", [True, False], ids=["grouped_mm", "per_expert"])
+def test_token_chunks_give_the_whole_batch_result(grouped):
+    """``[activation_checkpoint] mlp_token_chunk``: the routed experts over chunks of tokens, each recomputed in backward, give
+    the output and every gradient of the whole batch at once (the products row for row; the weight
+    gradients summed chunk by chunk), and the load counts of the whole batch."""
+    dtype = torch.float32 if grouped else torch.float64  # (torch._grouped_mm takes no fp64)
+    whole, chunked = _block(dtype, grouped), _block(dtype, grouped)
+    chunked.token_chunk = 16  # (the option's switch on the same weights: 40 tokens in 3 chunks)
+    x = torch.randn(40, whole.router.weight.shape[1], dtype=dtype)
+    g = torch.randn_like(x)
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-12, atol=1e-12)
+    for a, b in zip(_grads(whole, x, g, recompute=False), _grads(chunked, x, g, recompute=False)):
+        torch.testing.assert_close(a, b, **tol)
+    assert torch.equal(whole.tokens_per_expert, chunked.tokens_per_expert)

@@ -36,14 +36,28 @@ class PackedDataLoader:
     With ``infinite=False`` the iterator stops after one epoch (the unfinished last batch is dropped).
     """
 
-    def __init__(self, source: DocumentSource, tokenizer: Tokenizer, seq_len: int, local_batch_size: int,
-                 dp_rank: int = 0, dp_world: int = 1, seed: int = 0, shuffle: bool = True,
-                 infinite: bool = True, tokenize_batch: int = 64):
+    def __init__(
+        self,
+        source: DocumentSource,
+        tokenizer: Tokenizer,
+        seq_len: int,
+        local_batch_size: int,
+        dp_rank: int = 0,
+        dp_world: int = 1,
+        seed: int = 0,
+        shuffle: bool = True,
+        infinite: bool = True,
+        tokenize_batch: int = 64,
+    ):
         if seq_len < 1 or local_batch_size < 1 or tokenize_batch < 1:
-            raise ValueError(f"seq_len ({seq_len}), local_batch_size ({local_batch_size}) and "
-                             f"tokenize_batch ({tokenize_batch}) must be >= 1")
+            raise ValueError(
+                f"seq_len ({seq_len}), local_batch_size ({local_batch_size}) and "
+                f"tokenize_batch ({tokenize_batch}) must be >= 1"
+            )
         if not 0 <= dp_rank < dp_world:
-            raise ValueError(f"need 0 <= dp_rank < dp_world, got dp_rank={dp_rank}, dp_world={dp_world}")
+            raise ValueError(
+                f"need 0 <= dp_rank < dp_world, got dp_rank={dp_rank}, dp_world={dp_world}"
+            )
         if not isinstance(seed, int) or seed < 0:
             raise ValueError(f"seed must be a non-negative int, got {seed!r}")
         self.source, self.tokenizer = source, tokenizer
@@ -79,7 +93,7 @@ class PackedDataLoader:
                     self._offset = 0
             take = min(need, len(self._tokens) - self._offset)
             if take > 0:
-                pieces.append(self._tokens[self._offset:self._offset + take])
+                pieces.append(self._tokens[self._offset : self._offset + take])
                 self._offset += take
                 need -= take
         self._samples += 1
@@ -94,11 +108,15 @@ class PackedDataLoader:
             order = self.source.shard_order(epoch, self.seed, self.shuffle)
             for sp in range(shard_pos, len(order)):
                 texts = self.source.load(order[sp])
-                perm = self.source.document_order(order[sp], len(texts), epoch, self.seed, self.shuffle)
-                first = doc_pos + (rank - doc_counter - doc_pos) % world  # first own index >= doc_pos
+                perm = self.source.document_order(
+                    order[sp], len(texts), epoch, self.seed, self.shuffle
+                )
+                first = (
+                    doc_pos + (rank - doc_counter - doc_pos) % world
+                )  # first own index >= doc_pos
                 own = range(first, len(texts), world)
                 for a in range(0, len(own), self.tokenize_batch):
-                    chunk = own[a:a + self.tokenize_batch]
+                    chunk = own[a : a + self.tokenize_batch]
                     ids = self.tokenizer.encode_batch([texts[perm[p]] for p in chunk])
                     for p, doc_ids in zip(chunk, ids):
                         emitted = True
@@ -106,9 +124,11 @@ class PackedDataLoader:
                 doc_counter += len(texts)
                 doc_pos = 0
             if fresh_epoch and not emitted:
-                raise ValueError(f"dp rank {rank} got no document in epoch {epoch}: dataset "
-                                 f"{self.source.spec!r} has {doc_counter} non-empty documents, "
-                                 f"fewer than dp_world={world}")
+                raise ValueError(
+                    f"dp rank {rank} got no document in epoch {epoch}: dataset "
+                    f"{self.source.spec!r} has {doc_counter} non-empty documents, "
+                    f"fewer than dp_world={world}"
+                )
             if not self.infinite:
                 return
             epoch, shard_pos, doc_pos, doc_counter = epoch + 1, 0, 0, 0
@@ -125,7 +145,11 @@ class PackedDataLoader:
         checkpoint, which keeps one copy of identical keys, keeps every rank's position.
         """
         return {
-            self._rank_key: {**self._position, "samples": self._samples, "num_shards": self.source.num_shards},
+            self._rank_key: {
+                **self._position,
+                "samples": self._samples,
+                "num_shards": self.source.num_shards,
+            },
             "dp_world": self.dp_world,
             "seed": self.seed,
         }
@@ -137,23 +161,45 @@ class PackedDataLoader:
         rank: resuming data with a different data-parallel layout is not supported (start the data fresh
         instead, by not loading this state).
         """
-        saved_world, saved_seed = int(state_dict.get("dp_world", -1)), int(state_dict.get("seed", -1))
+        saved_world, saved_seed = (
+            int(state_dict.get("dp_world", -1)),
+            int(state_dict.get("seed", -1)),
+        )
         if (saved_world, saved_seed) != (self.dp_world, self.seed):
-            raise ValueError(f"dataloader state was saved with dp_world={saved_world}, seed={saved_seed}; "
-                             f"this loader has dp_world={self.dp_world}, seed={self.seed}")
+            raise ValueError(
+                f"dataloader state was saved with dp_world={saved_world}, seed={saved_seed}; "
+                f"this loader has dp_world={self.dp_world}, seed={self.seed}"
+            )
         if self._rank_key not in state_dict:
-            raise ValueError(f"dataloader state has no entry {self._rank_key!r} (keys: {sorted(state_dict)})")
+            raise ValueError(
+                f"dataloader state has no entry {self._rank_key!r} (keys: {sorted(state_dict)})"
+            )
         rank_state = {k: int(v) for k, v in state_dict[self._rank_key].items()}
         if rank_state["num_shards"] != self.source.num_shards:
-            raise ValueError(f"dataloader state was saved for a dataset of {rank_state['num_shards']} shards; "
-                             f"{self.source.spec!r} now has {self.source.num_shards}")
-        self._set_position({k: rank_state[k] for k in _POSITION_KEYS}, samples=rank_state["samples"])
+            raise ValueError(
+                f"dataloader state was saved for a dataset of {rank_state['num_shards']} shards; "
+                f"{self.source.spec!r} now has {self.source.num_shards}"
+            )
+        self._set_position(
+            {k: rank_state[k] for k in _POSITION_KEYS}, samples=rank_state["samples"]
+        )
 
 
-def build_dataloader(tokenizer: str | Tokenizer, dataset: str, seq_len: int, local_batch_size: int,
-                     dp_rank: int = 0, dp_world: int = 1, seed: int = 0, *, text_field: str = "text",
-                     split: str | None = "train", shuffle: bool = True, infinite: bool = True,
-                     txt_split: str = "paragraph") -> PackedDataLoader:
+def build_dataloader(
+    tokenizer: str | Tokenizer,
+    dataset: str,
+    seq_len: int,
+    local_batch_size: int,
+    dp_rank: int = 0,
+    dp_world: int = 1,
+    seed: int = 0,
+    *,
+    text_field: str = "text",
+    split: str | None = "train",
+    shuffle: bool = True,
+    infinite: bool = True,
+    txt_split: str = "paragraph",
+) -> PackedDataLoader:
     """The packed dataloader of dp rank ``dp_rank`` of ``dp_world`` over ``dataset``.
 
     ``tokenizer``: a ``Tokenizer``, an HF tokenizer directory / ``tokenizer.json`` path, or ``"embedded"``.
@@ -163,5 +209,14 @@ def build_dataloader(tokenizer: str | Tokenizer, dataset: str, seq_len: int, loc
     """
     tok = tokenizer if isinstance(tokenizer, Tokenizer) else build_tokenizer(tokenizer)
     source = DocumentSource(dataset, text_field=text_field, split=split, txt_split=txt_split)
-    return PackedDataLoader(source, tok, seq_len, local_batch_size, dp_rank=dp_rank, dp_world=dp_world,
-                            seed=seed, shuffle=shuffle, infinite=infinite)
+    return PackedDataLoader(
+        source,
+        tok,
+        seq_len,
+        local_batch_size,
+        dp_rank=dp_rank,
+        dp_world=dp_world,
+        seed=seed,
+        shuffle=shuffle,
+        infinite=infinite,
+    )

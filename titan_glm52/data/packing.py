@@ -37,8 +37,10 @@ def pack_row(pieces: Sequence[Sequence[int]], seq_len: int) -> dict[str, torch.T
     """
     lengths = np.array([len(p) for p in pieces], dtype=np.int64)
     if lengths.sum() != seq_len + 1 or (lengths == 0).any():
-        raise ValueError(f"pieces must be non-empty and hold seq_len + 1 = {seq_len + 1} tokens, "
-                         f"got lengths {lengths.tolist()}")
+        raise ValueError(
+            f"pieces must be non-empty and hold seq_len + 1 = {seq_len + 1} tokens, "
+            f"got lengths {lengths.tolist()}"
+        )
     tokens = np.concatenate([np.asarray(p, dtype=np.int64) for p in pieces])
     starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
     ends = starts + lengths  # exclusive, in [1, seq_len + 1]

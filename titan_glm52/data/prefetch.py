@@ -25,7 +25,9 @@ class Prefetcher:
 
     def __init__(self, loader, depth: int = 1, pin_memory: bool = False) -> None:
         if depth < 1:
-            raise ValueError(f"Prefetcher depth must be >= 1 (got {depth}); use the loader itself for none")
+            raise ValueError(
+                f"Prefetcher depth must be >= 1 (got {depth}); use the loader itself for none"
+            )
         self.loader, self.depth, self.pin_memory = loader, depth, pin_memory
         self._state = copy.deepcopy(loader.state_dict())
         self._thread: threading.Thread | None = None
@@ -56,8 +58,12 @@ class Prefetcher:
     def _start(self) -> None:
         self._stop.clear()
         self._queue = queue.Queue(maxsize=self.depth)
-        self._thread = threading.Thread(target=self._produce, args=(self._queue, self._stop), daemon=True,
-                                        name="titan-glm52-prefetch")
+        self._thread = threading.Thread(
+            target=self._produce,
+            args=(self._queue, self._stop),
+            daemon=True,
+            name="titan-glm52-prefetch",
+        )
         self._thread.start()
 
     def _produce(self, q: queue.Queue, stop: threading.Event) -> None:
@@ -65,7 +71,10 @@ class Prefetcher:
             try:
                 batch = next(self.loader)
                 if self.pin_memory:
-                    batch = {k: v.pin_memory() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+                    batch = {
+                        k: v.pin_memory() if isinstance(v, torch.Tensor) else v
+                        for k, v in batch.items()
+                    }
                 item = (batch, copy.deepcopy(self.loader.state_dict()))
             except StopIteration:
                 item = _END

@@ -31,7 +31,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-EMBEDDED_ASSETS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets")
+EMBEDDED_ASSETS_DIR = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets"
+)
 EMBEDDED_DATASETS = {
     "embedded": os.path.join(EMBEDDED_ASSETS_DIR, "corpus.jsonl"),
     "embedded_val": os.path.join(EMBEDDED_ASSETS_DIR, "corpus_val.jsonl"),
@@ -92,11 +94,15 @@ def resolve_paths(spec: str) -> list[str]:
                 paths.append(match)
     bad = [p for p in paths if not (_is_hf_dir(p) or p.endswith(SUFFIXES))]
     if bad:
-        raise ValueError(f"unsupported data file(s) {bad[:3]}: expected {', '.join(SUFFIXES)} "
-                         f"or a directory written by datasets.save_to_disk")
+        raise ValueError(
+            f"unsupported data file(s) {bad[:3]}: expected {', '.join(SUFFIXES)} "
+            f"or a directory written by datasets.save_to_disk"
+        )
     if not paths:
-        raise FileNotFoundError(f"dataset {spec!r} matches no {'/'.join(SUFFIXES)} file, saved HF dataset "
-                                f"or embedded name ({', '.join(EMBEDDED_DATASETS)})")
+        raise FileNotFoundError(
+            f"dataset {spec!r} matches no {'/'.join(SUFFIXES)} file, saved HF dataset "
+            f"or embedded name ({', '.join(EMBEDDED_DATASETS)})"
+        )
     return sorted(dict.fromkeys(paths))
 
 
@@ -109,9 +115,15 @@ def _rng(seed: int, *parts: object) -> np.random.Generator:
 class DocumentSource:
     """Shards of documents from local files, with a deterministic per-epoch order."""
 
-    def __init__(self, spec: str, text_field: str = "text", split: str | None = "train",
-                 txt_split: str = "paragraph", jsonl_chunk_bytes: int = JSONL_CHUNK_BYTES,
-                 hf_chunk_rows: int = HF_CHUNK_ROWS):
+    def __init__(
+        self,
+        spec: str,
+        text_field: str = "text",
+        split: str | None = "train",
+        txt_split: str = "paragraph",
+        jsonl_chunk_bytes: int = JSONL_CHUNK_BYTES,
+        hf_chunk_rows: int = HF_CHUNK_ROWS,
+    ):
         """Index the shards of ``spec`` (see ``resolve_paths``); file contents are read later, per shard.
 
         ``text_field`` is the jsonl key / parquet column / HF column; ``split`` picks the split of a saved
@@ -135,17 +147,25 @@ class DocumentSource:
     def _index(self, path: str, chunk_bytes: int, chunk_rows: int) -> list[Shard]:
         if _is_hf_dir(path):
             ds = self._hf_dataset(path)
-            return [Shard("hf", path, a, min(a + chunk_rows, len(ds))) for a in range(0, len(ds), chunk_rows)]
+            return [
+                Shard("hf", path, a, min(a + chunk_rows, len(ds)))
+                for a in range(0, len(ds), chunk_rows)
+            ]
         if path.endswith(".txt"):
             return [Shard("txt", path)]
         if path.endswith(".jsonl"):
             size = os.path.getsize(path)
-            return [Shard("jsonl", path, a, min(a + chunk_bytes, size)) for a in range(0, size, chunk_bytes)]
+            return [
+                Shard("jsonl", path, a, min(a + chunk_bytes, size))
+                for a in range(0, size, chunk_bytes)
+            ]
         import pyarrow.parquet as pq
 
         meta = pq.ParquetFile(path)
         if self.text_field not in meta.schema_arrow.names:
-            raise KeyError(f"{path}: no column {self.text_field!r} (columns: {meta.schema_arrow.names})")
+            raise KeyError(
+                f"{path}: no column {self.text_field!r} (columns: {meta.schema_arrow.names})"
+            )
         return [Shard("parquet", path, g, g + 1) for g in range(meta.num_row_groups)]
 
     def _hf_dataset(self, path: str):
@@ -158,7 +178,9 @@ class DocumentSource:
                     raise KeyError(f"{path}: no split {self.split!r} (splits: {list(ds)})")
                 ds = ds[self.split]
             if self.text_field not in ds.column_names:
-                raise KeyError(f"{path}: no column {self.text_field!r} (columns: {ds.column_names})")
+                raise KeyError(
+                    f"{path}: no column {self.text_field!r} (columns: {ds.column_names})"
+                )
             self._hf[path] = ds.select_columns([self.text_field])
         return self._hf[path]
 
@@ -182,13 +204,17 @@ class DocumentSource:
         elif shard.kind == "parquet":
             import pyarrow.parquet as pq
 
-            table = pq.ParquetFile(shard.path).read_row_group(shard.start, columns=[self.text_field])
+            table = pq.ParquetFile(shard.path).read_row_group(
+                shard.start, columns=[self.text_field]
+            )
             texts = table.column(self.text_field).to_pylist()
         else:
-            texts = self._hf_dataset(shard.path)[shard.start:shard.stop][self.text_field]
+            texts = self._hf_dataset(shard.path)[shard.start : shard.stop][self.text_field]
         for t in texts:
             if t is not None and not isinstance(t, str):
-                raise TypeError(f"{shard.path}: field {self.text_field!r} holds {type(t).__name__}, not text")
+                raise TypeError(
+                    f"{shard.path}: field {self.text_field!r} holds {type(t).__name__}, not text"
+                )
         return [t for t in texts if t is not None and t.strip()]
 
     def _load_jsonl(self, shard: Shard) -> list[str]:
@@ -218,7 +244,9 @@ class DocumentSource:
         return _rng(seed, epoch, "shards").permutation(self.num_shards).tolist()
 
     @staticmethod
-    def document_order(shard: int, num_docs: int, epoch: int, seed: int, shuffle: bool) -> list[int]:
+    def document_order(
+        shard: int, num_docs: int, epoch: int, seed: int, shuffle: bool
+    ) -> list[int]:
         """Indices into ``load(shard)`` in the order epoch ``epoch`` reads them."""
         if not shuffle:
             return list(range(num_docs))

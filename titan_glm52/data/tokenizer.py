@@ -12,8 +12,9 @@ import os
 from typing import Any, Sequence
 
 EMBEDDED = "embedded"
-EMBEDDED_TOKENIZER_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                      "assets", "tokenizer")
+EMBEDDED_TOKENIZER_DIR = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets", "tokenizer"
+)
 
 # Tried in order when no config file names the eos token.
 _EOS_FALLBACKS = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eos|>", "[SEP]")
@@ -57,8 +58,10 @@ class Tokenizer:
         else:
             directory, file = os.path.dirname(path), path
         if not os.path.isfile(file):
-            raise FileNotFoundError(f"no tokenizer.json at {file!r} (give an HF tokenizer directory, "
-                                    f"the path of a tokenizer.json, or {EMBEDDED!r})")
+            raise FileNotFoundError(
+                f"no tokenizer.json at {file!r} (give an HF tokenizer directory, "
+                f"the path of a tokenizer.json, or {EMBEDDED!r})"
+            )
         self.path = file
         self._tok = HFTokenizer.from_file(file)
         self._tok.no_padding()
@@ -75,12 +78,16 @@ class Tokenizer:
         if eos is None:
             eos = next((t for t in _EOS_FALLBACKS if self._tok.token_to_id(t) is not None), None)
             if eos is None:
-                raise ValueError(f"{file}: no eos token in tokenizer_config.json/special_tokens_map.json and "
-                                 f"none of {_EOS_FALLBACKS} is in the vocabulary")
+                raise ValueError(
+                    f"{file}: no eos token in tokenizer_config.json/special_tokens_map.json and "
+                    f"none of {_EOS_FALLBACKS} is in the vocabulary"
+                )
         self.eos_token: str = eos
         self.eos_id: int = self._id_of(eos, "eos")
         self.bos_token: str | None = tokens["bos_token"]
-        self.bos_id: int | None = None if self.bos_token is None else self._id_of(self.bos_token, "bos")
+        self.bos_id: int | None = (
+            None if self.bos_token is None else self._id_of(self.bos_token, "bos")
+        )
         self.pad_token: str = tokens["pad_token"] if tokens["pad_token"] is not None else eos
         self.pad_id: int = self._id_of(self.pad_token, "pad")
 
@@ -108,8 +115,10 @@ class Tokenizer:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def __repr__(self) -> str:
-        return (f"Tokenizer({self.path!r}, vocab_size={self.vocab_size}, eos={self.eos_token!r}:{self.eos_id}, "
-                f"bos={self.bos_token!r}:{self.bos_id}, pad={self.pad_token!r}:{self.pad_id})")
+        return (
+            f"Tokenizer({self.path!r}, vocab_size={self.vocab_size}, eos={self.eos_token!r}:{self.eos_id}, "
+            f"bos={self.bos_token!r}:{self.bos_id}, pad={self.pad_token!r}:{self.pad_id})"
+        )
 
 
 def build_tokenizer(path: str = EMBEDDED) -> Tokenizer:

@@ -307,8 +307,9 @@ def indexer_topk(
 
     ``max_len``: the longest document's length, when the caller knows it on the host (the model's
     packed context does); then ``cu_seqlens`` is taken as valid and the call makes no device-to-host
-    copy. ``gluon``: True scores with the warp-specialised Gluon kernel (``indexer_topk_ws``) where
-    it applies (CUDA sm_90, 32 heads of 128 in bf16, not under the interpreter) and with the Triton
+    copy.
+    ``gluon``: True scores with the warp-specialised Gluon kernel (``indexer_topk_ws``) where it
+    applies (CUDA sm_90, 32 heads of 128 in bf16, not under the interpreter) and with the Triton
     kernel elsewhere; False with the Triton kernel only (the same scores, so the same selection)."""
     total, h_i, d_i = q.shape
     if k.shape != (total, d_i) or weights.shape != (total, h_i):

@@ -44,17 +44,14 @@ class AuxTerms:
 
     In:
         tokens: the indexer KL's normaliser, the step's valid tokens over all ranks (the
-        cross-entropy's): the
-            gradient attached is ``indexer_loss_coeff * KL_sum / tokens``.
+            cross-entropy's): the gradient attached is ``indexer_loss_coeff * KL_sum / tokens``.
         sequences: the sequence balance loss's normaliser, the step's sequences over all ranks.
         recall_queries: > 0 measures the top-k recall of layer 0 on that many queries (a metric).
     Out (detached, summed over forwards; activation-checkpoint recomputes are not counted again):
         indexer_kl: layer id -> that layer's indexer KL summed over its tokens (empty: no layer
-        trained its
-            indexer; ``indexer_kl_sum`` adds the layers up).
+            trained its indexer; ``indexer_kl_sum`` adds the layers up).
         seq_aux: the sequence balance loss as added to the loss (``seq_aux_loss_coeff`` x the loss
-        summed over
-            sequences / ``sequences``), summed over MoE layers (None: off).
+            summed over sequences / ``sequences``), summed over MoE layers (None: off).
         recall: layer 0's top-k recall (None: not measured).
     """
 

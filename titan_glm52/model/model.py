@@ -26,6 +26,7 @@ from titan_glm52.model.attention import Attention, DenseMasked, DensePrefix, Pac
 from titan_glm52.model.moe import MoE, FeedForward
 from titan_glm52.model.norms import RMSNorm
 from titan_glm52.model.options import ModelOptions
+from titan_glm52.model.recompute import token_chunked
 from titan_glm52.model.aux_loss import AuxTerms
 from titan_glm52.model.rope import rope_cos_sin
 from titan_glm52.packed import check_cu_seqlens, doc_positions
@@ -46,12 +47,18 @@ class Block(nn.Module):
             self.moe = MoE(args, options)
         else:
             self.feed_forward = FeedForward(args.hidden_size, args.intermediate_size)
+        self.mlp_token_chunk = options.mlp_token_chunk
 
     def forward(self, h: torch.Tensor, ctx: PackedContext, topk: torch.Tensor | None):
         a, topk = self.attention(self.attention_norm(h), ctx, topk)
         h = h + a
         m = self.ffn_norm(h)
-        h = h + (self.moe(m, ctx.batch, ctx.aux) if self.moe_enabled else self.feed_forward(m))
+        if self.moe_enabled:
+            h = h + self.moe(m, ctx.batch, ctx.aux)
+        elif self.mlp_token_chunk and m.shape[0] > self.mlp_token_chunk and torch.is_grad_enabled():
+            h = h + token_chunked(self.feed_forward, self.mlp_token_chunk, m)  # bounded memory
+        else:
+            h = h + self.feed_forward(m)
         return h, topk
 
 

@@ -22,7 +22,7 @@ from titan_glm52.model.aux_loss import AuxTerms, in_backward
 from titan_glm52.model.expert_mm import expert_mm
 from titan_glm52.model.fp32_linear import linear_fp32
 from titan_glm52.model.options import ModelOptions
-from titan_glm52.model.recompute import RecomputeSaved, can_recompute
+from titan_glm52.model.recompute import RecomputeSaved, can_recompute, token_chunked
 
 
 class FeedForward(nn.Module):
@@ -382,6 +382,7 @@ class MoE(nn.Module):
         )
         # The sequence-level balance loss (DeepSeek-V3) where the coefficient is > 0.
         self.seq_aux_loss_coeff = options.seq_aux_loss_coeff
+        self.token_chunk = options.mlp_token_chunk  # [activation_checkpoint] mlp_token_chunk
 
     def seq_aux_loss(self, scores: torch.Tensor, idx: torch.Tensor, batch: int) -> torch.Tensor:
         """``sum over sequences of sum_i f_i * P_i`` with ``f_i = E / (k S) * (tokens of the
@@ -393,6 +394,30 @@ class MoE(nn.Module):
         p = (scores / scores.sum(-1, keepdim=True)).view(batch, seq, e).mean(1)
         return (f.detach() * p).sum()
 
+    def _routed(
+        self,
+        x: torch.Tensor,
+        idx: torch.Tensor,
+        weights: torch.Tensor,
+        counts: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The routed experts' part of the output for tokens ``x [n, D]`` with choices ``idx [n,
+        k]`` and combine weights ``weights [n, k]``."""
+        flat = idx.reshape(-1)
+        counts = expert_counts(flat, self.num_experts) if counts is None else counts
+        order = torch.argsort(flat, stable=True)
+        token_of = order // idx.shape[1]
+        pos = token_positions(order, idx.shape[1])
+        routed = self.experts(dispatch_rows(x, token_of, pos), counts, gathered_from=(x, token_of))
+        return combine_routed(routed, weights, order, x.dtype, pos)
+
+    def _experts_of_tokens(
+        self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        """The routed and the shared experts' output for tokens ``x`` routed by ``idx`` /
+        ``weights``."""
+        return self._routed(x, idx, weights) + self.shared_experts(x)
+
     def forward(self, x: torch.Tensor, batch: int = 1, aux: AuxTerms | None = None) -> torch.Tensor:
         """``x [N, D]`` (``batch`` sequences of N / batch tokens) -> ``[N, D]``. The sequence
         balance loss is attached with ``aux``'s normaliser and recorded there (``AuxTerms``)."""
@@ -403,11 +428,13 @@ class MoE(nn.Module):
         if not in_backward():
             with torch.no_grad():
                 self.tokens_per_expert += counts.to(self.tokens_per_expert.dtype)
-        order = torch.argsort(flat, stable=True)
-        token_of = order // k
-        pos = token_positions(order, k)
-        routed = self.experts(dispatch_rows(x, token_of, pos), counts, gathered_from=(x, token_of))
-        out = combine_routed(routed, weights, order, x.dtype, pos) + self.shared_experts(x)
+        chunk = self.token_chunk
+        if (
+            chunk and x.shape[0] > chunk and torch.is_grad_enabled()
+        ):  # long sequences: bounded memory
+            out = token_chunked(self._experts_of_tokens, chunk, x, idx, weights)
+        else:
+            out = self._routed(x, idx, weights, counts) + self.shared_experts(x)
         if self.seq_aux_loss_coeff > 0 and torch.is_grad_enabled():
             aux = AuxTerms() if aux is None else aux
             out = aux.attach_seq_aux(

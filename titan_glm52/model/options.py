@@ -18,36 +18,35 @@ TRAINABLE = ("all", "indexers", "all_but_indexers")
 
 @dataclass(frozen=True)
 class ModelOptions:
-    """Attributes: dsa_backend: "torch" (the reference, any device) or "triton" (the DSA kernels;
-    CUDA, or the Triton
-        interpreter on CPU).
-    gluon_kernels: with "triton" on Hopper, the warp-specialised Gluon kernels for the sparse MLA
-    and the
-        indexer scoring where they apply; False runs the Triton kernels only (``[dsa]
-        gluon_kernels``).
-    sparse_attention: top-k attention (the DSA sparse stage); False is dense causal attention over
-    each
-        document (the DSA dense warm-up).
-    dense_prefix: the first ``index_topk`` rows of each long enough document run on a dense causal
-    kernel
-        (``[dsa] dense_prefix``; same math).
-    dense_masked_ratio: documents up to this many times ``index_topk`` tokens run their later rows
-    on a
-        masked dense kernel (``[dsa] dense_masked_ratio``; 0 = off).
-    recompute_latent_query: the sparse attention's backward rebuilds its latent query
-        (``[dsa] recompute_latent_query``).
-    indexer_loss_coeff: weight of the indexer KL loss (``[dsa] indexer_loss_coeff``); > 0 trains the
-        indexers from it, with the per-step normaliser given by ``AuxTerms.tokens``.
-    seq_aux_loss_coeff: weight of the MoE sequence-level balance loss (``[moe]
-    seq_aux_loss_coeff``), with
-        the normaliser ``AuxTerms.sequences``; 0 = off.
-    grouped_mm: the routed experts' products as one ``torch._grouped_mm`` (True), one GEMM per
-    expert
-        (False), or chosen per call by size (None; ``[moe] grouped_mm``).
-    recompute_expert_inputs: the routed experts rebuild their GEMM inputs in backward
-        (``[moe] recompute_expert_inputs``).
-    trainable: which parameters train: "all", "indexers" (the dense warm-up) or "all_but_indexers"
-        (``[dsa] freeze_indexer``).
+    """How one run computes the model (module docstring).
+
+    Attributes:
+        dsa_backend: "torch" (the reference, any device) or "triton" (the DSA kernels; CUDA, or the
+            Triton interpreter on CPU).
+        gluon_kernels: with "triton" on Hopper, the warp-specialised Gluon kernels for the sparse
+            MLA and the indexer scoring where they apply; False runs the Triton kernels only
+            (``[dsa] gluon_kernels``).
+        sparse_attention: top-k attention (the DSA sparse stage); False is dense causal attention
+            over each document (the DSA dense warm-up).
+        dense_prefix: the first ``index_topk`` rows of each long enough document run on a dense
+            causal kernel (``[dsa] dense_prefix``; same math).
+        dense_masked_ratio: documents up to this many times ``index_topk`` tokens run their later
+            rows on a masked dense kernel (``[dsa] dense_masked_ratio``; 0 = off).
+        recompute_latent_query: the sparse attention's backward rebuilds its latent query
+            (``[dsa] recompute_latent_query``).
+        indexer_loss_coeff: weight of the indexer KL loss (``[dsa] indexer_loss_coeff``); > 0 trains
+            the indexers from it, with the per-step normaliser given by ``AuxTerms.tokens``.
+        seq_aux_loss_coeff: weight of the MoE sequence-level balance loss (``[moe]
+            seq_aux_loss_coeff``), with the normaliser ``AuxTerms.sequences``; 0 = off.
+        grouped_mm: the routed experts' products as one ``torch._grouped_mm`` (True), one GEMM per
+            expert (False), or chosen per call by size (None; ``[moe] grouped_mm``).
+        recompute_expert_inputs: the routed experts rebuild their GEMM inputs in backward
+            (``[moe] recompute_expert_inputs``).
+        mlp_token_chunk: > 0 runs each MLP (dense, or the routed and shared experts) over chunks of
+            that many tokens, each recomputed in backward (``[activation_checkpoint]
+            mlp_token_chunk``; long sequences); 0 runs the whole batch at once.
+        trainable: which parameters train: "all", "indexers" (the dense warm-up) or
+            "all_but_indexers" (``[dsa] freeze_indexer``).
     """
 
     # DSA attention.
@@ -63,6 +62,7 @@ class ModelOptions:
     # MoE.
     grouped_mm: bool | None = None
     recompute_expert_inputs: bool = True
+    mlp_token_chunk: int = 0
     # Training.
     trainable: Literal["all", "indexers", "all_but_indexers"] = "all"
 

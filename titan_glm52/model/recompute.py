@@ -5,6 +5,7 @@ experts' GEMM inputs, ``[moe] recompute_expert_inputs``; the sparse attention's 
 from __future__ import annotations
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 
 def can_recompute() -> bool:
@@ -87,3 +88,26 @@ class Recipe:
         if self._left <= 0:
             self._cached = None
         return out
+
+
+def token_chunked(fn, chunk: int, *rows: torch.Tensor) -> torch.Tensor:
+    """``fn(*rows)`` for row-wise ``fn`` (``rows`` share their first dimension), computed over
+    chunks of ``chunk`` rows, each under activation checkpointing: forward and backward hold one
+    chunk's intermediates and their gradients at a time instead of all rows' (an MLP at 128K
+    tokens), and a chunk is recomputed in backward. Row for row the same products; weight gradients
+    are summed chunk by chunk. Eager (a host loop with checkpoints in it): compiled callers run it
+    as it is."""
+    return _token_chunked(fn, chunk, *rows)
+
+
+def _chunks(fn, chunk: int, *rows: torch.Tensor) -> torch.Tensor:
+    outs = [
+        checkpoint(
+            fn, *(r[a : a + chunk] for r in rows), use_reentrant=False, preserve_rng_state=False
+        )
+        for a in range(0, rows[0].shape[0], chunk)
+    ]
+    return torch.cat(outs)
+
+
+_token_chunked = torch.compiler.disable(_chunks)
