@@ -241,3 +241,17 @@ def test_valid_lora_configs_pass():
     cfg.activation_checkpoint.mode = "none"
     validate(cfg)
     validate(JobConfig())  # and without LoRA nothing of it is checked
+
+
+def test_dropout_drops_the_adapter_input_in_training_only():
+    layer = LoRALinear(torch.nn.Linear(16, 8, bias=False), rank=2, scale=0.5, dropout=0.5)
+    torch.nn.init.normal_(layer.lora_B.weight)
+    x = torch.randn(64, 16)
+    layer.eval()
+    torch.testing.assert_close(layer(x), x @ layer.effective_weight().T)
+    layer.train()
+    torch.manual_seed(0)
+    dropped = layer(x)
+    base = x @ layer.weight.T
+    assert not torch.allclose(dropped, x @ layer.effective_weight().T)
+    assert not torch.allclose(dropped, base)
