@@ -49,11 +49,8 @@ class TrainState:
 
 
 RUN_RECORD = "titan_glm52_run.json"  # in every step folder: what a resume must match
-RECORD_CHECKED = (
-    "model",
-    "mtp",
-    "data",
-)  # (its "layout" is for the reader: DCP reshards the parameters)
+# What a resume must match ("layout" is recorded for the reader: DCP reshards the parameters)
+RECORD_CHECKED = ("model", "mtp", "data", "lora")
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
@@ -270,6 +267,18 @@ def run_record(
     }
 
 
+class _TrainableModel(tt_checkpoint.ModelWrapper):
+    """The model's state in a checkpoint restricted to its trainable parameters (LoRA: the
+    adapters; the frozen base comes from ``checkpoint.initial_load_path`` or the seeded init at
+    every start)."""
+
+    def _get_state_dict(self) -> dict:
+        trainable = {
+            name for part in self.model for name, p in part.named_parameters() if p.requires_grad
+        }
+        return {k: v for k, v in super()._get_state_dict().items() if k in trainable}
+
+
 def build_checkpointer(
     cfg: JobConfig,
     model_parts: list[nn.Module],
@@ -278,14 +287,16 @@ def build_checkpointer(
     dataloader,
     state: TrainState,
     record: dict,
+    trainable_only: bool = False,
 ) -> CheckpointManager:
     """The DCP manager of a job, with ``run_record(...)`` written into every checkpoint. The initial
     HF load and the final HF export are done by ``initial_load`` and ``export_hf``, so torchtitan's
-    own HF paths are switched off here."""
+    own HF paths are switched off here. ``trainable_only`` (LoRA): checkpoints hold the trainable
+    parameters of the model only."""
     ckpt_cfg = dataclasses.replace(
         cfg.checkpoint, initial_load_path=None, initial_load_in_hf=False, last_save_in_hf=False
     )
-    return CheckpointManager(
+    manager = CheckpointManager(
         run_record=record,
         start_fresh=cfg.checkpoint.start_fresh_if_unusable,
         dataloader=dataloader,
@@ -297,6 +308,9 @@ def build_checkpointer(
         sd_adapter=None,
         base_folder=cfg.job.dump_folder,
     )
+    if trainable_only:
+        manager.states[tt_checkpoint.MODEL] = _TrainableModel(model_parts)
+    return manager
 
 
 def initial_load(model_parts: list[nn.Module], path: str, in_hf: bool, pipelined: bool) -> None:

@@ -23,6 +23,7 @@ from torchtitan.config import ConfigManager
 from torchtitan.config import job_config as tt
 
 from titan_glm52.errors import ConfigError
+from titan_glm52.lora import ATTENTION_TARGETS, LoRASpec, target_refusal
 from titan_glm52.model.args import GLM52ModelArgs, get_flavor
 from titan_glm52.model.options import ModelOptions
 from titan_glm52.parallelize import AC_MODES, RESHARD_POLICIES
@@ -268,6 +269,47 @@ class Faults:
 
 
 @dataclass
+class LoRA:
+    enable: bool = False
+    """Fine-tune LoRA adapters instead of the model: every base parameter is frozen (no gradient,
+    no optimizer state, no fp32 master: kept in the compute dtype), and each target projection
+    gets ``W + (alpha / rank) B A`` with trained ``A [rank, in]`` and ``B [out, rank]`` (B starts
+    at 0). DCP checkpoints then hold the adapters only; the base weights come from
+    ``checkpoint.initial_load_path`` (or the seeded init) at every start, resumes included. At the
+    end the adapters are written in PEFT's format to ``<dump_folder>/adapters/step-N``, and
+    ``checkpoint.last_save_in_hf`` exports the merged model."""
+
+    rank: int = 16
+    """The adapters' rank r."""
+
+    alpha: float = 32.0
+    """The scaling numerator: the update is (alpha / rank) B A (alpha / sqrt(rank) with
+    use_rslora)."""
+
+    dropout: float = 0.0
+    """Dropout on each adapter's input (training only). Not with kv_b_proj (the attention folds
+    its weight into the queries, where there is no input to drop) nor with activation
+    checkpointing (its recompute would draw other masks)."""
+
+    use_rslora: bool = False
+    """Rank-stabilised LoRA: scale alpha / sqrt(rank) instead of alpha / rank."""
+
+    target_modules: list[str] = field(default_factory=lambda: list(ATTENTION_TARGETS))
+    """The adapted projections by their HF module names, as PEFT's target_modules: attention
+    q_a_proj, q_b_proj, kv_a_proj_with_mqa, kv_b_proj, o_proj (the default); MLP gate_proj,
+    up_proj, down_proj (the dense layers' MLPs and the MoE layers' shared expert). The routed
+    experts, the indexer, the router, the embedding and the head are refused (docs/fine_tuning.md
+    says why); the MTP layer gets no adapters."""
+
+    save_at_checkpoints: bool = False
+    """Also write the PEFT adapter at every DCP checkpoint (``<dump_folder>/adapters/step-N``)."""
+
+    base_model_name_or_path: str | None = None
+    """``base_model_name_or_path`` of the written adapter_config.json (e.g. a hub id); unset:
+    checkpoint.initial_load_path."""
+
+
+@dataclass
 class JobConfig(tt.JobConfig):
     model: Model = field(default_factory=Model)
     training: Training = field(default_factory=Training)
@@ -280,6 +322,7 @@ class JobConfig(tt.JobConfig):
     moe: MoE = field(default_factory=MoE)
     mtp: MTP = field(default_factory=MTP)
     faults: Faults = field(default_factory=Faults)
+    lora: LoRA = field(default_factory=LoRA)
 
 
 def _refuse(key: str, why: str) -> None:
@@ -554,6 +597,48 @@ def validate(cfg: JobConfig, world_size: int | None = None, device_type: str | N
             microbatches(cfg.training.local_batch_size, p.pipeline_parallel_microbatch_size)
         except ValueError as e:
             _refuse("parallelism.pipeline_parallel_microbatch_size", str(e))
+    if cfg.lora.enable:
+        _validate_lora(cfg)
+
+
+def _validate_lora(cfg: JobConfig) -> None:
+    """The ``[lora]`` section's values and what LoRA cannot be combined with."""
+    lo = cfg.lora
+    if lo.rank < 1:
+        _refuse("lora.rank", f"{lo.rank}: must be >= 1")
+    if lo.alpha <= 0:
+        _refuse("lora.alpha", f"{lo.alpha}: must be > 0")
+    if not 0 <= lo.dropout < 1:
+        _refuse("lora.dropout", f"{lo.dropout}: must be in [0, 1)")
+    if not lo.target_modules:
+        _refuse("lora.target_modules", f"empty; name some of {list(ATTENTION_TARGETS)}")
+    for name in lo.target_modules:
+        if (why := target_refusal(name)) is not None:
+            _refuse("lora.target_modules", why)
+    if lo.dropout > 0 and "kv_b_proj" in lo.target_modules:
+        _refuse(
+            "lora.dropout",
+            "the attention folds kv_b_proj's weight into the queries (absorbed MLA), where no "
+            "input exists to drop: set dropout = 0 or remove kv_b_proj from lora.target_modules",
+        )
+    if lo.dropout > 0 and cfg.activation_checkpoint.mode != "none":
+        _refuse(
+            "lora.dropout",
+            "activation checkpointing recomputes without the forward's dropout masks: set "
+            "dropout = 0 or activation_checkpoint.mode = 'none'",
+        )
+    if cfg.dsa.mode != "sparse" or cfg.dsa.indexer_loss_coeff > 0:
+        _refuse(
+            "dsa.indexer_loss_coeff",
+            "with lora.enable the indexers are frozen with the base model: set "
+            "dsa.indexer_loss_coeff = 0 and dsa.mode = 'sparse'",
+        )
+    if cfg.moe.bias_update_rate != 0:
+        _refuse(
+            "moe.bias_update_rate",
+            "with lora.enable the routing bias belongs to the frozen base model, which the "
+            "adapter does not carry: set it to 0",
+        )
 
 
 def model_args(cfg: JobConfig) -> GLM52ModelArgs:
@@ -727,6 +812,22 @@ def _check_types_and_ranges(cfg: JobConfig) -> None:
                 if (low is not None and value < low) or (high is not None and value > high):
                     bounds = f">= {low}" if high is None else f"in [{low}, {high}]"
                     _refuse(key, f"{value} is out of range: must be {bounds}")
+
+
+def lora_spec(cfg: JobConfig, base_dtype) -> LoRASpec | None:
+    """The job's LoRA adapters (None without ``lora.enable``), the frozen base kept in
+    ``base_dtype`` (the compute dtype)."""
+    lo = cfg.lora
+    if not lo.enable:
+        return None
+    return LoRASpec(
+        rank=lo.rank,
+        alpha=lo.alpha,
+        dropout=lo.dropout,
+        target_modules=tuple(lo.target_modules),
+        use_rslora=lo.use_rslora,
+        base_dtype=base_dtype,
+    )
 
 
 class _ConfigManager(ConfigManager):

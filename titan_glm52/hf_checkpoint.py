@@ -30,6 +30,7 @@ from titan_glm52.fp8_checkpoint import (
     quantize_hf_tensors,
     read_format,
 )
+from titan_glm52.lora import adapter_scales, is_adapter_key, merge_adapters
 from titan_glm52.model.args import GLM52ModelArgs
 from titan_glm52.model.init import local_view
 from titan_glm52.model.model import GLM52Model
@@ -81,7 +82,8 @@ def load_hf_state(model: GLM52Model, hf_dir: str, partial: bool = False) -> None
         if getattr(model, "mtp", None) is not None
         else f"model.layers.{args.num_hidden_layers}."
     )
-    targets = dict(model.named_parameters())
+    # LoRA adapters are not part of the base checkpoint (they are initialised or resumed apart)
+    targets = {k: v for k, v in model.named_parameters() if not is_adapter_key(k)}
     targets.update({k: v for k, v in model.named_buffers() if "tokens_per_expert" not in k})
     seen: dict[str, set[ExpertSlice] | bool] = {}  # per 3-D weight: the per-expert slices copied
     with _Checkpoint(hf_dir) as ckpt:
@@ -272,7 +274,8 @@ def save_hf_model(
     args = model.args
     if model.mtp is None and args.num_nextn_predict_layers:
         args = args.replace(num_nextn_predict_layers=0)
-    save_hf_state(model.state_dict(), args, out_dir, dtype, max_shard_bytes, fp8)
+    state = merge_adapters(model.state_dict(), adapter_scales(model))
+    save_hf_state(state, args, out_dir, dtype, max_shard_bytes, fp8)
 
 
 def save_hf_state(

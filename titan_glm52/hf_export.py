@@ -15,6 +15,10 @@ the host, renames the unit with the state-dict adapter (``to_hf_tensors``) and w
 other ranks drop each tensor at once. Rank 0 then gathers the small key -> file maps and writes
 ``model.safetensors.index.json`` and ``config.json`` as ``save_hf_state`` does.
 
+LoRA adapters found in the parts (``lora.LoRALinear``) are merged into their base weights, ``W +
+scale * B @ A`` in fp32, before the weights are cast to the export dtype: the export is the
+fine-tuned model.
+
 With ``fp8=True`` each unit's attention, MLP and expert linear weights are written in the published
 block-wise FP8 format (``fp8_checkpoint.quantize_hf_tensors``) by its writer, after the gather, and
 ``config.json`` carries the matching ``quantization_config``.
@@ -42,6 +46,7 @@ from titan_glm52.hf_checkpoint import (
     write_hf_config,
     write_hf_index,
 )
+from titan_glm52.lora import adapter_scales, is_adapter_key, merge_adapters
 from titan_glm52.model.args import GLM52ModelArgs
 from titan_glm52.model.state_dict_adapter import FP32_KEYS, to_hf
 
@@ -103,6 +108,8 @@ def save_hf_distributed(
     if writer:
         os.makedirs(out_dir, exist_ok=True)
     for part in parts:
+        # LoRA: adapted weights and their adapters are gathered in fp32 and merged by the writer
+        scales = adapter_scales(part)
         units: dict[int, dict[str, torch.Tensor]] = defaultdict(dict)
         for key, t in part.state_dict().items():
             if "tokens_per_expert" not in key:
@@ -110,14 +117,15 @@ def save_hf_distributed(
         for unit in sorted(units):
             state = {}
             for key, t in units[unit].items():
-                t = t.to(_export_dtype(key, t, args, dtype))
+                merged = key in scales or is_adapter_key(key)
+                t = t.to(torch.float32 if merged else _export_dtype(key, t, args, dtype))
                 t = t.full_tensor() if isinstance(t, DTensor) else t
                 if writer:
                     state[key] = t.cpu()
                 del t  # a non-writer holds no full tensor past its gather
             if writer:
                 name = shard_file_name(unit, n)
-                tensors = to_hf_tensors(state, args, dtype)
+                tensors = to_hf_tensors(merge_adapters(state, scales), args, dtype)
                 if fmt is not None:
                     tensors = quantize_hf_tensors(tensors, fmt)
                 save_file(tensors, os.path.join(out_dir, name), metadata={"format": "pt"})

@@ -49,7 +49,7 @@ class _Slot:
 
 class MasterWeights:
     """The compute weights of ``modules``' parameters (each parameter once, also where modules share
-    it).
+    it); a frozen parameter already in ``dtype`` is left as it is (no master, no copy).
 
     ``accumulate``: sum the gradients of several backward passes per step in fp32 (gradient
     accumulation); without it each step has one backward and the optimizer reads the bf16 gradients
@@ -67,6 +67,10 @@ class MasterWeights:
             for module in root.modules():
                 for name, p in module._parameters.items():
                     if p is None:
+                        continue
+                    if not p.requires_grad and p.dtype == dtype:
+                        # Frozen and already in the compute dtype (LoRA's base weights): it needs
+                        # no master, and the modules use it as it is.
                         continue
                     if p.dtype != torch.float32:
                         raise ValueError(

@@ -1,6 +1,7 @@
 """Parallelism applied to a plain ``GLM52Model`` from outside: expert parallel, torch.compile,
 activation checkpointing and FSDP2/HSDP, in that order (torchtitan's order, except that compile goes
-inside the checkpoint, see ``apply_compile``).
+inside the checkpoint, see ``apply_compile``); LoRA adapters (``lora.py``), when asked for, before
+all of them.
 
 Parameter names never change: EP swaps the expert weights for DTensors and adds hooks, AC and
 compile replace a module's ``forward`` on the instance (no
@@ -30,6 +31,7 @@ from torch.utils.checkpoint import (
 )
 
 from titan_glm52.distributed import OPTION, ParallelMesh
+from titan_glm52.lora import LoRASpec, apply_lora
 from titan_glm52.model.attention import Attention, prepare_compiled_calls
 from titan_glm52.model.moe import GroupedExperts
 
@@ -402,8 +404,12 @@ def parallelize_model(
     compile: bool = False,
     compile_backend: str = "inductor",
     ep_enabled: bool | None = None,
+    lora: LoRASpec | None = None,
 ) -> nn.Module:
-    """Applies EP -> compile -> AC -> FSDP2 in place and returns the model.
+    """Applies LoRA -> EP -> compile -> AC -> FSDP2 in place and returns the model.
+
+    ``lora``: adapt and freeze the model first (``lora.apply_lora``), so that every later step sees
+    the adapters as ordinary parameters; FSDP2 units then hold frozen and trainable parameters.
 
     FSDP is applied when there is data or expert parallelism, and also on a mesh of one
     data-parallel rank when ``param_dtype`` is not fp32: that is how one GPU computes in bf16 with
@@ -420,6 +426,8 @@ def parallelize_model(
             f"{mesh.degrees.ep if mesh is not None else 1}; build the mesh with the EP degree you "
             "want"
         )
+    if lora is not None:
+        apply_lora(model, lora)
     if ep_enabled:
         n = next(
             (

@@ -36,6 +36,7 @@ from titan_glm52.checkpoint import (
 from titan_glm52.config import (
     ConfigError,
     JobConfig,
+    lora_spec,
     model_args,
     model_options,
     resolve_master_weights,
@@ -51,6 +52,7 @@ from titan_glm52.errors import (
     show_tracebacks,
 )
 from titan_glm52.host_copy import host_to_device
+from titan_glm52.lora import init_adapters_, parameter_counts, save_adapter
 from titan_glm52.master_weights import MasterWeights
 from titan_glm52.memory_check import log_memory_check
 from titan_glm52.metrics import (
@@ -121,6 +123,7 @@ class Trainer:
             self.device.type == "cuda" or cfg.training.mixed_precision_on_cpu
         )
         self.master_mode = resolve_master_weights(cfg, self.env.world_size, self.bf16)
+        self.lora = lora_spec(cfg, torch.bfloat16 if self.bf16 else torch.float32)
         self._build_model()
         self._build_data()
         self._build_optimizer()
@@ -134,20 +137,14 @@ class Trainer:
             self.dataloader,
             self.state,
             self._run_record(),
+            trainable_only=self.lora is not None,
         )
+        # With LoRA a checkpoint holds the adapters only: the base is loaded at every start.
+        if self.lora is not None and cfg.checkpoint.initial_load_path:
+            self._initial_load()
         resumed = self.checkpointer.load(step=cfg.checkpoint.load_step)
-        if not resumed and cfg.checkpoint.initial_load_path:
-            try:
-                initial_load(
-                    self.model_parts,
-                    cfg.checkpoint.initial_load_path,
-                    cfg.checkpoint.initial_load_in_hf,
-                    pipelined=self.pp,
-                )
-            except (OSError, KeyError, ValueError) as e:
-                raise CheckpointError(
-                    f"checkpoint.initial_load_path {cfg.checkpoint.initial_load_path}: {e}"
-                ) from e
+        if not resumed and cfg.checkpoint.initial_load_path and self.lora is None:
+            self._initial_load()
         self._last_loss: float | None = None
         self.metrics = MetricsLogger(
             os.path.join(cfg.job.dump_folder, cfg.metrics.save_tb_folder)
@@ -165,9 +162,8 @@ class Trainer:
         # stop after the same step.
         self._sigterm = self._stop = False
         signal.signal(signal.SIGTERM, self._on_sigterm)
-        signal.signal(
-            signal.SIGINT, self._on_sigterm
-        )  # Ctrl-C: the same checkpoint, then a clean exit
+        # Ctrl-C: the same checkpoint, then a clean exit
+        signal.signal(signal.SIGINT, self._on_sigterm)
         logger.info(
             "model %s: %s params (%s active/token), layers %d (IndexShare %s), MTP %s, DSA %s/%s, "
             "world %d (dp %d), accum %d, mixed precision: %s",
@@ -191,6 +187,15 @@ class Trainer:
 
     # -----------------------------------------------------------------------------------------
     # setup
+    def _initial_load(self) -> None:
+        path = self.cfg.checkpoint.initial_load_path
+        try:
+            initial_load(
+                self.model_parts, path, self.cfg.checkpoint.initial_load_in_hf, pipelined=self.pp
+            )
+        except (OSError, KeyError, ValueError) as e:
+            raise CheckpointError(f"checkpoint.initial_load_path {path}: {e}") from e
+
     def _build_mesh(self) -> None:
         p = self.cfg.parallelism
         try:
@@ -258,8 +263,12 @@ class Trainer:
             part.to_empty(device=self.device)
             with torch.no_grad():
                 part.init_weights()
+            if self.lora is not None:
+                init_adapters_(part)
             part.train()
         self.model = self.model_parts[0]
+        if self.lora is not None:
+            self._log_lora_counts()
         if self.pp:
             self._pp_warmup()
 
@@ -280,6 +289,7 @@ class Trainer:
             compile=cfg.compile.enable,
             compile_backend=cfg.compile.backend,
             ep_enabled=p.expert_parallel_degree > 1,
+            lora=self.lora,
         )
 
     def _run_record(self) -> dict:
@@ -292,7 +302,18 @@ class Trainer:
             dp_shard=p.data_parallel_shard_degree,
         )
         data_world = 1 if self.cfg.data.same_global_batch else self.dp_world
-        return run_record(self.args, self.with_mtp, data_world, self.cfg.data.seed, layout)
+        record = run_record(self.args, self.with_mtp, data_world, self.cfg.data.seed, layout)
+        record["lora"] = (
+            None
+            if self.lora is None
+            else dict(
+                rank=self.lora.rank,
+                alpha=self.lora.alpha,
+                targets=sorted(self.lora.target_modules),
+                rslora=self.lora.use_rslora,
+            )
+        )
+        return record
 
     def _build_data(self) -> None:
         cfg, same = self.cfg, self.cfg.data.same_global_batch
@@ -605,6 +626,8 @@ class Trainer:
             )
             if self.env.rank == 0:
                 logger.info("exported HF checkpoint to %s", out_dir)
+        if self.lora is not None and self.state.step == total:
+            self._save_adapter(self.state.step)
         self._close()
         if self.env.rank == 0:
             logger.info(self._summary(time.perf_counter() - self._t_start))
@@ -803,9 +826,51 @@ class Trainer:
         if self._stop and not later_queued:
             self.checkpointer.save_now(s.step)
         elif finite and not later_queued:  # a skipped (non-finite) step is never checkpointed
-            self.checkpointer.save(s.step, last_step=s.step == cfg.training.steps)
+            last = s.step == cfg.training.steps
+            due = self.checkpointer._should_save(s.step, last_step=last)
+            self.checkpointer.save(s.step, last_step=last)
+            # (the last step's adapter is written at the end of ``train``)
+            if due and not last and self.lora is not None and cfg.lora.save_at_checkpoints:
+                self._save_adapter(s.step)
         if s.log:
             self._log(s, vals, t_host)
+
+    # ----------------------------------------------------------------------------------------- LoRA
+    def _log_lora_counts(self) -> None:
+        """The trainable and frozen parameter counts, and what the frozen ones no longer cost."""
+        counts = parameter_counts(self.model_parts)
+        if self.pp:  # each stage counts its own parameters
+            t = host_to_device(
+                torch.tensor(list(counts.values()), dtype=torch.float64), self.device
+            )
+            dist.all_reduce(t, group=self.mesh["pp"].get_group())
+            counts = dict(zip(counts, (int(v) for v in t.tolist())))
+        if self.env.rank == 0:
+            logger.info(
+                "LoRA r=%d on %s: %s trainable parameters (%.4f%%), %s frozen (no gradient, no "
+                "optimizer state, no fp32 master)",
+                self.lora.rank,
+                ",".join(self.lora.target_modules),
+                f"{counts['trainable']:,}",
+                100.0 * counts["trainable"] / max(sum(counts.values()), 1),
+                f"{counts['frozen']:,}",
+            )
+
+    def _save_adapter(self, step: int) -> None:
+        """The adapters of step ``step`` in PEFT's format, in ``<dump_folder>/adapters/step-N``."""
+        cfg = self.cfg
+        out_dir = os.path.join(cfg.job.dump_folder, "adapters", f"step-{step}")
+        save_adapter(
+            self.model_parts,
+            self.lora,
+            self.args,
+            out_dir,
+            writer=self.dp_rank == 0,
+            base_model_name_or_path=cfg.lora.base_model_name_or_path
+            or cfg.checkpoint.initial_load_path,
+        )
+        if self.env.rank == 0:
+            logger.info("wrote the LoRA adapter (PEFT format) to %s", out_dir)
 
     def _next_batch(self) -> dict:
         batch = next(self.dataloader)

@@ -109,6 +109,15 @@ def _dsa_ops(backend: str, gluon: bool):
     raise ValueError(f"unknown DSA backend {backend!r}; choose one of {BACKENDS}")
 
 
+def applied_weight(linear: nn.Module) -> torch.Tensor:
+    """The weight ``linear`` applies to its input, for code that uses a projection's weight
+    directly instead of calling the module (the absorbed MLA form): ``linear.effective_weight()``
+    where the module defines one (a layer adapted from outside the model, e.g. a LoRA layer: its
+    base weight plus the adapter's update), else ``linear.weight``."""
+    effective = getattr(linear, "effective_weight", None)
+    return linear.weight if effective is None else effective()
+
+
 @dataclass
 class DensePrefix:
     """The rows whose DSA attention is plain causal attention: the first ``rows.shape[1]`` (=
@@ -368,7 +377,7 @@ class Attention(nn.Module):
         q_rope = apply_rope(q_rope, ctx.cos, ctx.sin, self.interleave)
         k_rope = apply_rope(k_rope, ctx.cos, ctx.sin, self.interleave)
 
-        w_kv_b = self.wkv_b.weight.view(self.n_heads, self.nope + self.v_dim, self.kv_rank)
+        w_kv_b = applied_weight(self.wkv_b).view(self.n_heads, self.nope + self.v_dim, self.kv_rank)
         w_uk, w_uv = w_kv_b[:, : self.nope], w_kv_b[:, self.nope :]
         kv = torch.cat((c_kv, k_rope), dim=-1)  # [T, kv_rank + rope]
 
