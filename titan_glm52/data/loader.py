@@ -15,15 +15,16 @@ epoch, and ``doc_counter`` documents of the epoch come before that shard. It is 
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import torch
 
 from titan_glm52.data.packing import collate, pack_row
-from titan_glm52.data.sources import DocumentSource
+from titan_glm52.data.sources import DocumentSource, has_messages
 from titan_glm52.data.tokenizer import Tokenizer, build_tokenizer
 
 _POSITION_KEYS = ("epoch", "shard_pos", "doc_pos", "doc_counter", "token_offset")
+FORMATS = ("text", "chat", "auto")
 
 
 class PackedDataLoader:
@@ -35,6 +36,8 @@ class PackedDataLoader:
     ``load_state_dict(sd)`` the batches are exactly those that followed ``sd = state_dict()``.
     With ``infinite=False`` the iterator stops after one epoch (the unfinished last batch is dropped).
     """
+
+    format = "text"  # what its state is a position in (a chat loader's state is refused, and vice versa)
 
     def __init__(self, source: DocumentSource, tokenizer: Tokenizer, seq_len: int, local_batch_size: int,
                  dp_rank: int = 0, dp_world: int = 1, seed: int = 0, shuffle: bool = True,
@@ -133,10 +136,19 @@ class PackedDataLoader:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Continue from a ``state_dict()`` of a loader with the same dataset, seed and dp layout.
 
-        Raises ``ValueError`` when the state is for another dp_world, seed or dataset shape, or lacks this
-        rank: resuming data with a different data-parallel layout is not supported (start the data fresh
-        instead, by not loading this state).
+        Raises ``ValueError`` when the state is for another dp_world, seed, dataset shape or data format, or
+        lacks this rank: resuming data with a different data-parallel layout is not supported (start the
+        data fresh instead, by not loading this state).
         """
+        rank_state = self._checked_rank_state(state_dict)
+        self._set_position({k: rank_state[k] for k in _POSITION_KEYS}, samples=rank_state["samples"])
+
+    def _checked_rank_state(self, state_dict: dict[str, Any]) -> dict[str, int]:
+        """This rank's entry of ``state_dict`` as ints, after checking that it fits this loader."""
+        saved_format = state_dict.get("format", "text")
+        if saved_format != self.format:
+            raise ValueError(f"dataloader state is a {saved_format} loader's; this loader reads {self.format} "
+                             f"data (data.format)")
         saved_world, saved_seed = int(state_dict.get("dp_world", -1)), int(state_dict.get("seed", -1))
         if (saved_world, saved_seed) != (self.dp_world, self.seed):
             raise ValueError(f"dataloader state was saved with dp_world={saved_world}, seed={saved_seed}; "
@@ -147,21 +159,44 @@ class PackedDataLoader:
         if rank_state["num_shards"] != self.source.num_shards:
             raise ValueError(f"dataloader state was saved for a dataset of {rank_state['num_shards']} shards; "
                              f"{self.source.spec!r} now has {self.source.num_shards}")
-        self._set_position({k: rank_state[k] for k in _POSITION_KEYS}, samples=rank_state["samples"])
+        return rank_state
 
 
 def build_dataloader(tokenizer: str | Tokenizer, dataset: str, seq_len: int, local_batch_size: int,
                      dp_rank: int = 0, dp_world: int = 1, seed: int = 0, *, text_field: str = "text",
                      split: str | None = "train", shuffle: bool = True, infinite: bool = True,
-                     txt_split: str = "paragraph") -> PackedDataLoader:
+                     txt_split: str = "paragraph", format: str = "text", messages_field: str = "messages",
+                     tools_field: str = "tools", chat_template: str | None = None, train_on: str = "assistant",
+                     overflow: str = "truncate", end_of_turn: Sequence[str] = ()) -> PackedDataLoader:
     """The packed dataloader of dp rank ``dp_rank`` of ``dp_world`` over ``dataset``.
 
     ``tokenizer``: a ``Tokenizer``, an HF tokenizer directory / ``tokenizer.json`` path, or ``"embedded"``.
     ``dataset``: ``"embedded"`` (training split of the shipped corpus), ``"embedded_val"`` (its held-out
-    split), or a ``.txt``/``.jsonl``/``.parquet`` file, a directory of them, a glob, or a directory written by
+    split), ``"embedded_chat"`` / ``"embedded_chat_val"`` (the shipped chat sample), or a
+    ``.txt``/``.jsonl``/``.parquet`` file, a directory of them, a glob, or a directory written by
     ``datasets.save_to_disk``. ``text_field`` names the jsonl key / column; ``split`` the DatasetDict split.
+
+    ``format``: ``"text"`` (every token trained, documents cut across rows: ``PackedDataLoader``),
+    ``"chat"`` (conversations in ``messages_field``, tools in ``tools_field``: ``ChatDataLoader``), or
+    ``"auto"`` (chat when the dataset has a ``messages_field`` column, or its jsonl files' first rows that
+    field; else text). Chat only: ``chat_template`` (``chat.find_chat_template``: ``None`` = the tokenizer
+    directory's), ``train_on`` (``"assistant"`` or ``"all"``), ``overflow`` (``"truncate"``, ``"drop"``,
+    ``"split"`` or ``"error"``, see ``chat_loader``) and ``end_of_turn`` (more end-of-turn markers).
     """
     tok = tokenizer if isinstance(tokenizer, Tokenizer) else build_tokenizer(tokenizer)
-    source = DocumentSource(dataset, text_field=text_field, split=split, txt_split=txt_split)
-    return PackedDataLoader(source, tok, seq_len, local_batch_size, dp_rank=dp_rank, dp_world=dp_world,
-                            seed=seed, shuffle=shuffle, infinite=infinite)
+    if format not in FORMATS:
+        raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
+    if format == "auto":
+        format = "chat" if has_messages(dataset, messages_field, split) else "text"
+    if format == "text":
+        source = DocumentSource(dataset, text_field=text_field, split=split, txt_split=txt_split)
+        return PackedDataLoader(source, tok, seq_len, local_batch_size, dp_rank=dp_rank, dp_world=dp_world,
+                                seed=seed, shuffle=shuffle, infinite=infinite)
+    from titan_glm52.data.chat import ChatEncoder  # (here: chat_loader imports this module)
+    from titan_glm52.data.chat_loader import ChatDataLoader
+
+    source = DocumentSource(dataset, text_field=text_field, split=split, txt_split=txt_split,
+                            messages_field=messages_field, tools_field=tools_field)
+    encoder = ChatEncoder(tok, chat_template, train_on=train_on, end_of_turn=end_of_turn)
+    return ChatDataLoader(source, tok, seq_len, local_batch_size, dp_rank=dp_rank, dp_world=dp_world, seed=seed,
+                          shuffle=shuffle, infinite=infinite, encoder=encoder, overflow=overflow)

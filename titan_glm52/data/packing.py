@@ -18,6 +18,10 @@ Promises of a row (``S = seq_len``):
   these are exactly the positions whose input is a document's eos: predicting the next document's first
   token from another document is a cross-document prediction and gets no loss. The token before an eos
   does get the eos as its label (the model learns to end documents).
+
+Chat rows (``chat_loader``) pass ``targets`` too: one boolean per token saying whether the token is trained
+(an assistant's token, say). Then ``labels[i]`` is also ``IGNORE_INDEX`` wherever ``t[i + 1]`` is not a
+target; everything above still holds. A row of padding is one more piece whose targets are all False.
 """
 
 from __future__ import annotations
@@ -30,9 +34,11 @@ import torch
 IGNORE_INDEX = -100
 
 
-def pack_row(pieces: Sequence[Sequence[int]], seq_len: int) -> dict[str, torch.Tensor]:
+def pack_row(pieces: Sequence[Sequence[int]], seq_len: int,
+             targets: Sequence[Sequence[bool]] | None = None) -> dict[str, torch.Tensor]:
     """One row from pieces whose lengths sum to ``seq_len + 1`` (see the module docstring).
 
+    ``targets`` (optional): per piece, one bool per token; a token that is not a target is no label.
     Returns ``input_ids``, ``labels``, ``positions`` (int64 ``[seq_len]``) and ``cu_seqlens`` (int32).
     """
     lengths = np.array([len(p) for p in pieces], dtype=np.int64)
@@ -44,6 +50,12 @@ def pack_row(pieces: Sequence[Sequence[int]], seq_len: int) -> dict[str, torch.T
     ends = starts + lengths  # exclusive, in [1, seq_len + 1]
 
     labels = tokens[1:].copy()
+    if targets is not None:
+        if [len(m) for m in targets] != lengths.tolist():
+            raise ValueError(f"targets must hold one bool per token of each piece, got lengths "
+                             f"{[len(m) for m in targets]} for pieces of {lengths.tolist()}")
+        trained = np.concatenate([np.asarray(m, dtype=bool) for m in targets])
+        labels[~trained[1:]] = IGNORE_INDEX
     labels[ends[ends <= seq_len] - 1] = IGNORE_INDEX  # the next token is another piece's
     positions = np.arange(seq_len + 1) - np.repeat(starts, lengths)
     cu_seqlens = np.append(starts[starts < seq_len], seq_len)
