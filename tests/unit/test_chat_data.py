@@ -31,7 +31,9 @@ GLM_MARKERS = ("<|user|>", "<|observation|>")
 # A ChatML-like template: other role markers, the turn closed by <|im_end|>, and {% generation %} around
 # exactly what should be trained (the assistant's text, its tool calls and its <|im_end|>, not the newline).
 CHATML = (
-    "{%- if tools -%}{{- '<|im_start|>system\\n<tools>' + tools | tojson + '</tools><|im_end|>\\n' -}}{%- endif -%}"
+    "{%- if tools -%}"
+    "{{- '<|im_start|>system\\n<tools>' + tools | tojson + '</tools><|im_end|>\\n' -}}"
+    "{%- endif -%}"
     "{%- for m in messages -%}"
     "{%- set text = m.content | trim if m.content is string else '' -%}"
     "{%- if m.role == 'assistant' -%}"
@@ -239,8 +241,9 @@ def test_shipped_template_masks_literally(tok):
     assert tok.decode(e.ids) == (
         "[gMASK]<sop><|system|>\nBe brief.\n<|user|>\nWhat is zip?\n<|assistant|>\n"
         '<tool_call>{"name": "lookup", "arguments": {"q": "zip"}}</tool_call>\n<|observation|>\n'
-        "<tool_response>\nzip() pairs items.\n</tool_response>\n<tool_response>\nIt stops at the shortest input.\n"
-        "</tool_response>\n<|assistant|>\nIt pairs items of iterables.\n<|user|>\nShortest?\n<|assistant|>\n"
+        "<tool_response>\nzip() pairs items.\n</tool_response>\n<tool_response>\n"
+        "It stops at the shortest input.\n</tool_response>\n<|assistant|>\nIt pairs items of iterables.\n"
+        "<|user|>\nShortest?\n<|assistant|>\n"
         "<think>Check the docs.</think>\nYes, the shortest.\n<|endoftext|>")
     assert trained_runs(tok, e.ids, e.targets) == [
         '<tool_call>{"name": "lookup", "arguments": {"q": "zip"}}</tool_call>\n<|observation|>',
@@ -310,8 +313,9 @@ def test_glm_role_tokens_and_generation_config(tmp_path, tok):
 
 def test_non_prefix_templates_are_refused(tmp_path, tok):
     # the last assistant message gets a think block that later turns take away (a common published form)
-    dropping = ("{% for m in messages %}<|{{ m.role }}|>\n{% if m.role == 'assistant' and loop.last %}<think></think>"
-                "{% endif %}{{ m.content }}\n{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+    dropping = ("{% for m in messages %}<|{{ m.role }}|>\n"
+                "{% if m.role == 'assistant' and loop.last %}<think></think>{% endif %}{{ m.content }}\n"
+                "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
     path = write_template(tmp_path, dropping, "dropping.jinja")
     with pytest.raises(ChatTemplateError, match="dropping.jinja.*does not render as a prefix"):
         ChatEncoder(tok, path)
@@ -451,8 +455,8 @@ def test_overflow_modes(tmp_path, tok, overflow, caplog):
         return
     with caplog.at_level("WARNING"):
         rows = [b for b in take(loader, 8)]
-    epoch = {"truncate": [(s0.ids, s0.targets, False), (lg.ids[:seq_len + 1], lg.targets[:seq_len + 1], False),
-                          (s1.ids, s1.targets, False)],
+    head = (lg.ids[:seq_len + 1], lg.targets[:seq_len + 1], False)
+    epoch = {"truncate": [(s0.ids, s0.targets, False), head, (s1.ids, s1.targets, False)],
              "drop": [(s0.ids, s0.targets, False), (s1.ids, s1.targets, False)],
              "split": [(s0.ids, s0.targets, False), (lg.ids, lg.targets, True), (s1.ids, s1.targets, False)]}
     expected = expected_rows(epoch[overflow] * 12, seq_len, tok.pad_id, 8)
@@ -618,7 +622,8 @@ def test_dp_ranks_cover_every_conversation_once(tmp_path, tok, sample_rows):
         loader = build_dataloader(tok, path, 1024, 1, rank, world, seed=7, format="chat")
         tags: list[int] = []
         while len(tags) < own:
-            tags += [int(t) for t in re.findall(r"\n\[(\d+)\] ", tok.decode(next(loader)["input_ids"][0].tolist()))]
+            text = tok.decode(next(loader)["input_ids"][0].tolist())
+            tags += [int(t) for t in re.findall(r"\n\[(\d+)\] ", text)]
         assert len(set(tags[:own])) == own
         seen.append(set(tags[:own]))
     assert not (seen[0] & seen[1] or seen[0] & seen[2] or seen[1] & seen[2])

@@ -161,8 +161,9 @@ def find_chat_template(tokenizer: Tokenizer, chat_template: str | ChatTemplate |
         if found is None and directory == os.path.abspath(EMBEDDED_TOKENIZER_DIR):
             found = embedded_chat_template()
         if found is None:
-            raise ChatTemplateError(f"{directory}: no chat template (no chat_template.jinja, no 'chat_template' "
-                                    f"in tokenizer_config.json); name a template file with data.chat_template")
+            raise ChatTemplateError(f"{directory}: no chat template (no chat_template.jinja, no "
+                                    f"'chat_template' in tokenizer_config.json); name a template file with "
+                                    f"data.chat_template")
         return found
     if os.path.isdir(chat_template):
         found = _template_in_dir(chat_template)
@@ -172,7 +173,8 @@ def find_chat_template(tokenizer: Tokenizer, chat_template: str | ChatTemplate |
         return found
     if not os.path.isfile(chat_template):
         raise FileNotFoundError(f"chat template {chat_template!r}: no such file or directory (give a .jinja "
-                                f"file, a tokenizer_config.json, a tokenizer directory or {EMBEDDED_TEMPLATE!r})")
+                                f"file, a tokenizer_config.json, a tokenizer directory or "
+                                f"{EMBEDDED_TEMPLATE!r})")
     if chat_template.endswith(".json"):
         with open(chat_template, encoding="utf-8") as f:
             config = json.load(f)
@@ -197,14 +199,15 @@ class ChatRenderer:
                                                    ("bos_token", tokenizer.bos_token),
                                                    ("pad_token", tokenizer.pad_token)) if value is not None}
         self.template = template
-        self._hf = PreTrainedTokenizerFast(tokenizer_file=tokenizer.path, chat_template=template.source, **special)
+        self._hf = PreTrainedTokenizerFast(tokenizer_file=tokenizer.path, chat_template=template.source,
+                                           **special)
 
     def render(self, messages: list[dict], tools: list[dict] | None = None,
                add_generation_prompt: bool = False, where: str = "") -> str:
         """The text of ``messages``; a template error is re-raised naming the template and ``where``."""
         try:
-            return self._hf.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                                                tokenize=False)
+            return self._hf.apply_chat_template(messages, tools=tools, tokenize=False,
+                                                add_generation_prompt=add_generation_prompt)
         except Exception as e:  # a template's raise_exception, an undefined name, a type error inside it
             raise ChatRenderError(f"chat template {self.template.name} failed on the conversation at "
                                   f"{where or '(no place given)'}: {type(e).__name__}: {e}") from e
@@ -307,7 +310,8 @@ class ChatEncoder:
         if self.train_on == "all":
             return [self.renderer.render(row.messages, row.tools, where=row.where)], []
         msgs, turns = row.messages, self._assistant_turns(row)
-        prefixes = [self.renderer.render(msgs[:j], row.tools, where=row.where) for j in range(1, len(msgs) + 1)]
+        prefixes = [self.renderer.render(msgs[:j], row.tools, where=row.where)
+                    for j in range(1, len(msgs) + 1)]
         prompts = [self.renderer.render(msgs[:j], row.tools, add_generation_prompt=True, where=row.where)
                    for j in turns]
         self._check_text_prefixes(row, turns, prefixes, prompts)
@@ -326,8 +330,8 @@ class ChatEncoder:
 
     def _refuse(self, row: ChatRow, j: int, what: str) -> ChatTemplateError:
         return ChatTemplateError(
-            f"chat template {self.template.name}: {what} (messages 1..{j} and 1..{j + 1} of the conversation at "
-            f"{row.where or 'a probe conversation'}); assistant loss masks need a template whose rendering "
+            f"chat template {self.template.name}: {what} (messages 1..{j} and 1..{j + 1} of the conversation "
+            f"at {row.where or 'a probe conversation'}); assistant loss masks need a template whose rendering "
             f"only grows as messages are added: give another with data.chat_template, or train_on='all'")
 
     def _check_text_prefixes(self, row: ChatRow, turns: list[int], prefixes: list[str],
@@ -372,3 +376,8 @@ class ChatEncoder:
                 self.encode([ChatRow(messages, tools, None, f"probe conversation {k + 1} ({roles})")])
             except ChatRenderError:
                 continue
+        opening = _PROBES[0][0][:1]
+        if self.renderer.render(opening, add_generation_prompt=True) == self.renderer.render(opening):
+            logger.warning("chat template %s writes nothing for add_generation_prompt: each assistant "
+                           "message is trained from its first token on, its role header included",
+                           self.template.name)

@@ -106,7 +106,8 @@ class ChatDataLoader(PackedDataLoader):
                          seed=seed, shuffle=shuffle, infinite=infinite, tokenize_batch=tokenize_batch)
 
     # ----------------------------------------------------------------------------------------- rows
-    def _set_position(self, position: dict[str, int], samples: int, stats: dict[str, int] | None = None) -> None:
+    def _set_position(self, position: dict[str, int], samples: int,
+                      stats: dict[str, int] | None = None) -> None:
         self._position = dict(position)
         self._samples = samples
         self.stats = dict.fromkeys(STAT_KEYS, 0) if stats is None else {k: stats[k] for k in STAT_KEYS}
@@ -169,10 +170,10 @@ class ChatDataLoader(PackedDataLoader):
         if count == 1 or (count % 10 == 0 and str(count).rstrip("0") == "1"):
             seen = self.stats["conversations"] + self.stats["dropped_long"] + self.stats["dropped_untrained"]
             lost = f", {self.stats['truncated_tokens']:,} tokens cut" if key == "truncated" else ""
-            logger.warning("chat data (dp rank %d): %d of %d conversations so far were longer than seq_len + 1 "
-                           "= %d tokens and were %s%s (%s is the latest; data.chat_overflow = 'truncate' | "
-                           "'drop' | 'split' | 'error' chooses)", self.dp_rank, count, seen, self.seq_len + 1,
-                           verb, lost, self._item.encoded.where)
+            logger.warning("chat data (dp rank %d): %d of %d conversations so far were longer than "
+                           "seq_len + 1 = %d tokens and were %s%s (%s is the latest; data.chat_overflow = "
+                           "'truncate' | 'drop' | 'split' | 'error' chooses)", self.dp_rank, count, seen,
+                           self.seq_len + 1, verb, lost, self._item.encoded.where)
 
     # -------------------------------------------------------------------------------- conversations
     def _conversations(self, epoch: int, shard_pos: int, doc_pos: int, doc_counter: int) -> Iterator[_Item]:
@@ -216,8 +217,9 @@ class ChatDataLoader(PackedDataLoader):
         elif self.overflow == "split":
             item.status = "split"
         elif self.overflow == "error":
-            raise ValueError(f"{enc.where}: a conversation of {len(enc.ids)} tokens is longer than seq_len + 1 = "
-                             f"{limit}; set data.chat_overflow to 'truncate', 'drop' or 'split', or raise seq_len")
+            raise ValueError(f"{enc.where}: a conversation of {len(enc.ids)} tokens is longer than "
+                             f"seq_len + 1 = {limit}; set data.chat_overflow to 'truncate', 'drop' or "
+                             f"'split', or raise seq_len")
         elif self.overflow == "drop":
             item.status = "dropped_long"
         else:
@@ -239,6 +241,7 @@ class ChatDataLoader(PackedDataLoader):
         rank_state = self._checked_rank_state(state_dict)
         missing = [k for k in STAT_KEYS if k not in rank_state]
         if missing:
-            raise ValueError(f"dataloader state has no chat counters {missing}: it is not a chat loader's state")
+            raise ValueError(f"dataloader state has no chat counters {missing}: it is not a chat "
+                             f"loader's state")
         self._set_position({k: rank_state[k] for k in _POSITION_KEYS}, samples=rank_state["samples"],
                            stats=rank_state)

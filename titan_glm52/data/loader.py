@@ -178,8 +178,8 @@ def build_dataloader(tokenizer: str | Tokenizer, dataset: str, seq_len: int, loc
 
     ``format``: ``"text"`` (every token trained, documents cut across rows: ``PackedDataLoader``),
     ``"chat"`` (conversations in ``messages_field``, tools in ``tools_field``: ``ChatDataLoader``), or
-    ``"auto"`` (chat when the dataset has a ``messages_field`` column, or its jsonl files' first rows that
-    field; else text). Chat only: ``chat_template`` (``chat.find_chat_template``: ``None`` = the tokenizer
+    ``"auto"`` (chat when the dataset's first file has a ``messages_field`` column, or for jsonl a first
+    row with that field: ``sources.has_messages``; else text). Chat only: ``chat_template`` (``chat.find_chat_template``: ``None`` = the tokenizer
     directory's), ``train_on`` (``"assistant"`` or ``"all"``), ``overflow`` (``"truncate"``, ``"drop"``,
     ``"split"`` or ``"error"``, see ``chat_loader``) and ``end_of_turn`` (more end-of-turn markers).
     """

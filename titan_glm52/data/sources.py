@@ -194,8 +194,10 @@ def _chat_row(messages, tools, text, where: str, messages_field: str, tools_fiel
 
 
 def has_messages(spec: str, messages_field: str = "messages", split: str | None = "train") -> bool:
-    """Whether ``spec`` holds chat rows: a saved dataset or parquet file with a ``messages_field`` column,
-    or a jsonl file whose first row has that field. Reads schemas and first lines only."""
+    """Whether ``spec`` holds chat rows, judged by its first file (in ``resolve_paths`` order) that is not
+    an empty jsonl file: a saved dataset or parquet file with a ``messages_field`` column, or a jsonl file
+    whose first row has that field (``.txt``: never). One schema or one line is read, whatever the size of
+    the dataset; a dataset that mixes chat and text files is read as chat with ``format="chat"``."""
     for path in resolve_paths(spec):
         if _is_hf_dir(path):
             import datasets
@@ -209,12 +211,13 @@ def has_messages(spec: str, messages_field: str = "messages", split: str | None 
 
             names = pq.ParquetFile(path).schema_arrow.names
         elif path.endswith(".jsonl"):
-            first = next(_jsonl_records(Shard("jsonl", path, 0, os.path.getsize(path))), (0, {}))[1]
-            names = list(first) if isinstance(first, dict) else []
+            first = next(_jsonl_records(Shard("jsonl", path, 0, os.path.getsize(path))), None)
+            if first is None:
+                continue  # no row to judge by
+            names = list(first[1]) if isinstance(first[1], dict) else []
         else:
             names = []
-        if messages_field in names:
-            return True
+        return messages_field in names
     return False
 
 
@@ -334,10 +337,12 @@ class DocumentSource:
         non-empty ``text_field`` is a text row; ``.txt`` files hold text rows only.
         """
         if self.messages_field is None:
-            raise ValueError(f"dataset {self.spec!r} was opened for text: give messages_field to read chat rows")
+            raise ValueError(f"dataset {self.spec!r} was opened for text: give messages_field to read "
+                             f"chat rows")
         shard = self.shards[index]
         if shard.kind == "txt":
-            return [ChatRow(None, None, t, f"{shard.path} document {i}") for i, t in enumerate(self.load(index))]
+            texts = self.load(index)
+            return [ChatRow(None, None, t, f"{shard.path} document {i}") for i, t in enumerate(texts)]
         if shard.kind == "jsonl":
             raw = self._jsonl_chat_fields(shard)
         else:

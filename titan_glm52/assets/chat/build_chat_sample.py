@@ -146,7 +146,8 @@ def conversation(entry_id: str, name: str, paragraphs: list[str]) -> dict:
                     {"role": "user", "content": _pick(TOOL_REQUESTS, entry_id, "tool").format(name=name)},
                     {"role": "assistant", "content": "", "tool_calls": [call]},
                     {"role": "tool", "content": paras[0]},
-                    {"role": "assistant", "content": "The documentation says: " + _first_sentences(paras[0], 2)}]
+                    {"role": "assistant",
+                     "content": "The documentation says: " + _first_sentences(paras[0], 2)}]
         if kind == 8:
             messages += [{"role": "user", "content": "Can you say that in one sentence?"},
                          {"role": "assistant", "content": _first_sentences(paras[0], 1)}]
