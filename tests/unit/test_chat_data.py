@@ -334,6 +334,16 @@ def test_non_prefix_templates_are_refused(tmp_path, tok):
     assert ChatEncoder(tok, path, train_on="all").encode([row])[0].targets.all()
 
 
+def test_template_without_generation_prompt_warns(tmp_path, tok, caplog):
+    bare = "{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}\n{% endfor %}"
+    with caplog.at_level("WARNING"):
+        enc = ChatEncoder(tok, write_template(tmp_path, bare, "bare.jinja"))
+    assert "bare.jinja writes nothing for add_generation_prompt" in caplog.text
+    row = ChatRow([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}], None, None, "")
+    e = enc.encode([row])[0]
+    assert trained_runs(tok, e.ids, e.targets) == ["<|assistant|>\nYo\n<|endoftext|>"]
+
+
 def test_template_lookup(tmp_path, tok):
     directory = tmp_path / "tok"
     directory.mkdir()
@@ -508,6 +518,10 @@ def test_auto_detection(tmp_path, tok, sample_rows):
     text = write_chat_jsonl(tmp_path / "text.jsonl", [{"text": f"document number {k}"} for k in range(10)])
     assert has_messages(chat) and not has_messages(text) and has_messages("embedded_chat")
     assert not has_messages("embedded")
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "dir" / "a.jsonl").write_text("\n")  # no row: the next file decides
+    shutil.copy(chat, tmp_path / "dir" / "b.jsonl")
+    assert has_messages(str(tmp_path / "dir"))
     assert isinstance(build_dataloader(tok, chat, 128, 1, format="auto"), ChatDataLoader)
     auto_text = build_dataloader(tok, text, 32, 2, format="auto")
     assert type(auto_text) is PackedDataLoader
