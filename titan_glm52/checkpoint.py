@@ -190,6 +190,8 @@ class CheckpointManager(tt_checkpoint.CheckpointManager):
             return
         with open(record) as f:
             saved = json.load(f)
+        if isinstance(saved.get("data"), dict):  # records without a format are text loaders'
+            saved["data"].setdefault("format", "text")
         diffs = _differences(
             {k: saved.get(k) for k in RECORD_CHECKED},
             {k: self.run_record.get(k) for k in RECORD_CHECKED},
@@ -197,19 +199,15 @@ class CheckpointManager(tt_checkpoint.CheckpointManager):
         if diffs:
             hint = (
                 " The data loader's position is per data-parallel rank: resume on as many "
-                "data-parallel "
-                "ranks as the checkpoint had (a new run with data.same_global_batch keeps "
-                "positions that "
-                "do not depend on them)."
+                "data-parallel ranks as the checkpoint had (a new run with "
+                "data.same_global_batch keeps positions that do not depend on them)."
                 if any(d.startswith("data.world") for d in diffs)
                 else ""
             )
             raise CheckpointError(
                 f"{path} was saved by a different run; resuming it here would drop or misread "
-                "state. "
-                f"Differences: {'; '.join(diffs)}.{hint} Resume with the checkpoint's settings, or "
-                "start a "
-                "new run in another job.dump_folder"
+                f"state. Differences: {'; '.join(diffs)}.{hint} Resume with the checkpoint's "
+                "settings, or start a new run in another job.dump_folder"
             )
 
     # ------------------------------------------------------------------------------------ saving
@@ -251,18 +249,24 @@ class CheckpointManager(tt_checkpoint.CheckpointManager):
 
 
 def run_record(
-    args: GLM52ModelArgs, with_mtp: bool, data_world: int, seed: int, layout: dict
+    args: GLM52ModelArgs,
+    with_mtp: bool,
+    data_world: int,
+    seed: int,
+    layout: dict,
+    data_format: str = "text",
 ) -> dict:
     """What a resume must match: the model (its config.json fields), whether the MTP layer trains,
-    and the data loader's world (ranks reading different documents) and seed; ``layout`` (the
-    parallel degrees) is recorded for the reader only."""
+    and the data loader's world (ranks reading different documents), seed and format (text and
+    chat loaders keep different positions); ``layout`` (the parallel degrees) is recorded for the
+    reader only."""
     skip = ("transformers_version", "dtype", "torch_dtype", "quantization_config")
     model = {k: v for k, v in args.to_hf_config().items() if k not in skip}
     model.update(latent_norm_eps=args.latent_norm_eps, index_norm_eps=args.index_norm_eps)
     return {
         "model": model,
         "mtp": with_mtp,
-        "data": {"world": data_world, "seed": seed},
+        "data": {"world": data_world, "seed": seed, "format": data_format},
         "layout": layout,
     }
 

@@ -140,6 +140,34 @@ class Data:
     text_field: str = "text"
     """Column / JSON field holding the text for .jsonl, .parquet and saved HF datasets."""
 
+    format: Literal["auto", "text", "chat"] = "auto"
+    """"text": every token trained, documents packed across rows. "chat": conversations (a
+    messages_field of role/content messages, optional tools_field), rendered by the chat template,
+    labels on the assistant's tokens only (train_on), whole conversations per row. "auto": chat when
+    the dataset's first file has a messages_field (docs/fine_tuning.md)."""
+
+    messages_field: str = "messages"
+    """Column / JSON field holding a chat row's messages."""
+
+    tools_field: str = "tools"
+    """Column / JSON field holding a chat row's tool definitions (optional in a row)."""
+
+    chat_template: str = ""
+    """Chat template: "embedded" (the shipped GLM-style one), a .jinja / .json file, or a tokenizer
+    directory; empty: the template of model.hf_assets_path's tokenizer."""
+
+    train_on: Literal["assistant", "all"] = "assistant"
+    """Chat rows: labels on the assistant's tokens (its text, tool calls, reasoning and end of
+    turn), or on every token."""
+
+    chat_overflow: Literal["truncate", "drop", "split", "error"] = "truncate"
+    """A conversation longer than seq_len + 1 tokens: cut at the end of the row, left out, split
+    over rows at message boundaries, or refused (all counted and logged)."""
+
+    end_of_turn: list[str] = field(default_factory=list)
+    """More end-of-turn marker texts (trained with the assistant's turn), beside eos and
+    generation_config.json's eos ids."""
+
     seed: int = 0
     """Shuffling seed of the document order (deterministic; saved with the checkpoint position)."""
 

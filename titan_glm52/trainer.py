@@ -302,7 +302,9 @@ class Trainer:
             dp_shard=p.data_parallel_shard_degree,
         )
         data_world = 1 if self.cfg.data.same_global_batch else self.dp_world
-        record = run_record(self.args, self.with_mtp, data_world, self.cfg.data.seed, layout)
+        record = run_record(
+            self.args, self.with_mtp, data_world, self.cfg.data.seed, layout, self.data_format
+        )
         record["lora"] = (
             None
             if self.lora is None
@@ -327,9 +329,17 @@ class Trainer:
                 dp_world=1 if same else self.dp_world,
                 seed=cfg.data.seed,
                 text_field=cfg.data.text_field,
+                format=cfg.data.format,
+                messages_field=cfg.data.messages_field,
+                tools_field=cfg.data.tools_field,
+                chat_template=cfg.data.chat_template or None,
+                train_on=cfg.data.train_on,
+                overflow=cfg.data.chat_overflow,
+                end_of_turn=cfg.data.end_of_turn,
             )
         except (OSError, ValueError) as e:
             raise DataError(f"training.dataset {cfg.training.dataset!r}: {e}") from e
+        self.data_format = self.dataloader.format  # "text" or "chat" ("auto" resolved)
         # pinned batches: the copies to the GPU below do not wait for the host
         if cfg.data.prefetch > 0:
             self.dataloader = Prefetcher(
@@ -873,7 +883,10 @@ class Trainer:
             logger.info("wrote the LoRA adapter (PEFT format) to %s", out_dir)
 
     def _next_batch(self) -> dict:
-        batch = next(self.dataloader)
+        try:
+            batch = next(self.dataloader)
+        except (OSError, ValueError) as e:  # a row the data options refuse (chat_overflow "error")
+            raise DataError(f"training.dataset {self.cfg.training.dataset!r}: {e}") from e
         if self.cfg.data.same_global_batch:  # keep this rank's rows of the global batch
             n = self.cfg.training.local_batch_size
             batch = {

@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from tests.e2e.test_train import DEBUG_TOML, ROOT, read_metrics, run_train, small
+from tests.e2e.test_train import ROOT, read_metrics, run_train, small
 
 # Six steps, a checkpoint every two, all kept, the LR schedule pinned to six steps: a run stopped
 # anywhere and resumed is the same run.

@@ -22,6 +22,7 @@ def run_train(
     nproc: int = 2,
     check: bool = True,
     script: str = os.path.join(ROOT, "train.py"),
+    config: str = DEBUG_TOML,
 ) -> subprocess.CompletedProcess:
     env = dict(
         os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1"
@@ -35,7 +36,7 @@ def run_train(
         "--standalone",
         script,
         "--job.config_file",
-        DEBUG_TOML,
+        config,
         "--job.dump_folder",
         str(tmp_path),
         *overrides,

@@ -1,40 +1,47 @@
 """The resumable, data-parallel packed dataloader, and ``build_dataloader``.
 
-Data-parallel sharding is by document: in every epoch the documents are numbered in the epoch's order
-(see ``sources``) and document ``j`` belongs to dp rank ``j % dp_world``. Each rank tokenizes only its own
-documents and packs them into its own rows, so the ranks' rows never share a document of the same epoch,
-and together they cover every document of the epoch. (Every rank reads every shard, but parses and
-tokenizes only its share.) The stream is infinite: after the last document of epoch ``e`` comes the first
-of epoch ``e + 1``, re-shuffled with ``(seed, e + 1)``; the token stream runs on across the epoch edge.
+Data-parallel sharding is by document: in every epoch the documents are numbered in the epoch's
+order (see ``sources``) and document ``j`` belongs to dp rank ``j % dp_world``. Each rank tokenizes
+only its own documents and packs them into its own rows, so the ranks' rows never share a document
+of the same epoch, and together they cover every document of the epoch. (Every rank reads every
+shard, but parses and tokenizes only its share.) The stream is infinite: after the last document of
+epoch ``e`` comes the first of epoch ``e + 1``, re-shuffled with ``(seed, e + 1)``; the token stream
+runs on across the epoch edge.
 
-The position of a rank is ``(epoch, shard_pos, doc_pos, doc_counter, token_offset)``: the next token to
-emit is ``token_offset`` into the ids+eos of document ``doc_pos`` of the ``shard_pos``-th shard of the
-epoch, and ``doc_counter`` documents of the epoch come before that shard. It is plain ints, so
-``state_dict()`` is small, and resuming re-reads one shard and re-tokenizes one document.
+The position of a rank is ``(epoch, shard_pos, doc_pos, doc_counter, token_offset)``: the next token
+to emit is ``token_offset`` into the ids+eos of document ``doc_pos`` of the ``shard_pos``-th shard
+of the epoch, and ``doc_counter`` documents of the epoch come before that shard. It is plain ints,
+so ``state_dict()`` is small, and resuming re-reads one shard and re-tokenizes one document.
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import torch
 
 from titan_glm52.data.packing import collate, pack_row
-from titan_glm52.data.sources import DocumentSource
+from titan_glm52.data.sources import DocumentSource, has_messages
 from titan_glm52.data.tokenizer import Tokenizer, build_tokenizer
 
 _POSITION_KEYS = ("epoch", "shard_pos", "doc_pos", "doc_counter", "token_offset")
+FORMATS = ("text", "chat", "auto")
 
 
 class PackedDataLoader:
-    """Infinite iterator of packed batches for one dp rank (``torch.distributed.checkpoint`` Stateful).
+    """Infinite iterator of packed batches for one dp rank (``torch.distributed.checkpoint``
+    Stateful).
 
-    Each ``next()`` returns ``{"input_ids", "labels", "positions": int64 [B, S], "cu_seqlens": int32}``
-    (see ``packing.collate``). The batches are a deterministic function of the dataset, the tokenizer,
-    ``seq_len``, ``local_batch_size``, ``dp_rank``, ``dp_world``, ``seed`` and ``shuffle``; after
-    ``load_state_dict(sd)`` the batches are exactly those that followed ``sd = state_dict()``.
-    With ``infinite=False`` the iterator stops after one epoch (the unfinished last batch is dropped).
+    Each ``next()`` returns ``{"input_ids", "labels", "positions": int64 [B, S], "cu_seqlens":
+    int32}`` (see ``packing.collate``). The batches are a deterministic function of the dataset, the
+    tokenizer, ``seq_len``, ``local_batch_size``, ``dp_rank``, ``dp_world``, ``seed`` and
+    ``shuffle``; after ``load_state_dict(sd)`` the batches are exactly those that followed ``sd =
+    state_dict()``. With ``infinite=False`` the iterator stops after one epoch (the unfinished last
+    batch is dropped).
     """
+
+    # what its state is a position in (a chat loader's state is refused, and vice versa)
+    format = "text"
 
     def __init__(
         self,
@@ -66,7 +73,8 @@ class PackedDataLoader:
         self.shuffle, self.infinite, self.tokenize_batch = shuffle, infinite, tokenize_batch
         self._set_position(dict.fromkeys(_POSITION_KEYS, 0), samples=0)
 
-    # ----------------------------------------------------------------------------------------- iteration
+    # -----------------------------------------------------------------------------------------
+    # iteration
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         return self
 
@@ -101,7 +109,8 @@ class PackedDataLoader:
         return pack_row(pieces, self.seq_len)
 
     def _documents(self, epoch: int, shard_pos: int, doc_pos: int, doc_counter: int):
-        """Yield ``((epoch, shard_pos, doc_pos, doc_counter), ids + [eos])`` for this rank's documents."""
+        """Yield ``((epoch, shard_pos, doc_pos, doc_counter), ids + [eos])`` for this rank's
+        documents."""
         rank, world, eos = self.dp_rank, self.dp_world, self.tokenizer.eos_id
         while True:
             fresh_epoch, emitted = (shard_pos, doc_pos) == (0, 0), False
@@ -111,9 +120,8 @@ class PackedDataLoader:
                 perm = self.source.document_order(
                     order[sp], len(texts), epoch, self.seed, self.shuffle
                 )
-                first = (
-                    doc_pos + (rank - doc_counter - doc_pos) % world
-                )  # first own index >= doc_pos
+                # first own index >= doc_pos
+                first = doc_pos + (rank - doc_counter - doc_pos) % world
                 own = range(first, len(texts), world)
                 for a in range(0, len(own), self.tokenize_batch):
                     chunk = own[a : a + self.tokenize_batch]
@@ -141,8 +149,8 @@ class PackedDataLoader:
     def state_dict(self) -> dict[str, Any]:
         """The position after the last batch returned, as plain ints.
 
-        Keyed by dp rank (``{"dp_rank_<r>": {...}, "dp_world": W, "seed": s}``) so that a distributed
-        checkpoint, which keeps one copy of identical keys, keeps every rank's position.
+        Keyed by dp rank (``{"dp_rank_<r>": {...}, "dp_world": W, "seed": s}``) so that a
+        distributed checkpoint, which keeps one copy of identical keys, keeps every rank's position.
         """
         return {
             self._rank_key: {
@@ -157,10 +165,23 @@ class PackedDataLoader:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Continue from a ``state_dict()`` of a loader with the same dataset, seed and dp layout.
 
-        Raises ``ValueError`` when the state is for another dp_world, seed or dataset shape, or lacks this
-        rank: resuming data with a different data-parallel layout is not supported (start the data fresh
-        instead, by not loading this state).
+        Raises ``ValueError`` when the state is for another dp_world, seed, dataset shape or data
+        format, or lacks this rank: resuming data with a different data-parallel layout is not
+        supported (start the data fresh instead, by not loading this state).
         """
+        rank_state = self._checked_rank_state(state_dict)
+        self._set_position(
+            {k: rank_state[k] for k in _POSITION_KEYS}, samples=rank_state["samples"]
+        )
+
+    def _checked_rank_state(self, state_dict: dict[str, Any]) -> dict[str, int]:
+        """This rank's entry of ``state_dict`` as ints, after checking that it fits this loader."""
+        saved_format = state_dict.get("format", "text")
+        if saved_format != self.format:
+            raise ValueError(
+                f"dataloader state is a {saved_format} loader's; this loader reads {self.format} "
+                f"data (data.format)"
+            )
         saved_world, saved_seed = (
             int(state_dict.get("dp_world", -1)),
             int(state_dict.get("seed", -1)),
@@ -180,9 +201,7 @@ class PackedDataLoader:
                 f"dataloader state was saved for a dataset of {rank_state['num_shards']} shards; "
                 f"{self.source.spec!r} now has {self.source.num_shards}"
             )
-        self._set_position(
-            {k: rank_state[k] for k in _POSITION_KEYS}, samples=rank_state["samples"]
-        )
+        return rank_state
 
 
 def build_dataloader(
@@ -199,17 +218,63 @@ def build_dataloader(
     shuffle: bool = True,
     infinite: bool = True,
     txt_split: str = "paragraph",
+    format: str = "text",
+    messages_field: str = "messages",
+    tools_field: str = "tools",
+    chat_template: str | None = None,
+    train_on: str = "assistant",
+    overflow: str = "truncate",
+    end_of_turn: Sequence[str] = (),
 ) -> PackedDataLoader:
     """The packed dataloader of dp rank ``dp_rank`` of ``dp_world`` over ``dataset``.
 
-    ``tokenizer``: a ``Tokenizer``, an HF tokenizer directory / ``tokenizer.json`` path, or ``"embedded"``.
-    ``dataset``: ``"embedded"`` (training split of the shipped corpus), ``"embedded_val"`` (its held-out
-    split), or a ``.txt``/``.jsonl``/``.parquet`` file, a directory of them, a glob, or a directory written by
-    ``datasets.save_to_disk``. ``text_field`` names the jsonl key / column; ``split`` the DatasetDict split.
+    ``tokenizer``: a ``Tokenizer``, an HF tokenizer directory / ``tokenizer.json`` path, or
+        ``"embedded"``.
+    ``dataset``: ``"embedded"`` (training split of the shipped corpus), ``"embedded_val"`` (its
+    held-out split), ``"embedded_chat"`` / ``"embedded_chat_val"`` (the shipped chat sample), or a
+    ``.txt``/``.jsonl``/``.parquet`` file, a directory of them, a glob, or a directory written by
+    ``datasets.save_to_disk``. ``text_field`` names the jsonl key / column; ``split`` the
+    DatasetDict split.
+
+    ``format``: ``"text"`` (every token trained, documents cut across rows: ``PackedDataLoader``),
+    ``"chat"`` (conversations in ``messages_field``, tools in ``tools_field``: ``ChatDataLoader``),
+    or ``"auto"`` (chat when the dataset's first file has a ``messages_field`` column, or for jsonl
+    a first row with that field: ``sources.has_messages``; else text). Chat only: ``chat_template``
+    (``chat.find_chat_template``: ``None`` = the tokenizer directory's), ``train_on``
+    (``"assistant"`` or ``"all"``), ``overflow`` (``"truncate"``, ``"drop"``, ``"split"`` or
+    ``"error"``, see ``chat_loader``) and ``end_of_turn`` (more end-of-turn markers).
     """
     tok = tokenizer if isinstance(tokenizer, Tokenizer) else build_tokenizer(tokenizer)
-    source = DocumentSource(dataset, text_field=text_field, split=split, txt_split=txt_split)
-    return PackedDataLoader(
+    if format not in FORMATS:
+        raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
+    if format == "auto":
+        format = "chat" if has_messages(dataset, messages_field, split) else "text"
+    if format == "text":
+        source = DocumentSource(dataset, text_field=text_field, split=split, txt_split=txt_split)
+        return PackedDataLoader(
+            source,
+            tok,
+            seq_len,
+            local_batch_size,
+            dp_rank=dp_rank,
+            dp_world=dp_world,
+            seed=seed,
+            shuffle=shuffle,
+            infinite=infinite,
+        )
+    from titan_glm52.data.chat import ChatEncoder  # (here: chat_loader imports this module)
+    from titan_glm52.data.chat_loader import ChatDataLoader
+
+    source = DocumentSource(
+        dataset,
+        text_field=text_field,
+        split=split,
+        txt_split=txt_split,
+        messages_field=messages_field,
+        tools_field=tools_field,
+    )
+    encoder = ChatEncoder(tok, chat_template, train_on=train_on, end_of_turn=end_of_turn)
+    return ChatDataLoader(
         source,
         tok,
         seq_len,
@@ -219,4 +284,6 @@ def build_dataloader(
         seed=seed,
         shuffle=shuffle,
         infinite=infinite,
+        encoder=encoder,
+        overflow=overflow,
     )

@@ -1,11 +1,12 @@
 """``Prefetcher``: a loader's next batches made on a background thread while the step runs.
 
-Tokenization is most of a packed batch's cost (``tokenizers`` runs it in Rust without the GIL), 30-60 ms per
-step at 16K-32K tokens on the GPU host, and on the training loop it keeps the GPU idle. The prefetcher makes up to
-``depth`` batches ahead on one thread and hands them out in order, so the batches are exactly the wrapped
-loader's. Checkpoints stay exact: each batch travels with the loader's ``state_dict()`` taken right after it was
-made, and ``state_dict()`` answers the state after the last batch *handed out*, not after the last one made.
-``pin_memory=True`` also pins each batch's tensors on the thread, so the trainer's copies to the GPU need not wait.
+Tokenization is most of a packed batch's cost (``tokenizers`` runs it in Rust without the GIL),
+30-60 ms per step at 16K-32K tokens on the GPU host, and on the training loop it keeps the GPU idle.
+The prefetcher makes up to ``depth`` batches ahead on one thread and hands them out in order, so the
+batches are exactly the wrapped loader's. Checkpoints stay exact: each batch travels with the
+loader's ``state_dict()`` taken right after it was made, and ``state_dict()`` answers the state
+after the last batch *handed out*, not after the last one made. ``pin_memory=True`` also pins each
+batch's tensors on the thread, so the trainer's copies to the GPU need not wait.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ _END = object()
 
 
 class Prefetcher:
-    """Wraps a Stateful iterator of batches (``PackedDataLoader``) with ``depth`` batches made ahead."""
+    """Wraps a Stateful iterator of batches (``PackedDataLoader``) with ``depth`` batches made
+    ahead."""
 
     def __init__(self, loader, depth: int = 1, pin_memory: bool = False) -> None:
         if depth < 1:
@@ -99,8 +101,8 @@ class Prefetcher:
         return True
 
     def close(self) -> None:
-        """Stops the thread and drops the batches it made ahead: the wrapped loader goes back to the position after
-        the last batch handed out, so a later ``next()`` continues exactly."""
+        """Stops the thread and drops the batches it made ahead: the wrapped loader goes back to the
+        position after the last batch handed out, so a later ``next()`` continues exactly."""
         if self._stop_thread():
             self.loader.load_state_dict(self._state)
 

@@ -1,8 +1,9 @@
 """Tokenizer: a thin wrapper around a Hugging Face ``tokenizer.json`` (the ``tokenizers`` library).
 
-The special tokens come from the directory's ``special_tokens_map.json`` and ``tokenizer_config.json``
-(the former wins where both name a token, as in ``transformers``). Without them, eos falls back to a
-well-known end token found in the vocabulary; pad falls back to eos; bos may be absent (``None``).
+The special tokens come from the directory's ``special_tokens_map.json`` and
+``tokenizer_config.json`` (the former wins where both name a token, as in ``transformers``). Without
+them, eos falls back to a well-known end token found in the vocabulary; pad falls back to eos; bos
+may be absent (``None``).
 """
 
 from __future__ import annotations
@@ -42,13 +43,14 @@ def _read_json(path: str) -> dict:
 class Tokenizer:
     """Text <-> token ids with the special-token ids a trainer needs.
 
-    ``encode`` never adds special tokens (no bos/eos from a post-processor): the packer adds eos itself.
-    Note that, as with any Hugging Face tokenizer, a special token written literally in the text (for
-    example ``"<|endoftext|>"``) is encoded as that special token.
+    ``encode`` never adds special tokens (no bos/eos from a post-processor): the packer adds eos
+    itself. Note that, as with any Hugging Face tokenizer, a special token written literally in the
+    text (for example ``"<|endoftext|>"``) is encoded as that special token.
     """
 
     def __init__(self, path: str):
-        """Load from a directory holding ``tokenizer.json``, the path of a ``tokenizer.json``, or ``"embedded"``."""
+        """Load from a directory holding ``tokenizer.json``, the path of a ``tokenizer.json``, or
+        ``"embedded"``."""
         from tokenizers import Tokenizer as HFTokenizer
 
         if path == EMBEDDED:
@@ -99,7 +101,8 @@ class Tokenizer:
 
     @property
     def vocab_size(self) -> int:
-        """Number of ids the tokenizer can produce (added tokens included): every id is < vocab_size."""
+        """Number of ids the tokenizer can produce (added tokens included): every id is <
+        vocab_size."""
         return self._tok.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str) -> list[int]:
@@ -116,13 +119,15 @@ class Tokenizer:
 
     def __repr__(self) -> str:
         return (
-            f"Tokenizer({self.path!r}, vocab_size={self.vocab_size}, eos={self.eos_token!r}:{self.eos_id}, "
+            f"Tokenizer({self.path!r}, vocab_size={self.vocab_size}, "
+            f"eos={self.eos_token!r}:{self.eos_id}, "
             f"bos={self.bos_token!r}:{self.bos_id}, pad={self.pad_token!r}:{self.pad_id})"
         )
 
 
 def build_tokenizer(path: str = EMBEDDED) -> Tokenizer:
-    """The tokenizer at ``path`` (HF tokenizer directory or ``tokenizer.json``), or the embedded one.
+    """The tokenizer at ``path`` (HF tokenizer directory or ``tokenizer.json``), or the embedded
+    one.
 
     ``"embedded"`` is the byte-level BPE shipped in ``titan_glm52/assets/tokenizer`` (vocab 2048,
     ``<|endoftext|>`` = id 0 = eos = pad, no bos).
