@@ -1,0 +1,148 @@
+"""Context parallelism for DSA: every sequence split over the CP ranks, queries local, the compact
+key state gathered.
+
+Split (zigzag): a sequence of S tokens is cut into 2N chunks of S / 2N (N = the CP degree); rank r
+holds chunks r and 2N - 1 - r, in that order, so that the causal work (the indexer scores every
+visible key) is balanced: for one document every rank scores the same number of (query, key) pairs.
+A batch ``[B, S]`` becomes ``[B, S / N]`` on each rank (``zigzag_split``); its flattened local rows
+have the global rows ``CPContext.rows`` in the flattened ``[B * S]`` stream, where ``cu_seqlens``
+(known to every rank) describes the documents.
+
+Gathered per layer (``CPContext.gather``): the 576-value latent row of every token (``kv_a``'s
+normed latent and its rotated rope key, the ``kv`` the sparse kernels take) and, on full layers,
+the indexer's key; never the hidden states. The gather is an all-gather over the CP group followed
+by a reordering into the global row order, so that the kernels see exactly the single-process key
+tensor and the indexer's top-k holds global key rows; its backward (autograd) reduce-scatters the
+key-state gradients back to their owners.
+
+Built on ``torch.distributed``'s functional collectives: traceable by torch.compile and
+differentiable (``all_gather_into_tensor``'s autograd formula is a summed reduce-scatter). The
+model reaches the group only through the ``CPContext`` in its packed context (per step), never
+through module state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+# torch >= 2.13 names it all_gather_single_autograd; the older name warns there
+_all_gather = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
+
+
+# ----------------------------------------------------------------------------------- the split
+def check_split(seq: int, size: int) -> None:
+    """Raises ValueError unless a sequence of ``seq`` tokens splits into ``2 * size`` chunks."""
+    if size < 1 or seq % (2 * size):
+        raise ValueError(
+            f"a sequence of {seq} tokens does not split into 2 x {size} equal chunks (zigzag "
+            "context parallelism needs seq_len divisible by 2 x context_parallel_degree)"
+        )
+
+
+def zigzag_columns(seq: int, size: int, rank: int, device=None) -> torch.Tensor:
+    """int64 ``[seq // size]``: the positions in a sequence that ``rank`` holds, chunk ``rank``
+    then chunk ``2 * size - 1 - rank``."""
+    check_split(seq, size)
+    c = seq // (2 * size)
+    back = 2 * size - 1 - rank
+    return torch.cat(
+        (
+            torch.arange(rank * c, (rank + 1) * c, device=device),
+            torch.arange(back * c, (back + 1) * c, device=device),
+        )
+    )
+
+
+def zigzag_split(x: torch.Tensor, size: int, rank: int, dim: int = 1) -> torch.Tensor:
+    """``rank``'s part of ``x`` along the sequence dim ``dim`` (a new tensor)."""
+    seq = x.shape[dim]
+    check_split(seq, size)
+    c = seq // (2 * size)
+    back = 2 * size - 1 - rank
+    return torch.cat((x.narrow(dim, rank * c, c), x.narrow(dim, back * c, c)), dim=dim)
+
+
+def zigzag_order(seq: int, size: int) -> torch.Tensor:
+    """int64 ``[seq]``: the positions of every rank's part, rank after rank (a permutation)."""
+    return torch.cat([zigzag_columns(seq, size, r) for r in range(size)])
+
+
+def zigzag_inverse(seq: int, size: int) -> torch.Tensor:
+    """int64 ``[seq]``: the inverse of ``zigzag_order``: where each position sits in the ranks'
+    parts laid rank after rank."""
+    order = zigzag_order(seq, size)
+    return torch.empty_like(order).scatter_(0, order, torch.arange(seq))
+
+
+def zigzag_merge(parts: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
+    """The whole sequence from every rank's part (``parts[r]`` from ``zigzag_split(x, N, r)``)."""
+    laid = torch.cat(parts, dim=dim)
+    return laid.index_select(dim, zigzag_inverse(laid.shape[dim], len(parts)).to(laid.device))
+
+
+# ----------------------------------------------------------------------------------- the group
+@dataclass(frozen=True)
+class CPGroup:
+    """The CP group of this rank: what a forward needs to build its ``CPContext``. Held by name,
+    which the functional collectives take and torch.compile traces as a constant."""
+
+    group_name: str
+    rank: int
+    size: int
+
+    @staticmethod
+    def of(group: dist.ProcessGroup) -> CPGroup:
+        return CPGroup(group.group_name, dist.get_rank(group), dist.get_world_size(group))
+
+
+@dataclass
+class CPContext:
+    """One forward's view of the CP split (in ``PackedContext.cp``): the group, the batch shape and
+    the global rows of the local tokens.
+
+    ``batch`` sequences of ``seq`` tokens each (the global length); this rank holds ``seq // size``
+    of each; ``rows [batch * seq // size]`` (int64) are their rows in the flattened global stream,
+    in local order."""
+
+    group_name: str
+    rank: int
+    size: int
+    batch: int
+    seq: int
+    rows: torch.Tensor
+
+    @staticmethod
+    def build(group: CPGroup, batch: int, seq: int, device: torch.device) -> CPContext:
+        """The context of ``batch`` sequences of ``seq`` (global) tokens; no host sync."""
+        cols = zigzag_columns(seq, group.size, group.rank, device=device)
+        starts = torch.arange(batch, device=device)[:, None] * seq
+        rows = (starts + cols[None, :]).reshape(-1)
+        return CPContext(group.group_name, group.rank, group.size, batch, seq, rows)
+
+    @property
+    def total(self) -> int:
+        """Tokens of the global stream (``batch * seq``)."""
+        return self.batch * self.seq
+
+    def row_end(self) -> torch.Tensor:
+        """bool ``[local rows]``: the local tokens that are the last of their sequence."""
+        return self.rows % self.seq == self.seq - 1
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [local rows, ...]`` of every CP rank, in the global row order: ``[batch * seq,
+        ...]``. Differentiable: the gradient is reduce-scattered (summed) back to the owners."""
+        n, c = self.size, self.seq // (2 * self.size)
+        rest = x.shape[1:]
+        laid = _all_gather(x.contiguous(), 0, self.group_name)
+        laid = laid.view(n, self.batch, 2, c, *rest)
+        # chunk j < n is rank j's front chunk; chunk n + j is rank n - 1 - j's back chunk
+        chunks = torch.cat((laid[:, :, 0], laid[:, :, 1].flip(0)), dim=0)  # [2n, batch, c, ...]
+        return chunks.movedim(0, 1).reshape(self.batch * self.seq, *rest)
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum of ``x`` over the CP ranks (no gradient)."""
+        return funcol.wait_tensor(funcol.all_reduce(x.detach(), "sum", self.group_name))
