@@ -29,8 +29,12 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
+from titan_glm52.host_copy import host_to_device
+
 # torch >= 2.13 names it all_gather_single_autograd; the older name warns there
-_all_gather = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
+_all_gather = (
+    getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
+)
 
 
 # ----------------------------------------------------------------------------------- the split
@@ -84,6 +88,13 @@ def zigzag_merge(parts: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
     return laid.index_select(dim, zigzag_inverse(laid.shape[dim], len(parts)).to(laid.device))
 
 
+def next_token_ids(tokens: torch.Tensor) -> torch.Tensor:
+    """``tokens [B, S]`` shifted left by one within each row, 0 after the last position: the ids
+    whose embeddings the MTP layer takes at each position (split like the tokens, so no rank needs
+    another's; the model zeroes the last position's embedding)."""
+    return torch.cat((tokens[:, 1:], torch.zeros_like(tokens[:, :1])), dim=1)
+
+
 # ----------------------------------------------------------------------------------- the group
 @dataclass(frozen=True)
 class CPGroup:
@@ -131,6 +142,13 @@ class CPContext:
     def row_end(self) -> torch.Tensor:
         """bool ``[local rows]``: the local tokens that are the last of their sequence."""
         return self.rows % self.seq == self.seq - 1
+
+    def last_of_first_sequence(self, n: int) -> torch.Tensor:
+        """int64: the local indices of this rank's tokens among the last ``n`` of the first
+        sequence (from the host: no sync)."""
+        cols = zigzag_columns(self.seq, self.size, self.rank)
+        mine = torch.nonzero(cols >= self.seq - min(n, self.seq)).flatten()
+        return host_to_device(mine, self.rows.device)
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """``x [local rows, ...]`` of every CP rank, in the global row order: ``[batch * seq,

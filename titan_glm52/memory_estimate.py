@@ -1109,7 +1109,9 @@ def estimate_memory(req: MemoryRequest) -> MemoryReport:
         )
         for spec in layout.stages
     ]
-    keep_all = pipelined or not _reshard_policy(req.reshard_after_forward, pipelined, deg.fsdp_shard)
+    keep_all = pipelined or not _reshard_policy(
+        req.reshard_after_forward, pipelined, deg.fsdp_shard
+    )
     master = req.master_weights == "optimizer"
     ranks_per_pp = deg.dp_replicate * deg.dp_shard
     # Calls of the head per micro-batch: one per loss (model/head.py), two with MTP.

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from tests.distributed.cases import DEVICE_TYPE, full
-from titan_glm52.context_parallel import CPGroup, zigzag_split
+from titan_glm52.context_parallel import CPGroup, next_token_ids, zigzag_split
 from titan_glm52.distributed import build_mesh, init_distributed
 from titan_glm52.model.args import get_flavor
 from titan_glm52.model.attention import Attention
@@ -58,11 +58,6 @@ def cu_seqlens(rows) -> list[int]:
         for n in lengths:
             bounds.append(bounds[-1] + n)
     return bounds
-
-
-def next_tokens(tokens: torch.Tensor) -> torch.Tensor:
-    """The id after each position (0 after the last: its embedding is zeroed)."""
-    return torch.cat((tokens[:, 1:], torch.zeros_like(tokens[:, :1])), dim=1)
 
 
 class TopkRecorder:
@@ -155,9 +150,7 @@ def check_cp_train_step(
         device_type=env.device.type,
         n_routed_experts=args.n_routed_experts,
     )
-    parallelize_model(
-        model, mesh, ac_mode=ac_mode, compile=compile, compile_backend="aot_eager"
-    )
+    parallelize_model(model, mesh, ac_mode=ac_mode, compile=compile, compile_backend="aot_eager")
     rec = TopkRecorder(model)
     dp, cpm = mesh["dp"], mesh["cp"]
     group = CPGroup.of(cpm.get_group())
@@ -179,7 +172,7 @@ def check_cp_train_step(
         n_mtp,
         mtp=part(mtp),
         cp=group,
-        next_tokens=part(next_tokens(tokens)),
+        next_tokens=part(next_token_ids(tokens)),
     )
     loss.backward()
 
@@ -291,7 +284,7 @@ def check_cp_pipeline(cp: int, pp: int, schedule: str = "1F1B") -> None:
             aux=aux,
             bounds=micro_batch_bounds(positions, positions, n_micro),
             cp=group,
-            next_tokens=part(next_tokens(tokens)),
+            next_tokens=part(next_token_ids(tokens)),
         )
         if any(s.is_first for s in stages):
             sched.step(part(tokens), **kwargs)

@@ -734,14 +734,28 @@ def _indexer_outputs(
                 q_rows=ctx.q_rows,
             ).sum()
         out = ctx.aux.attach_indexer_kl(out, kl, attn.indexer_loss_coeff, attn.layer_id)
-    # the last queries of the first sequence (under CP: of this rank's part of it, whose last rows
-    # on CP rank 0 are the sequence's last)
-    if attn.probes_recall and ctx.aux.recall_queries:
-        seq = q_abs.shape[0] // ctx.batch
-        local = torch.arange(seq - min(ctx.aux.recall_queries, seq), seq, device=q_abs.device)
-        rows = local if ctx.cp is None else ctx.cp.rows[local]
-        starts = doc_starts(ctx.cu_seqlens, kv.shape[0])[rows]
-        ctx.aux.recall = topk_recall(
-            q_abs[local].detach(), kv.detach(), topk[local], rows, starts, attn.softmax_scale
-        )
+    if attn.probes_recall and ctx.aux.recall_queries:  # the last queries of the first sequence
+        ctx.aux.recall = _recall_probe(attn, q_abs, kv, topk, ctx)
     return out
+
+
+def _recall_probe(attn: Attention, q_abs, kv, topk, ctx: PackedContext) -> torch.Tensor:
+    """``topk_recall`` of the last ``ctx.aux.recall_queries`` queries of the first sequence; under
+    context parallelism each rank measures those it holds and the CP group adds up the hits (the
+    one collective of a probing step's layer 0)."""
+    n = ctx.aux.recall_queries
+    if ctx.cp is None:
+        seq = q_abs.shape[0] // ctx.batch
+        local = rows = torch.arange(seq - min(n, seq), seq, device=q_abs.device)
+    else:
+        local = ctx.cp.last_of_first_sequence(n)
+        rows = ctx.cp.rows[local]
+    starts = doc_starts(ctx.cu_seqlens, kv.shape[0])[rows]
+    recall = topk_recall(
+        q_abs[local].detach(), kv.detach(), topk[local], rows, starts, attn.softmax_scale
+    )
+    if ctx.cp is None:
+        return recall
+    count = torch.full((), float(local.numel()), device=recall.device)
+    hits, count = ctx.cp.all_reduce(torch.stack((recall * count, count))).unbind()
+    return hits / count.clamp_min(1.0)
