@@ -95,6 +95,17 @@ def next_token_ids(tokens: torch.Tensor) -> torch.Tensor:
     return torch.cat((tokens[:, 1:], torch.zeros_like(tokens[:, :1])), dim=1)
 
 
+def laid_to_global(laid: torch.Tensor, size: int, batch: int, seq: int) -> torch.Tensor:
+    """Every rank's flattened local rows laid rank after rank (``[size * batch * seq // size,
+    ...]``, what the all-gather returns) -> the global row order ``[batch * seq, ...]``. Views, one
+    flip and one copy: differentiable, and traceable by torch.compile."""
+    c, rest = seq // (2 * size), laid.shape[1:]
+    laid = laid.view(size, batch, 2, c, *rest)
+    # chunk j < size is rank j's front chunk; chunk size + j is rank size - 1 - j's back chunk
+    chunks = torch.cat((laid[:, :, 0], laid[:, :, 1].flip(0)), dim=0)  # [2 size, batch, c, ...]
+    return chunks.movedim(0, 1).reshape(batch * seq, *rest)
+
+
 # ----------------------------------------------------------------------------------- the group
 @dataclass(frozen=True)
 class CPGroup:
@@ -153,13 +164,8 @@ class CPContext:
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """``x [local rows, ...]`` of every CP rank, in the global row order: ``[batch * seq,
         ...]``. Differentiable: the gradient is reduce-scattered (summed) back to the owners."""
-        n, c = self.size, self.seq // (2 * self.size)
-        rest = x.shape[1:]
         laid = _all_gather(x.contiguous(), 0, self.group_name)
-        laid = laid.view(n, self.batch, 2, c, *rest)
-        # chunk j < n is rank j's front chunk; chunk n + j is rank n - 1 - j's back chunk
-        chunks = torch.cat((laid[:, :, 0], laid[:, :, 1].flip(0)), dim=0)  # [2n, batch, c, ...]
-        return chunks.movedim(0, 1).reshape(self.batch * self.seq, *rest)
+        return laid_to_global(laid, self.size, self.batch, self.seq)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of ``x`` over the CP ranks (no gradient)."""
