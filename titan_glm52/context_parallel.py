@@ -97,13 +97,35 @@ def next_token_ids(tokens: torch.Tensor) -> torch.Tensor:
 
 def laid_to_global(laid: torch.Tensor, size: int, batch: int, seq: int) -> torch.Tensor:
     """Every rank's flattened local rows laid rank after rank (``[size * batch * seq // size,
-    ...]``, what the all-gather returns) -> the global row order ``[batch * seq, ...]``. Views, one
-    flip and one copy: differentiable, and traceable by torch.compile."""
-    c, rest = seq // (2 * size), laid.shape[1:]
-    laid = laid.view(size, batch, 2, c, *rest)
-    # chunk j < size is rank j's front chunk; chunk size + j is rank size - 1 - j's back chunk
-    chunks = torch.cat((laid[:, :, 0], laid[:, :, 1].flip(0)), dim=0)  # [2 size, batch, c, ...]
-    return chunks.movedim(0, 1).reshape(batch * seq, *rest)
+    ...]``, what the all-gather returns) -> the global row order ``[batch * seq, ...]``: one copy,
+    differentiable (the backward writes the gradient back in the laid order, one buffer)."""
+    return _ToGlobal.apply(laid, size, batch, seq)
+
+
+class _ToGlobal(torch.autograd.Function):
+    """The reordering of ``laid_to_global``: one output written chunk by chunk in forward, one
+    laid-order buffer in backward (autograd's own formulas for the views and the concatenation
+    would allocate a zero-filled input-sized tensor per chunk)."""
+
+    @staticmethod
+    def forward(ctx, laid: torch.Tensor, size: int, batch: int, seq: int) -> torch.Tensor:
+        c, rest = seq // (2 * size), laid.shape[1:]
+        ctx.shape = (size, batch, 2, c, *rest)
+        parts = laid.view(ctx.shape)
+        # chunk j < size is rank j's front chunk; chunk size + j is rank size - 1 - j's back chunk
+        chunks = [parts[r, :, 0] for r in range(size)]
+        chunks += [parts[size - 1 - j, :, 1] for j in range(size)]
+        return torch.cat(chunks, dim=1).view(batch * seq, *rest)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        size, batch, _, c = ctx.shape[:4]
+        g = grad.view(batch, 2 * size, c, *ctx.shape[4:])
+        out = grad.new_empty(ctx.shape)
+        for r in range(size):
+            out[r, :, 0].copy_(g[:, r])
+            out[r, :, 1].copy_(g[:, 2 * size - 1 - r])
+        return out.view(-1, *ctx.shape[4:]), None, None, None
 
 
 # ----------------------------------------------------------------------------------- the group
