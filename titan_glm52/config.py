@@ -85,6 +85,12 @@ class Training(tt.Training):
 
 @dataclass
 class Parallelism(tt.Parallelism):
+    context_parallel_degree: int = 1
+    """Ranks every sequence is split over (docs/context_parallel.md): each holds 2 of its 2N zigzag
+    chunks and all-gathers the compact key state (latent rows, indexer keys) of the whole sequence
+    in every layer; the ranks join the FSDP ranks (parameters sharded over dp_shard x cp) and EP is
+    carved out of dp_shard x cp. training.seq_len must be divisible by 2 x this degree."""
+
     pipeline_parallel_layout: str | None = None
     """Explicit layers per pipeline stage, e.g. "14,8,8,8,8,8,8,16" (validated: every stage must
     start on an IndexShare full layer). Unset: the skip-aware splitter balances the estimated cost
@@ -169,7 +175,8 @@ class DSA:
     at 4K tokens a DSA layer's attention takes 25% less time (bench/attn_paths.py). A full layer
     that trains its indexer (indexer_loss_coeff > 0) also runs the sparse forward on those rows,
     without gradient, for the log-sum-exp its KL needs. False: every row on the sparse kernels (and
-    no masked dense rows either)."""
+    no masked dense rows either). Under context parallelism every row runs on the sparse kernels
+    whatever this says (the dense causal form of a prefix row needs keys that other ranks hold)."""
 
     dense_masked_ratio: float = 0.0
     """With dense_prefix: a document of index_topk < length <= dense_masked_ratio x index_topk

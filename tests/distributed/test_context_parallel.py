@@ -15,7 +15,7 @@ CASES = {
     "cp2_ep2": (2, dict(cp=2, ep=2)),
     "cp2_ac_full": (2, dict(cp=2, ac_mode="full")),
     "cp2_ep2_ac_selective_op": (2, dict(cp=2, ep=2, ac_mode="selective")),
-    "cp2_compile": (2, dict(cp=2, compile=True)),
+    "cp2_compile_ac_full": (2, dict(cp=2, compile=True, ac_mode="full")),
     "cp2_dense_warmup": (2, dict(cp=2, dense_warmup=True)),
     # the Triton kernels (interpreter on CPU) with q_rows; 2 layers + MTP to keep it short
     "cp2_triton": (2, dict(cp=2, dsa_backend="triton", num_hidden_layers=2)),
