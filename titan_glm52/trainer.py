@@ -364,9 +364,10 @@ class Trainer:
         """The step's valid tokens and valid MTP tokens summed over the data-parallel ranks (fp32
         device scalars, at least 1: the loss normalisers), its sequences (every rank trains
         ``local_batch_size`` per micro-batch) and the valid tokens again in fp64 (exact, for the
-        count of tokens seen). Counted on the host, where the loader's batches are, and sent to the
-        device without a sync: several ranks sum them there, and no rank waits for the device before
-        queuing the step's forward."""
+        count of tokens seen). Counted on the whole sequences, which every rank of a CP group
+        holds, so the CP ranks need no sum. Counted on the host, where the loader's batches are, and
+        sent to the device without a sync: several ranks sum them there, and no rank waits for the
+        device before queuing the step's forward."""
         local = [0, 0]
         for b in batches:
             labels = b["labels"]
@@ -390,8 +391,7 @@ class Trainer:
         inject_nan: bool,
     ) -> None:
         """Forward and backward of one micro-batch; adds its losses to ``losses``."""
-        dev = self.device
-        local = {k: v.to(dev, non_blocking=True) for k, v in self._rank_inputs(b).items()}
+        local = self._rank_inputs(b)
         # cu_seqlens goes as a host list (a tensor argument would be copied to the GPU by FSDP's
         # root, blocking): the model reads its bounds on the host and copies it over itself without
         # a sync.
@@ -400,7 +400,7 @@ class Trainer:
             b["cu_seqlens"].tolist(),
             with_mtp=self.with_mtp,
             labels=local["labels"],
-            mtp_labels=local["mtp_labels"] if self.with_mtp else None,
+            mtp_labels=local.get("mtp_labels"),
             aux=aux,
             **({"cp": self.cp, "next_tokens": local["next_tokens"]} if self.cp else {}),
         )
@@ -418,25 +418,30 @@ class Trainer:
         losses.total = losses.total + loss.detach()
 
     def _rank_inputs(self, b: dict) -> dict[str, torch.Tensor]:
-        """This rank's host tensors of a micro-batch: its token ids, labels and MTP labels; under
-        context parallelism the zigzag part of each sequence, and the ids after each position (the
-        MTP layer's next tokens), both formed on the whole sequences before the split."""
-        out = {"input_ids": b["input_ids"], "labels": b["labels"]}
-        out["mtp_labels"] = mtp_labels(b["labels"])
+        """This rank's device tensors of a micro-batch: its token ids, labels and (with MTP) MTP
+        labels; under context parallelism the zigzag part of each sequence, and the ids after each
+        position (the MTP layer's next tokens), formed on the whole sequences before the split. Made
+        on the device from the batch's (pinned) copies: no host sync."""
+        dev = self.device
+        ids = b["input_ids"].to(dev, non_blocking=True)
+        labels = b["labels"].to(dev, non_blocking=True)
+        out = {"input_ids": ids, "labels": labels}
+        if self.with_mtp:
+            out["mtp_labels"] = mtp_labels(labels)
         if self.cp is None:
             return out
-        out["next_tokens"] = next_token_ids(b["input_ids"])
+        out["next_tokens"] = next_token_ids(ids)
         return {k: zigzag_split(v, self.cp.size, self.cp.rank) for k, v in out.items()}
 
     # -----------------------------------------------------------------------------------------
     # pipeline
     def _pp_loss(self, output, labels: torch.Tensor) -> torch.Tensor:
         """Loss of one micro-batch on the last stage, normalised by the step's global token
-        counts. ``labels [mb, S, 2]`` hold the main and the MTP labels (the latter cannot be formed
-        from a CP rank's part of the sequence)."""
+        counts. With MTP ``labels [mb, S, 2]`` hold the main and the MTP labels (the latter cannot
+        be formed from a CP rank's part of the sequence)."""
         n_tok, n_mtp = self._pp_norm
-        labels, mtp = labels.unbind(-1)
-        ce_sum, mtp_sum = self._last_stage.loss_sums(output, labels, mtp if self.with_mtp else None)
+        labels, mtp = labels.unbind(-1) if labels.dim() == 3 else (labels, None)
+        ce_sum, mtp_sum = self._last_stage.loss_sums(output, labels, mtp)
         ce = ce_sum / n_tok
         loss = ce
         mtp = torch.zeros((), device=ce.device)
@@ -482,9 +487,10 @@ class Trainer:
         self, batch: dict, losses: StepLosses, aux: AuxTerms, n_tok, n_mtp, inject_nan: bool
     ) -> None:
         dev = self.device
-        local = {k: v.to(dev, non_blocking=True) for k, v in self._rank_inputs(batch).items()}
-        tokens = local["input_ids"]
-        labels = torch.stack((local["labels"], local["mtp_labels"]), dim=-1)
+        local = self._rank_inputs(batch)
+        tokens, labels = local["input_ids"], local["labels"]
+        if self.with_mtp:
+            labels = torch.stack((labels, local["mtp_labels"]), dim=-1)
         # (pinned first: made on the host when not packed)
         positions = host_to_device(batch["positions"], dev)
         self._pp_norm = (n_tok, n_mtp)
