@@ -93,6 +93,12 @@ class Training(tt.Training):
 
 @dataclass
 class Parallelism(tt.Parallelism):
+    context_parallel_degree: int = 1
+    """Ranks every sequence is split over (docs/context_parallel.md): each holds 2 of its 2N zigzag
+    chunks and all-gathers the compact key state (latent rows, indexer keys) of the whole sequence
+    in every layer; the ranks join the FSDP ranks (parameters sharded over dp_shard x cp) and EP is
+    carved out of dp_shard x cp. training.seq_len must be divisible by 2 x this degree."""
+
     pipeline_parallel_layout: str | None = None
     """Explicit layers per pipeline stage, e.g. "14,8,8,8,8,8,8,16" (validated: every stage must
     start on an IndexShare full layer). Unset: the skip-aware splitter balances the estimated cost
@@ -223,7 +229,8 @@ class DSA:
     at 4K tokens a DSA layer's attention takes 25% less time (bench/attn_paths.py). A full layer
     that trains its indexer (indexer_loss_coeff > 0) also runs the sparse forward on those rows,
     without gradient, for the log-sum-exp its KL needs. False: every row on the sparse kernels (and
-    no masked dense rows either)."""
+    no masked dense rows either). Under context parallelism every row runs on the sparse kernels
+    whatever this says (the dense causal form of a prefix row needs keys that other ranks hold)."""
 
     dense_masked_ratio: float = 0.0
     """With dense_prefix: a document of index_topk < length <= dense_masked_ratio x index_topk
@@ -449,6 +456,42 @@ def _refuse_not_implemented(cfg: JobConfig) -> None:
                 )
 
 
+def _check_context_parallel(cfg: JobConfig) -> None:
+    """The context-parallel options (docs/context_parallel.md): the zigzag split of every sequence
+    and the all-gather of the key state are the one implementation; the dense prefix runs on the
+    sparse kernels there, and the masked dense rows cannot (their keys would be other ranks')."""
+    p = cfg.parallelism
+    cp = p.context_parallel_degree
+    if cp < 1:
+        _refuse("parallelism.context_parallel_degree", f"{cp}: must be >= 1")
+    if p.context_parallel_load_balancer != "headtail":
+        _refuse(
+            "parallelism.context_parallel_load_balancer",
+            f"{p.context_parallel_load_balancer!r}: the split is the zigzag (head-tail) one; set "
+            "'headtail'",
+        )
+    if p.context_parallel_rotate_method != "allgather":
+        _refuse(
+            "parallelism.context_parallel_rotate_method",
+            f"{p.context_parallel_rotate_method!r}: DSA's context parallelism all-gathers the "
+            "compact key state (a query's top-k keys may lie anywhere before it); set 'allgather'",
+        )
+    if cp == 1:
+        return
+    if cfg.training.seq_len % (2 * cp):
+        _refuse(
+            "training.seq_len",
+            f"{cfg.training.seq_len} is not divisible by 2 x context_parallel_degree = {2 * cp} "
+            "(every sequence is cut into that many equal chunks); choose a multiple",
+        )
+    if cfg.dsa.dense_masked_ratio != 0:
+        _refuse(
+            "dsa.dense_masked_ratio",
+            "with context parallelism every row runs on the sparse kernels (a masked dense row "
+            "needs its document's keys in the plain form, held by other ranks); set it to 0",
+        )
+
+
 def validate(cfg: JobConfig, world_size: int | None = None, device_type: str | None = None) -> None:
     """Refuses combinations this project cannot run; the message names the key and the fix.
     ``world_size`` and ``device_type`` ("cuda" or "cpu"), where known, are checked against too."""
@@ -475,11 +518,7 @@ def validate(cfg: JobConfig, world_size: int | None = None, device_type: str | N
             "tensor parallelism is not implemented; use data/expert/"
             "pipeline parallelism (set it to 1)",
         )
-    if p.context_parallel_degree != 1:
-        _refuse(
-            "parallelism.context_parallel_degree",
-            "context parallelism is not implemented; set it to 1",
-        )
+    _check_context_parallel(cfg)
     if p.expert_tensor_parallel_degree != 1:
         _refuse(
             "parallelism.expert_tensor_parallel_degree",
@@ -582,7 +621,7 @@ def validate(cfg: JobConfig, world_size: int | None = None, device_type: str | N
     ):
         _refuse("training.master_weights", why)
     if cfg.training.global_batch_size > 0 and world_size is not None:
-        dp = world_size // max(p.pipeline_parallel_degree, 1)
+        dp = world_size // max(p.pipeline_parallel_degree * p.context_parallel_degree, 1)
         per_step = cfg.training.local_batch_size * dp
         if cfg.training.global_batch_size % per_step:
             _refuse(
@@ -725,7 +764,9 @@ def model_options(cfg: JobConfig, device_type: str) -> ModelOptions:
         dsa_backend=dsa_backend(cfg, device_type),
         gluon_kernels=d.gluon_kernels,
         sparse_attention=d.mode == "sparse",
-        dense_prefix=d.dense_prefix,
+        # under context parallelism the prefix rows run on the sparse kernels (the same math): their
+        # dense causal form would need keys held by other ranks
+        dense_prefix=d.dense_prefix and cfg.parallelism.context_parallel_degree == 1,
         dense_masked_ratio=d.dense_masked_ratio,
         recompute_latent_query=d.recompute_latent_query,
         indexer_loss_coeff=d.indexer_loss_coeff,

@@ -2,14 +2,20 @@
 
 Layout of the ranks (outermost first)::
 
-    pp x dp_replicate x dp_shard                 dense parameters (FSDP over dp_shard, HSDP with dp_replicate)
-    pp x dp_replicate x efsdp x ep               routed experts   (EP over ep, FSDP over efsdp)
-    with dp_shard = efsdp * ep
+    pp x dp_replicate x dp_shard x cp   dense parameters (FSDP over dp_shard x cp, HSDP: dp_replicate)
+    pp x dp_replicate x efsdp x ep      routed experts   (EP over ep, FSDP over efsdp)
+    with dp_shard x cp = efsdp x ep
 
-Expert-parallel ranks are carved out of the FSDP ranks (``dp_shard``), torchtitan-style: the ``ep``
-ranks of one group are consecutive, so on a GPU host the token all-to-all stays inside the node when
-possible. Every rank of ``dp_replicate x dp_shard`` reads different data (``ParallelMesh.dp``),
-including the ranks of one EP group, which exchange tokens, not data.
+Context-parallel ranks (``cp``, innermost: one CP group is consecutive ranks, inside a node where it
+fits, since it gathers key state in every layer) hold parts of the same sequences; they join the
+FSDP shard mesh of the parameters (torchtitan's dp_shard_cp), so the gradient reduction sums over
+them too. Expert-parallel ranks are carved out of ``dp_shard x cp``, torchtitan-style (MoE is
+token-local, and CP ranks hold different tokens): the ``ep`` ranks of one group are consecutive, so
+on a GPU host the token all-to-all stays inside the node when possible. Every rank of
+``dp_replicate x dp_shard`` reads different data (``ParallelMesh.dp``), including the ranks of one
+EP group, which exchange tokens, not data; the ranks of one CP group read the same data
+(``ParallelMesh["cp"]``) and split it; ``"dp_cp"`` holds all ranks of a pipeline stage (what the
+losses and expert loads are summed over).
 
 The meshes are kept by name in a ``ParallelMesh`` rather than sliced out of one root mesh by
 flattened names, because slicing a flattened dim from the root mesh is deprecated from PyTorch 2.11
@@ -31,6 +37,7 @@ OPTION = {
     "dp_shard": "parallelism.data_parallel_shard_degree",
     "ep": "parallelism.expert_parallel_degree",
     "pp": "parallelism.pipeline_parallel_degree",
+    "cp": "parallelism.context_parallel_degree",
 }
 
 
@@ -89,11 +96,17 @@ class ParallelDegrees:
     ep: int
     pp: int
     world_size: int
+    cp: int = 1
 
     @property
     def efsdp(self) -> int:
-        """FSDP degree of the routed experts (``dp_shard / ep``)."""
-        return self.dp_shard // self.ep
+        """FSDP degree of the routed experts (``dp_shard * cp / ep``)."""
+        return self.dp_shard * self.cp // self.ep
+
+    @property
+    def fsdp_shard(self) -> int:
+        """Ranks the dense parameters are sharded over (``dp_shard * cp``)."""
+        return self.dp_shard * self.cp
 
     @property
     def dp(self) -> int:
@@ -108,52 +121,52 @@ def validate_degrees(
     ep: int = 1,
     pp: int = 1,
     n_routed_experts: int | None = None,
+    cp: int = 1,
 ) -> ParallelDegrees:
     """Checks the degrees and fills ``dp_shard = -1`` (the ranks left over).
 
-    Promises: ``pp * dp_replicate * dp_shard == world_size``, ``ep`` divides ``dp_shard`` (EP ranks
-    are carved out of the FSDP ranks) and, when given, ``n_routed_experts``. Anything else raises
-    ValueError naming the option and a fix.
+    Promises: ``pp * dp_replicate * dp_shard * cp == world_size``, ``ep`` divides ``dp_shard * cp``
+    (EP ranks are carved out of the FSDP ranks, which include the CP ranks) and, when given,
+    ``n_routed_experts``. Anything else raises ValueError naming the option and a fix.
     """
-    for name, value in (("dp_replicate", dp_replicate), ("ep", ep), ("pp", pp)):
+    for name, value in (("dp_replicate", dp_replicate), ("ep", ep), ("pp", pp), ("cp", cp)):
         if value < 1:
             raise ValueError(f"{OPTION[name]} = {value}: must be >= 1")
+    others = dp_replicate * pp * cp
     if dp_shard == -1:
-        if world_size % (dp_replicate * pp):
+        if world_size % others:
             raise ValueError(
                 f"{OPTION['dp_shard']} = -1 (use the ranks left over) but world size {world_size} "
-                "is not divisible "
-                f"by {OPTION['dp_replicate']} * {OPTION['pp']} = {dp_replicate * pp}; change those "
-                "degrees"
+                f"is not divisible by {OPTION['dp_replicate']} * {OPTION['pp']} * {OPTION['cp']} "
+                f"= {others}; change those degrees"
             )
-        dp_shard = world_size // (dp_replicate * pp)
+        dp_shard = world_size // others
     if dp_shard < 1:
         raise ValueError(
             f"{OPTION['dp_shard']} = {dp_shard}: must be >= 1, or -1 for the ranks left over"
         )
-    if pp * dp_replicate * dp_shard != world_size:
+    if others * dp_shard != world_size:
         raise ValueError(
             f"parallel degrees do not multiply to the world size: {OPTION['pp']} ({pp}) * "
-            f"{OPTION['dp_replicate']} "
-            f"({dp_replicate}) * {OPTION['dp_shard']} ({dp_shard}) = "
-            f"{pp * dp_replicate * dp_shard} != "
-            f"{world_size} ranks; set {OPTION['dp_shard']} = -1 to use the ranks left over, or "
-            "launch "
-            f"{pp * dp_replicate * dp_shard} processes"
+            f"{OPTION['dp_replicate']} ({dp_replicate}) * {OPTION['dp_shard']} ({dp_shard}) * "
+            f"{OPTION['cp']} ({cp}) = {others * dp_shard} != {world_size} ranks; set "
+            f"{OPTION['dp_shard']} = -1 to use the ranks left over, or launch "
+            f"{others * dp_shard} processes"
         )
-    if dp_shard % ep:
+    shard = dp_shard * cp
+    if shard % ep:
+        what = OPTION["dp_shard"] + ("" if cp == 1 else f" x {OPTION['cp']}")
         raise ValueError(
-            f"{OPTION['ep']} = {ep} must divide {OPTION['dp_shard']} = {dp_shard} (expert-parallel "
-            "ranks are "
-            f"carved out of the FSDP ranks); choose an EP degree among {_divisors(dp_shard)}"
+            f"{OPTION['ep']} = {ep} must divide {what} = {shard} (expert-parallel ranks are carved "
+            f"out of the FSDP ranks); choose an EP degree among {_divisors(shard)}"
         )
     if n_routed_experts is not None and n_routed_experts % ep:
         raise ValueError(
             f"{OPTION['ep']} = {ep} must divide the number of routed experts ({n_routed_experts}); "
             "choose one of "
-            f"{[d for d in _divisors(n_routed_experts) if dp_shard % d == 0]}"
+            f"{[d for d in _divisors(n_routed_experts) if shard % d == 0]}"
         )
-    return ParallelDegrees(dp_replicate, dp_shard, ep, pp, world_size)
+    return ParallelDegrees(dp_replicate, dp_shard, ep, pp, world_size, cp)
 
 
 def _divisors(n: int) -> list[int]:
@@ -165,16 +178,18 @@ def _divisors(n: int) -> list[int]:
 class ParallelMesh:
     """The meshes of one job, by name.
 
-    ``mesh[name]`` is a 1-D mesh: ``"pp"``, ``"dp_replicate"``, ``"dp_shard"``, ``"efsdp"``,
-    ``"ep"``, or ``"dp"`` (all data-parallel ranks of this pipeline stage: loss and load-count
-    all-reduces, data sharding). ``fsdp_mesh`` / ``expert_fsdp_mesh`` are what FSDP shards dense
-    parameters / routed experts on.
+    ``mesh[name]`` is a 1-D mesh: ``"pp"``, ``"dp_replicate"``, ``"dp_shard"``, ``"cp"``,
+    ``"efsdp"``, ``"ep"``, ``"dp"`` (the data-parallel ranks of this pipeline stage and CP
+    coordinate: data sharding), ``"dp_cp"`` (every rank of this pipeline stage: loss and
+    load-count all-reduces) or ``"dp_shard_cp"``. ``fsdp_mesh`` / ``expert_fsdp_mesh`` are what FSDP
+    shards dense parameters / routed experts on.
     """
 
     degrees: ParallelDegrees
     device_type: str
     meshes: dict[str, DeviceMesh]
-    fsdp_mesh: DeviceMesh  # dp_shard, or (dp_replicate, dp_shard) = HSDP
+    # dp_shard x cp, or (dp_replicate, dp_shard x cp) = HSDP
+    fsdp_mesh: DeviceMesh
     expert_fsdp_mesh: DeviceMesh  # efsdp, or (dp_replicate, efsdp); used under EP
 
     def __getitem__(self, name: str) -> DeviceMesh:
@@ -194,6 +209,10 @@ class ParallelMesh:
     def dp_enabled(self) -> bool:
         return self.degrees.dp > 1
 
+    @property
+    def cp_enabled(self) -> bool:
+        return self.degrees.cp > 1
+
 
 def build_mesh(
     world_size: int,
@@ -203,6 +222,7 @@ def build_mesh(
     pp: int = 1,
     device_type: str | None = None,
     n_routed_experts: int | None = None,
+    cp: int = 1,
 ) -> ParallelMesh:
     """Validates the degrees (``validate_degrees``) and builds the meshes on the default process
     group.
@@ -211,7 +231,7 @@ def build_mesh(
     when CUDA is available, else "cpu". All meshes share one root (the world), as FSDP needs to
     compose with the EP-sharded expert weights.
     """
-    deg = validate_degrees(world_size, dp_replicate, dp_shard, ep, pp, n_routed_experts)
+    deg = validate_degrees(world_size, dp_replicate, dp_shard, ep, pp, n_routed_experts, cp)
     if not dist.is_initialized() or dist.get_world_size() != world_size:
         have = dist.get_world_size() if dist.is_initialized() else "no"
         raise ValueError(
@@ -220,18 +240,24 @@ def build_mesh(
         )
     device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
     world = init_device_mesh(device_type, (world_size,), mesh_dim_names=("world",))
+    dims = (deg.pp, deg.dp_replicate, deg.dp_shard, deg.cp)
+    grid = world._unflatten(0, dims, ("pp", "dp_replicate", "dp_shard", "cp"))
     dense = world._unflatten(
-        0, (deg.pp, deg.dp_replicate, deg.dp_shard), ("pp", "dp_replicate", "dp_shard")
+        0, (deg.pp, deg.dp_replicate, deg.fsdp_shard), ("pp", "dp_replicate", "dp_shard_cp")
     )
     sparse = world._unflatten(
         0, (deg.pp, deg.dp_replicate, deg.efsdp, deg.ep), ("pp", "dp_replicate", "efsdp", "ep")
     )
-    data = world._unflatten(0, (deg.pp, deg.dp), ("pp", "dp"))
+    data = world._unflatten(0, (deg.pp, deg.dp, deg.cp), ("pp", "dp", "cp"))
+    stage = world._unflatten(0, (deg.pp, deg.dp * deg.cp), ("pp", "dp_cp"))
     meshes = {
         "pp": data["pp"],
         "dp": data["dp"],
-        "dp_replicate": dense["dp_replicate"],
-        "dp_shard": dense["dp_shard"],
+        "cp": data["cp"],
+        "dp_cp": stage["dp_cp"],
+        "dp_replicate": grid["dp_replicate"],
+        "dp_shard": grid["dp_shard"],
+        "dp_shard_cp": dense["dp_shard_cp"],
         "efsdp": sparse["efsdp"],
         "ep": sparse["ep"],
     }
@@ -240,6 +266,6 @@ def build_mesh(
         deg,
         device_type,
         meshes,
-        fsdp_mesh=dense["dp_replicate", "dp_shard"] if hsdp else dense["dp_shard"],
+        fsdp_mesh=dense["dp_replicate", "dp_shard_cp"] if hsdp else dense["dp_shard_cp"],
         expert_fsdp_mesh=sparse["dp_replicate", "efsdp"] if hsdp else sparse["efsdp"],
     )

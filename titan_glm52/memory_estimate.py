@@ -194,6 +194,26 @@ Backward bytes of a step (on top of what it saved):
              that copy is counted); with MTP the second loss runs while the first one's gradient is
              held. Counted in the head's backward step (the same tensors, all alive)
 
+Context parallelism (``cp`` > 1, docs/context_parallel.md): every count above is per LOCAL token (a
+micro-batch holds ``seq_len / cp`` tokens of each sequence per rank; the pipeline buffers and the
+loss chunk too), the dense prefix's share is 0 (its rows run on the sparse kernels), the FSDP shards
+are read from the real dp_shard x cp mesh, and the gathered key state of the global ``seq_len``
+tokens, w = c + p latent values (and d_I = index_head_dim indexer values on layers with an indexer),
+adds per local token:
+  saved      a*(cp - 1)*w in a block that is not checkpointed ("none"): the sparse attention keeps the
+             gathered latent rows (cp per local token) where it kept the local ones; nothing in "full"
+             or "op" (the gather is recomputed, not kept: keeping it would grow the op policy's saved
+             set with the CP degree)
+  backward   (cp - 1)*4w (the fp32 gradient of the gathered rows beyond the local ones) + (2cp + 1)*a*w
+             (that gradient in param_dtype, the laid-order buffer it is reordered into for the
+             reduce-scatter, the reduce-scatter's output) + on indexer layers 2cp*a*d_I (the gathered
+             indexer keys and their laid copy, alive in a recompute's top-k; counted at the backward's
+             peak, an upper bound) (``cp_key_state_bytes``); a recompute's "none" set includes the
+             saved term. The indexer's score scratch stays bounded by its 1 GiB budget (its rows are
+             the global document lengths wide, so fewer rows fit), and comes before the sparse
+             backward's.
+  extras     8 (the local rows' global rows)
+
 Checked against ``torch.cuda.max_memory_allocated`` on H200s
 (bench/results/2026-12-02_h200_memory.md, "The measured peaks the plan is checked against";
 tests/unit/test_plan_memory.py): the estimate is above every measured peak, by 0.3-4.3% on one GPU
@@ -207,7 +227,8 @@ peak (the MoE blocks 4.8-5.3, the dense first block with the embedding 8.1).
 
 Not modelled: CUDA context and NCCL buffers (~1-3 GiB, outside the caching allocator), allocator
 fragmentation (reserved over allocated), the indexer KL loss (``dsa.indexer_loss_coeff > 0`` saves
-the indexer's q/k/weights), expert load imbalance beyond ``expert_load_factor``, torch.compile
+the indexer's q/k/weights, and under context parallelism its gathered keys and their gradient),
+expert load imbalance beyond ``expert_load_factor``, torch.compile
 buffers, a non-fused optimizer's temporaries (foreach AdamW allocates copies of the gradient/state
 lists). The stated headroom is meant to cover these.
 """
@@ -264,6 +285,8 @@ class MemoryRequest:
     master_weights: str = "fsdp"
     # more than one micro-batch per optimizer step (training.global_batch_size)
     grad_accumulation: bool = False
+    # [parallelism] context_parallel_degree: every sequence split over this many ranks
+    cp: int = 1
 
     @property
     def budget_bytes(self) -> float:
@@ -361,6 +384,7 @@ def block_bytes_per_token(
     recompute_experts: bool = False,
     recompute_query: bool = False,
     mlp_chunked: bool = False,
+    cp: int = 1,
 ) -> float:
     """Saved activation bytes per token of one block under an AC mode ("none" | "full" | "op"); see
     the module docstring for the terms. ``layer_id == num_hidden_layers`` is the MTP block.
@@ -369,7 +393,8 @@ def block_bytes_per_token(
     recompute_latent_query`` (both act in blocks that are not checkpointed, "none").
     ``mlp_chunked``: ``[activation_checkpoint] mlp_token_chunk`` splits this block's tokens: the MLP
     keeps only its input (and, in a MoE layer, each chunk's routing, 12k) and rebuilds the rest in
-    backward."""
+    backward. ``cp``: the context-parallel degree (per local
+    token, the sparse attention keeps the gathered latent rows of ``cp`` tokens)."""
     a, d, h = act_bytes, args.hidden_size, args.num_attention_heads
     r, c, p = args.q_lora_rank, args.kv_lora_rank, args.qk_rope_head_dim
     n, v, kk = args.qk_nope_head_dim, args.v_head_dim, args.index_topk
@@ -382,7 +407,7 @@ def block_bytes_per_token(
     if mode == "none":
         latent_q = h * p if recompute_query else h * (c + p)  # rebuilt: its rope part stays
         attn = (
-            a * (3 * d + 3 * r + h * (n + p) + 2 * (c + p) + c + latent_q + h * c + h * v)
+            a * (3 * d + 3 * r + h * (n + p) + (1 + cp) * (c + p) + c + latent_q + h * c + h * v)
             + 4 * h
             + 16
             + 8 * p
@@ -499,13 +524,15 @@ def backward_workspace(
     ep: bool = False,
     recompute_query: bool = False,
     moe_chunk: int = 0,
+    cp: int = 1,
 ) -> float:
     """Bytes a block's backward allocates on top of the activations it saved (or recomputed), at its
     largest moment, for ``tokens`` tokens: the larger of the attention's and the MLP's (they run one
     after the other; see the module docstring for the terms). ``prefix_share``: the share of rows on
     the dense prefix. ``moe_chunk`` (``[activation_checkpoint] mlp_token_chunk``, when below
     ``tokens``): the routed path's backward holds one chunk's rebuilt activations and workspace at a
-    time."""
+    time; ``cp``: the context-parallel degree (``tokens`` are this
+    rank's)."""
     a, d, h = act_bytes, args.hidden_size, args.num_attention_heads
     c, p, kk = args.kv_lora_rank, args.qk_rope_head_dim, args.index_topk
     n, v = args.qk_nope_head_dim, args.v_head_dim
@@ -515,6 +542,7 @@ def backward_workspace(
     ) + min(DSA_SCRATCH_BYTES, tokens * 2 * h * kk * a)
     if prefix_share > 0:
         attn += tokens * a * h * (prefix_share * (2 * (n + p) + 3 * v + n) + n + p)
+    attn += tokens * cp_key_state_bytes(args, layer_id, a, cp)
     if args.is_moe_layer(layer_id) and 0 < moe_chunk < tokens:
         rebuilt = block_bytes_per_token(
             args, layer_id, "none", a, load, ep, 0.0, recompute_experts
@@ -532,6 +560,21 @@ def backward_workspace(
     else:
         mlp = tokens * a * (3 * fd + 3 * d)
     return max(attn, mlp)
+
+
+def cp_key_state_bytes(args: GLM52ModelArgs, layer_id: int, act_bytes: int, cp: int) -> float:
+    """Bytes per local token that context parallelism adds to a block's backward (0 at ``cp`` 1;
+    module docstring, "Context parallelism"): the fp32 gradient of the gathered latent rows beyond
+    the local ones, that gradient in ``act_bytes`` and the laid-order buffer it is reordered into,
+    the reduce-scatter's output, and on layers with an indexer its gathered keys and their laid
+    copy (a recompute's top-k; counted as if alive at the backward's peak)."""
+    if cp == 1:
+        return 0.0
+    a, w = act_bytes, args.kv_lora_rank + args.qk_rope_head_dim
+    extra = (cp - 1) * 4 * w + (2 * cp + 1) * a * w
+    if args.index_share.has_indexer(layer_id):
+        extra += 2 * cp * a * args.index_head_dim
+    return extra
 
 
 def loss_chunk_bytes(args: GLM52ModelArgs, tokens: int) -> float:
@@ -582,10 +625,12 @@ def stage_activations(
     recompute_experts: bool = False,
     recompute_query: bool = False,
     moe_chunk: int = 0,
+    cp: int = 1,
 ) -> StageActivations:
-    """Activations of one pipeline stage for micro-batches of ``tokens`` tokens (module docstring).
-    ``mask_per_token``: the masked dense rows' selection mask, bytes per token of every block (saved
-    with its attention, or rebuilt by its recompute)."""
+    """Activations of one pipeline stage for micro-batches of ``tokens`` tokens (this rank's, under
+    context parallelism of degree ``cp``; module docstring). ``mask_per_token``: the masked dense
+    rows' selection mask, bytes per token of every block (saved with its attention, or rebuilt by
+    its recompute)."""
     a, d = act_bytes, args.hidden_size
     ids = list(layer_ids) + ([args.num_hidden_layers] if is_last and with_mtp else [])
     modes = _block_modes(ac_mode, selective_option, len(ids))
@@ -598,7 +643,9 @@ def stage_activations(
         lean, lean_q = recompute_experts and m == "none", recompute_query and m == "none"
         chunked = 0 < moe_chunk < tokens
         none = (
-            block_bytes_per_token(args, b, "none", a, load, ep, prefix_share, lean, lean_q, chunked)
+            block_bytes_per_token(
+                args, b, "none", a, load, ep, prefix_share, lean, lean_q, chunked, cp
+            )
             + mask_per_token
         )
         saved = (
@@ -606,10 +653,12 @@ def stage_activations(
         )
         recompute = none if m != "none" else 0.0
         work = backward_workspace(
-            args, b, tokens, a, load, prefix_share, lean, ep, lean_q, moe_chunk
+            args, b, tokens, a, load, prefix_share, lean, ep, lean_q, moe_chunk, cp
         )
         blocks.append(BlockActivations(b, m, saved, tokens * recompute + work))
     extras = 8 + (a * d if with_mtp else 0)  # positions; next-token embeddings
+    if cp > 1:
+        extras += 8  # the local rows' global rows (CPContext.rows)
     if is_first:
         extras += 8  # token ids (the embedding backward)
     if not is_last:
@@ -985,6 +1034,7 @@ def _build_rank(req: MemoryRequest, layout, rank: int, pp_rank_expected: int):
         pp=req.pp,
         device_type="cpu",
         n_routed_experts=args.n_routed_experts,
+        cp=req.cp,
     )
     pp_rank = mesh["pp"].get_local_rank()
     assert pp_rank == pp_rank_expected, (rank, pp_rank, pp_rank_expected)
@@ -1013,6 +1063,7 @@ def _check_request(req: MemoryRequest) -> None:
     """A request's own fields; the job's rules are the trainer's (``config.master_weights_blocker``,
     ``pipeline_split.microbatches``, ``parallelize.AC_MODES`` / ``RESHARD_POLICIES``)."""
     from titan_glm52.config import master_weights_blocker
+    from titan_glm52.context_parallel import check_split
     from titan_glm52.parallelize import AC_MODES, RESHARD_POLICIES
     from titan_glm52.pipeline_split import microbatches
 
@@ -1024,9 +1075,11 @@ def _check_request(req: MemoryRequest) -> None:
         raise ValueError(
             f"reshard_after_forward {req.reshard_after_forward!r}: choose one of {RESHARD_POLICIES}"
         )
-    for name in ("gpus", "seq_len", "local_batch_size"):
+    for name in ("gpus", "seq_len", "local_batch_size", "cp"):
         if getattr(req, name) < 1:
             raise ValueError(f"{name} must be >= 1, got {getattr(req, name)}")
+    if req.cp > 1:
+        check_split(req.seq_len, req.cp)
     if req.pp > 1:
         microbatches(req.local_batch_size, req.microbatch_size)
     if not 0 <= req.headroom < 1:
@@ -1058,7 +1111,7 @@ def estimate_memory(req: MemoryRequest) -> MemoryReport:
     _check_request(req)
     args = req.args
     deg = validate_degrees(
-        req.gpus, req.dp_replicate, req.dp_shard, req.ep, req.pp, args.n_routed_experts
+        req.gpus, req.dp_replicate, req.dp_shard, req.ep, req.pp, args.n_routed_experts, req.cp
     )
     layout = choose_layout(
         args,
@@ -1082,7 +1135,8 @@ def estimate_memory(req: MemoryRequest) -> MemoryReport:
         )
     pipelined = req.pp > 1
     n_mb = microbatches(req.local_batch_size, req.microbatch_size) if pipelined else 1
-    tokens = (req.microbatch_size if pipelined else req.local_batch_size) * req.seq_len
+    # this rank's tokens of a micro-batch: under context parallelism its part of each sequence
+    tokens = (req.microbatch_size if pipelined else req.local_batch_size) * req.seq_len // req.cp
     act_bytes = torch.finfo(PARAM_DTYPES[req.param_dtype]).bits // 8
     report = MemoryReport(
         req,
@@ -1100,14 +1154,12 @@ def estimate_memory(req: MemoryRequest) -> MemoryReport:
     # keys and values for all its rows (another share of 1, an upper bound: it also counts the
     # prefix rows' queries and outputs again) and the selection mask, (S - K) x S per document: a
     # bool and its bf16 additive form, 3 (S - K) bytes per token.
+    # (Under context parallelism every row runs on the sparse kernels.)
     kk, seq = args.index_topk, req.seq_len
-    prefix_share = min(kk, seq) / seq if req.dense_prefix else 0.0
+    dense = req.dense_prefix and req.cp == 1
+    prefix_share = min(kk, seq) / seq if dense else 0.0
     mask_per_token = 0.0
-    if (
-        req.dense_prefix
-        and req.dense_masked_ratio > 0
-        and kk < seq <= int(req.dense_masked_ratio * kk)
-    ):
+    if dense and req.dense_masked_ratio > 0 and kk < seq <= int(req.dense_masked_ratio * kk):
         prefix_share += 1.0
         mask_per_token = 3.0 * (seq - kk)
     acts = [
@@ -1128,12 +1180,15 @@ def estimate_memory(req: MemoryRequest) -> MemoryReport:
             req.recompute_expert_inputs,
             req.recompute_latent_query,
             req.mlp_token_chunk,
+            req.cp,
         )
         for spec in layout.stages
     ]
-    keep_all = pipelined or not _reshard_policy(req.reshard_after_forward, pipelined, deg.dp_shard)
+    keep_all = pipelined or not _reshard_policy(
+        req.reshard_after_forward, pipelined, deg.fsdp_shard
+    )
     master = req.master_weights == "optimizer"
-    ranks_per_pp = deg.dp_replicate * deg.dp_shard
+    ranks_per_pp = deg.dp_replicate * deg.dp_shard * deg.cp
     # Calls of the head per micro-batch: one per loss (model/head.py), two with MTP.
     head_calls = 2 if req.with_mtp else 1
 
@@ -1247,7 +1302,7 @@ def request_from_job_config(
 ) -> MemoryRequest:
     """The ``MemoryRequest`` of a parsed job config (``config.parse_job_config``): its model (as the
     trainer builds it), degrees, schedule, layout, batch, AC mode, precision and MTP. ``gpus``
-    defaults to pp x dp_replicate x dp_shard, which needs an explicit
+    defaults to pp x dp_replicate x dp_shard x cp, which needs an explicit
     ``data_parallel_shard_degree``."""
     from titan_glm52.config import model_args, resolve_master_weights
     from titan_glm52.pipeline_split import parse_layout
@@ -1262,11 +1317,14 @@ def request_from_job_config(
             p.pipeline_parallel_degree
             * p.data_parallel_replicate_degree
             * p.data_parallel_shard_degree
+            * p.context_parallel_degree
         )
     args = model_args(cfg)
     master = resolve_master_weights(cfg, gpus)  # the trainer's rule on a GPU
     # samples per micro-batch, all ranks
-    per_step = t.local_batch_size * (gpus // p.pipeline_parallel_degree)
+    per_step = t.local_batch_size * (
+        gpus // (p.pipeline_parallel_degree * p.context_parallel_degree)
+    )
     layout = parse_layout(p.pipeline_parallel_layout) if p.pipeline_parallel_layout else None
     return MemoryRequest(
         args=args,
@@ -1296,6 +1354,7 @@ def request_from_job_config(
         mlp_token_chunk=cfg.activation_checkpoint.mlp_token_chunk,
         master_weights=master,
         grad_accumulation=t.global_batch_size // per_step > 1,
+        cp=p.context_parallel_degree,
     )
 
 
@@ -1350,15 +1409,22 @@ def format_report(report: MemoryReport, model_name: str) -> str:
         f"decoder layers, MTP layer: "
         f"{'yes' if req.with_mtp and args.num_nextn_predict_layers else 'no'}",
         f"world: {req.gpus} ranks = pp {req.pp} x dp_replicate {req.dp_replicate} x dp_shard "
-        f"{report.dp_shard} "
-        f"(ep {req.ep} x efsdp {report.efsdp} for the routed experts); fake process group, meta "
-        "device",
+        f"{report.dp_shard}"
+        + (f" x cp {req.cp}" if req.cp > 1 else "")
+        + f" (ep {req.ep} x efsdp {report.efsdp} for the routed experts); fake process group, "
+        "meta device",
         f"schedule: {report.schedule}, {report.stages_per_rank} stage(s) per rank, "
         f"{len(report.layers_per_stage)} stages",
         f"layers per stage: {','.join(str(n) for n in report.layers_per_stage)}",
         f"batch: seq_len {req.seq_len}, local_batch_size {req.local_batch_size}, microbatch_size "
         f"{req.microbatch_size} -> {report.n_microbatches} micro-batch(es) of "
-        f"{report.tokens_per_microbatch} tokens",
+        f"{report.tokens_per_microbatch} tokens"
+        + (
+            f" per rank (context parallel {req.cp}: each rank holds 1/{req.cp} of every sequence "
+            f"and gathers the latent and indexer keys of all {req.seq_len} in every layer)"
+            if req.cp > 1
+            else ""
+        ),
         (
             f"precision: fp32 master weights in the optimizer with bf16 compute copies "
             "(master_weights optimizer, no "

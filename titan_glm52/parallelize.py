@@ -322,7 +322,8 @@ def apply_fsdp(
 ) -> None:
     """FSDP2 units: ``tok_embeddings``; each block (with its routed experts as their own unit on the
     expert FSDP mesh under EP); the MTP layer; ``output``; the root (the final ``norm``). HSDP when
-    dp_replicate > 1.
+    dp_replicate > 1. The dense mesh is dp_shard x cp: context-parallel ranks shard the parameters
+    too, and their gradients (each the gradient of its tokens' share of the loss) are summed.
 
     ``reshard_after_forward``: "always" | "never" | "default" (reshard blocks unless pipeline
     parallel or dp_shard is 1; ``output`` is kept unsharded unless "always": backward needs it first
@@ -330,7 +331,7 @@ def apply_fsdp(
     states arrive in ``param_dtype`` from the embedding, and the fp32 RoPE tables in the packed
     context keep their precision.
     """
-    reshard = _reshard_policy(reshard_after_forward, mesh.pp_enabled, mesh.degrees.dp_shard)
+    reshard = _reshard_policy(reshard_after_forward, mesh.pp_enabled, mesh.degrees.fsdp_shard)
     mp = MixedPrecisionPolicy(
         param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False
     )
@@ -411,7 +412,7 @@ def parallelize_model(
     ``lora``: adapt and freeze the model first (``lora.apply_lora``), so that every later step sees
     the adapters as ordinary parameters; FSDP2 units then hold frozen and trainable parameters.
 
-    FSDP is applied when there is data or expert parallelism, and also on a mesh of one
+    FSDP is applied when there is data, context or expert parallelism, and also on a mesh of one
     data-parallel rank when ``param_dtype`` is not fp32: that is how one GPU computes in bf16 with
     fp32 master weights. ``mesh=None`` skips FSDP (plain single process; cast the model yourself).
     ``ep_enabled`` defaults to the mesh's EP degree > 1 and must agree with it. Works on a model
@@ -445,7 +446,9 @@ def parallelize_model(
     if compile:  # inside the checkpoint: see apply_compile
         apply_compile(model, backend=compile_backend)
     apply_ac(model, ac_mode, selective_ac_option)
-    if mesh is not None and (mesh.dp_enabled or ep_enabled or param_dtype != torch.float32):
+    if mesh is not None and (
+        mesh.dp_enabled or mesh.cp_enabled or ep_enabled or param_dtype != torch.float32
+    ):
         apply_fsdp(
             model,
             mesh,

@@ -27,6 +27,12 @@ schedule passes. With MTP, the first stage also sends the embeddings of the next
 pipeline, so the MTP layer on the last stage uses the one embedding table of stage 0 and its
 gradient flows back through the pipeline (no tied copy to synchronise). IndexShare top-k never
 crosses a stage: the splitter only cuts before full layers, and each stage starts with no top-k.
+
+Under context parallelism every stage holds this rank's zigzag part of each sequence: the tokens,
+the hidden states and the labels are local (``[mb, S / N]``), ``positions`` and the bounds stay
+global (the documents of the whole sequence), and the schedule also hands every stage the CP group
+(``cp``) and the next-token ids of the local positions (``next_tokens``, for the MTP layer's
+embeddings on the first stage).
 """
 
 from __future__ import annotations
@@ -43,7 +49,8 @@ from torch.distributed.pipelining.schedules import PipelineScheduleMulti, get_sc
 
 from titan_glm52.model.args import GLM52ModelArgs
 from titan_glm52.model.aux_loss import AuxTerms
-from titan_glm52.model.model import GLM52Model, next_token_embeddings
+from titan_glm52.context_parallel import CPGroup
+from titan_glm52.model.model import GLM52Model, mtp_embeddings
 from titan_glm52.model.options import ModelOptions
 from titan_glm52.packed import cu_seqlens_from_positions
 from titan_glm52.pipeline_split import PipelineLayout, StageSpec
@@ -112,10 +119,13 @@ class GLM52Stage(GLM52Model):
         positions: torch.Tensor,
         aux: AuxTerms | None = None,
         bounds: HostBounds | None = None,
+        cp: CPGroup | None = None,
+        next_tokens: torch.Tensor | None = None,
     ):
         """``bounds``: ``micro_batch_bounds`` of the step, so that no stage reads document bounds
         from the GPU; ``aux``: the step's auxiliary terms (``AuxTerms``), shared by every
-        micro-batch and stage of the rank."""
+        micro-batch and stage of the rank; ``cp``, ``next_tokens``: context parallelism (module
+        docstring)."""
         mb, s = positions.shape
         cu = bounds.of(positions) if bounds is not None else None
         if cu is None and bounds is not None and bounds.by_chunk and not self._missed_bounds:
@@ -130,15 +140,16 @@ class GLM52Stage(GLM52Model):
             )
         ctx = self.packed_context(
             mb,
-            s,
+            s // cp.size if cp is not None else s,
             cu if cu is not None else cu_seqlens_from_positions(positions),
             positions.device,
             aux,
+            cp,
         )
         if self.spec.embedding:
-            h = self.tok_embeddings(x).view(mb * s, -1)
+            h = self.tok_embeddings(x).view(x.numel(), -1)
             if self.spec.with_mtp:
-                emb_next = next_token_embeddings(h, mb)
+                emb_next = mtp_embeddings(self.tok_embeddings, h, ctx, next_tokens)
         else:
             h = x
         h = self.run_layers(h, ctx)
@@ -192,15 +203,22 @@ def build_pipeline_stages(
 # The stages' keyword inputs: ``positions`` is split into micro-batches like the tokens; the step's
 # ``AuxTerms`` and host-side bounds go to every micro-batch as they are.
 KWARGS_CHUNK_SPEC = {"positions": TensorChunkSpec(0), "aux": _Replicate, "bounds": _Replicate}
+# and under context parallelism the group and the next-token ids of the local positions
+CP_KWARGS_CHUNK_SPEC = {"cp": _Replicate, "next_tokens": TensorChunkSpec(0)}
 
 
 def build_schedule(
-    stages: list[PipelineStage], schedule: str, n_microbatches: int, loss_fn: Callable
+    stages: list[PipelineStage],
+    schedule: str,
+    n_microbatches: int,
+    loss_fn: Callable,
+    context_parallel: bool = False,
 ):
     """The ``torch.distributed.pipelining`` schedule ``schedule`` over this rank's stages, with the
     gradients left unscaled (the loss is already normalised by the step's global token count) and
-    the keyword inputs of ``KWARGS_CHUNK_SPEC``. (torchtitan's ``build_pipeline_schedule`` takes no
-    keyword chunk spec.)"""
+    the keyword inputs of ``KWARGS_CHUNK_SPEC`` (with ``context_parallel``, also
+    ``CP_KWARGS_CHUNK_SPEC``'s). (torchtitan's ``build_pipeline_schedule`` takes no keyword chunk
+    spec.)"""
     cls = get_schedule_class(schedule)
     looped = issubclass(cls, PipelineScheduleMulti)
     if not looped and len(stages) != 1:
@@ -215,6 +233,8 @@ def build_schedule(
         stages if looped else stages[0],
         n_microbatches=n_microbatches,
         loss_fn=loss_fn,
-        kwargs_chunk_spec=KWARGS_CHUNK_SPEC,
+        kwargs_chunk_spec=(
+            {**KWARGS_CHUNK_SPEC, **CP_KWARGS_CHUNK_SPEC} if context_parallel else KWARGS_CHUNK_SPEC
+        ),
         scale_grads=False,
     )

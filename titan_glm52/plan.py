@@ -3,7 +3,7 @@
     python -m titan_glm52.plan layout --flavor glm52_744b --pp 8 [--schedule 1F1B] [--stages-per-rank V]
                                       [--seq-len 4096] [--layers-per-stage 14,8,8,8,8,8,8,16]
 
-    python -m titan_glm52.plan memory --flavor glm52_744b --gpus 256 --pp 8 --ep 32 [--dp-replicate R]
+    python -m titan_glm52.plan memory --flavor glm52_744b --gpus 256 --pp 8 --ep 32 [--cp N] [--dp-replicate R]
                                       [--schedule 1F1B] [--stages-per-rank V] [--layers-per-stage ...]
                                       [--seq-len 4096] [--local-batch-size 1] [--microbatch-size 1]
                                       [--ac full|selective|none] [--gpu-memory-gib 141] [--param-dtype bf16]
@@ -180,6 +180,13 @@ def _add_memory_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--gpus", type=int, required=True, help="world size (ranks, one GPU each)")
     p.add_argument("--pp", type=int, default=None, help="pipeline parallel degree (default 1)")
     p.add_argument(
+        "--cp",
+        type=int,
+        default=None,
+        help="context parallel degree: every sequence split over this many ranks, which join the "
+        "FSDP ranks (parallelism.context_parallel_degree; default 1)",
+    )
+    p.add_argument(
         "--ep",
         type=int,
         default=None,
@@ -321,6 +328,7 @@ def _add_memory_parser(sub: argparse._SubParsersAction) -> None:
 # that key's.
 _JOB_KEYS = {
     "pp": "parallelism.pipeline_parallel_degree",
+    "cp": "parallelism.context_parallel_degree",
     "ep": "parallelism.expert_parallel_degree",
     "dp_replicate": "parallelism.data_parallel_replicate_degree",
     "dp_shard": "parallelism.data_parallel_shard_degree",
@@ -392,7 +400,8 @@ def memory_job_config(ns: argparse.Namespace):
     try:
         cfg = parse_job_config(argv)
         if ns.grad_accumulation:  # two micro-batches per optimizer step
-            dp = ns.gpus // cfg.parallelism.pipeline_parallel_degree
+            p = cfg.parallelism
+            dp = ns.gpus // (p.pipeline_parallel_degree * p.context_parallel_degree)
             cfg.training.global_batch_size = 2 * cfg.training.local_batch_size * dp
         validate(cfg, ns.gpus)
     except ConfigError as e:

@@ -6,7 +6,9 @@ gradient reduction; the masters live in FSDP, or on one process in the Triton op
 ``master_weights.py``), CPU + gloo elsewhere (fp32 unless ``training.mixed_precision_on_cpu``), same
 code. Losses are normalised by the global number of valid tokens: every rank divides its summed
 token losses by the count over all data-parallel ranks and all micro-batches of the step, and
-gradients are summed across ranks.
+gradients are summed across ranks. Under context parallelism the ranks of a CP group read the same
+batch and each trains its zigzag part of every sequence (``context_parallel.py``): the count is
+still that of the whole sequences, the losses and gradients are summed over the CP ranks too.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from titan_glm52.checkpoint import (
     run_record,
     step_folders,
 )
+from titan_glm52.context_parallel import CPGroup, next_token_ids, zigzag_split
 from titan_glm52.config import (
     ConfigError,
     JobConfig,
@@ -166,7 +169,7 @@ class Trainer:
         signal.signal(signal.SIGINT, self._on_sigterm)
         logger.info(
             "model %s: %s params (%s active/token), layers %d (IndexShare %s), MTP %s, DSA %s/%s, "
-            "world %d (dp %d), accum %d, mixed precision: %s",
+            "world %d (dp %d, cp %d), accum %d, mixed precision: %s",
             cfg.model.hf_config or cfg.model.flavor,
             f"{self.args.num_params(self.with_mtp):,}",
             f"{self.args.num_active_params():,}",
@@ -177,6 +180,7 @@ class Trainer:
             cfg.dsa.mode,
             self.env.world_size,
             self.dp_world,
+            self.cp.size if self.cp is not None else 1,
             self.accum,
             "bf16, fp32 masters in the optimizer"
             if self.master is not None
@@ -207,12 +211,19 @@ class Trainer:
                 pp=p.pipeline_parallel_degree,
                 device_type=self.device.type,
                 n_routed_experts=self.args.n_routed_experts,
+                cp=p.context_parallel_degree,
             )
         except ValueError as e:
             raise ConfigError(str(e)) from e
         dp_mesh = self.mesh["dp"]
         self.dp_rank, self.dp_world = dp_mesh.get_local_rank(), dp_mesh.size()
         self.dp_group = dp_mesh.get_group()
+        # the ranks whose losses and expert loads add up (data- and context-parallel)
+        self.stage_group, self.stage_world = (
+            self.mesh["dp_cp"].get_group(),
+            self.mesh["dp_cp"].size(),
+        )
+        self.cp = CPGroup.of(self.mesh["cp"].get_group()) if self.mesh.cp_enabled else None
         self.pp = p.pipeline_parallel_degree > 1
 
     def _build_model(self) -> None:
@@ -252,7 +263,11 @@ class Trainer:
                 cfg.training.local_batch_size, p.pipeline_parallel_microbatch_size
             )
             self.schedule = build_schedule(
-                stages, p.pipeline_parallel_schedule, n_micro, self._pp_loss
+                stages,
+                p.pipeline_parallel_schedule,
+                n_micro,
+                self._pp_loss,
+                context_parallel=self.cp is not None,
             )
             self._pp_losses: list[torch.Tensor] = []
         else:
@@ -300,6 +315,7 @@ class Trainer:
             ep=p.expert_parallel_degree,
             dp_replicate=p.data_parallel_replicate_degree,
             dp_shard=p.data_parallel_shard_degree,
+            cp=p.context_parallel_degree,
         )
         data_world = 1 if self.cfg.data.same_global_batch else self.dp_world
         record = run_record(
@@ -417,8 +433,8 @@ class Trainer:
         if self.pp:
             losses.all_reduce(pp_group, ("ce", "mtp"))
             losses.total = losses.ce + losses.mtp
-        if self.dp_world > 1:
-            losses.all_reduce(self.dp_group)
+        if self.stage_world > 1:
+            losses.all_reduce(self.stage_group)
         if self.pp:  # aux terms live on the stage of their layer
             losses.all_reduce(pp_group, ("indexer_kl", "moe_aux", "kl_per_token"))
         losses.total = losses.total + (losses.indexer_kl + losses.moe_aux)
@@ -430,9 +446,10 @@ class Trainer:
         """The step's valid tokens and valid MTP tokens summed over the data-parallel ranks (fp32
         device scalars, at least 1: the loss normalisers), its sequences (every rank trains
         ``local_batch_size`` per micro-batch) and the valid tokens again in fp64 (exact, for the
-        count of tokens seen). Counted on the host, where the loader's batches are, and sent to the
-        device without a sync: several ranks sum them there, and no rank waits for the device before
-        queuing the step's forward."""
+        count of tokens seen). Counted on the whole sequences, which every rank of a CP group
+        holds, so the CP ranks need no sum. Counted on the host, where the loader's batches are, and
+        sent to the device without a sync: several ranks sum them there, and no rank waits for the
+        device before queuing the step's forward."""
         local = [0, 0]
         for b in batches:
             labels = b["labels"]
@@ -456,21 +473,18 @@ class Trainer:
         inject_nan: bool,
     ) -> None:
         """Forward and backward of one micro-batch; adds its losses to ``losses``."""
-        dev = self.device
-        tokens, labels = (
-            b["input_ids"].to(dev, non_blocking=True),
-            b["labels"].to(dev, non_blocking=True),
-        )
+        local = self._rank_inputs(b)
         # cu_seqlens goes as a host list (a tensor argument would be copied to the GPU by FSDP's
         # root, blocking): the model reads its bounds on the host and copies it over itself without
         # a sync.
         out = self.model(
-            tokens,
+            local["input_ids"],
             b["cu_seqlens"].tolist(),
             with_mtp=self.with_mtp,
-            labels=labels,
-            mtp_labels=mtp_labels(labels) if self.with_mtp else None,
+            labels=local["labels"],
+            mtp_labels=local.get("mtp_labels"),
             aux=aux,
+            **({"cp": self.cp, "next_tokens": local["next_tokens"]} if self.cp else {}),
         )
         ce_sum, mtp_sum = out if self.with_mtp else (out, None)
         ce = ce_sum / n_tok
@@ -485,15 +499,31 @@ class Trainer:
         loss.backward()
         losses.total = losses.total + loss.detach()
 
+    def _rank_inputs(self, b: dict) -> dict[str, torch.Tensor]:
+        """This rank's device tensors of a micro-batch: its token ids, labels and (with MTP) MTP
+        labels; under context parallelism the zigzag part of each sequence, and the ids after each
+        position (the MTP layer's next tokens), formed on the whole sequences before the split. Made
+        on the device from the batch's (pinned) copies: no host sync."""
+        dev = self.device
+        ids = b["input_ids"].to(dev, non_blocking=True)
+        labels = b["labels"].to(dev, non_blocking=True)
+        out = {"input_ids": ids, "labels": labels}
+        if self.with_mtp:
+            out["mtp_labels"] = mtp_labels(labels)
+        if self.cp is None:
+            return out
+        out["next_tokens"] = next_token_ids(ids)
+        return {k: zigzag_split(v, self.cp.size, self.cp.rank) for k, v in out.items()}
+
     # -----------------------------------------------------------------------------------------
     # pipeline
     def _pp_loss(self, output, labels: torch.Tensor) -> torch.Tensor:
         """Loss of one micro-batch on the last stage, normalised by the step's global token
-        counts."""
+        counts. With MTP ``labels [mb, S, 2]`` hold the main and the MTP labels (the latter cannot
+        be formed from a CP rank's part of the sequence)."""
         n_tok, n_mtp = self._pp_norm
-        ce_sum, mtp_sum = self._last_stage.loss_sums(
-            output, labels, mtp_labels(labels) if self.with_mtp else None
-        )
+        labels, mtp = labels.unbind(-1) if labels.dim() == 3 else (labels, None)
+        ce_sum, mtp_sum = self._last_stage.loss_sums(output, labels, mtp)
         ce = ce_sum / n_tok
         loss = ce
         mtp = torch.zeros((), device=ce.device)
@@ -539,10 +569,10 @@ class Trainer:
         self, batch: dict, losses: StepLosses, aux: AuxTerms, n_tok, n_mtp, inject_nan: bool
     ) -> None:
         dev = self.device
-        tokens, labels = (
-            batch["input_ids"].to(dev, non_blocking=True),
-            batch["labels"].to(dev, non_blocking=True),
-        )
+        local = self._rank_inputs(batch)
+        tokens, labels = local["input_ids"], local["labels"]
+        if self.with_mtp:
+            labels = torch.stack((labels, local["mtp_labels"]), dim=-1)
         # (pinned first: made on the host when not packed)
         positions = host_to_device(batch["positions"], dev)
         self._pp_norm = (n_tok, n_mtp)
@@ -558,6 +588,7 @@ class Trainer:
             bounds=bounds,
             # (the last stage keeps no micro-batch outputs: losses are collected)
             return_outputs=False,
+            **({"cp": self.cp, "next_tokens": local["next_tokens"]} if self.cp else {}),
         )
         if self.has_first:
             self.schedule.step(tokens, **kwargs)
@@ -577,8 +608,8 @@ class Trainer:
         rate = self.cfg.moe.bias_update_rate
         for name, moe in moe_modules(self.model_parts):
             load = moe.tokens_per_expert.clone()
-            if self.dp_world > 1:
-                dist.all_reduce(load, group=self.dp_group)
+            if self.stage_world > 1:
+                dist.all_reduce(load, group=self.stage_group)
             mean = load.mean()
             out[f"moe/imbalance/{name.removesuffix('.moe')}"] = load.max() / mean.clamp_min(1e-9)
             if rate > 0:
@@ -632,7 +663,7 @@ class Trainer:
                 self.with_mtp,
                 out_dir,
                 getattr(torch, cfg.checkpoint.export_dtype),
-                writer=self.dp_rank == 0,
+                writer=self.dp_rank == 0 and (self.cp is None or self.cp.rank == 0),
             )
             if self.env.rank == 0:
                 logger.info("exported HF checkpoint to %s", out_dir)
@@ -923,7 +954,7 @@ class Trainer:
             lengths,
             self.with_mtp,
             sparse=self.cfg.dsa.mode == "sparse",
-            dense_prefix=self.cfg.dsa.dense_prefix,
+            dense_prefix=self.options.dense_prefix,
             dense_masked_ratio=self.cfg.dsa.dense_masked_ratio,
         )
         flops /= devices_per_replica

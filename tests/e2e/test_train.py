@@ -418,6 +418,29 @@ def test_two_processes_train_like_one(tmp_path, one_process_reference, layout):
             assert b[key] == pytest.approx(a[key], rel=1e-5), (a["step"], key)
 
 
+def test_context_parallel_trains_like_one_process(tmp_path, one_process_reference):
+    """The README's command with ``--parallelism.context_parallel_degree 2`` (CP 2, dp 1: both
+    ranks read the same 4 rows and train their zigzag halves of every sequence) on the same global
+    batches: losses, grad norms, the indexer KL, the MoE sequence loss and the top-k recall equal
+    the 1-process run step for step (there the dense prefix runs on SDPA, here on the sparse
+    kernels: the same math, in another rounding order)."""
+    run_train(
+        tmp_path / "cp",
+        *SAME_BATCH,
+        "--training.local_batch_size",
+        "4",
+        "--parallelism.context_parallel_degree",
+        "2",
+        nproc=2,
+    )
+    one, cp = one_process_reference, read_metrics(tmp_path / "cp")
+    for a, b in zip(one, cp, strict=True):
+        for key in ("loss/total", "loss/ce", "loss/mtp", "loss/moe_aux", "grad_norm"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5), (a["step"], key)
+        for key in ("dsa/indexer_kl_per_token", "dsa/topk_recall"):
+            assert b[key] == pytest.approx(a[key], rel=1e-4), (a["step"], key)
+
+
 # train.py with the clip NOT folded into the fused step: in-place clip, then the same fused AdamW
 # step.
 _IN_PLACE_CLIP_TRAIN = f"""import sys

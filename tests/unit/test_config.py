@@ -40,7 +40,17 @@ def test_unknown_cli_key_is_refused_in_one_line():
     "argv, key",
     [
         (["--parallelism.tensor_parallel_degree", "2"], "parallelism.tensor_parallel_degree"),
-        (["--parallelism.context_parallel_degree", "2"], "parallelism.context_parallel_degree"),
+        (["--parallelism.context_parallel_degree", "0"], "parallelism.context_parallel_degree"),
+        # zigzag CP cuts each sequence into 2 x degree chunks: 256 tokens do not split into 6
+        (["--parallelism.context_parallel_degree", "3"], "training.seq_len"),
+        (
+            ["--parallelism.context_parallel_degree", "2", "--dsa.dense_masked_ratio", "2"],
+            "dsa.dense_masked_ratio",
+        ),
+        (
+            ["--parallelism.context_parallel_rotate_method", "alltoall"],
+            "parallelism.context_parallel_rotate_method",
+        ),
         (["--dsa.mode", "dense_warmup"], "dsa.indexer_loss_coeff"),
         (
             ["--dsa.mode", "dense_warmup", "--dsa.indexer_loss_coeff", "1", "--dsa.freeze_indexer"],

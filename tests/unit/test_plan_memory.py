@@ -22,6 +22,7 @@ from titan_glm52.memory_estimate import (
     MemoryRequest,
     backward_workspace,
     block_bytes_per_token,
+    cp_key_state_bytes,
     loss_chunk_bytes,
     moe_backward_peak,
     estimate_memory,
@@ -31,6 +32,7 @@ from titan_glm52.model.args import _debug_args, _proxy_args
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIG_744B = os.path.join(REPO, "train_configs", "glm52_744b.toml")
+CONFIG_744B_128K = os.path.join(REPO, "train_configs", "glm52_744b_128k.toml")
 
 
 # -----------------------------------------------------------------------------------------
@@ -382,6 +384,49 @@ def test_no_pipeline_keeps_two_units_and_no_gradient_accumulation():
     assert 0 < r.unsharded < 2 * args.num_params(include_mtp=True)
 
 
+def test_context_parallel_shards_like_fsdp_and_splits_the_tokens():
+    """CP ranks join the FSDP shard mesh: CP 2 x dp_shard 2 holds the bytes of dp_shard 4 per rank;
+    a micro-batch's tokens per rank halve; every row runs sparse (no dense-prefix share)."""
+    args = _debug_args()
+    base = dict(args=args, gpus=4, ep=2, seq_len=64, local_batch_size=2, ac_mode="none")
+    (fsdp,) = estimate_memory(MemoryRequest(**base)).ranks
+    report = estimate_memory(MemoryRequest(**base, cp=2, dp_shard=2))
+    (cp,) = report.ranks
+    assert (cp.local_params, cp.trainable_params, cp.units) == (
+        fsdp.local_params,
+        fsdp.trainable_params,
+        fsdp.units,
+    )
+    assert report.tokens_per_microbatch == 64 and report.efsdp == 2
+    with pytest.raises(ValueError, match="context_parallel_degree"):
+        estimate_memory(MemoryRequest(**{**base, "seq_len": 66}, cp=2, dp_shard=2))
+
+
+def test_context_parallel_key_state_terms():
+    """Per local token, AC none keeps the gathered latent rows of cp tokens (the sparse attention's
+    kv) instead of one; the backward adds the gathered rows' fp32 and bf16 gradients, the laid-order
+    buffer, the reduce-scatter output and, on indexer layers, the gathered indexer keys and their
+    laid copy; checkpointed blocks keep nothing more."""
+    args, a = _proxy_args(), 2
+    w, di = args.kv_lora_rank + args.qk_rope_head_dim, args.index_head_dim
+    assert args.index_share.has_indexer(0) and not args.index_share.has_indexer(3)
+    for cp in (2, 8):
+        none = block_bytes_per_token(args, 1, "none", a, cp=cp) - block_bytes_per_token(
+            args, 1, "none", a
+        )
+        assert none == (cp - 1) * w * a
+        for mode in ("full", "op"):
+            assert block_bytes_per_token(args, 1, mode, a, cp=cp) == block_bytes_per_token(
+                args, 1, mode, a
+            )
+        shared = (cp - 1) * 4 * w + (2 * cp + 1) * a * w
+        assert cp_key_state_bytes(args, 3, a, cp) == shared
+        assert cp_key_state_bytes(args, 0, a, cp) == shared + 2 * cp * a * di
+        work = backward_workspace(args, 0, 4096, a, cp=cp) - backward_workspace(args, 0, 4096, a)
+        assert work == 4096 * cp_key_state_bytes(args, 0, a, cp)
+    assert cp_key_state_bytes(args, 0, a, 1) == 0
+
+
 # ----------------------------------------------------------------------------------------- CLI
 def test_cli_exit_codes_and_layout_line(capsys):
     base = [
@@ -464,8 +509,37 @@ def test_744b_config_fits_h200_and_matches_its_comment():
     report = estimate_memory(req)
     assert report.fits
     assert report.worst.total < 0.8 * req.budget_bytes  # a margin, not a squeeze
-    # The TOML comment quotes the tool's table: the same totals, in pipeline-rank order.
-    with open(CONFIG_744B) as f:
+    _check_quoted_plan(CONFIG_744B, req, report, dp_shard=32)
+
+
+def test_744b_128k_config_fits_h200_and_matches_its_comment():
+    """The long-context config: 128K tokens per sequence, CP 8 inside a node, every rank fits."""
+    from titan_glm52.config import parse_job_config
+
+    cfg = parse_job_config(["--job.config_file", CONFIG_744B_128K])
+    req = request_from_job_config(cfg)
+    assert (req.gpus, req.pp, req.cp, req.ep, req.seq_len) == (256, 8, 8, 32, 131072)
+    assert (req.ac_mode, req.param_dtype) == ("full", "bf16")
+    report = estimate_memory(req)
+    assert report.fits and report.tokens_per_microbatch == 131072 // 8
+    assert report.worst.total < 0.9 * req.budget_bytes
+    _check_quoted_plan(CONFIG_744B_128K, req, report, dp_shard=4)
+
+
+def test_744b_at_1m_tokens_fits_h200_on_512_gpus():
+    """1M tokens per sequence: PP 8 x CP 64 (EP 32 carved out of the 64 CP ranks), AC full."""
+    ns = plan.build_parser().parse_args(
+        "memory --flavor glm52_744b --gpus 512 --pp 8 --cp 64 --ep 32 --seq-len 1048576 "
+        "--local-batch-size 8 --microbatch-size 1 --ac full".split()
+    )
+    report = estimate_memory(plan.memory_request(ns))
+    assert report.fits and report.efsdp == 2 and report.tokens_per_microbatch == 16384
+
+
+def _check_quoted_plan(path: str, req, report, dp_shard: int) -> None:
+    """The TOML comment of ``path`` quotes the tool's table (the same totals and peak phases, in
+    pipeline-rank order) and a command that gives the same request as the TOML."""
+    with open(path) as f:
         text = f.read()
     rows = re.findall(
         r"^#\s+(\d)\s+\d+\s+\d\s+[\d-]+\s+((?:[\d.]+\s+){8})\d+\s+yes[ \t]+(\S.*?)[ \t]*$",
@@ -480,7 +554,9 @@ def test_744b_config_fits_h200_and_matches_its_comment():
     cmd = re.search(r"python -m titan_glm52\.plan (memory .*?)\n#\s+printed", text, re.S).group(1)
     argv = [tok for tok in cmd.replace("\\\n#", " ").split() if tok]
     ns = plan.build_parser().parse_args(argv)
-    from_cli = dataclasses.replace(plan.memory_request(ns), dp_shard=32)  # the command leaves it -1
+    from_cli = plan.memory_request(ns)
+    if from_cli.dp_shard == -1:  # the command may leave it to the ranks left over
+        from_cli = dataclasses.replace(from_cli, dp_shard=dp_shard)
     assert from_cli == dataclasses.replace(req, selective_ac_option="op")  # unused with AC full
 
 

@@ -423,15 +423,22 @@ def indexer_kl_sparse(
     q ``[T, H, D_qk]``, kv ``[T, D_qk]``: the main (absorbed) attention inputs, used without
     gradient; lse ``[T, H]``: the natural-log LSE that ``sparse_mla(q, kv, indices, sm_scale, d_v)``
     returned; q_idx ``[T, H_I, D_I]``, k_idx ``[T, D_I]``, w_idx ``[T, H_I]``: indexer inputs;
-    indices ``[T, K]`` (-1 = none).
+    indices ``[T, K]`` (-1 = none). The keys ``kv`` and ``k_idx`` may hold more rows than there are
+    queries (context parallelism: every row of the stream, the indices being rows of it).
     """
     total, h, d_qk = q.shape
-    if kv.shape != (total, d_qk) or lse.shape != (total, h) or indices.shape[0] != total:
+    n_keys = kv.shape[0]
+    if kv.shape != (n_keys, d_qk) or lse.shape != (total, h) or indices.shape[0] != total:
         raise ValueError(
             f"shape mismatch: q {tuple(q.shape)}, kv {tuple(kv.shape)}, lse {tuple(lse.shape)}, "
             f"indices {tuple(indices.shape)}"
         )
-    if q_idx.dim() != 3 or k_idx.shape != (total, q_idx.shape[2]) or w_idx.shape != q_idx.shape[:2]:
+    if (
+        q_idx.dim() != 3
+        or q_idx.shape[0] != total
+        or k_idx.shape != (n_keys, q_idx.shape[2])
+        or w_idx.shape != q_idx.shape[:2]
+    ):
         raise ValueError(
             f"indexer shape mismatch: q_idx {tuple(q_idx.shape)}, k_idx {tuple(k_idx.shape)}, "
             f"w_idx {tuple(w_idx.shape)}"

@@ -59,6 +59,7 @@ def _score_kernel(
     k_ptr,
     w_ptr,
     starts_ptr,
+    qrows_ptr,
     scores_ptr,
     rmax_ptr,
     rmin_ptr,
@@ -78,16 +79,22 @@ def _score_kernel(
     BQ: tl.constexpr,
     BN: tl.constexpr,
     IEEE: tl.constexpr,
+    HAS_QROWS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     r0 = row0 + pid * BQ
     rows = r0 + tl.arange(0, BQ)
     row_ok = rows < row_end
     rstart = tl.load(starts_ptr + rows, mask=row_ok, other=0)
-    big = row_ok & (rows - rstart + 1 > topk)  # rows that need a selection
+    # the queries' global rows: their causal bound (without q_rows, the query row itself)
+    if HAS_QROWS:
+        grows = tl.load(qrows_ptr + rows, mask=row_ok, other=0)
+    else:
+        grows = rows
+    big = row_ok & (grows - rstart + 1 > topk)  # rows that need a selection
     lo = tl.min(tl.where(big, rstart, 2147483647), axis=0)
     # exclusive; 0 when no row of the block needs scores
-    hi = tl.max(tl.where(big, rows + 1, 0), axis=0)
+    hi = tl.max(tl.where(big, grows + 1, 0), axis=0)
     lo = tl.minimum(lo, hi)
 
     cols = tl.arange(0, BQ * HP)
@@ -124,7 +131,9 @@ def _score_kernel(
         sc = tl.sum(tl.reshape(acc, (BN, BQ, HP)), axis=2) * scale  # [BN, BQ]
         sc = tl.where(sc == 0.0, 0.0, sc)  # -0.0 -> +0.0
         vis = (
-            (offs_n[:, None] >= rstart[None, :]) & (offs_n[:, None] <= rows[None, :]) & big[None, :]
+            (offs_n[:, None] >= rstart[None, :])
+            & (offs_n[:, None] <= grows[None, :])
+            & big[None, :]
         )
         tl.store(srow[None, :] + offs_n[:, None], sc, mask=vis)
         run_max = tl.maximum(run_max, tl.where(vis, sc, float("-inf")))
@@ -154,6 +163,7 @@ def _select_kernel(
     rmax_ptr,
     rmin_ptr,
     starts_ptr,
+    qrows_ptr,
     out_ptr,
     row0,
     topk,
@@ -164,11 +174,15 @@ def _select_kernel(
     stash_cap,
     BLOCK: tl.constexpr,
     NB: tl.constexpr,
+    HAS_QROWS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     t = row0 + pid
     start = tl.load(starts_ptr + t)
-    n = t - start + 1
+    if HAS_QROWS:
+        n = tl.load(qrows_ptr + t) - start + 1
+    else:
+        n = t - start + 1
     offs = tl.arange(0, BLOCK)
     out_row = out_ptr + t.to(tl.int64) * stride_ot
     if n <= topk:
@@ -301,31 +315,41 @@ def indexer_topk(
     scratch_bytes: int = SCRATCH_BYTES,
     stash_cap: int = STASH_CAP,
     gluon: bool = True,
+    q_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same contract as ``reference.indexer_topk`` (selected set identical; rows listed in ascending
     order).
 
     ``max_len``: the longest document's length, when the caller knows it on the host (the model's
     packed context does); then ``cu_seqlens`` is taken as valid and the call makes no device-to-host
-    copy.
-    ``gluon``: True scores with the warp-specialised Gluon kernel (``indexer_topk_ws``) where it
-    applies (CUDA sm_90, 32 heads of 128 in bf16, not under the interpreter) and with the Triton
-    kernel elsewhere; False with the Triton kernel only (the same scores, so the same selection)."""
+    copy. ``gluon``: True scores with the warp-specialised Gluon kernel (``indexer_topk_ws``) where
+    it applies (CUDA sm_90, 32 heads of 128 in bf16, not under the interpreter) and with the Triton
+    kernel elsewhere; False with the Triton kernel only (the same scores, so the same selection).
+
+    ``q_rows`` (int ``[T_q]``, context parallelism): q and weights hold ``T_q`` queries whose global
+    rows these are, k every row of the stream (``cu_seqlens`` over k); each query's causal bound is
+    its global row. Scored by the Triton kernel (the Gluon scoring assumes query row = key row)."""
     total, h_i, d_i = q.shape
-    if k.shape != (total, d_i) or weights.shape != (total, h_i):
+    n_keys = k.shape[0] if q_rows is not None else total
+    if k.shape != (n_keys, d_i) or weights.shape != (total, h_i):
         raise ValueError(
             f"shape mismatch: q {tuple(q.shape)}, k {tuple(k.shape)}, weights "
             f"{tuple(weights.shape)}"
         )
+    if q_rows is not None and q_rows.shape != (total,):
+        raise ValueError(f"q_rows {tuple(q_rows.shape)} must hold one row per query ({total})")
     check_device(q, k, weights)
     out = torch.full((total, topk), -1, dtype=torch.int32, device=q.device)
     if total == 0 or topk == 0:
         return out
     cu = cu_seqlens.to(device=q.device, dtype=torch.int64)
-    if max_len is None and (cu.dim() != 1 or int(cu[0]) != 0 or int(cu[-1]) != total):
+    if max_len is None and (cu.dim() != 1 or int(cu[0]) != 0 or int(cu[-1]) != n_keys):
         raise ValueError("cu_seqlens must be 1-D, start at 0 and end at T")
     lengths = cu[1:] - cu[:-1]
-    starts = torch.repeat_interleave(cu[:-1], lengths, output_size=total).to(torch.int32)
+    starts = torch.repeat_interleave(cu[:-1], lengths, output_size=n_keys).to(torch.int32)
+    if q_rows is not None:  # per query: its document's start, and its global row
+        q_rows = q_rows.to(device=q.device, dtype=torch.int32).contiguous()
+        starts = starts[q_rows.long()]
     maxlen = int(lengths.max()) if max_len is None else int(max_len)
     q = q.contiguous() if q.stride(-1) != 1 else q
     k = k.contiguous() if k.stride(-1) != 1 else k
@@ -336,7 +360,13 @@ def indexer_topk(
     # queries per scoring program (each key tile is read once per BQ queries)
     bq = sc_cfg.pop("BQ", bq)
     # Hopper: the warp-specialised scoring
-    ws = gluon and not interpreting() and _ws.supported(q, k) and _ws.config()["enable"]
+    ws = (
+        gluon
+        and q_rows is None
+        and not interpreting()
+        and _ws.supported(q, k)
+        and _ws.config()["enable"]
+    )
     if ws:
         bq = _ws.rows_per_program()
     ieee = q.dtype == torch.float32
@@ -366,6 +396,7 @@ def indexer_topk(
                 k,
                 weights,
                 starts,
+                q_rows if q_rows is not None else starts,
                 scores,
                 rmax,
                 rmin,
@@ -384,6 +415,7 @@ def indexer_topk(
                 DP=dp,
                 BQ=bq,
                 IEEE=ieee,
+                HAS_QROWS=q_rows is not None,
                 **sc_cfg,
             )
         if skip_select:
@@ -394,6 +426,7 @@ def indexer_topk(
             rmax,
             rmin,
             starts,
+            q_rows if q_rows is not None else starts,
             out,
             a,
             topk,
@@ -403,6 +436,7 @@ def indexer_topk(
             maxlen,
             cap,
             NB=NBINS,
+            HAS_QROWS=q_rows is not None,
             **se_cfg,
         )
     return out
@@ -423,6 +457,7 @@ def compile_specs(small: bool = False):
         "q_ptr": "*bf16",
         "k_ptr": "*bf16",
         "starts_ptr": "*i32",
+        "qrows_ptr": "*i32",
         **ptr,
         "row0": "i32",
         "row_end": "i32",
@@ -442,6 +477,7 @@ def compile_specs(small: bool = False):
         "BQ": sc.get("BQ", bq),
         "BN": sc["BN"],
         "IEEE": False,
+        "HAS_QROWS": False,
     }
     sel_sig = {
         "scores_ptr": "*fp32",
@@ -449,6 +485,7 @@ def compile_specs(small: bool = False):
         "rmax_ptr": "*fp32",
         "rmin_ptr": "*fp32",
         "starts_ptr": "*i32",
+        "qrows_ptr": "*i32",
         "out_ptr": "*i32",
         "row0": "i32",
         "topk": "i32",
@@ -459,7 +496,7 @@ def compile_specs(small: bool = False):
         "stash_cap": "i32",
     }
     div = ("q_ptr", "k_ptr", "stride_qt", "stride_qh", "stride_kt", "stride_sr")
-    sel_c = {"BLOCK": se["BLOCK"], "NB": NBINS}
+    sel_c = {"BLOCK": se["BLOCK"], "NB": NBINS, "HAS_QROWS": False}
     return [
         (
             "indexer_score",

@@ -6,6 +6,10 @@ All functions work on packed sequences: T tokens of several documents, described
 ``[a, b)`` sees keys ``a <= s <= t``. Indices are global rows of the packed stream; ``-1`` means "no
 key".
 
+Queries may be a subset of the keys' rows (context parallelism): ``q_rows`` then gives each
+query's global row, which bounds its causal window ``[document start, q_rows[t]]``; without it query
+``t`` is row ``t``. Keys (and ``kv``) always cover the whole packed stream.
+
 Everything is chunked over queries, so peak memory is O(chunk * T) for the indexer scores and O(T *
 k) for the sparse attention (each chunk is recomputed in backward instead of keeping its ``[chunk,
 k, D]`` gather).
@@ -32,18 +36,26 @@ def _chunks(total: int, chunk: int):
 
 
 # ----------------------------------------------------------------------------------------- indexer
-def _indexer_scores_chunk(q, k, weights, scale, starts, a, b):
-    """fp32 ``[b - a, b - lo]`` scores of queries a..b-1 against keys lo..b-1 (masked to -inf), and
-    lo."""
-    lo = int(starts[a])
-    kf = _acc(k[lo:b])
-    acc = torch.zeros(b - a, b - lo, dtype=kf.dtype, device=q.device)
+def _window(starts, rows, a, b):
+    """(query rows, their document starts, lo, hi) of queries a..b-1: their keys lie in [lo, hi).
+    ``rows`` None: query t is row t (then lo is the first query's start, hi = b)."""
+    if rows is None:
+        return torch.arange(a, b, device=starts.device), starts[a:b], int(starts[a]), b
+    r, s = rows[a:b], starts[rows[a:b]]
+    return r, s, int(s.min()), int(r.max()) + 1
+
+
+def _indexer_scores_chunk(q, k, weights, scale, starts, a, b, rows=None):
+    """fp32 ``[b - a, hi - lo]`` scores of queries a..b-1 against keys lo..hi-1 (masked to -inf),
+    and lo (``_window``)."""
+    rows, q_starts, lo, hi = _window(starts, rows, a, b)
+    kf = _acc(k[lo:hi])
+    acc = torch.zeros(b - a, hi - lo, dtype=kf.dtype, device=q.device)
     for h in range(q.shape[1]):  # one head at a time keeps the chunk O(chunk * T)
         acc += _acc(weights[a:b, h, None]) * torch.relu(_acc(q[a:b, h]) @ kf.T)
     acc = acc * scale
-    keys = torch.arange(lo, b, device=q.device)
-    rows = torch.arange(a, b, device=q.device)
-    visible = (keys[None, :] >= starts[a:b, None]) & (keys[None, :] <= rows[:, None])
+    keys = torch.arange(lo, hi, device=q.device)
+    visible = (keys[None, :] >= q_starts[:, None]) & (keys[None, :] <= rows[:, None])
     return acc.masked_fill(~visible, float("-inf")), lo
 
 
@@ -56,6 +68,7 @@ def indexer_topk(
     topk: int,
     scale: float,
     chunk: int = QUERY_CHUNK,
+    q_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Top-k keys of the lightning indexer.
 
@@ -63,14 +76,16 @@ def indexer_topk(
     ``sum_h weights[t, h] * relu(q[t, h] . k[s]) * scale`` over the causally visible keys of t's
     document. Returns int32 ``[T, topk]``: the selected global rows sorted by descending score
     (ties: lower row first, so the result is deterministic), then ``-1`` where fewer than ``topk``
-    keys are visible.
+    keys are visible. With ``q_rows`` (int64 ``[T_q]``, the queries' global rows) q and weights hold
+    ``T_q`` queries and k every row of the stream; the result is ``[T_q, topk]``.
     """
     total = q.shape[0]
-    check_cu_seqlens(cu_seqlens, total)
-    starts = doc_starts(cu_seqlens, total)
+    n_keys = k.shape[0] if q_rows is not None else total
+    check_cu_seqlens(cu_seqlens, n_keys)
+    starts = doc_starts(cu_seqlens, n_keys)
     out = torch.full((total, topk), -1, dtype=torch.int32, device=q.device)
     for a, b in _chunks(total, chunk):
-        scores, lo = _indexer_scores_chunk(q, k, weights, scale, starts, a, b)
+        scores, lo = _indexer_scores_chunk(q, k, weights, scale, starts, a, b, q_rows)
         vals, order = torch.sort(scores, dim=-1, descending=True, stable=True)
         n = min(topk, scores.shape[1])
         sel = (order[:, :n] + lo).to(torch.int32)
@@ -158,19 +173,18 @@ def _sparse_kl_chunk(q, kv, sm_scale, idx, q_i, k_i, w_i, idx_scale):
     return torch.where(valid.any(dim=-1), kl, torch.zeros_like(kl))
 
 
-def _dense_kl_chunk(q, kv, sm_scale, q_i, k_i, w_i, idx_scale, starts, a):
+def _dense_kl_chunk(q, kv, sm_scale, q_i, k_i, w_i, idx_scale, starts, a, q_rows=None):
     b = a + q.shape[0]
     with torch.no_grad():
-        lo = int(starts[a])
-        g = _acc(kv[lo:b])
-        rows = torch.arange(a, b, device=q.device)
-        keys = torch.arange(lo, b, device=q.device)
-        visible = (keys[None, :] >= starts[a:b, None]) & (keys[None, :] <= rows[:, None])
+        rows, q_starts, lo, hi = _window(starts, q_rows, a, b)
+        g = _acc(kv[lo:hi])
+        keys = torch.arange(lo, hi, device=q.device)
+        visible = (keys[None, :] >= q_starts[:, None]) & (keys[None, :] <= rows[:, None])
         s = torch.einsum("chd,kd->chk", _acc(q), g) * sm_scale
         s = s.masked_fill(~visible[:, None, :], float("-inf"))
         p = torch.softmax(s, dim=-1).sum(dim=1)
         target = p / p.sum(dim=-1, keepdim=True).clamp_min(1e-10)
-    logits = torch.einsum("chd,kd->chk", _acc(q_i), _acc(k_i[lo:b])).relu()
+    logits = torch.einsum("chd,kd->chk", _acc(q_i), _acc(k_i[lo:hi])).relu()
     logits = (_acc(w_i)[:, :, None] * logits).sum(dim=1) * idx_scale
     logits = logits.masked_fill(~visible, float("-inf"))
     return _kl_rows(target, logits)
@@ -187,6 +201,7 @@ def indexer_kl(
     cu_seqlens: torch.Tensor,
     indices: torch.Tensor | None = None,
     chunk: int = QUERY_CHUNK,
+    q_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per-row indexer KL loss ``[T]`` (DeepSeek-V3.2): KL(target || softmax(indexer logits)).
 
@@ -195,12 +210,14 @@ def indexer_kl(
     are ``sum_h w_idx * relu(q_idx . k_idx) * idx_scale``. With ``indices`` (sparse stage) both
     distributions are restricted to the selected keys; without (dense warm-up) they cover every
     causally visible key of the document. Rows with no valid key give 0. Gradients flow into q_idx,
-    k_idx and w_idx only.
+    k_idx and w_idx only. With ``q_rows`` (the queries' global rows) q, q_idx and w_idx hold those
+    queries, kv and k_idx every row of the stream.
     """
     total = q.shape[0]
-    check_cu_seqlens(cu_seqlens, total)
+    n_keys = kv.shape[0] if q_rows is not None else total
+    check_cu_seqlens(cu_seqlens, n_keys)
     q, kv = q.detach(), kv.detach()
-    starts = doc_starts(cu_seqlens, total)
+    starts = doc_starts(cu_seqlens, n_keys)
     need_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q_idx, k_idx, w_idx))
     rows = []
     for a, b in _chunks(total, chunk):
@@ -212,7 +229,8 @@ def indexer_kl(
         else:
             fn, args = (
                 _dense_kl_chunk,
-                (q[a:b], kv, sm_scale, q_idx[a:b], k_idx, w_idx[a:b], idx_scale, starts, a),
+                (q[a:b], kv, sm_scale, q_idx[a:b], k_idx, w_idx[a:b], idx_scale, starts, a)
+                + ((q_rows,) if q_rows is not None else ()),
             )
         rows.append(checkpoint(fn, *args, use_reentrant=False) if need_grad else fn(*args))
     return torch.cat(rows)
@@ -225,18 +243,18 @@ def dense_causal_attention(
     sm_scale: float,
     d_v: int,
     chunk: int = QUERY_CHUNK,
+    q_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Absorbed attention over every causally visible key of the document (no top-k), ``[T, H,
-    d_v]``."""
+    d_v]``; ``q_rows`` as in ``indexer_topk`` (kv then holds every row of the stream)."""
     total = q.shape[0]
-    starts = doc_starts(cu_seqlens, total)
+    starts = doc_starts(cu_seqlens, kv.shape[0] if q_rows is not None else total)
     outs = []
     for a, b in _chunks(total, chunk):
-        lo = int(starts[a])
-        width = b - lo
-        idx = torch.arange(lo, b, device=q.device, dtype=torch.int32).expand(b - a, width)
-        rows = torch.arange(a, b, device=q.device)
-        visible = (idx >= starts[a:b, None]) & (idx <= rows[:, None])
+        rows, q_starts, lo, hi = _window(starts, q_rows, a, b)
+        width = hi - lo
+        idx = torch.arange(lo, hi, device=q.device, dtype=torch.int32).expand(b - a, width)
+        visible = (idx >= q_starts[:, None]) & (idx <= rows[:, None])
         idx = torch.where(visible, idx, torch.full_like(idx, -1))
         o, _ = sparse_mla(q[a:b], kv, idx, sm_scale, d_v, chunk=b - a)
         outs.append(o)

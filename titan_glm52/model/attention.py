@@ -23,6 +23,13 @@ least about 40% of its visible keys (``bench/attn_paths.py``). Same math again; 
 selection are unchanged. Off by default (``[dsa] dense_masked_ratio``: the end-to-end gain measured
 so far is small, and negative with selective AC).
 
+Context parallelism (``PackedContext.cp``, ``titan_glm52/context_parallel.py``): ``x`` holds this
+rank's rows of every sequence; the queries stay local, the latent rows ``kv`` and the indexer's keys
+are gathered over the CP group into the global row order, so the top-k (computed for the local
+queries' global rows, ``q_rows``) holds global key rows, and the sparse kernels and the KL run on
+the gathered keys. Every row runs on the sparse kernels there (no dense prefix or masked rows: their
+plain-form keys would have to come from other ranks; the same math).
+
 IndexShare is explicit dataflow (docs/architecture.md): ``forward`` takes the top-k of the previous
 block and returns the top-k its successors use. A full layer computes new indices
 (deterministically, so a recompute under activation checkpointing selects the same keys); a shared
@@ -34,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -51,6 +59,9 @@ from titan_glm52.model.options import ModelOptions
 from titan_glm52.model.rope import apply_rope
 from titan_glm52.packed import doc_starts
 
+if TYPE_CHECKING:
+    from titan_glm52.context_parallel import CPContext
+
 BACKENDS = ("torch", "triton")
 
 
@@ -61,8 +72,9 @@ def dsa_ops(backend: str, gluon: bool = True):
     """(indexer_topk, sparse_mla, indexer_kl_sparse) of a backend (with ``gluon``, the Triton
     backend takes the warp-specialised Gluon kernels where they apply); signatures as in
     ``kernels/reference.py`` (``indexer_topk`` also takes ``max_len``, the longest document when
-    known on the host; ``indexer_kl_sparse(q, kv, sm_scale, lse, q_idx, k_idx, w_idx, idx_scale,
-    indices) -> [T]``).
+    known on the host, and ``q_rows``, the queries' global rows under context parallelism;
+    ``indexer_kl_sparse(q, kv, sm_scale, lse, q_idx, k_idx, w_idx, idx_scale, indices, cu_seqlens,
+    q_rows) -> [T]``).
 
     Under torch.compile they stay opaque (``torch.compiler.disable``): the blocks' projections and
     MoE compile around them, the DSA kernels run as they are (the torch reference has data-dependent
@@ -80,27 +92,40 @@ def dsa_ops(backend: str, gluon: bool = True):
 def _dsa_ops(backend: str, gluon: bool):
     if backend == "torch":
 
-        def topk_fn(q, k, w, cu_seqlens, topk, scale, max_len=None):
-            return reference.indexer_topk(q, k, w, cu_seqlens, topk, scale)
+        def topk_fn(q, k, w, cu_seqlens, topk, scale, max_len=None, q_rows=None):
+            return reference.indexer_topk(q, k, w, cu_seqlens, topk, scale, q_rows=q_rows)
 
-        def kl_sparse(q, kv, sm_scale, lse, q_idx, k_idx, w_idx, idx_scale, indices, cu_seqlens):
+        def kl_sparse(
+            q, kv, sm_scale, lse, q_idx, k_idx, w_idx, idx_scale, indices, cu_seqlens, q_rows=None
+        ):
             return reference.indexer_kl(
-                q, kv, sm_scale, q_idx, k_idx, w_idx, idx_scale, cu_seqlens, indices=indices
+                q,
+                kv,
+                sm_scale,
+                q_idx,
+                k_idx,
+                w_idx,
+                idx_scale,
+                cu_seqlens,
+                indices=indices,
+                q_rows=q_rows,
             )
 
         return topk_fn, reference.sparse_mla, kl_sparse
     if backend == "triton":
         k = triton_kernels()
 
-        def topk_fn(q, kk, w, cu_seqlens, topk, scale, max_len=None):
+        def topk_fn(q, kk, w, cu_seqlens, topk, scale, max_len=None, q_rows=None):
             return k["indexer_topk"](
-                q, kk, w, cu_seqlens, topk, scale, max_len=max_len, gluon=gluon
+                q, kk, w, cu_seqlens, topk, scale, max_len=max_len, gluon=gluon, q_rows=q_rows
             )
 
         def mla_fn(q, kv, indices, sm_scale, d_v):
             return k["sparse_mla"](q, kv, indices, sm_scale, d_v, gluon=gluon)
 
-        def kl_sparse(q, kv, sm_scale, lse, q_idx, k_idx, w_idx, idx_scale, indices, cu_seqlens):
+        def kl_sparse(
+            q, kv, sm_scale, lse, q_idx, k_idx, w_idx, idx_scale, indices, cu_seqlens, q_rows=None
+        ):
             return k["indexer_kl_sparse"](
                 q, kv, sm_scale, lse, q_idx, k_idx, w_idx, idx_scale, indices
             )
@@ -229,10 +254,12 @@ def _masked_sdpa(
 
 @dataclass
 class PackedContext:
-    """What every block needs about the packed batch: document boundaries and rotary tables."""
+    """What every block needs about the packed batch: document boundaries and rotary tables; under
+    context parallelism the CP split (then ``cu_seqlens`` describes the global stream, the rotary
+    tables and ``batch`` the local rows)."""
 
-    cu_seqlens: torch.Tensor  # int32 [N + 1] over the flattened T tokens
-    cos: torch.Tensor  # fp32 [T, qk_rope_head_dim // 2]
+    cu_seqlens: torch.Tensor  # int32 [N + 1] over the flattened T tokens (global under CP)
+    cos: torch.Tensor  # fp32 [T, qk_rope_head_dim // 2] (the local rows' under CP)
     sin: torch.Tensor
     batch: int = 1  # B: the flattened stream is B sequences of T / B tokens
     max_doc_len: int | None = None  # host-side, so that the indexer needs no device-to-host copy
@@ -242,6 +269,13 @@ class PackedContext:
     dense_masked: DenseMasked | None = None
     # the auxiliary losses' normalisers in, their sums out
     aux: AuxTerms = field(default_factory=AuxTerms)
+    # set: context parallelism (this rank's rows of every sequence, the group to gather keys over)
+    cp: CPContext | None = None
+
+    @property
+    def q_rows(self) -> torch.Tensor | None:
+        """The local rows' global rows under context parallelism, else None (row t is row t)."""
+        return self.cp.rows if self.cp is not None else None
 
 
 @torch.no_grad()
@@ -380,6 +414,8 @@ class Attention(nn.Module):
         w_kv_b = applied_weight(self.wkv_b).view(self.n_heads, self.nope + self.v_dim, self.kv_rank)
         w_uk, w_uv = w_kv_b[:, : self.nope], w_kv_b[:, self.nope :]
         kv = torch.cat((c_kv, k_rope), dim=-1)  # [T, kv_rank + rope]
+        if ctx.cp is not None:  # every row's latent key (its gradient goes back to its owner)
+            kv = ctx.cp.gather(kv)
 
         indexer_topk, sparse_mla, _ = dsa_ops(self.backend, self.gluon)
         train_indexer = self.indexer_loss_coeff > 0 and torch.is_grad_enabled()
@@ -388,6 +424,8 @@ class Attention(nn.Module):
             # the LM loss.
             with torch.set_grad_enabled(train_indexer):
                 q_i, k_i, w_i = self.indexer.project(x.detach(), c_q.detach(), ctx)
+                if ctx.cp is not None:
+                    k_i = ctx.cp.gather(k_i)
             with torch.no_grad():
                 topk = indexer_topk(
                     q_i.detach(),
@@ -397,6 +435,7 @@ class Attention(nn.Module):
                     self.indexer.topk,
                     self.indexer.softmax_scale,
                     max_len=ctx.max_doc_len,
+                    q_rows=ctx.q_rows,
                 )
         elif topk_in is None:
             raise ValueError(
@@ -446,7 +485,7 @@ class Attention(nn.Module):
         else:
             q_abs, _ = _absorb(q_nope, q_rope, w_uk)
             o_lat = reference.dense_causal_attention(
-                q_abs, kv, ctx.cu_seqlens, self.softmax_scale, self.kv_rank
+                q_abs, kv, ctx.cu_seqlens, self.softmax_scale, self.kv_rank, q_rows=ctx.q_rows
             )
         o = torch.einsum("thr,hvr->thv", o_lat, w_uv)
         # those rows' sparse output is 0 (no key); put the dense result there
@@ -689,6 +728,7 @@ def _indexer_outputs(
                 attn.indexer.softmax_scale,
                 topk,
                 ctx.cu_seqlens,
+                ctx.q_rows,
             ).sum()
         else:  # dense warm-up: KL over every visible key (chunked torch path on any backend)
             kl = reference.indexer_kl(
@@ -700,13 +740,31 @@ def _indexer_outputs(
                 w_i,
                 attn.indexer.softmax_scale,
                 ctx.cu_seqlens,
+                q_rows=ctx.q_rows,
             ).sum()
         out = ctx.aux.attach_indexer_kl(out, kl, attn.indexer_loss_coeff, attn.layer_id)
     if attn.probes_recall and ctx.aux.recall_queries:  # the last queries of the first sequence
-        t, seq = q_abs.shape[0], q_abs.shape[0] // ctx.batch
-        rows = torch.arange(seq - min(ctx.aux.recall_queries, seq), seq, device=q_abs.device)
-        starts = doc_starts(ctx.cu_seqlens, t)[rows]
-        ctx.aux.recall = topk_recall(
-            q_abs[rows].detach(), kv.detach(), topk[rows], rows, starts, attn.softmax_scale
-        )
+        ctx.aux.recall = _recall_probe(attn, q_abs, kv, topk, ctx)
     return out
+
+
+def _recall_probe(attn: Attention, q_abs, kv, topk, ctx: PackedContext) -> torch.Tensor:
+    """``topk_recall`` of the last ``ctx.aux.recall_queries`` queries of the first sequence; under
+    context parallelism each rank measures those it holds and the CP group adds up the hits (the
+    one collective of a probing step's layer 0)."""
+    n = ctx.aux.recall_queries
+    if ctx.cp is None:
+        seq = q_abs.shape[0] // ctx.batch
+        local = rows = torch.arange(seq - min(n, seq), seq, device=q_abs.device)
+    else:
+        local = ctx.cp.last_of_first_sequence(n)
+        rows = ctx.cp.rows[local]
+    starts = doc_starts(ctx.cu_seqlens, kv.shape[0])[rows]
+    recall = topk_recall(
+        q_abs[local].detach(), kv.detach(), topk[local], rows, starts, attn.softmax_scale
+    )
+    if ctx.cp is None:
+        return recall
+    count = torch.full((), float(local.numel()), device=recall.device)
+    hits, count = ctx.cp.all_reduce(torch.stack((recall * count, count))).unbind()
+    return hits / count.clamp_min(1.0)

@@ -6,6 +6,11 @@ stream) for packed documents: no attention or indexer score crosses a document a
 per document. Without ``cu_seqlens`` each row is one document. Internally tokens are flattened to
 ``[T = B * S, D]``.
 
+Context parallelism (``cp``, ``titan_glm52/context_parallel.py``): ``tokens [B, S / N]`` are this
+rank's zigzag part of each sequence, ``cu_seqlens`` describes the global ``[B * S]`` stream, and the
+MTP layer takes the ids of the next token of each local position (``next_tokens``, split like the
+tokens), since those cross the chunk boundaries.
+
 Pipeline stages are this same module with pieces removed (``tok_embeddings``, ``norm``, ``output``
 or ``mtp`` set to None and layers deleted from ``layers``); ``forward`` then takes / returns hidden
 states.
@@ -30,6 +35,7 @@ from titan_glm52.model.recompute import token_chunked
 from titan_glm52.model.aux_loss import AuxTerms
 from titan_glm52.model.rope import rope_cos_sin
 from titan_glm52.packed import check_cu_seqlens, doc_positions
+from titan_glm52.context_parallel import CPContext, CPGroup
 
 
 class Block(nn.Module):
@@ -54,7 +60,7 @@ class Block(nn.Module):
         h = h + a
         m = self.ffn_norm(h)
         if self.moe_enabled:
-            h = h + self.moe(m, ctx.batch, ctx.aux)
+            h = h + self.moe(m, ctx.batch, ctx.aux, ctx.cp)
         elif self.mlp_token_chunk and m.shape[0] > self.mlp_token_chunk and torch.is_grad_enabled():
             h = h + token_chunked(self.feed_forward, self.mlp_token_chunk, m)  # bounded memory
         else:
@@ -92,6 +98,26 @@ def next_token_embeddings(emb: torch.Tensor, batch: int) -> torch.Tensor:
     shifted = torch.cat((emb[1:], emb.new_zeros(1, emb.shape[-1])))
     row_end = (torch.arange(emb.shape[0], device=emb.device) + 1) % (emb.shape[0] // batch) == 0
     return shifted.masked_fill(row_end[:, None], 0.0)
+
+
+def mtp_embeddings(
+    embedding: nn.Embedding,
+    emb: torch.Tensor,
+    ctx: PackedContext,
+    next_tokens: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The MTP layer's next-token embeddings of the token embeddings ``emb [T, D]``: shifted
+    (``next_token_embeddings``), or under context parallelism the embeddings of ``next_tokens``
+    (the next ids of the local positions), zero at each sequence's last position."""
+    if ctx.cp is None:
+        return next_token_embeddings(emb, ctx.batch)
+    if next_tokens is None:
+        raise ValueError(
+            "context parallelism with MTP needs next_tokens: the ids of the token after each local "
+            "position (the shifted global tokens, split like the tokens)"
+        )
+    nxt = embedding(next_tokens).view(emb.shape)
+    return nxt.masked_fill(ctx.cp.row_end()[:, None], 0.0)
 
 
 class GLM52Model(nn.Module):
@@ -134,7 +160,13 @@ class GLM52Model(nn.Module):
         cu_seqlens: torch.Tensor | Sequence[int] | None,
         device: torch.device,
         aux: AuxTerms | None = None,
+        cp: CPGroup | None = None,
     ) -> PackedContext:
+        """The packed context of ``batch`` rows of ``seq`` local tokens; with ``cp`` each row is
+        this rank's part of a sequence of ``seq * cp.size`` tokens, ``cu_seqlens`` is over the
+        global stream, and every row runs on the sparse kernels (no dense prefix)."""
+        if cp is not None:
+            seq *= cp.size
         total = batch * seq
         if cu_seqlens is None:
             cu_seqlens = torch.arange(0, total + 1, seq, dtype=torch.int32, device=device)
@@ -152,15 +184,18 @@ class GLM52Model(nn.Module):
                 else cu_seqlens.to(device=device, dtype=torch.int32)
             )
             lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
-        cos, sin = rope_cos_sin(
-            doc_positions(cu_seqlens, total), self.args.qk_rope_head_dim, self.args.rope_theta
-        )
+        positions = doc_positions(cu_seqlens, total)
+        split = CPContext.build(cp, batch, seq, device) if cp is not None else None
+        if split is not None:
+            positions = positions[split.rows]
+        cos, sin = rope_cos_sin(positions, self.args.qk_rope_head_dim, self.args.rope_theta)
         k = self.args.index_topk
         opts = self.options
-        prefix = DensePrefix.build(lengths, k, device) if opts.dense_prefix else None
+        dense = opts.dense_prefix and split is None
+        prefix = DensePrefix.build(lengths, k, device) if dense else None
         masked = (
             DenseMasked.build(lengths, k, int(opts.dense_masked_ratio * k), device)
-            if opts.dense_prefix and opts.dense_masked_ratio > 0
+            if dense and opts.dense_masked_ratio > 0
             else None
         )
         return PackedContext(
@@ -172,6 +207,7 @@ class GLM52Model(nn.Module):
             dense_prefix=prefix,
             dense_masked=masked,
             aux=aux if aux is not None else AuxTerms(),
+            cp=split,
         )
 
     def run_layers(self, h: torch.Tensor, ctx: PackedContext) -> torch.Tensor:
@@ -190,6 +226,8 @@ class GLM52Model(nn.Module):
         labels: torch.Tensor | None = None,
         mtp_labels: torch.Tensor | None = None,
         aux: AuxTerms | None = None,
+        cp: CPGroup | None = None,
+        next_tokens: torch.Tensor | None = None,
     ):
         """Main-head logits ``[B, S, vocab]``; with ``with_mtp`` also the MTP head's ``[B, S,
         vocab]`` (position i predicts token i + 2).
@@ -205,9 +243,13 @@ class GLM52Model(nn.Module):
 
         ``aux``: the auxiliary losses' normalisers for this forward, and where their detached sums
         are added (``AuxTerms``; default: normalisers 1, the sums discarded).
+
+        ``cp``: context parallelism over that group (module docstring): ``tokens`` (and ``labels``,
+        ``mtp_labels``, ``next_tokens``) are this rank's part of each sequence, the results its
+        rows' (in local order), the loss sums its tokens'.
         """
         b, s = tokens.shape[:2]
-        ctx = self.packed_context(b, s, cu_seqlens, tokens.device, aux)
+        ctx = self.packed_context(b, s, cu_seqlens, tokens.device, aux, cp)
         emb = self.tok_embeddings(tokens).view(b * s, -1)
         h = self.norm(self.run_layers(emb, ctx))
         if with_mtp and self.mtp is None:
@@ -215,7 +257,11 @@ class GLM52Model(nn.Module):
                 "with_mtp=True but the model was built without its MTP layer "
                 "(num_nextn_predict_layers = 0 or with_mtp=False)"
             )
-        x = self.mtp(h, next_token_embeddings(emb, b), ctx) if with_mtp else None
+        x = (
+            self.mtp(h, mtp_embeddings(self.tok_embeddings, emb, ctx, next_tokens), ctx)
+            if with_mtp
+            else None
+        )
         if labels is not None:
             ce, mtp = self.head_loss_sums(h, labels, x, mtp_labels)
             return (ce, mtp) if with_mtp else ce

@@ -11,6 +11,7 @@ forward (not of activation-checkpoint recomputes) for the aux-loss-free bias upd
 from __future__ import annotations
 
 import contextlib
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +24,9 @@ from titan_glm52.model.expert_mm import expert_mm
 from titan_glm52.model.fp32_linear import linear_fp32
 from titan_glm52.model.options import ModelOptions
 from titan_glm52.model.recompute import RecomputeSaved, can_recompute, token_chunked
+
+if TYPE_CHECKING:
+    from titan_glm52.context_parallel import CPContext
 
 
 class FeedForward(nn.Module):
@@ -384,14 +388,24 @@ class MoE(nn.Module):
         self.seq_aux_loss_coeff = options.seq_aux_loss_coeff
         self.token_chunk = options.mlp_token_chunk  # [activation_checkpoint] mlp_token_chunk
 
-    def seq_aux_loss(self, scores: torch.Tensor, idx: torch.Tensor, batch: int) -> torch.Tensor:
+    def seq_aux_loss(
+        self, scores: torch.Tensor, idx: torch.Tensor, batch: int, cp: CPContext | None = None
+    ) -> torch.Tensor:
         """``sum over sequences of sum_i f_i * P_i`` with ``f_i = E / (k S) * (tokens of the
-        sequence routed to i)`` and ``P_i`` the sequence mean of the normalised sigmoid scores."""
+        sequence routed to i)`` and ``P_i`` the sequence mean of the normalised sigmoid scores.
+
+        Under context parallelism (``cp``: this rank holds part of each sequence) ``f`` counts the
+        whole sequence (summed over the CP ranks; it carries no gradient) and ``P`` only this rank's
+        tokens, over the whole length: the ranks' terms add up to the loss of the whole sequences."""
         e, k = self.num_experts, self.router.top_k
         seq = scores.shape[0] // batch
         chosen = torch.zeros_like(scores).scatter_(1, idx, 1.0).view(batch, seq, e)
+        probs = (scores / scores.sum(-1, keepdim=True)).view(batch, seq, e)
+        if cp is not None:
+            f = cp.all_reduce(chosen.sum(1)) * (e / (k * cp.seq))
+            return (f * probs.sum(1) / cp.seq).sum()
         f = chosen.sum(1) * (e / (k * seq))
-        p = (scores / scores.sum(-1, keepdim=True)).view(batch, seq, e).mean(1)
+        p = probs.mean(1)
         return (f.detach() * p).sum()
 
     def _routed(
@@ -418,10 +432,16 @@ class MoE(nn.Module):
         ``weights``."""
         return self._routed(x, idx, weights) + self.shared_experts(x)
 
-    def forward(self, x: torch.Tensor, batch: int = 1, aux: AuxTerms | None = None) -> torch.Tensor:
-        """``x [N, D]`` (``batch`` sequences of N / batch tokens) -> ``[N, D]``. The sequence
-        balance loss is attached with ``aux``'s normaliser and recorded there (``AuxTerms``)."""
-        k = self.router.top_k
+    def forward(
+        self,
+        x: torch.Tensor,
+        batch: int = 1,
+        aux: AuxTerms | None = None,
+        cp: CPContext | None = None,
+    ) -> torch.Tensor:
+        """``x [N, D]`` (``batch`` sequences of N / batch tokens; under context parallelism ``cp``
+        this rank's part of each) -> ``[N, D]``. The sequence balance loss is attached with
+        ``aux``'s normaliser and recorded there (``AuxTerms``)."""
         scores, idx, weights = self.router(x)
         flat = idx.reshape(-1)
         counts = expert_counts(flat, self.num_experts)
@@ -429,15 +449,14 @@ class MoE(nn.Module):
             with torch.no_grad():
                 self.tokens_per_expert += counts.to(self.tokens_per_expert.dtype)
         chunk = self.token_chunk
-        if (
-            chunk and x.shape[0] > chunk and torch.is_grad_enabled()
-        ):  # long sequences: bounded memory
+        # long sequences: bounded memory
+        if chunk and x.shape[0] > chunk and torch.is_grad_enabled():
             out = token_chunked(self._experts_of_tokens, chunk, x, idx, weights)
         else:
             out = self._routed(x, idx, weights, counts) + self.shared_experts(x)
         if self.seq_aux_loss_coeff > 0 and torch.is_grad_enabled():
             aux = AuxTerms() if aux is None else aux
             out = aux.attach_seq_aux(
-                out, self.seq_aux_loss(scores, idx, batch), self.seq_aux_loss_coeff
+                out, self.seq_aux_loss(scores, idx, batch, cp), self.seq_aux_loss_coeff
             )
         return out

@@ -1,0 +1,322 @@
+"""Per-rank bodies of the context-parallel tests (run by ``launcher.run_on_ranks``).
+
+Every rank builds the debug model (index_topk 8 < the document lengths, 8 indexer heads, IndexShare
+FFFSSSFS, MTP, the indexer KL and the MoE sequence loss on) with the same seed, runs the
+single-process reference on the whole global batch of packed documents, then runs its data-parallel
+rows' zigzag part (``context_parallel.zigzag_split``) through the parallelized copy and compares the
+loss, the auxiliary sums, every gradient, the expert loads and every layer's top-k rows.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import torch
+import torch.distributed as dist
+
+from tests.distributed.cases import DEVICE_TYPE, full
+from titan_glm52.context_parallel import CPGroup, next_token_ids, zigzag_split
+from titan_glm52.distributed import build_mesh, init_distributed
+from titan_glm52.model.args import get_flavor
+from titan_glm52.model.attention import Attention
+from titan_glm52.model.aux_loss import AuxTerms
+from titan_glm52.model.model import GLM52Model
+from titan_glm52.model.moe import MoE
+from titan_glm52.model.options import ModelOptions
+from titan_glm52.parallelize import parallelize_model
+from titan_glm52.step import mtp_labels
+
+SEQ, IGNORE = 48, -100
+RTOL, ATOL = 1e-4, 1e-5
+# Documents per row: crossing the chunk boundaries (every 6 tokens at CP 4, 12 at CP 2), shorter
+# than a chunk (1, 2, 3, 4, 5), longer than index_topk (8), a row that is one document.
+ROWS = ([5, 19, 2, 22], [48], [13, 1, 30, 4], [3, 3, 42])
+MTP_WEIGHT = 0.3
+
+
+def cp_args(**overrides):
+    return get_flavor("debug").replace(index_topk=8, **overrides)
+
+
+def packed_batch(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens ``[B, SEQ]``, labels): each label the next token of its document, else ignored."""
+    g = torch.Generator().manual_seed(1234)
+    tokens = torch.randint(1, vocab, (len(ROWS), SEQ), generator=g)
+    labels = torch.full_like(tokens, IGNORE)
+    for b, lengths in enumerate(ROWS):
+        at = 0
+        for n in lengths:
+            labels[b, at : at + n - 1] = tokens[b, at + 1 : at + n]
+            at += n
+    return tokens, labels
+
+
+def cu_seqlens(rows) -> list[int]:
+    bounds = [0]
+    for lengths in rows:
+        for n in lengths:
+            bounds.append(bounds[-1] + n)
+    return bounds
+
+
+class TopkRecorder:
+    """Every Attention's top-k of each forward, by layer (forward hooks, outside any graph)."""
+
+    def __init__(self, model) -> None:
+        self.seen: dict[int, list[torch.Tensor]] = {}
+        for m in model.modules():
+            if isinstance(m, Attention):
+                m.register_forward_hook(self._hook(m.layer_id))
+
+    def _hook(self, layer: int):
+        def hook(module, args, out):
+            if torch._C._current_graph_task_id() == -1:  # not an activation-checkpoint recompute
+                self.seen.setdefault(layer, []).append(out[1].detach().clone())
+
+        return hook
+
+    def first(self) -> dict[int, torch.Tensor]:
+        return {layer: outs[0] for layer, outs in self.seen.items()}
+
+
+def _loss(model, tokens, labels, cu, aux, n_main, n_mtp, **kw):
+    ce, mtp = model(
+        tokens,
+        cu,
+        with_mtp=True,
+        labels=labels,
+        mtp_labels=kw.pop("mtp", None),
+        aux=aux,
+        **kw,
+    )
+    return ce / n_main + MTP_WEIGHT * mtp / n_mtp
+
+
+def _same_selection(got: torch.Tensor, want: torch.Tensor, layer: int) -> None:
+    """The same keys per row (the kernels list them in score or row order)."""
+    assert got.shape == want.shape, (layer, got.shape, want.shape)
+    differ = (got.sort(1).values != want.sort(1).values).any(1)
+    assert not differ.any(), f"layer {layer}: the top-k differs in {int(differ.sum())} rows"
+
+
+def check_cp_train_step(
+    cp: int,
+    dp_shard: int = -1,
+    ep: int = 1,
+    ac_mode: str = "none",
+    compile: bool = False,
+    dense_warmup: bool = False,
+    dsa_backend: str = "torch",
+    **arg_overrides,
+) -> None:
+    """Loss, indexer KL and sequence-loss sums, every gradient, the expert loads and every layer's
+    top-k (identical key sets at every position) of CP (x FSDP / EP) equal the single-process run
+    on the same global batch."""
+    if dsa_backend == "triton" and DEVICE_TYPE == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    env = init_distributed(device_type=DEVICE_TYPE)
+    args = cp_args(**arg_overrides)
+    options = ModelOptions(
+        dsa_backend=dsa_backend,
+        sparse_attention=not dense_warmup,
+        indexer_loss_coeff=1.0 if dense_warmup else 0.1,
+        seq_aux_loss_coeff=0.01,
+        trainable="indexers" if dense_warmup else "all",
+        # the reference runs every row sparse as CP does (the dense prefix is tested against it)
+        dense_prefix=False,
+    )
+    torch.manual_seed(0)
+    ref = GLM52Model(args, options)
+    ref.init_weights()
+    ref.to(env.device)
+    model = copy.deepcopy(ref)
+
+    tokens, labels = packed_batch(args.vocab_size)
+    tokens, labels = tokens.to(env.device), labels.to(env.device)
+    mtp = mtp_labels(labels)
+    n_main, n_mtp = float((labels != IGNORE).sum()), float((mtp != IGNORE).sum())
+    rec_ref = TopkRecorder(ref)
+    ref_aux = AuxTerms(tokens=n_main, sequences=float(len(ROWS)))
+    ref_loss = _loss(ref, tokens, labels, cu_seqlens(ROWS), ref_aux, n_main, n_mtp, mtp=mtp)
+    ref_loss.backward()
+    ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+
+    mesh = build_mesh(
+        env.world_size,
+        dp_shard=dp_shard,
+        ep=ep,
+        cp=cp,
+        device_type=env.device.type,
+        n_routed_experts=args.n_routed_experts,
+    )
+    parallelize_model(model, mesh, ac_mode=ac_mode, compile=compile, compile_backend="aot_eager")
+    rec = TopkRecorder(model)
+    dp, cpm = mesh["dp"], mesh["cp"]
+    group = CPGroup.of(cpm.get_group())
+    assert (group.rank, group.size) == (cpm.get_local_rank(), cp)
+    rows = len(ROWS) // dp.size()
+    mine = slice(dp.get_local_rank() * rows, (dp.get_local_rank() + 1) * rows)
+
+    def part(x):
+        return zigzag_split(x[mine], cp, group.rank)
+
+    aux = AuxTerms(tokens=n_main, sequences=float(len(ROWS)))
+    loss = _loss(
+        model,
+        part(tokens),
+        part(labels),
+        cu_seqlens(ROWS[mine]),
+        aux,
+        n_main,
+        n_mtp,
+        mtp=part(mtp),
+        cp=group,
+        next_tokens=part(next_token_ids(tokens)),
+    )
+    loss.backward()
+
+    world = dist.group.WORLD
+    total = loss.detach().clone()
+    dist.all_reduce(total, group=world)
+    torch.testing.assert_close(total, ref_loss.detach(), rtol=RTOL, atol=ATOL)
+    kl = aux.indexer_kl_sum().clone()
+    dist.all_reduce(kl, group=world)
+    torch.testing.assert_close(kl, ref_aux.indexer_kl_sum(), rtol=RTOL, atol=ATOL)
+    seq_aux = aux.seq_aux.clone()
+    dist.all_reduce(seq_aux, group=world)
+    torch.testing.assert_close(seq_aux, ref_aux.seq_aux, rtol=RTOL, atol=ATOL)
+
+    checked = 0
+    for name, p in model.named_parameters():
+        if ref_grads[name] is None:
+            assert p.grad is None, name
+            continue
+        torch.testing.assert_close(
+            full(p.grad), ref_grads[name], rtol=RTOL, atol=ATOL, msg=lambda m: f"{name}: {m}"
+        )
+        checked += ".indexer." in name
+    assert checked > 0, "no indexer gradient was compared: the KL is not tested"
+
+    loads = [m.tokens_per_expert.clone() for m in model.modules() if isinstance(m, MoE)]
+    for got, want in zip(loads, [m.tokens_per_expert for m in ref.modules() if isinstance(m, MoE)]):
+        dist.all_reduce(got, group=world)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+    # this rank's rows of the reference's top-k, in local order, as rows of this data-parallel
+    # rank's stream
+    flat = torch.arange(len(ROWS) * SEQ, device=env.device).view(len(ROWS), SEQ)
+    local_rows = part(flat).reshape(-1)
+    want = rec_ref.first()
+    got = rec.first()
+    assert sorted(got) == sorted(want) and len(got) == args.num_hidden_layers + 1, sorted(got)
+    offset = mine.start * SEQ  # the reference's rows are the whole batch's
+    for layer, topk in got.items():
+        ref_rows = want[layer][local_rows]
+        _same_selection(topk, torch.where(ref_rows >= 0, ref_rows - offset, -1), layer)
+
+
+def check_cp_pipeline(cp: int, pp: int, schedule: str = "1F1B") -> None:
+    """CP x PP (stages cut by the skip-aware splitter, one sample per micro-batch): the loss, the
+    auxiliary sums, every gradient and every layer's top-k equal the single-process run."""
+    from titan_glm52.packed import cu_seqlens_from_positions, doc_positions
+    from titan_glm52.pipeline import build_pipeline_stages, build_schedule, micro_batch_bounds
+    from titan_glm52.pipeline_split import choose_layout
+
+    env = init_distributed(device_type=DEVICE_TYPE)
+    args = cp_args()
+    options = ModelOptions(indexer_loss_coeff=0.1, seq_aux_loss_coeff=0.01, dense_prefix=False)
+    ref = GLM52Model(args, options)
+    ref.init_weights(seed=0)
+    tokens, labels = packed_batch(args.vocab_size)
+    mtp = mtp_labels(labels)
+    n_main, n_mtp = float((labels != IGNORE).sum()), float((mtp != IGNORE).sum())
+    rec_ref = TopkRecorder(ref)
+    ref_aux = AuxTerms(tokens=n_main, sequences=float(len(ROWS)))
+    ref_loss = _loss(ref, tokens, labels, cu_seqlens(ROWS), ref_aux, n_main, n_mtp, mtp=mtp)
+    ref_loss.backward()
+
+    mesh = build_mesh(env.world_size, pp=pp, cp=cp, device_type="cpu")
+    assert mesh["dp"].size() == 1
+    group = CPGroup.of(mesh["cp"].get_group())
+    layout = choose_layout(args, schedule, pp, None, seq_len=SEQ)
+    pp_mesh = mesh["pp"]
+    stages, parts = build_pipeline_stages(
+        args,
+        layout,
+        pp_mesh.get_local_rank(),
+        pp_mesh.get_group(),
+        env.device,
+        options,
+        lambda m: parallelize_model(m, mesh),
+    )
+    for p in parts:
+        p.to_empty(device=env.device)
+        p.init_weights(seed=0)
+    last = next((p for p in parts if p.spec.head), None)
+    losses = []
+
+    def loss_fn(output, target):
+        lab, mtp_lab = target.unbind(-1)
+        ce, mtp_sum = last.loss_sums(output, lab, mtp_lab)
+        loss = ce / n_main + MTP_WEIGHT * mtp_sum / n_mtp
+        losses.append(loss.detach())
+        return loss
+
+    def part(x):
+        return zigzag_split(x, cp, group.rank)
+
+    n_micro = len(ROWS)
+    sched = build_schedule(stages, schedule, n_micro, loss_fn, context_parallel=True)
+    cu = torch.tensor(cu_seqlens(ROWS), dtype=torch.int32)
+    positions = doc_positions(cu, len(ROWS) * SEQ).view(len(ROWS), SEQ)
+    assert torch.equal(cu_seqlens_from_positions(positions), cu)
+    target = torch.stack((part(labels), part(mtp)), dim=-1)
+    for attempt in range(2):  # the first step also infers the stages' shapes
+        losses.clear()
+        aux = AuxTerms(tokens=n_main, sequences=float(len(ROWS)))
+        recs = [TopkRecorder(p) for p in parts] if attempt else []
+        for p in parts:
+            p.zero_grad(set_to_none=True)
+        kwargs = dict(
+            target=target if last is not None else None,
+            positions=positions,
+            aux=aux,
+            bounds=micro_batch_bounds(positions, positions, n_micro),
+            cp=group,
+            next_tokens=part(next_token_ids(tokens)),
+        )
+        if any(s.is_first for s in stages):
+            sched.step(part(tokens), **kwargs)
+        else:
+            sched.step(**kwargs)
+
+    world = dist.group.WORLD
+    total = torch.stack(losses).sum() if losses else torch.zeros(())
+    dist.all_reduce(total, group=world)
+    torch.testing.assert_close(total, ref_loss.detach(), rtol=RTOL, atol=ATOL)
+    # (a stage without MoE layers has no sequence loss)
+    sums = ((aux.indexer_kl_sum(), ref_aux.indexer_kl_sum()), (aux.seq_aux, ref_aux.seq_aux))
+    for got, want in sums:
+        got = torch.zeros(()) if got is None else got.clone()
+        dist.all_reduce(got, group=world)
+        torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
+    ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+    for p_ in parts:
+        for name, p in p_.named_parameters():
+            if ref_grads[name] is None:
+                assert p.grad is None, name
+                continue
+            torch.testing.assert_close(
+                full(p.grad), ref_grads[name], rtol=RTOL, atol=ATOL, msg=lambda m: f"{name}: {m}"
+            )
+    # each micro-batch is one row: its top-k rows are rows of that row's stream
+    cols = part(torch.arange(SEQ)[None])[0]
+    want = rec_ref.first()
+    for rec in recs:
+        assert rec.seen
+        for layer, outs in rec.seen.items():
+            assert len(outs) == n_micro, (layer, len(outs))
+            for m, got in enumerate(outs):
+                ref_rows = want[layer][m * SEQ + cols]
+                _same_selection(got, torch.where(ref_rows >= 0, ref_rows - m * SEQ, -1), layer)

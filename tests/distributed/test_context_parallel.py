@@ -1,0 +1,34 @@
+"""Context parallelism (zigzag split, gathered key state, top-k over global rows) on 2 and 4 gloo
+processes, alone and with FSDP, EP, activation checkpointing, compile, the dense warm-up and the
+Triton kernels, against a single process on the same global batch (cp_cases.check_cp_train_step):
+loss, auxiliary sums, every gradient, expert loads and every layer's top-k."""
+
+import pytest
+
+from tests.distributed import cp_cases
+from tests.distributed.launcher import run_on_ranks
+
+CASES = {
+    "cp2": (2, dict(cp=2)),
+    "cp4": (4, dict(cp=4)),
+    "cp2_fsdp2": (4, dict(cp=2, dp_shard=2)),
+    "cp2_ep2": (2, dict(cp=2, ep=2)),
+    "cp2_ac_full": (2, dict(cp=2, ac_mode="full")),
+    "cp2_ep2_ac_selective_op": (2, dict(cp=2, ep=2, ac_mode="selective")),
+    "cp2_compile_ac_full": (2, dict(cp=2, compile=True, ac_mode="full")),
+    "cp2_dense_warmup": (2, dict(cp=2, dense_warmup=True)),
+    # the Triton kernels (interpreter on CPU) with q_rows; 2 layers + MTP to keep it short
+    "cp2_triton": (2, dict(cp=2, dsa_backend="triton", num_hidden_layers=2)),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_context_parallel_matches_single_process(name):
+    world, kwargs = CASES[name]
+    slow = kwargs.get("dsa_backend") == "triton"
+    run_on_ranks(cp_cases.check_cp_train_step, world, timeout_s=420 if slow else 180, **kwargs)
+
+
+@pytest.mark.parametrize("schedule", ["1F1B"])
+def test_context_parallel_with_pipeline_matches_single_process(schedule):
+    run_on_ranks(cp_cases.check_cp_pipeline, 4, timeout_s=180, cp=2, pp=2, schedule=schedule)
