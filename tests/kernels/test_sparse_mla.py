@@ -149,3 +149,37 @@ def test_gluon_choice_reaches_the_backward(monkeypatch):
     assert seen == [False, True]
     for a, b in zip(*runs):
         assert torch.equal(a, b)
+
+
+def test_head_strided_gradient_matches_and_is_laid_out_within_int32():
+    """The absorbed value projection's gradient reaches the backward as a ``[T, H, r]`` view with
+    head stride ``T * r`` (the einsum's batched product over heads). Such a view gives the results
+    of a contiguous gradient, and where its head offsets pass int32 (GLM-5.2 above 65K tokens: 63 x
+    T x 512 >= 2^31) it is laid out again before the kernels see it."""
+    from titan_glm52.kernels import sparse_mla as SM
+
+    lengths, h, d_qk, d_v, topk = [21, 11], 3, 40, 32, 8
+    g = gen(4)
+    total = sum(lengths)
+    q = torch.randn(total, h, d_qk, generator=g)
+    kv = torch.randn(total, d_qk, generator=g)
+    idx = indices_for(lengths, topk, 4)
+    go_heads_first = torch.randn(h, total, d_v, generator=g)
+    go = go_heads_first.transpose(0, 1)  # [T, H, r], head stride T * r
+    assert go.stride(1) == total * d_v
+    grads = []
+    for g_out in (go, go.contiguous()):
+        q_ = q.clone().requires_grad_()
+        kv_ = kv.clone().requires_grad_()
+        out, _ = sparse_mla(q_, kv_, idx, 0.2, d_v)
+        out.backward(g_out)
+        grads.append((q_.grad, kv_.grad))
+    torch.testing.assert_close(grads[0][0], grads[1][0], atol=0, rtol=0)
+    torch.testing.assert_close(grads[0][1], grads[1][1], atol=0, rtol=0)
+
+    def head_strided(t):
+        return torch.empty_strided((t, 64, 512), (512, t * 512, 1), device="meta")
+
+    assert SM._contig(head_strided(65536)).stride(1) == 65536 * 512  # 63 x T x 512 < 2^31: kept
+    laid = SM._contig(head_strided(98304))
+    assert laid.is_contiguous() and laid.stride(1) == 512

@@ -26,7 +26,7 @@ import triton.language as tl
 
 from . import tuning
 from ._triton_env import check_device, pow2
-from .sparse_mla import LOG2E, _dot, _gather
+from .sparse_mla import LOG2E, _contig, _dot, _gather
 
 # What ``tuning.launch_overrides({"indexer_loss": {part: {...}}})`` may set over the defaults
 # (``_config``, ``_fwd_stages``, ``_bwd_launch``), per kernel: the slots per step and the launch's
@@ -283,10 +283,6 @@ def _config(h: int, d_qk: int, h_i: int, d_i: int):
         HIP=pow2(h_i),
         BK=64 if big else 16,
     ), (8 if big else 4)
-
-
-def _contig(x: torch.Tensor) -> torch.Tensor:
-    return x if x.stride(-1) == 1 else x.contiguous()
 
 
 def _fwd_stages(c: dict) -> int:

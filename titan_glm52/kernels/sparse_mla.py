@@ -693,8 +693,17 @@ def _bwd(q, kv, indices, kend, out, lse, grad_out, sm_scale, d_v, gluon: bool = 
     return dq, dkv.to(kv.dtype)
 
 
+INT32_LIMIT = 2**31
+
+
 def _contig(x: torch.Tensor) -> torch.Tensor:
-    return x if x.stride(-1) == 1 else x.contiguous()
+    """``x`` with unit stride in its last dim, and in the standard layout where an offset along its
+    inner dims passes int32: the kernels take each row's start in 64 bits but its heads' offsets
+    (``h * stride_h``) in 32. The gradient of the absorbed value projection arrives as a ``[T, H,
+    r]`` view with head stride ``T * r``, past 2^31 above 65K tokens at 64 heads (the gradient
+    defect of bench/results/2026-12-03_h200_long_context.md)."""
+    inner = max((n - 1) * st for n, st in zip(x.shape[1:], x.stride()[1:])) if x.dim() > 1 else 0
+    return x if x.stride(-1) == 1 and inner < INT32_LIMIT else x.contiguous()
 
 
 class _SparseMLA(torch.autograd.Function):
