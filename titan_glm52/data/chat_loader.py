@@ -237,11 +237,7 @@ class ChatDataLoader(PackedDataLoader):
                 perm = self.source.document_order(
                     order[sp], len(rows), epoch, self.seed, self.shuffle
                 )
-                # first own index >= doc_pos
-                first = doc_pos + (rank - doc_counter - doc_pos) % world
-                own = range(first, len(rows), world)
-                for a in range(0, len(own), self.tokenize_batch):
-                    chunk = own[a : a + self.tokenize_batch]
+                for chunk in self._own_chunks(len(rows), doc_pos, doc_counter):
                     for p, encoded in zip(
                         chunk, self.encoder.encode([rows[perm[p]] for p in chunk])
                     ):

@@ -120,11 +120,7 @@ class PackedDataLoader:
                 perm = self.source.document_order(
                     order[sp], len(texts), epoch, self.seed, self.shuffle
                 )
-                # first own index >= doc_pos
-                first = doc_pos + (rank - doc_counter - doc_pos) % world
-                own = range(first, len(texts), world)
-                for a in range(0, len(own), self.tokenize_batch):
-                    chunk = own[a : a + self.tokenize_batch]
+                for chunk in self._own_chunks(len(texts), doc_pos, doc_counter):
                     ids = self.tokenizer.encode_batch([texts[perm[p]] for p in chunk])
                     for p, doc_ids in zip(chunk, ids):
                         emitted = True
@@ -140,6 +136,15 @@ class PackedDataLoader:
             if not self.infinite:
                 return
             epoch, shard_pos, doc_pos, doc_counter = epoch + 1, 0, 0, 0
+
+    def _own_chunks(self, n: int, doc_pos: int, doc_counter: int) -> Iterator[range]:
+        """This rank's indices among a shard's ``n`` documents from ``doc_pos`` on (every
+        ``dp_world``-th of the epoch's count, ``doc_counter`` documents before this shard),
+        ``tokenize_batch`` at a time."""
+        first = doc_pos + (self.dp_rank - doc_counter - doc_pos) % self.dp_world
+        own = range(first, n, self.dp_world)
+        for a in range(0, len(own), self.tokenize_batch):
+            yield own[a : a + self.tokenize_batch]
 
     # ---------------------------------------------------------------------------------------- state
     @property
@@ -249,19 +254,11 @@ def build_dataloader(
         raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
     if format == "auto":
         format = "chat" if has_messages(dataset, messages_field, split) else "text"
+    # where this rank reads, in what order, how long
+    place = dict(dp_rank=dp_rank, dp_world=dp_world, seed=seed, shuffle=shuffle, infinite=infinite)
     if format == "text":
         source = DocumentSource(dataset, text_field=text_field, split=split, txt_split=txt_split)
-        return PackedDataLoader(
-            source,
-            tok,
-            seq_len,
-            local_batch_size,
-            dp_rank=dp_rank,
-            dp_world=dp_world,
-            seed=seed,
-            shuffle=shuffle,
-            infinite=infinite,
-        )
+        return PackedDataLoader(source, tok, seq_len, local_batch_size, **place)
     from titan_glm52.data.chat import ChatEncoder  # (here: chat_loader imports this module)
     from titan_glm52.data.chat_loader import ChatDataLoader
 
@@ -275,15 +272,5 @@ def build_dataloader(
     )
     encoder = ChatEncoder(tok, chat_template, train_on=train_on, end_of_turn=end_of_turn)
     return ChatDataLoader(
-        source,
-        tok,
-        seq_len,
-        local_batch_size,
-        dp_rank=dp_rank,
-        dp_world=dp_world,
-        seed=seed,
-        shuffle=shuffle,
-        infinite=infinite,
-        encoder=encoder,
-        overflow=overflow,
+        source, tok, seq_len, local_batch_size, **place, encoder=encoder, overflow=overflow
     )
