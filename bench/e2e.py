@@ -352,8 +352,7 @@ def parallel_text(nproc: int, parallel: str) -> str:
     return f"{nproc} GPUs per side, EP {nproc} + FSDP (dp_shard {nproc}; routed experts: ep {nproc} x efsdp 1)"
 
 
-# --------------------------------------------------------------------------------------------- our
-# side
+# ----------------------------------------------------------------------------------------- our side
 def cell_warmup(a: argparse.Namespace, compile_on: bool) -> int:
     """Untimed steps of a cell (the same on both sides)."""
     return max(a.warmup, a.warmup_compiled) if compile_on else a.warmup
@@ -481,8 +480,7 @@ def run_ours(a, runner: Runner, seq_len: int, compile_on: bool, ac: str, name: s
         shutil.rmtree(dump, ignore_errors=True)
 
 
-# --------------------------------------------------------------------------------------------- the
-# peer
+# ----------------------------------------------------------------------------------------- the peer
 def run_peer(
     a, runner: Runner, seq_len: int, compile_on: bool, ac: str, name: str, mp: str = "fsdp"
 ) -> dict:

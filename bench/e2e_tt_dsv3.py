@@ -164,8 +164,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-# --------------------------------------------------------------------------------------------- CPU
-# shims
+# ---------------------------------------------------------------------------------------- CPU shims
 def _cpu_shims() -> None:
     import torchtitan.distributed.parallel_dims as pd
 

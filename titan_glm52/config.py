@@ -778,9 +778,9 @@ def model_options(cfg: JobConfig, device_type: str) -> ModelOptions:
     )
 
 
-# ------------------------------------------------------------------------------------ types and
-# ranges Smallest (and, where there is one, largest) value of the numeric options a value out of
-# range would break.
+# ------------------------------------------------------------------------------ types and ranges
+# Smallest (and, where there is one, largest) value of the numeric options a value out of range
+# would break.
 _RANGES: dict[str, tuple[float | None, float | None]] = {
     "training.steps": (1, None),
     "training.seq_len": (2, None),

@@ -33,8 +33,7 @@ from titan_glm52 import pipeline_split as ps
 from titan_glm52.model.args import FLAVORS, GLM52ModelArgs, get_flavor
 
 
-# ------------------------------------------------------------------------------------- shared
-# options
+# ----------------------------------------------------------------------------------- shared options
 def _add_model_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_mutually_exclusive_group()
     group.add_argument(

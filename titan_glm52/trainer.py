@@ -405,8 +405,7 @@ class Trainer:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return flag[0]
 
-    # ----------------------------------------------------------------------------------------- one
-    # step
+    # ------------------------------------------------------------------------------------- one step
     def train_step(
         self, batches: list[dict], recall_queries: int = 0
     ) -> tuple[StepLosses, AuxTerms, torch.Tensor]:
@@ -620,8 +619,7 @@ class Trainer:
             moe.tokens_per_expert.zero_()
         return out
 
-    # ----------------------------------------------------------------------------------------- the
-    # loop
+    # ------------------------------------------------------------------------------------- the loop
     def train(self) -> None:
         """Steps until ``training.steps``, then one summary line. The host queues step N + 1's
         forward and backward before it reads step N's numbers, where step N ``overlaps`` (see

@@ -122,8 +122,7 @@ def test_bad_config_files_are_refused_before_any_work(tmp_path, toml, message):
     assert not os.path.exists(tmp_path / "out" / "checkpoint")
 
 
-# ----------------------------------------------------------------------------------------- damaged
-# checkpoints
+# ------------------------------------------------------------------------------ damaged checkpoints
 def _first_part(tmp_path):
     """Four of the six steps: checkpoints step-2 and step-4."""
     run_train(tmp_path, "--training.steps", "4", *COMMON, nproc=1)
@@ -236,8 +235,7 @@ def test_a_kill_during_a_save_loses_nothing(tmp_path, reference, when):
     assert os.path.isfile(tmp_path / "checkpoint" / "step-6" / ".metadata")
 
 
-# ----------------------------------------------------------------------------------------- resume
-# compatibility
+# ----------------------------------------------------------------------------- resume compatibility
 @pytest.mark.parametrize(
     "change, difference",
     [
@@ -263,8 +261,7 @@ def test_resuming_on_another_data_parallel_size_is_refused_with_the_fix(tmp_path
     assert "resume on as many data-parallel ranks as the checkpoint had" in out
 
 
-# ----------------------------------------------------------------------------------------- one job
-# per folder
+# ------------------------------------------------------------------------------- one job per folder
 def test_a_live_job_holds_its_output_folder(tmp_path):
     holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     try:
@@ -293,8 +290,7 @@ def test_a_live_job_holds_its_output_folder(tmp_path):
     assert not os.path.exists(tmp_path / ".titan_glm52.lock")
 
 
-# ----------------------------------------------------------------------------------------- what a
-# run did
+# ----------------------------------------------------------------------------------- what a run did
 def test_a_finished_run_says_so_and_keep_latest_k_holds_after_the_last_save(tmp_path):
     args = small(
         "--checkpoint.interval",

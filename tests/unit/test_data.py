@@ -328,8 +328,7 @@ def test_too_few_documents_for_dp_world(tmp_path, word_setup):
         next(loader)
 
 
-# ------------------------------------------------------------------------------- determinism,
-# resume
+# ------------------------------------------------------------------------------ determinism, resume
 def test_same_seed_same_batches_other_seed_other_batches(word_setup):
     _, tok, path = word_setup
     a = take(build_dataloader(tok, path, 6, 2, 1, 2, seed=3), 20)

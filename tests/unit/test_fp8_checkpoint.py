@@ -284,8 +284,7 @@ def max_rel(got: torch.Tensor, ref: torch.Tensor) -> float:
     return float((got - ref).abs().max() / ref.abs().max())
 
 
-# ---------------------------------------------------------------------------------------------- the
-# format
+# --------------------------------------------------------------------------------------- the format
 def test_the_checkpoints_hold_the_published_tensor_set(aligned):
     keys = set(hf_weight_files(str(aligned)))
     quantized = {k.removesuffix("_scale_inv") for k in keys if k.endswith("_scale_inv")}
@@ -384,8 +383,7 @@ def test_expert_shards_dequantise_their_rows(monkeypatch, rows, experts):
     assert torch.equal(local, full[e0:e1, r0:r1])
 
 
-# --------------------------------------------------------------------------- against transformers'
-# loader
+# --------------------------------------------------------------------- against transformers' loader
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_weights_equal_transformers_dequantised(aligned, dtype):
     ours = load_hf_model(str(aligned), dtype=dtype)
@@ -453,8 +451,7 @@ def test_transformers_loader_misreads_partial_blocks(ragged):
     )
 
 
-# --------------------------------------------------------------------------------- the model and
-# config
+# ----------------------------------------------------------------------------- the model and config
 def test_an_fp8_config_builds_the_bf16_model(aligned, tmp_path):
     """The training model is never FP8: the FP8 checkpoint's config builds the model its bf16 config
     builds, and a bf16 export of a model loaded from FP8 carries no quantization_config

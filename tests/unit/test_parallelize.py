@@ -91,8 +91,7 @@ def test_bad_options_are_refused():
         parallelize_model(model, mesh)
 
 
-# ----------------------------------------------------------------------------------------- AC /
-# compile
+# ------------------------------------------------------------------------------------- AC / compile
 ARGS = get_flavor("debug").replace(index_topk=8)  # sparse at S=32; IndexShare FFFSSSFS; MTP
 
 

@@ -172,8 +172,7 @@ def test_seq_len_is_checked(glm52):
             ps.layer_costs(glm52, bad)
 
 
-# ------------------------------------------------------------------------------------- GLM-5.2
-# layouts
+# ---------------------------------------------------------------------------------- GLM-5.2 layouts
 def test_glm52_pp4_20_20_20_18_is_refused_with_a_near_valid_layout(glm52):
     with pytest.raises(ps.LayoutError) as err:
         ps.split(glm52, 4, explicit=[20, 20, 20, 18])

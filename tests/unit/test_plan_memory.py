@@ -498,8 +498,7 @@ def test_an_existing_process_group_is_refused():
         dist.destroy_process_group()
 
 
-# ----------------------------------------------------------------------------------------- the 744B
-# config
+# ---------------------------------------------------------------------------------- the 744B config
 def test_744b_config_fits_h200_and_matches_its_comment():
     from titan_glm52.config import parse_job_config
 
@@ -569,8 +568,8 @@ def test_too_small_gpu_does_not_fit():
     assert {r.pp_rank for r in report.ranks if r.total > report.budget} >= {3, 4, 5, 6}
 
 
-# ----------------------------------------------------------------------------------------- measured
-# on H200s Peak torch.cuda.max_memory_allocated (GiB; the largest per-step peak of the timed steps,
+# -------------------------------------------------------------------------------- measured on H200s
+# Peak torch.cuda.max_memory_allocated (GiB; the largest per-step peak of the timed steps,
 # the fullest rank) of the glm52_proxy flavor on one and two H200s, torch 2.11: bf16 compute with
 # fp32 master weights (FSDP2, also on one GPU), fused AdamW, one sequence per row (no document
 # masking), selective AC "2" unless said, local batch 1 per rank unless said. The figures and their

@@ -127,8 +127,7 @@ def pairs(doc_lengths: torch.Tensor, cap: int | None = None) -> int:
     )
 
 
-# ------------------------------------------------------------------------------------- a training
-# step
+# ---------------------------------------------------------------------------------- a training step
 def step_flops(
     args: GLM52ModelArgs,
     doc_lengths: torch.Tensor,
