@@ -16,8 +16,8 @@ in a ``messages`` field, labels only on the assistant's tokens) goes through the
   shards of documents with a seeded per-epoch order;
 * ``packing``: rows of ``seq_len + 1`` tokens with ``cu_seqlens``, ``positions`` and cross-document
   labels set to ``IGNORE_INDEX``;
-* ``loader``: ``PackedDataLoader`` (dp sharding by document, infinite epochs, state) and the
-  builder;
+* ``loader``: ``PackedDataLoader`` (dp sharding by document, infinite epochs, state);
+* ``build``: ``build_dataloader``, the text or the chat loader by ``format``;
 * ``chat``: chat templates (found as transformers finds them, rendered by transformers), and
   ``ChatEncoder``: a conversation's ids and which are trained, from the renderings of its prefixes;
 * ``chat_loader``: ``ChatDataLoader``, whole conversations per row with padding, overflow handling;
@@ -29,6 +29,7 @@ The embedded default (``"embedded"``, ``"embedded_val"``, tokenizer ``"embedded"
 (``"embedded_chat"``, ``"embedded_chat_val"``) and its GLM-style template are in ``assets/chat/``.
 """
 
+from titan_glm52.data.build import FORMATS, build_dataloader
 from titan_glm52.data.chat import (
     ChatEncoder,
     ChatRenderError,
@@ -37,7 +38,7 @@ from titan_glm52.data.chat import (
     find_chat_template,
 )
 from titan_glm52.data.chat_loader import OVERFLOW, ChatDataLoader
-from titan_glm52.data.loader import FORMATS, PackedDataLoader, build_dataloader
+from titan_glm52.data.loader import PackedDataLoader
 from titan_glm52.data.packing import IGNORE_INDEX, collate, pack_row
 from titan_glm52.data.prefetch import Prefetcher
 from titan_glm52.data.sources import (

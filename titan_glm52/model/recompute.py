@@ -4,6 +4,8 @@ experts' GEMM inputs, ``[moe] recompute_expert_inputs``; the sparse attention's 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch.utils.checkpoint import checkpoint
 
@@ -97,7 +99,7 @@ def token_chunked(fn, chunk: int, *rows: torch.Tensor) -> torch.Tensor:
     tokens), and a chunk is recomputed in backward. Row for row the same products; weight gradients
     are summed chunk by chunk. Eager (a host loop with checkpoints in it): compiled callers run it
     as it is."""
-    return _token_chunked(fn, chunk, *rows)
+    return _eager_chunks()(fn, chunk, *rows)
 
 
 def _chunks(fn, chunk: int, *rows: torch.Tensor) -> torch.Tensor:
@@ -110,4 +112,8 @@ def _chunks(fn, chunk: int, *rows: torch.Tensor) -> torch.Tensor:
     return torch.cat(outs)
 
 
-_token_chunked = torch.compiler.disable(_chunks)
+@functools.cache
+def _eager_chunks():
+    # wrapped at the first call: torch.compiler.disable imports dynamo (and with it Triton), which
+    # importing the model must not
+    return torch.compiler.disable(_chunks)
