@@ -30,7 +30,7 @@ def test_triton_entry_points():
     from titan_glm52.kernels import reference
 
     ops = k.triton_kernels()
-    assert set(ops) == {"indexer_topk", "sparse_mla", "indexer_kl_sparse"}
+    assert set(ops) == {"indexer_topk", "sparse_mla", "indexer_kl_sparse", "sparse_mla_indexer_kl"}
     assert k.triton_sparse_mla is ops["sparse_mla"] and k.triton_indexer_topk is ops["indexer_topk"]
     assert k.triton_indexer_kl_sparse is ops["indexer_kl_sparse"]
     # they are the modules' functions; a module stays a plain module (``k.indexer_topk`` once it
@@ -40,6 +40,7 @@ def test_triton_entry_points():
     assert ops["indexer_topk"] is indexer_topk.indexer_topk
     assert ops["sparse_mla"] is sparse_mla.sparse_mla
     assert ops["indexer_kl_sparse"] is indexer_loss.indexer_kl_sparse
+    assert ops["sparse_mla_indexer_kl"] is indexer_loss.sparse_mla_indexer_kl
     assert k.indexer_topk is indexer_topk
     assert not any(callable(m) for m in (indexer_topk, sparse_mla, indexer_loss))
     from titan_glm52.kernels._triton_env import interpreting

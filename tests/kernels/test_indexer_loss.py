@@ -11,9 +11,10 @@ except ImportError:
     from _cases import cu_seqlens, gen, indices_for
 
 from titan_glm52.kernels import reference as R
-from titan_glm52.kernels.indexer_loss import indexer_kl_sparse
+from titan_glm52.kernels.indexer_loss import indexer_kl_sparse, sparse_mla_indexer_kl
 from titan_glm52.kernels.indexer_topk import indexer_topk
 from titan_glm52.kernels.sparse_mla import sparse_mla
+from titan_glm52.kernels.tuning import launch_overrides
 
 CASES = [
     # lengths, H, D_qk, H_I, D_I, K, seed, rows with no key
@@ -96,3 +97,58 @@ def test_all_rows_empty_finite():
     )
     assert torch.all(kl == 0)
     assert all(torch.all(gr == 0) for gr in grads)
+
+
+@pytest.mark.parametrize("lengths,h,d_qk,h_i,d_i,topk,seed,empty", CASES[:3])
+def test_fused_into_sparse_backward(lengths, h, d_qk, h_i, d_i, topk, seed, empty):
+    """sparse_mla_indexer_kl: sparse_mla's outputs and gradients, and in its backward the KL of
+    indexer_kl_sparse (into the sink) with its gradient times the weight into the indexer inputs."""
+    q, kv, qi, ki, wi, _ = _inputs(lengths, h, d_qk, h_i, d_i, seed)
+    idx = indices_for(lengths, topk, seed, empty_rows=empty)
+    sm, isc, weight, d_v = d_qk**-0.5, 0.7, 0.3, d_qk // 2
+    g_out = torch.randn(q.shape[0], h, d_v, generator=gen(seed + 100))
+
+    def run(fused):
+        leaves = [x.clone().requires_grad_() for x in (q, kv, qi, ki, wi)]
+        a, b, c, d, e = leaves
+        sink = torch.zeros(())
+        if fused:
+            out, lse = sparse_mla_indexer_kl(a, b, idx, sm, d_v, c, d, e, isc, weight, sink)
+            loss = (out * g_out).sum()
+        else:
+            out, lse = sparse_mla(a, b, idx, sm, d_v)
+            kl = indexer_kl_sparse(a.detach(), b.detach(), sm, lse, c, d, e, isc, idx)
+            sink += kl.sum().detach()
+            loss = (out * g_out).sum() + weight * kl.sum()
+        if fused:
+            assert float(sink) == 0.0  # known after backward
+        loss.backward()
+        return out.detach(), lse, sink, [x.grad for x in leaves]
+
+    out, lse, sink, grads = run(True)
+    r_out, r_lse, r_sink, r_grads = run(False)
+    assert torch.equal(out, r_out) and torch.equal(lse, r_lse)
+    torch.testing.assert_close(sink, r_sink, atol=1e-5, rtol=1e-5)
+    assert float(sink) > 0
+    names = ("q", "kv", "q_idx", "k_idx", "w_idx")
+    for name, a, b in zip(names, grads, r_grads):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+def test_fused_heads_split_over_programs():
+    """More heads than one part-1 program holds: the head blocks add their sums of P into the
+    target atomically, the same KL as one block."""
+    lengths, h, d_qk = [30], 8, 24
+    q, kv, qi, ki, wi, _ = _inputs(lengths, h, d_qk, 4, 16, 5)
+    idx = indices_for(lengths, 9, 5)
+    sinks = []
+    for bh in (8, 4):
+        sink = torch.zeros(())
+        leaves = [x.clone().requires_grad_() for x in (qi, ki, wi)]
+        with launch_overrides({"sparse_mla": {"bwd_ps": {"BH": bh}}}):
+            out, _ = sparse_mla_indexer_kl(q, kv, idx, 0.3, 16, *leaves, 0.5, 1.0, sink)
+            out.sum().backward()
+        sinks.append((sink, [x.grad for x in leaves]))
+    torch.testing.assert_close(sinks[0][0], sinks[1][0], atol=1e-6, rtol=1e-6)
+    for a, b in zip(sinks[0][1], sinks[1][1]):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)

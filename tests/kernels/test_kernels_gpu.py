@@ -405,3 +405,49 @@ def test_indexer_kl_real_size():
             x.grad.float(), y.grad, atol=5e-2, rtol=5e-2, msg=lambda m: f"{name}: {m}"
         )
     assert torch.all(kl[:3] == 0)
+
+
+@pytest.mark.parametrize("gluon", [True, False])
+def test_sparse_mla_indexer_kl_real_size(gluon):
+    """The KL formed in the sparse backward (bf16 P as stored) against the separate fp32 KL kernel
+    on the same inputs: the KL and the indexer gradients, and the attention's own gradients equal
+    to sparse_mla's."""
+    from titan_glm52.kernels.indexer_loss import indexer_kl_sparse, sparse_mla_indexer_kl
+    from titan_glm52.kernels.sparse_mla import sparse_mla
+
+    lengths = [1000, 3096]
+    q, kv, idx, (qi, ki, wi), g = _mla_inputs(lengths, 3)
+    scale, isc, weight = D_QK**-0.5, D_I**-0.5, 0.25
+    go = torch.randn(q.shape[0], H, D_V, generator=g, device=DEV).to(torch.bfloat16)
+    runs = []
+    for fused in (True, False):
+        leaves = [x.clone().requires_grad_() for x in (q, kv, qi, ki, wi)]
+        sink = torch.zeros((), device=DEV)
+        if fused:
+            out, _ = sparse_mla_indexer_kl(
+                *leaves[:2], idx, scale, D_V, *leaves[2:], isc, weight, sink, gluon=gluon
+            )
+            loss = (out.float() * go.float()).sum()
+        else:
+            out, lse = sparse_mla(*leaves[:2], idx, scale, D_V, gluon=gluon)
+            kl = indexer_kl_sparse(q, kv, scale, lse, *leaves[2:], isc, idx)
+            sink += kl.sum().detach()
+            loss = (out.float() * go.float()).sum() + weight * kl.sum()
+        loss.backward()
+        runs.append((sink, [x.grad for x in leaves]))
+    (sink, grads), (r_sink, r_grads) = runs
+    print(
+        "fused indexer kl: sink",
+        float(sink),
+        "vs",
+        float(r_sink),
+        "grad cos",
+        [cos_diff(a, b) for a, b in zip(grads, r_grads)],
+    )
+    torch.testing.assert_close(sink, r_sink, atol=0, rtol=5e-3)
+    for name, a, b in zip(("q", "kv"), grads[:2], r_grads[:2]):
+        # the same kernels; dKV's fp32 atomics add in another order
+        assert cos_diff(a, b) <= 1e-6, (name, cos_diff(a, b))
+    for name, a, b in zip(("q_idx", "k_idx", "w_idx"), grads[2:], r_grads[2:]):
+        assert torch.isfinite(a).all(), name
+        assert cos_diff(a, b) <= 1e-4, (name, cos_diff(a, b))

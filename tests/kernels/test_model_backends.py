@@ -25,12 +25,16 @@ def run(backend: str, compile: bool):
     tokens = torch.randint(0, args.vocab_size, (2, 32), generator=g)
     # 3 documents, one shorter than index_topk
     cu = torch.tensor([0, 20, 32, 64], dtype=torch.int32)
-    logits, mtp = model(tokens, cu, with_mtp=True)
+    aux = AuxTerms()
+    logits, mtp = model(tokens, cu, with_mtp=True, aux=aux)
     loss = cross_entropy_sum(logits[:, :-1], tokens[:, 1:]) + cross_entropy_sum(
         mtp[:, :-2], tokens[:, 2:]
     )
     loss.backward()
-    return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    # the indexer KL of each layer (on Triton summed in the sparse backward), as logged
+    grads["indexer_kl"] = torch.stack([aux.indexer_kl[i] for i in sorted(aux.indexer_kl)])
+    return loss.detach(), grads
 
 
 @pytest.mark.parametrize("compile", [False, True])
@@ -39,6 +43,8 @@ def test_triton_backend_equals_torch_backend(compile):
     loss, grads = run("triton", compile)
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5)
     assert sorted(grads) == sorted(ref_grads) and any(".indexer." in n for n in grads)
+    # the four full layers of FFFSSSFS and the MTP layer
+    assert ref_grads["indexer_kl"].numel() == 5 and torch.all(ref_grads["indexer_kl"] > 0)
     for name, grad in ref_grads.items():
         torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-5, msg=name)
 

@@ -9,11 +9,14 @@ load lazily on first use, so importing this package never imports triton:
   -> (out [T, H, d_v], lse [T, H] fp32)``
 * ``triton_indexer_kl_sparse(q, kv, sm_scale, lse, q_idx, k_idx, w_idx, idx_scale, indices)
   -> fp32 [T]``
+* ``triton_sparse_mla_indexer_kl(q, kv, indices, sm_scale, d_v, q_idx, k_idx, w_idx, idx_scale,
+  weight, sink, *, gluon=True) -> (out, lse)``: ``sparse_mla`` whose backward also trains the
+  indexer (the KL's target from the backward's own probabilities; the KL's sum into ``sink``)
 
 ``gluon=False`` keeps a call on the Triton kernels where the warp-specialised Gluon ones would
 otherwise run (Hopper, GLM-5.2's shapes). ``titan_glm52.kernels.indexer_topk`` etc. are the modules;
 the functions carry a ``triton_`` prefix here so that a package attribute never changes meaning when
-a submodule gets imported. ``triton_kernels()`` returns the three at once and raises a clear error
+a submodule gets imported. ``triton_kernels()`` returns them all at once and raises a clear error
 when triton is missing. The kernels take CUDA tensors, or CPU tensors when the caller runs triton's
 interpreter (``TRITON_INTERPRET=1`` in the environment before the kernel modules are imported; slow,
 for tests). Benchmarks vary the launch parameters with ``tuning.launch_overrides``.
@@ -28,6 +31,7 @@ _LAZY = {
     "triton_indexer_topk": ("indexer_topk", "indexer_topk"),
     "triton_sparse_mla": ("sparse_mla", "sparse_mla"),
     "triton_indexer_kl_sparse": ("indexer_loss", "indexer_kl_sparse"),
+    "triton_sparse_mla_indexer_kl": ("indexer_loss", "sparse_mla_indexer_kl"),
 }
 
 
@@ -36,7 +40,8 @@ def triton_available() -> bool:
 
 
 def triton_kernels() -> dict:
-    """``{"indexer_topk", "sparse_mla", "indexer_kl_sparse"}`` -> the Triton implementations."""
+    """``{"indexer_topk", "sparse_mla", "indexer_kl_sparse", "sparse_mla_indexer_kl"}`` -> the
+    Triton implementations."""
     if not triton_available():
         raise RuntimeError(
             "[dsa] backend = 'triton' needs the triton package (pip install triton); "

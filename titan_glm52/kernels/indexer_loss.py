@@ -26,7 +26,9 @@ import triton.language as tl
 
 from . import tuning
 from ._triton_env import check_device, pow2
-from .sparse_mla import LOG2E, _contig, _dot, _gather
+from .sparse_mla import LOG2E, _contig, _dot, _gather, valid_extent
+from .sparse_mla import _bwd as _sparse_bwd
+from .sparse_mla import _fwd as _sparse_fwd
 
 # What ``tuning.launch_overrides({"indexer_loss": {part: {...}}})`` may set over the defaults
 # (``_config``, ``_fwd_stages``, ``_bwd_launch``), per kernel: the slots per step and the launch's
@@ -85,21 +87,29 @@ def _kl_fwd_kernel(
     BK: tl.constexpr,
     IEEE: tl.constexpr,
     IEEE_I: tl.constexpr,
+    GIVEN: tl.constexpr,
 ):
+    """With GIVEN, ``tgt`` already holds the head sum of P per slot (the sparse backward's) and q,
+    kv and lse are not read."""
     t = tl.program_id(0)
     t64 = t.to(tl.int64)
-    offs_h = tl.arange(0, BH)
-    hmask = offs_h < H
-    offs_a = tl.arange(0, DAP)
-    qrow = q_ptr + t64 * stride_qt + offs_h[:, None] * stride_qh
-    qa = tl.load(qrow + offs_a[None, :], mask=hmask[:, None] & (offs_a < DA)[None, :], other=0.0)
-    if HAS_B:
-        offs_b = tl.arange(0, DBP)
-        qb = tl.load(
-            qrow + DA + offs_b[None, :], mask=hmask[:, None] & (offs_b < DB)[None, :], other=0.0
+    if not GIVEN:
+        offs_h = tl.arange(0, BH)
+        hmask = offs_h < H
+        offs_a = tl.arange(0, DAP)
+        qrow = q_ptr + t64 * stride_qt + offs_h[:, None] * stride_qh
+        qa = tl.load(
+            qrow + offs_a[None, :], mask=hmask[:, None] & (offs_a < DA)[None, :], other=0.0
         )
-    lse = tl.load(lse_ptr + t64 * stride_lt + offs_h, mask=hmask, other=float("-inf"))
-    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+        if HAS_B:
+            offs_b = tl.arange(0, DBP)
+            qb = tl.load(
+                qrow + DA + offs_b[None, :],
+                mask=hmask[:, None] & (offs_b < DB)[None, :],
+                other=0.0,
+            )
+        lse = tl.load(lse_ptr + t64 * stride_lt + offs_h, mask=hmask, other=float("-inf"))
+        lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
 
     offs_hi = tl.arange(0, HIP)
     offs_di = tl.arange(0, DIP)
@@ -121,15 +131,22 @@ def _kl_fwd_kernel(
     s_l = tl.zeros([BK], tl.float32)
     for k0 in range(0, K, BK):
         offs_k = k0 + tl.arange(0, BK)
-        valid, safe, ka, kb = _gather(
-            kv_ptr, idx_row, k0, K, T, stride_kvt, DA, DB, DAP, DBP, BK, HAS_B
-        )
-        s = _dot(qa, tl.trans(ka), IEEE)
-        if HAS_B:
-            s += _dot(qb, tl.trans(kb), IEEE)
-        p = tl.math.exp2(s * qk_scale - lse2[:, None])
-        p = tl.where(valid[None, :] & hmask[:, None], p, 0.0)
-        psum = tl.sum(p, axis=0)  # [BK]
+        kmask = offs_k < K
+        if GIVEN:
+            idx = tl.load(idx_row + offs_k, mask=kmask, other=-1)
+            valid = (idx >= 0) & (idx < T)
+            safe = tl.where(valid, idx, 0).to(tl.int64)
+            psum = tl.load(tgt_row + offs_k, mask=valid, other=0.0)
+        else:
+            valid, safe, ka, kb = _gather(
+                kv_ptr, idx_row, k0, K, T, stride_kvt, DA, DB, DAP, DBP, BK, HAS_B
+            )
+            s = _dot(qa, tl.trans(ka), IEEE)
+            if HAS_B:
+                s += _dot(qb, tl.trans(kb), IEEE)
+            p = tl.math.exp2(s * qk_scale - lse2[:, None])
+            p = tl.where(valid[None, :] & hmask[:, None], p, 0.0)
+            psum = tl.sum(p, axis=0)  # [BK]
         ki = tl.load(
             ki_ptr + safe[:, None] * stride_kit + offs_di[None, :],
             mask=valid[:, None] & dimask[None, :],
@@ -137,8 +154,7 @@ def _kl_fwd_kernel(
         )
         r, lg = _index_logits(qi, w, ki, idx_scale, IEEE_I)
         lg = tl.where(valid, lg, float("-inf"))
-        kmask = offs_k < K
-        tl.store(tgt_row + offs_k, psum, mask=kmask)
+        tl.store(tgt_row + offs_k, psum, mask=kmask)  # (with GIVEN: 0 on the invalid slots)
         tl.store(lg_row + offs_k, lg, mask=kmask)
         p_total += psum
         m_new = tl.maximum(m_l, lg)
@@ -299,108 +315,166 @@ def _bwd_launch(dip: int) -> dict:
     )
 
 
+def _kl_forward(q, kv, lse, q_idx, k_idx, w_idx, indices, tgt, sm_scale, idx_scale, given):
+    """Per-row KL ``[T]`` and the row statistics ``[T, 2]`` (the logits' logsumexp, the target's
+    sum after normalising) for ``_kl_backward``; ``tgt [T, K]`` (fp32) ends as the normalised
+    target. ``given``: ``tgt`` already holds the head sum of P per slot (q, kv and lse unused)."""
+    total, h, d_qk = q.shape
+    h_i, d_i = q_idx.shape[1:]
+    n_k = indices.shape[1]
+    kl = torch.zeros(total, dtype=torch.float32, device=q_idx.device)
+    stat = torch.zeros((total, 2), dtype=torch.float32, device=q_idx.device)
+    if total and n_k:
+        lg = torch.empty_like(tgt)
+        c, nw = _config(h, d_qk, h_i, d_i)
+        _kl_fwd_kernel[(total,)](
+            q,
+            kv,
+            lse,
+            q_idx,
+            k_idx,
+            w_idx,
+            indices,
+            tgt,
+            lg,
+            kl,
+            stat,
+            k_idx.shape[0],
+            h,
+            h_i,
+            n_k,
+            sm_scale * LOG2E,
+            idx_scale,
+            q.stride(0),
+            q.stride(1),
+            kv.stride(0),
+            lse.stride(0),
+            q_idx.stride(0),
+            q_idx.stride(1),
+            k_idx.stride(0),
+            w_idx.stride(0),
+            indices.stride(0),
+            tgt.stride(0),
+            IEEE=q.dtype == torch.float32,
+            IEEE_I=q_idx.dtype == torch.float32,
+            GIVEN=given,
+            **{
+                **c,
+                "num_warps": nw,
+                "num_stages": _fwd_stages(c),
+                **tuning.overrides("indexer_loss", "fwd"),
+            },
+        )
+    return kl, stat
+
+
+def _kl_backward(q_idx, k_idx, w_idx, indices, tgt, stat, grad, idx_scale, h, d_qk):
+    """(dq_idx, dk_idx, dw_idx) of the rows' KL weighted by ``grad [T]`` (fp32)."""
+    total, h_i, d_i = q_idx.shape
+    n_k = indices.shape[1]
+    dq = torch.zeros_like(q_idx)
+    dw = torch.zeros_like(w_idx)
+    dk = torch.zeros(k_idx.shape, dtype=torch.float32, device=k_idx.device)
+    if total and n_k:
+        c, _ = _config(h, d_qk, h_i, d_i)
+        _kl_bwd_kernel[(total,)](
+            q_idx,
+            k_idx,
+            w_idx,
+            indices,
+            tgt,
+            stat,
+            grad,
+            dq,
+            dk,
+            dw,
+            k_idx.shape[0],
+            h_i,
+            n_k,
+            idx_scale,
+            q_idx.stride(0),
+            q_idx.stride(1),
+            k_idx.stride(0),
+            w_idx.stride(0),
+            indices.stride(0),
+            tgt.stride(0),
+            dq.stride(0),
+            dq.stride(1),
+            dk.stride(0),
+            dw.stride(0),
+            DI=c["DI"],
+            DIP=c["DIP"],
+            HIP=c["HIP"],
+            IEEE_I=q_idx.dtype == torch.float32,
+            **{**_bwd_launch(c["DIP"]), **tuning.overrides("indexer_loss", "bwd")},
+        )
+    return dq, dk.to(k_idx.dtype), dw
+
+
+def _indexer_inputs(q_idx, k_idx, w_idx):
+    q_idx, w_idx = _contig(q_idx.detach()), _contig(w_idx.detach())
+    return q_idx, _contig(k_idx.detach().to(q_idx.dtype)), w_idx
+
+
 class _IndexerKL(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, kv, lse, q_idx, k_idx, w_idx, indices, sm_scale, idx_scale):
-        total, h, d_qk = q.shape
-        h_i, d_i = q_idx.shape[1:]
         q, kv = _contig(q.detach()), _contig(kv.detach().to(q.dtype))
         lse = _contig(lse.detach().float())
-        q_idx, w_idx = _contig(q_idx.detach()), _contig(w_idx.detach())
-        k_idx = _contig(k_idx.detach().to(q_idx.dtype))
+        q_idx, k_idx, w_idx = _indexer_inputs(q_idx, k_idx, w_idx)
         indices = _contig(indices.to(torch.int32))
-        n_k = indices.shape[1]
-        tgt = torch.empty((total, n_k), dtype=torch.float32, device=q.device)
-        kl = torch.zeros(total, dtype=torch.float32, device=q.device)
-        stat = torch.zeros((total, 2), dtype=torch.float32, device=q.device)
-        if total and n_k:
-            lg = torch.empty_like(tgt)
-            c, nw = _config(h, d_qk, h_i, d_i)
-            _kl_fwd_kernel[(total,)](
-                q,
-                kv,
-                lse,
-                q_idx,
-                k_idx,
-                w_idx,
-                indices,
-                tgt,
-                lg,
-                kl,
-                stat,
-                kv.shape[0],
-                h,
-                h_i,
-                n_k,
-                sm_scale * LOG2E,
-                idx_scale,
-                q.stride(0),
-                q.stride(1),
-                kv.stride(0),
-                lse.stride(0),
-                q_idx.stride(0),
-                q_idx.stride(1),
-                k_idx.stride(0),
-                w_idx.stride(0),
-                indices.stride(0),
-                tgt.stride(0),
-                IEEE=q.dtype == torch.float32,
-                IEEE_I=q_idx.dtype == torch.float32,
-                **{
-                    **c,
-                    "num_warps": nw,
-                    "num_stages": _fwd_stages(c),
-                    **tuning.overrides("indexer_loss", "fwd"),
-                },
-            )
+        tgt = torch.empty((q.shape[0], indices.shape[1]), dtype=torch.float32, device=q.device)
+        kl, stat = _kl_forward(
+            q, kv, lse, q_idx, k_idx, w_idx, indices, tgt, sm_scale, idx_scale, False
+        )
         ctx.save_for_backward(q_idx, k_idx, w_idx, indices, tgt, stat)
         ctx.idx_scale = idx_scale
-        ctx.cfg = (h, d_qk)
+        ctx.cfg = q.shape[1:]
         return kl
 
     @staticmethod
     def backward(ctx, grad):
         q_idx, k_idx, w_idx, indices, tgt, stat = ctx.saved_tensors
-        total, h_i, d_i = q_idx.shape
-        n_k = indices.shape[1]
-        dq = torch.zeros_like(q_idx)
-        dw = torch.zeros_like(w_idx)
-        dk = torch.zeros(k_idx.shape, dtype=torch.float32, device=k_idx.device)
-        if total and n_k:
-            grad = _contig(grad.float())
-            c, _ = _config(*ctx.cfg, h_i, d_i)
-            _kl_bwd_kernel[(total,)](
-                q_idx,
-                k_idx,
-                w_idx,
-                indices,
-                tgt,
-                stat,
-                grad,
-                dq,
-                dk,
-                dw,
-                k_idx.shape[0],
-                h_i,
-                n_k,
-                ctx.idx_scale,
-                q_idx.stride(0),
-                q_idx.stride(1),
-                k_idx.stride(0),
-                w_idx.stride(0),
-                indices.stride(0),
-                tgt.stride(0),
-                dq.stride(0),
-                dq.stride(1),
-                dk.stride(0),
-                dw.stride(0),
-                DI=c["DI"],
-                DIP=c["DIP"],
-                HIP=c["HIP"],
-                IEEE_I=q_idx.dtype == torch.float32,
-                **{**_bwd_launch(c["DIP"]), **tuning.overrides("indexer_loss", "bwd")},
-            )
-        return None, None, None, dq, dk.to(k_idx.dtype), dw, None, None, None
+        grad = _contig(grad.float())
+        dq, dk, dw = _kl_backward(
+            q_idx, k_idx, w_idx, indices, tgt, stat, grad, ctx.idx_scale, *ctx.cfg
+        )
+        return None, None, None, dq, dk, dw, None, None, None
+
+
+class _SparseMLAWithKL(torch.autograd.Function):
+    """``sparse_mla`` whose backward also trains the indexer: the KL's target is the head sum of P
+    that the sparse backward's part 1 forms anyway (no second pass over the selected keys), the KL
+    is formed from it there, its gradient (times ``weight``) goes into q_idx, k_idx and w_idx, and
+    its sum is added into ``sink`` (a detached fp32 scalar: the value, known after backward)."""
+
+    @staticmethod
+    def forward(ctx, q, kv, indices, q_idx, k_idx, w_idx, sm_scale, d_v, gluon, idx_scale, kl):
+        weight, sink = kl
+        q, kv, indices = _contig(q), _contig(kv.to(q.dtype)), _contig(indices.to(torch.int32))
+        q_i, k_i, w_i = _indexer_inputs(q_idx, k_idx, w_idx)
+        kend = valid_extent(indices)
+        out, lse = _sparse_fwd(q, kv, indices, kend, sm_scale, d_v, gluon)
+        ctx.save_for_backward(q, kv, indices, kend, out, lse, q_i, k_i, w_i)
+        ctx.cfg = (sm_scale, d_v, gluon, idx_scale, weight, sink)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        q, kv, indices, kend, out, lse, q_i, k_i, w_i = ctx.saved_tensors
+        sm_scale, d_v, gluon, idx_scale, weight, sink = ctx.cfg
+        grad_out = torch.zeros_like(out) if grad_out is None else _contig(grad_out.to(out.dtype))
+        tgt = torch.empty(indices.shape, dtype=torch.float32, device=q.device)
+        dq, dkv = _sparse_bwd(q, kv, indices, kend, out, lse, grad_out, sm_scale, d_v, gluon, tgt)
+        kl, stat = _kl_forward(q, kv, lse, q_i, k_i, w_i, indices, tgt, sm_scale, idx_scale, True)
+        with torch.no_grad():
+            sink.add_(kl.sum())
+        grad = torch.ones_like(kl).mul_(weight)
+        dq_i, dk_i, dw_i = _kl_backward(
+            q_i, k_i, w_i, indices, tgt, stat, grad, idx_scale, *q.shape[1:]
+        )
+        return dq, dkv, None, dq_i, dk_i, dw_i, None, None, None, None, None
 
 
 def indexer_kl_sparse(
@@ -445,6 +519,55 @@ def indexer_kl_sparse(
     )
 
 
+def sparse_mla_indexer_kl(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    indices: torch.Tensor,
+    sm_scale: float,
+    d_v: int,
+    q_idx: torch.Tensor,
+    k_idx: torch.Tensor,
+    w_idx: torch.Tensor,
+    idx_scale: float,
+    weight: torch.Tensor | float,
+    sink: torch.Tensor,
+    gluon: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``sparse_mla(q, kv, indices, sm_scale, d_v, gluon=gluon)`` (the same outputs and gradients)
+    whose backward also forms ``indexer_kl_sparse`` of every row from its own probabilities, adds
+    its sum into ``sink`` (fp32 scalar) and returns ``weight`` x its gradient into q_idx, k_idx,
+    w_idx (shapes as in ``indexer_kl_sparse``). The KL's target is P as the backward stores it (q's
+    dtype), where ``indexer_kl_sparse`` recomputes it in fp32."""
+    total, h, d_qk = q.shape
+    if (
+        q_idx.dim() != 3
+        or q_idx.shape[0] != total
+        or k_idx.shape != (kv.shape[0], q_idx.shape[2])
+        or w_idx.shape != q_idx.shape[:2]
+        or sink.shape != ()
+        or sink.dtype != torch.float32
+    ):
+        raise ValueError(
+            f"shape mismatch: q {tuple(q.shape)}, kv {tuple(kv.shape)}, q_idx "
+            f"{tuple(q_idx.shape)}, k_idx {tuple(k_idx.shape)}, w_idx {tuple(w_idx.shape)}, sink "
+            f"{tuple(sink.shape)} {sink.dtype} (an fp32 scalar)"
+        )
+    check_device(q, kv, indices, q_idx, k_idx, w_idx, sink)
+    return _SparseMLAWithKL.apply(
+        q,
+        kv,
+        indices,
+        q_idx,
+        k_idx,
+        w_idx,
+        float(sm_scale),
+        int(d_v),
+        bool(gluon),
+        float(idx_scale),
+        (weight, sink),
+    )
+
+
 def compile_specs(small: bool = False):
     """Launch configurations for ``bench/compile_check.py`` (offline sm_90 compile), with the
     active ``tuning`` overrides laid over them as the launches lay them."""
@@ -467,7 +590,8 @@ def compile_specs(small: bool = False):
     }
     out = []
     for name, fn, launch in (
-        ("indexer_kl_fwd", _kl_fwd_kernel, fwd),
+        ("indexer_kl_fwd", _kl_fwd_kernel, {**fwd, "GIVEN": False}),
+        ("indexer_kl_fwd_given", _kl_fwd_kernel, {**fwd, "GIVEN": True}),
         ("indexer_kl_bwd", _kl_bwd_kernel, bwd),
     ):
         sig = {

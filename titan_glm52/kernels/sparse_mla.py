@@ -208,6 +208,7 @@ def _bwd_ps_kernel(
     lse_ptr,
     p_ptr,
     ds_ptr,
+    tgt_ptr,
     T,
     H,
     K,
@@ -224,6 +225,7 @@ def _bwd_ps_kernel(
     stride_lt,
     stride_pt,
     stride_pk,
+    stride_gt,
     DA: tl.constexpr,
     DB: tl.constexpr,
     DAP: tl.constexpr,
@@ -232,11 +234,14 @@ def _bwd_ps_kernel(
     BK: tl.constexpr,
     HAS_B: tl.constexpr,
     IEEE: tl.constexpr,
+    TGT: tl.constexpr,
 ):
     """Backward, part 1 (no atomics, no accumulator): recompute P and form dS (already times
     sm_scale) of every (slot, head) into a scratch ``[rows, K, H]`` for part 2 (heads innermost:
     part 2 reads [slots, heads] tiles coalesced). Without a [heads, D_qk] accumulator all 64 heads
-    fit one program: one gather per query."""
+    fit one program: one gather per query. TGT = 1 also stores the head sum of P (as stored) per
+    slot into ``tgt [T, K]`` (fp32; the indexer KL's target), TGT = 2 adds it there atomically
+    (heads split over programs)."""
     t = row0 + tl.program_id(0)
     offs_h = tl.program_id(1) * BH + tl.arange(0, BH)
     hmask = offs_h < H
@@ -281,10 +286,16 @@ def _bwd_ps_kernel(
         ds_c = (p * (dp - delta[:, None]) * sm_scale).to(ka.dtype)  # gradient w.r.t. q.k
         offs_k = k0 + tl.arange(0, BK)
         smask = hmask[:, None] & (offs_k < K)[None, :]
-        tl.store(
-            p_ptr + prow + offs_k[None, :] * stride_pk, p.to(p_ptr.dtype.element_ty), mask=smask
-        )
+        p_st = p.to(p_ptr.dtype.element_ty)
+        tl.store(p_ptr + prow + offs_k[None, :] * stride_pk, p_st, mask=smask)
         tl.store(ds_ptr + prow + offs_k[None, :] * stride_pk, ds_c, mask=smask)
+        if TGT > 0:
+            p_sum = tl.sum(tl.where(hmask[:, None], p_st.to(tl.float32), 0.0), axis=0)
+            g_at = tgt_ptr + t64 * stride_gt + offs_k
+            if TGT == 1:
+                tl.store(g_at, p_sum, mask=offs_k < K)
+            else:
+                tl.atomic_add(g_at, p_sum, mask=offs_k < K, sem="relaxed")
 
 
 @triton.jit
@@ -590,12 +601,18 @@ def chunk_rows(
     return max(1, min(total, MAX_GRID_Y, scratch_bytes // max(1, 2 * h * n_k * element_size)))
 
 
-def _triton_bwd_ps(q, kv, indices, kend, out, grad_out, lse, p, ds, sm_scale, row0, n, cfg=None):
+def _triton_bwd_ps(
+    q, kv, indices, kend, out, grad_out, lse, p, ds, sm_scale, row0, n, cfg=None, tgt=None
+):
     """The Triton part 1 for rows row0 .. row0 + n - 1 into the scratches p, ds (same contract as
-    ``sparse_mla_ws.bwd_ps``); cfg: ``_config(..., "bwd_ps")`` when the caller has it."""
+    ``sparse_mla_ws.bwd_ps``, with its ``tgt``); cfg: ``_config(..., "bwd_ps")`` when the caller
+    has it."""
     h, d_qk = q.shape[1:]
     c, nw, ns = cfg or _config(h, d_qk, out.shape[2], "bwd_ps")
-    _bwd_ps_kernel[(n, triton.cdiv(h, c["BH"]))](
+    head_blocks = triton.cdiv(h, c["BH"])
+    if tgt is not None and head_blocks > 1:
+        tgt[row0 : row0 + n].zero_()  # the head blocks add their sums
+    _bwd_ps_kernel[(n, head_blocks)](
         q,
         kv,
         indices,
@@ -605,6 +622,7 @@ def _triton_bwd_ps(q, kv, indices, kend, out, grad_out, lse, p, ds, sm_scale, ro
         lse,
         p,
         ds,
+        p if tgt is None else tgt,
         kv.shape[0],
         h,
         indices.shape[1],
@@ -621,7 +639,9 @@ def _triton_bwd_ps(q, kv, indices, kend, out, grad_out, lse, p, ds, sm_scale, ro
         lse.stride(0),
         p.stride(0),
         p.stride(1),
+        0 if tgt is None else tgt.stride(0),
         IEEE=q.dtype == torch.float32,
+        TGT=0 if tgt is None else (1 if head_blocks == 1 else 2),
         num_warps=nw,
         num_stages=ns,
         **c,
@@ -665,9 +685,10 @@ def _triton_bwd_grad(q, kv, indices, kend, grad_out, p, ds, dkv, dq, row0, n, cf
     )
 
 
-def _bwd(q, kv, indices, kend, out, lse, grad_out, sm_scale, d_v, gluon: bool = True):
+def _bwd(q, kv, indices, kend, out, lse, grad_out, sm_scale, d_v, gluon: bool = True, tgt=None):
     """(dq, dkv): part 1 (P and dS, q's dtype, into a scratch) then part 2 (dKV, dQ), per chunk of
-    queries; ``gluon`` as in ``sparse_mla``."""
+    queries; ``gluon`` as in ``sparse_mla``. With ``tgt [T, K]`` (fp32) part 1 also writes there
+    the head sum of P per slot (slots at or past a row's valid extent are left as they are)."""
     total, h, d_qk = q.shape
     n_k = indices.shape[1]
     dq = torch.empty_like(q)
@@ -683,9 +704,11 @@ def _bwd(q, kv, indices, kend, out, lse, grad_out, sm_scale, d_v, gluon: bool = 
     for a in range(0, total, rows):
         n = min(rows, total - a)
         if "bwd_ps" in parts:
-            _ws.bwd_ps(q, kv, indices, kend, out, grad_out, lse, p, ds, sm_scale, a, n)
+            _ws.bwd_ps(q, kv, indices, kend, out, grad_out, lse, p, ds, sm_scale, a, n, tgt)
         else:
-            _triton_bwd_ps(q, kv, indices, kend, out, grad_out, lse, p, ds, sm_scale, a, n, cfg_ps)
+            _triton_bwd_ps(
+                q, kv, indices, kend, out, grad_out, lse, p, ds, sm_scale, a, n, cfg_ps, tgt
+            )
         if "bwd_grad" in parts:
             _ws.bwd_grad(q, kv, indices, kend, grad_out, p, ds, dkv, dq, a, n)
         else:
@@ -750,13 +773,14 @@ def compile_specs(small: bool = False):
     """Launch configurations for ``bench/compile_check.py`` (offline sm_90 compile)."""
     h, d_qk, d_v = (4, 24, 16) if small else (64, 576, 512)
     out = []
-    for name, fn, part in (
-        ("sparse_mla_fwd", _fwd_kernel, "fwd"),
-        ("sparse_mla_bwd_ps", _bwd_ps_kernel, "bwd_ps"),
-        ("sparse_mla_bwd_grad", _bwd_grad_kernel, "bwd_grad"),
+    for name, fn, part, tgt in (
+        ("sparse_mla_fwd", _fwd_kernel, "fwd", 0),
+        ("sparse_mla_bwd_ps", _bwd_ps_kernel, "bwd_ps", 0),
+        ("sparse_mla_bwd_ps_kl", _bwd_ps_kernel, "bwd_ps", 1),
+        ("sparse_mla_bwd_grad", _bwd_grad_kernel, "bwd_grad", 0),
     ):
         c, nw, ns = _config(h, d_qk, d_v, part)
-        c["IEEE"] = False
+        c.update(IEEE=False, TGT=tgt)
         sig = {
             n: "i32" for n in fn.arg_names if n.startswith("stride") or n in ("T", "H", "K", "row0")
         }
@@ -769,6 +793,7 @@ def compile_specs(small: bool = False):
                 "qk_scale": "fp32",
                 "sm_scale": "fp32",
                 "dkv_ptr": "*fp32",
+                "tgt_ptr": "*fp32",
             }
         )
         sig = {k: v for k, v in sig.items() if k in fn.arg_names}

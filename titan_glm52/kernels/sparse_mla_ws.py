@@ -517,6 +517,7 @@ def _ps_consumer(
     lse_ptr,
     p_ptr,
     ds_ptr,
+    tgt_ptr,
     T,
     K,
     sm_scale,
@@ -525,11 +526,13 @@ def _ps_consumer(
     stride_lt,
     stride_pt,
     stride_pk,
+    stride_gt,
     C: gl.constexpr,
     BK: gl.constexpr,
     H: gl.constexpr,
     NA: gl.constexpr,
     STAGES: gl.constexpr,
+    TGT: gl.constexpr,
 ):
     """Steps C, C + 2, ... of one row, BK slots each: S = Q K^T and dP = dO V^T accumulated over the
     step's column chunks as they land (chunk k's slot is released once chunk k + 1's products are
@@ -583,8 +586,12 @@ def _ps_consumer(
         slots = j * BK + gl.arange(0, BK, layout=gl.SliceLayout(0, st))
         offs_p = prow + slots[None, :] * stride_pk + heads[:, None]
         smask = (slots < K)[None, :] & (heads < H)[:, None]
-        gl.store(p_ptr + offs_p, gl.convert_layout(p.to(p_ptr.dtype.element_ty), st), mask=smask)
+        p_st = gl.convert_layout(p.to(p_ptr.dtype.element_ty), st)
+        gl.store(p_ptr + offs_p, p_st, mask=smask)
         gl.store(ds_ptr + offs_p, gl.convert_layout(ds.to(ds_ptr.dtype.element_ty), st), mask=smask)
+        if TGT:
+            p_sum = gl.sum(p_st.to(gl.float32), axis=0)
+            gl.store(tgt_ptr + t64 * stride_gt + slots, p_sum, mask=slots < K)
 
 
 @gluon.jit
@@ -598,6 +605,7 @@ def _bwd_ps_ws_kernel(
     lse_ptr,
     p_ptr,
     ds_ptr,
+    tgt_ptr,
     T,
     K,
     sm_scale,
@@ -613,6 +621,7 @@ def _bwd_ps_ws_kernel(
     stride_lt,
     stride_pt,
     stride_pk,
+    stride_gt,
     H: gl.constexpr,
     DA: gl.constexpr,
     DB: gl.constexpr,
@@ -621,6 +630,7 @@ def _bwd_ps_ws_kernel(
     LOADER_ARRIVALS: gl.constexpr,
     CONSUMER_REGS: gl.constexpr,
     LOADER_REGS: gl.constexpr,
+    TGT: gl.constexpr,
 ):
     """Backward part 1 (see ``sparse_mla._bwd_ps_kernel``), one program per query row of a chunk,
     with the kv rows streamed in column chunks of DB (= 64): Q and dO stay in shared memory as
@@ -670,6 +680,7 @@ def _bwd_ps_ws_kernel(
                     lse_ptr,
                     p_ptr,
                     ds_ptr,
+                    tgt_ptr,
                     T,
                     K,
                     sm_scale,
@@ -678,11 +689,13 @@ def _bwd_ps_ws_kernel(
                     stride_lt,
                     stride_pt,
                     stride_pk,
+                    stride_gt,
                     0,
                     BK,
                     H,
                     NA,
                     STAGES,
+                    TGT,
                 ),
             ),
             (
@@ -699,6 +712,7 @@ def _bwd_ps_ws_kernel(
                     lse_ptr,
                     p_ptr,
                     ds_ptr,
+                    tgt_ptr,
                     T,
                     K,
                     sm_scale,
@@ -707,11 +721,13 @@ def _bwd_ps_ws_kernel(
                     stride_lt,
                     stride_pt,
                     stride_pk,
+                    stride_gt,
                     1,
                     BK,
                     H,
                     NA,
                     STAGES,
+                    TGT,
                 ),
             ),
             (
@@ -1250,9 +1266,10 @@ def fwd(q, kv, indices, kend, qk_scale_log2, out, lse):
     )
 
 
-def bwd_ps(q, kv, indices, kend, out, grad_out, lse, p, ds, sm_scale, row0, n):
+def bwd_ps(q, kv, indices, kend, out, grad_out, lse, p, ds, sm_scale, row0, n, tgt=None):
     """Part 1 of the backward for rows row0 .. row0 + n - 1 into the scratches p, ds [>= n, K,
-    64]."""
+    64]; with ``tgt [T, K]`` (fp32) also the head sum of P per slot of those rows (slots at or past
+    a row's valid extent are left as they are)."""
     c = config("bwd_ps")
     if c["stages"] % 2 or c["stages"] < 4:
         # a consumer holds one slot while it waits for the next, so each half of the ring needs two
@@ -1267,6 +1284,7 @@ def bwd_ps(q, kv, indices, kend, out, grad_out, lse, p, ds, sm_scale, row0, n):
         lse,
         p,
         ds,
+        p if tgt is None else tgt,
         kv.shape[0],
         indices.shape[1],
         sm_scale,
@@ -1282,6 +1300,7 @@ def bwd_ps(q, kv, indices, kend, out, grad_out, lse, p, ds, sm_scale, row0, n):
         lse.stride(0),
         p.stride(0),
         p.stride(1),
+        0 if tgt is None else tgt.stride(0),
         H=H,
         DA=DA,
         DB=DB,
@@ -1290,6 +1309,7 @@ def bwd_ps(q, kv, indices, kend, out, grad_out, lse, p, ds, sm_scale, row0, n):
         LOADER_ARRIVALS=LOADER_ARRIVALS,
         CONSUMER_REGS=c["consumer_regs"],
         LOADER_REGS=c["loader_regs"],
+        TGT=tgt is not None,
         num_warps=4,
         maxnreg=c["maxnreg"],
     )
@@ -1353,6 +1373,7 @@ def compile_specs(small: bool = False):
         kend_ptr="*i32",
         lse_ptr="*fp32",
         dkv_ptr="*fp32",
+        tgt_ptr="*fp32",
         qk_scale="fp32",
         sm_scale="fp32",
     )
@@ -1385,6 +1406,22 @@ def compile_specs(small: bool = False):
                 STAGES=p1["stages"],
                 CONSUMER_REGS=p1["consumer_regs"],
                 LOADER_REGS=p1["loader_regs"],
+                TGT=False,
+            ),
+        ),
+        (
+            "sparse_mla_ws_bwd_ps_kl",
+            _bwd_ps_ws_kernel,
+            p1,
+            dict(
+                H=H,
+                DA=DA,
+                DB=DB,
+                BK=p1["bk"],
+                STAGES=p1["stages"],
+                CONSUMER_REGS=p1["consumer_regs"],
+                LOADER_REGS=p1["loader_regs"],
+                TGT=True,
             ),
         ),
         (

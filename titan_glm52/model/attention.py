@@ -120,8 +120,10 @@ def _dsa_ops(backend: str, gluon: bool):
                 q, kk, w, cu_seqlens, topk, scale, max_len=max_len, gluon=gluon, q_rows=q_rows
             )
 
-        def mla_fn(q, kv, indices, sm_scale, d_v):
-            return k["sparse_mla"](q, kv, indices, sm_scale, d_v, gluon=gluon)
+        def mla_fn(q, kv, indices, sm_scale, d_v, kl=None):
+            if kl is None:
+                return k["sparse_mla"](q, kv, indices, sm_scale, d_v, gluon=gluon)
+            return k["sparse_mla_indexer_kl"](q, kv, indices, sm_scale, d_v, *kl, gluon=gluon)
 
         def kl_sparse(
             q, kv, sm_scale, lse, q_idx, k_idx, w_idx, idx_scale, indices, cu_seqlens, q_rows=None
@@ -419,6 +421,8 @@ class Attention(nn.Module):
 
         indexer_topk, sparse_mla, _ = dsa_ops(self.backend, self.gluon)
         train_indexer = self.indexer_loss_coeff > 0 and torch.is_grad_enabled()
+        # On the Triton backend the sparse attention's backward forms the KL from its own P.
+        kl_fused = train_indexer and self.sparse and self.backend == "triton"
         if self.indexer is not None:
             # The indexer sees detached inputs: it learns only from its KL loss, the model only from
             # the LM loss.
@@ -445,7 +449,7 @@ class Attention(nn.Module):
         else:
             topk = topk_in
 
-        lse = None
+        lse = kl_rows = None
         prefix = ctx.dense_prefix if self.sparse else None
         masked = ctx.dense_masked if self.sparse else None
         if self.sparse:
@@ -467,8 +471,12 @@ class Attention(nn.Module):
                 self.kv_rank,
                 self.recompute_latent_query,
                 prefix,
+                (q_i, k_i, w_i, self.indexer.softmax_scale, self.indexer_loss_coeff, ctx.aux)
+                if kl_fused
+                else None,
+                self.layer_id,
             )
-            # the KL needs every row's LSE: the dense rows' sparse forward
+            # the KL needs the dense rows' LSE too: their sparse forward
             if dense_rows and train_indexer:
                 flat = torch.cat(
                     [
@@ -481,7 +489,10 @@ class Attention(nn.Module):
                     _, lse_dense = sparse_mla(
                         q_abs[flat], kv, topk[flat], self.softmax_scale, self.kv_rank
                     )
-                lse = lse.index_copy(0, flat, lse_dense)
+                if kl_fused:  # their KL, the sparse backward's has none of them
+                    kl_rows, lse = flat, lse_dense
+                else:
+                    lse = lse.index_copy(0, flat, lse_dense)
         else:
             q_abs, _ = _absorb(q_nope, q_rope, w_uk)
             o_lat = reference.dense_causal_attention(
@@ -499,9 +510,10 @@ class Attention(nn.Module):
             dense = _eager("_plain_masked")(self, masked, topk, q_nope, q_rope, c_kv, k_rope)
             o = _PutRows.apply(o, masked.rows, dense)
         out = self.wo(o.reshape(t, self.n_heads * self.v_dim))
-        if train_indexer or (self.probes_recall and ctx.aux.recall_queries):
+        kl_here = train_indexer and (not kl_fused or kl_rows is not None)
+        if kl_here or (self.probes_recall and ctx.aux.recall_queries):
             out = _eager("_indexer_outputs")(
-                self, out, train_indexer, q_abs, kv, lse, q_i, k_i, w_i, topk, ctx
+                self, out, kl_here, q_abs, kv, lse, q_i, k_i, w_i, topk, ctx, kl_rows
             )
         return out, topk
 
@@ -640,6 +652,8 @@ def _absorbed_sparse_mla(
     kv_rank: int,
     rebuild: bool,
     prefix: DensePrefix | None,
+    kl: tuple | None = None,
+    layer_id: int = 0,
 ):
     """(latent query, the plain queries of the dense prefix's rows or None, latent output, lse): the
     latent query formed here and the sparse attention over it, eagerly (called through ``_eager``,
@@ -648,7 +662,13 @@ def _absorbed_sparse_mla(
     same eager ops on the same inputs (the same bits), instead of keeping it: H x kv_rank values per
     token fewer held from forward to backward (64 KB per token and layer at GLM-5.2's widths, bf16;
     the rope part, a source of the rebuild, stays), for one batched GEMM of 2 H nope kv_rank FLOPs
-    per token in backward."""
+    per token in backward. ``kl`` = (q_idx, k_idx, w_idx, indexer scale, indexer_loss_coeff, the
+    step's AuxTerms): the attention's backward also trains the indexer (``sparse_mla_indexer_kl``),
+    its KL summed into layer ``layer_id``'s sink."""
+    if kl is not None:
+        q_i, k_i, w_i, idx_scale, coeff, aux = kl
+        sink = aux.indexer_kl_sink(layer_id, q_nope.device)
+        kl = (q_i, k_i, w_i, idx_scale, coeff / aux.tokens, sink)
     q_abs, q_pre = (
         _absorb(q_nope, q_rope, w_uk)
         if prefix is None
@@ -662,7 +682,11 @@ def _absorbed_sparse_mla(
     with saved if saved is not None else contextlib.nullcontext():
         if saved is not None:
             saved.recompute(q_abs, lambda: _absorb(q_nope, q_rope, w_uk)[0], q_nope, q_rope, w_uk)
-        o_lat, lse = sparse_mla(q_abs, kv, idx, scale, kv_rank)
+        o_lat, lse = (
+            sparse_mla(q_abs, kv, idx, scale, kv_rank)
+            if kl is None
+            else sparse_mla(q_abs, kv, idx, scale, kv_rank, kl)
+        )
     return q_abs, q_pre, o_lat, lse
 
 
@@ -711,24 +735,27 @@ def _indexer_outputs(
     w_i,
     topk,
     ctx: PackedContext,
+    rows: torch.Tensor | None = None,
 ):
     """The indexer's KL loss (attached to ``out``) and its logged numbers (eager: it keeps Python
-    state)."""
+    state). ``rows``: the sparse KL of these rows only, whose LSE ``lse`` is (the sparse
+    attention's backward forms the others')."""
     if train_indexer:
         if attn.sparse:  # KL over the selected keys, from the attention's own LSE
             _, _, indexer_kl_sparse = dsa_ops(attn.backend, attn.gluon)
+            sel = (lambda x: x) if rows is None else (lambda x: x[rows])
             kl = indexer_kl_sparse(
-                q_abs.detach(),
+                sel(q_abs).detach(),
                 kv.detach(),
                 attn.softmax_scale,
                 lse.detach(),
-                q_i,
+                sel(q_i),
                 k_i,
-                w_i,
+                sel(w_i),
                 attn.indexer.softmax_scale,
-                topk,
+                sel(topk),
                 ctx.cu_seqlens,
-                ctx.q_rows,
+                ctx.q_rows if rows is None else None,
             ).sum()
         else:  # dense warm-up: KL over every visible key (chunked torch path on any backend)
             kl = reference.indexer_kl(

@@ -49,7 +49,8 @@ class AuxTerms:
         recall_queries: > 0 measures the top-k recall of layer 0 on that many queries (a metric).
     Out (detached, summed over forwards; activation-checkpoint recomputes are not counted again):
         indexer_kl: layer id -> that layer's indexer KL summed over its tokens (empty: no layer
-            trained its indexer; ``indexer_kl_sum`` adds the layers up).
+            trained its indexer; ``indexer_kl_sum`` adds the layers up). Complete after the
+            backward: a sparse attention backward may add its layer's KL there.
         seq_aux: the sequence balance loss as added to the loss (``seq_aux_loss_coeff`` x the loss
             summed over sequences / ``sequences``), summed over MoE layers (None: off).
         recall: layer 0's top-k recall (None: not measured).
@@ -66,13 +67,21 @@ class AuxTerms:
         """The KL of every indexer layer, in forward order (None: none trained its indexer)."""
         return sum(self.indexer_kl.values()) if self.indexer_kl else None
 
+    def indexer_kl_sink(self, layer_id: int, device: torch.device) -> torch.Tensor:
+        """The fp32 scalar that layer ``layer_id``'s KL is summed into (zero when first asked): by
+        ``attach_indexer_kl``, or by a sparse attention backward that forms the KL itself."""
+        sink = self.indexer_kl.get(layer_id)
+        if sink is None:
+            sink = self.indexer_kl[layer_id] = torch.zeros((), dtype=torch.float32, device=device)
+        return sink
+
     def attach_indexer_kl(
         self, out: torch.Tensor, kl: torch.Tensor, coeff: float, layer_id: int
     ) -> torch.Tensor:
         """``out``, with the gradient of ``coeff * kl / tokens`` attached; ``kl`` (summed) recorded
         for layer ``layer_id``."""
         if not in_backward():
-            self.indexer_kl[layer_id] = _added(self.indexer_kl.get(layer_id), kl)
+            self.indexer_kl_sink(layer_id, kl.device).add_(kl.detach())
         return AuxLoss.apply(out, kl * (coeff / self.tokens))
 
     def attach_seq_aux(self, out: torch.Tensor, aux: torch.Tensor, coeff: float) -> torch.Tensor:
