@@ -13,7 +13,9 @@ Shapes: H = 64, D_qk = 576, d_v = 512, topk = 2048, H_I = 32, D_I = 128, bf16. O
 tokens ("single"), plus packed 8K documents ("packed8k") for the indexer and the sparse forward.
 FLOPs (per query, K_valid = min(topk, visible keys)): sparse fwd 2*H*K_valid*(D_qk+d_v), sparse bwd
 2*H*K_valid*(3*D_qk+2*d_v), indexer 2*H_I*D_I*visible pairs (its tensor-core floor at 790 TFLOP/s is
-reported next to it), KL loss fwd+bwd 2*H*K_valid*D_qk (target recompute) + 3*2*H_I*D_I*K_valid.
+reported next to it), KL loss fwd+bwd 2*H*K_valid*D_qk (target recompute) + 3*2*H_I*D_I*K_valid;
+"sparse_mla_bwd_with_kl": the sparse backward that also forms the KL (``sparse_mla_indexer_kl``),
+its ``kl_ms`` = its time minus the plain backward's (measured beside it).
 Dense: F.scaled_dot_product_attention (flash), 64 heads, q/k head dim 256 (192 + 64), v 256, causal.
 The torch reference runs only where it fits and finishes quickly; elsewhere it is recorded as
 skipped. JSON is rewritten after every measurement (a killed run keeps what it measured); with $OUT
@@ -265,6 +267,35 @@ def run_size(args, T, layout, deadline):
         )
     else:
         record(out, "indexer_kl_fwd_bwd", "torch", T, layout, status="skipped")
+
+    # ---------------- the KL formed in the sparse backward: that backward, minus the plain one
+    from titan_glm52.kernels.indexer_loss import sparse_mla_indexer_kl
+
+    sink = torch.zeros((), device="cuda")
+    o, _ = sparse_mla_indexer_kl(
+        q, kv, idx, scale, D_V, qi_, ki_, wi_, iscale, 1.0, sink, gluon=args.gluon
+    )
+    fused = lambda: torch.autograd.grad(  # noqa: E731
+        o, (q, kv, qi_, ki_, wi_), do, retain_graph=True
+    )
+    ms_fused = bench(fused)
+    o = None
+    o, _ = sparse_mla(q, kv, idx, scale, D_V)
+    ms_plain = bench(lambda: torch.autograd.grad(o, (q, kv), do, retain_graph=True))
+    o = None
+    record(
+        out,
+        "sparse_mla_bwd_with_kl",
+        "triton",
+        T,
+        layout,
+        ms_fused,
+        b_flop + 3 * 2 * H_I * D_I * kvalid,
+        None,
+        peak_of(fused),
+        plain_bwd_ms=ms_plain,
+        kl_ms=ms_fused - ms_plain,
+    )
 
 
 def run_dense(args, T, layout, deadline):
