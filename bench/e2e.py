@@ -1,6 +1,10 @@
 """End-to-end training throughput on one GPU (or N of one host): our GLM-5.2 proxy vs torchtitan
 0.2.2's DeepSeek-V3 at the same widths.
 
+The peer stays on torchtitan 0.2.2: 0.3.0's DeepSeek-V3 imports
+``torch.distributed.fsdp.DataParallelMeshDims`` (``torchtitan/models/deepseek_v3/mtp.py`` line 15),
+which torch first exports in 2.12.0, and the GPU machine has 2.11 (bench/README.md, "The peer").
+
 On the GPU machine (wheels carried in .whl/, see bench/gpu_env.sh):
 
     source bench/gpu_env.sh && python3 bench/e2e.py                       # lean default matrix, < 9 min
