@@ -1,10 +1,15 @@
 """End-to-end training throughput on one GPU (or N of one host): our GLM-5.2 proxy vs torchtitan
 0.2.2's DeepSeek-V3 at the same widths.
 
+The peer stays on torchtitan 0.2.2: 0.3.0's DeepSeek-V3 imports
+``torch.distributed.fsdp.DataParallelMeshDims`` (``torchtitan/models/deepseek_v3/mtp.py`` line 15),
+which torch first exports in 2.12.0, and the GPU machine has 2.11 (bench/README.md, "The peer").
+
 On the GPU machine (wheels carried in .whl/, see bench/gpu_env.sh):
 
     source bench/gpu_env.sh && python3 bench/e2e.py                       # lean default matrix, < 9 min
     python3 bench/e2e.py --quick                                          # 4K and 32K, compile off, AC selective
+    python3 bench/e2e.py --real-mode --ac full                            # ours as trained: MTP, indexer KL; 4K to 64K
     python3 bench/e2e.py --seq-lens 4096,16384,32768 --compile off,on --ac none,selective --steps 6 --warmup 3
     python3 bench/e2e.py --nproc 2 --parallel fsdp                        # each side on 2 GPUs, FSDP over 2
     python3 bench/e2e.py --nproc 2 --parallel ep                          # EP = 2 (carved out of FSDP's 2 ranks)
@@ -18,7 +23,11 @@ last lines of its log):
   ``--metrics.log_freq 1 --data.no-document-masking --dsa.recall_queries 0 --checkpoint.no-enable``
   (one sequence per sample, so DSA is really sparse at 4K+), the cell's seq_len / AC mode / compile
   flag; its ``metrics.jsonl`` is averaged over the steps after the warm-up. MFU is the trainer's
-  DSA-aware count (``titan_glm52.metrics``).
+  DSA-aware count (``titan_glm52/model/flops.py``). ``--real-mode`` trains ours as a real run
+  does: MTP on (as ``--our-mtp on``) and the sparse stage's indexer KL loss, ``--mtp.enable
+  --dsa.mode sparse --dsa.indexer_loss_coeff 0.01`` before any ``--our-args`` (which may override
+  them), with 4K, 16K, 32K and 64K as the default ``--seq-lens``; the markdown notes then say so
+  and give ours' MFU formula with its MTP and KL terms, and the JSON meta records ``real_mode``.
 * peer: ``bench/e2e_tt_dsv3.py`` (torchtitan's DeepSeekV3Model, its AC / compile / MoE / SDPA
   attention, FSDP2 mixed precision on a 1-rank mesh, AdamW); MFU counts dense causal attention (see
   that file). On one GPU ``--peer-mp autocast`` runs the peer's own one-device path (torch.autocast)
@@ -65,6 +74,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import trace_summary  # noqa: E402  (bench/trace_summary.py)
 
 PEAK_BF16_TFLOPS = 989.0  # H100/H200 dense bf16, as titan_glm52.metrics uses for MFU
+# The indexer KL coefficient of --real-mode: the one train_configs/glm52_debug.toml trains with.
+REAL_MODE_INDEXER_KL = 0.01
 
 
 def _csv(kind):
@@ -93,7 +104,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
     p.add_argument(
-        "--seq-lens", type=_csv(int), default=[4096, 16384, 32768], help="comma-separated"
+        "--seq-lens",
+        type=_csv(int),
+        default=None,
+        help="comma-separated (default 4096,16384,32768; with --real-mode 4096,16384,32768,65536)",
     )
     p.add_argument("--compile", type=_choices("off", "on"), default=["off"], help="off,on")
     p.add_argument(
@@ -177,6 +191,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         default="on",
         help="ours trains the proxy's MTP layer (as its config does); 'off' = no MTP, like the peer",
     )
+    p.add_argument(
+        "--real-mode",
+        action="store_true",
+        help="ours trains as a real run does: MTP on and the indexer KL in the sparse stage "
+        f"(--dsa.indexer_loss_coeff {REAL_MODE_INDEXER_KL}, before --our-args, which may override "
+        "it); 64K joins the default --seq-lens",
+    )
     p.add_argument("--config", default="train_configs/glm52_proxy.toml", help="our job config")
     p.add_argument(
         "--our-args", default="", help="extra train.py arguments (e.g. '--model.flavor debug')"
@@ -209,6 +230,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "GPU kernels (bench/trace_summary.py) in the JSON and printed before the table",
     )
     a = p.parse_args(argv)
+    if a.seq_lens is None:
+        a.seq_lens = [4096, 16384, 32768] + ([65536] if a.real_mode else [])
     if a.quick:
         a.seq_lens, a.compile, a.ac = [4096, 32768], ["off"], ["selective"]
     if a.steps < 1 or a.warmup < 0 or a.warmup_compiled < 0 or a.batch < 1 or a.nproc < 1:
@@ -219,6 +242,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.error(
             "--peer-mp autocast is the peer's one-device path: with --nproc > 1 use --peer-mp fsdp"
         )
+    if a.real_mode and a.our_mtp == "off":
+        p.error("--real-mode trains MTP: leave out --our-mtp off")
     if len(set(a.peer_mp)) != len(a.peer_mp):
         p.error(f"--peer-mp {','.join(a.peer_mp)}: each path once")
     a.md = a.md or os.path.splitext(a.out)[0] + ".md"
@@ -405,7 +430,35 @@ def our_command(
             "--profiling.profiler_active",
             "1",
         ]
-    return cmd + shlex.split(a.our_args)
+    return cmd + real_mode_args(a) + shlex.split(a.our_args)
+
+
+def real_mode_args(a: argparse.Namespace) -> list[str]:
+    """train.py arguments of ``--real-mode`` (none without it): MTP on and the sparse stage's
+    indexer KL, whatever ``--config`` sets."""
+    if not a.real_mode:
+        return []
+    return [
+        "--mtp.enable",
+        "--dsa.mode",
+        "sparse",
+        "--dsa.indexer_loss_coeff",
+        str(REAL_MODE_INDEXER_KL),
+    ]
+
+
+def our_indexer_kl(a: argparse.Namespace) -> float | None:
+    """The indexer KL coefficient ours ran with in the real mode: the last one given, so an
+    ``--our-args`` override counts (None without ``--real-mode``: the config's own)."""
+    if not a.real_mode:
+        return None
+    args, value = real_mode_args(a) + shlex.split(a.our_args), None
+    for i, arg in enumerate(args):
+        if arg.startswith("--dsa.indexer_loss_coeff="):
+            value = arg.split("=", 1)[1]
+        elif arg == "--dsa.indexer_loss_coeff" and i + 1 < len(args):
+            value = args[i + 1]
+    return float(value)
 
 
 def summarize_ours(rows: list[dict], warmup: int, steps: int) -> dict:
@@ -676,6 +729,34 @@ def text_table(head: list[str], rows: list[list[str]]) -> str:
     return "\n".join([line(head), "  ".join("-" * w for w in widths)] + [line(r) for r in rows])
 
 
+def real_mode_notes(m: dict) -> list[str]:
+    """The notes' lines on ours in the real mode (none for a run without it, or an older report):
+    what ran and ours' MFU formula, term by term as ``titan_glm52/model/flops.py`` counts it."""
+    if not m.get("real_mode"):
+        return []
+    return [
+        f"- ours ran in the real mode (`--real-mode`): MTP on, the DSA sparse stage with the indexer "
+        f"KL loss at coefficient {m['our_indexer_loss_coeff']:g} (`--dsa.indexer_loss_coeff`).",
+        "- ours' MFU in the real mode = 3 F / step time / 989 TFLOP/s (backward = twice the "
+        "forward, recomputation not counted), with the forward FLOPs F = 2 [T W + (L + 1) H (2 d_c "
+        "+ d_r) P_sel + (L_I + 1) H_I (D_I + 1) (P_vis + P_sel) + (L + 1) B ((H (d_qk + d_v) - H (2 "
+        "d_c + d_r)) k (k + 1) / 2 + k d_c H (d_nope + d_v))]: T = B S tokens; W = the "
+        "multiply-adds per token of every weight a token meets (the L = 4 layers' MLA projections "
+        "and MLPs, the indexer projections of the L_I + 1 layers with an indexer, the head, and "
+        "MTP's eh_proj 2D x D, its MoE layer and the head once more); P_sel = B sum_{t=1..S} min(k, "
+        "t) selected and P_vis = B S (S + 1) / 2 visible (query, key) pairs per layer; k = "
+        "index_topk = 2048; L_I = the IndexShare full layers (3, FFFS), + 1 for the MTP layer's "
+        "block. The terms: the weights; the absorbed sparse attention core (H heads, latent d_c = "
+        "512, RoPE d_r = 64) over the selected keys; the indexer's scores (H_I heads of D_I, then "
+        "their weighted sum) over the visible keys and, for the KL, its logits once more over the "
+        "selected keys; the dense prefix (`[dsa] dense_prefix`, on: each sequence's first k rows in "
+        "the plain MLA form, plus their keys' up-projection; every sequence here is longer than k). "
+        "Not counted: the KL's target (the attention's probabilities on those keys, which the "
+        "attention computes anyway) and the prefix rows' gradient-free sparse forward that gives "
+        "the KL their log-sum-exp.",
+    ]
+
+
 def markdown(report: dict) -> str:
     m, head, rows = report["meta"], *table_rows(report["cells"])
     env = m["environment"]
@@ -724,7 +805,9 @@ def markdown(report: dict) -> str:
         "sample (no document masking). "
         "MFU = the trainer's DSA-aware FLOPs (sparse MLA core over top-k keys, indexer over causal "
         "pairs, "
-        "MTP layer and second head pass when MTP is on) / 989 TFLOP/s.",
+        "MTP layer and second head pass when MTP is on, the indexer KL's logits over the selected "
+        "keys when its coefficient is > 0) / 989 TFLOP/s.",
+        *real_mode_notes(m),
         "- peer: torchtitan 0.2.2 `DeepSeekV3Model` at the same widths (no indexer, no MTP), SDPA "
         "causal "
         "attention, GroupedExperts with torch._grouped_mm, its parallelize_deepseekv3 (AC, "
@@ -752,7 +835,11 @@ def markdown(report: dict) -> str:
             "- ours trains MTP (one more MoE layer and a second pass through the 154,880-row head: "
             "about +50% "
             "FLOPs per token at 4K) and the peer has none, so the tok/s ratio understates ours; "
-            "`--our-mtp off` compares like for like."
+            + (
+                "`--our-mtp off` without `--real-mode` compares like for like."
+                if m.get("real_mode")
+                else "`--our-mtp off` compares like for like."
+            )
             if m["our_mtp"] == "on"
             else "- ours runs without MTP (`--our-mtp off`), like the peer; ours still runs the "
             "DSA indexer."
@@ -833,6 +920,8 @@ def main(argv: list[str]) -> int:
             "batch": a.batch,
             "sac_option": a.sac_option,
             "our_mtp": a.our_mtp,
+            "real_mode": a.real_mode,
+            "our_indexer_loss_coeff": our_indexer_kl(a),
             "peer_sdpa": a.peer_sdpa,
             "peer_mp": a.peer_mp,
             "peer_oom_ac": a.peer_oom_ac,

@@ -574,3 +574,60 @@ def test_peer_out_of_memory_runs_again_with_full_ac(tmp_path, monkeypatch):
     )
     assert [(s, ac) for s, ac, _ in seen] == [(4096, "none")]
     assert json.loads(out.read_text())["cells"][0]["peer"]["status"] == "OOM"
+
+
+def _train_args(cmd: list[str]) -> list[str]:
+    return cmd[cmd.index("train.py") + 1 :]
+
+
+def test_real_mode_trains_mtp_and_the_indexer_kl(monkeypatch):
+    """--real-mode: ours' train.py arguments turn MTP and the sparse stage's indexer KL on (0.01)
+    before --our-args, which can override the coefficient, and 64K joins the default seq lens."""
+    from titan_glm52.config import parse_job_config
+
+    e2e = _load("e2e")
+    monkeypatch.chdir(ROOT)  # the job config's path in the command is relative to the repository
+    plain = e2e.parse_args([])
+    assert plain.seq_lens == [4096, 16384, 32768] and not plain.real_mode
+    assert e2e.real_mode_args(plain) == [] and e2e.our_indexer_kl(plain) is None
+    cfg = parse_job_config(_train_args(e2e.our_command(plain, 4096, False, "full", "/tmp/x")))
+    assert cfg.dsa.indexer_loss_coeff == 0.0  # the proxy config's own
+    real = e2e.parse_args(["--real-mode"])
+    assert real.seq_lens == [4096, 16384, 32768, 65536] and real.our_mtp == "on"
+    cfg = parse_job_config(_train_args(e2e.our_command(real, 65536, False, "full", "/tmp/x")))
+    assert cfg.mtp.enable and cfg.dsa.mode == "sparse" and cfg.dsa.indexer_loss_coeff == 0.01
+    assert e2e.our_indexer_kl(real) == 0.01
+    assert e2e.parse_args(["--real-mode", "--seq-lens", "8192"]).seq_lens == [8192]
+    override = e2e.parse_args(["--real-mode", "--our-args=--dsa.indexer_loss_coeff 0.1"])
+    cmd = e2e.our_command(override, 4096, False, "full", "/tmp/x")
+    assert cmd[-2:] == ["--dsa.indexer_loss_coeff", "0.1"]
+    assert parse_job_config(_train_args(cmd)).dsa.indexer_loss_coeff == 0.1
+    assert e2e.our_indexer_kl(override) == 0.1
+    with pytest.raises(SystemExit):
+        e2e.parse_args(["--real-mode", "--our-mtp", "off"])
+
+
+@pytest.mark.parametrize("real_mode", [False, True])
+def test_real_mode_in_the_notes_and_meta(tmp_path, monkeypatch, real_mode):
+    """The JSON meta records real_mode and the coefficient; the markdown notes say the real mode ran
+    and give ours' MFU formula with the MTP and indexer KL terms, only then."""
+    e2e = _load("e2e")
+
+    def fake_peer(a, runner, seq_len, compile_on, ac, name, mp="fsdp"):
+        return {"status": "error"}
+
+    _fake_runs(e2e, monkeypatch, fake_peer, ours_speed=100.0)
+    out = tmp_path / "e2e.json"
+    argv = ["--seq-lens", "4096", "--out", str(out), "--logs", str(tmp_path / "logs")]
+    assert e2e.main(argv + (["--real-mode"] if real_mode else [])) == 0
+    meta = json.loads(out.read_text())["meta"]
+    assert meta["real_mode"] is real_mode
+    assert meta["our_indexer_loss_coeff"] == (0.01 if real_mode else None)
+    md = (tmp_path / "e2e.md").read_text()
+    notes = (
+        "ours ran in the real mode (`--real-mode`): MTP on, the DSA sparse stage with the indexer "
+        "KL loss at coefficient 0.01",
+        "(L_I + 1) H_I (D_I + 1) (P_vis + P_sel)",
+        "MTP's eh_proj 2D x D, its MoE layer and the head once more",
+    )
+    assert all((n in md) is real_mode for n in notes)

@@ -85,3 +85,36 @@ def test_dense_prefix_counts_fewer_flops_at_glm52_widths():
     )
     # the later rows in the plain form too, plus every key's up-projection
     assert 0.9 * prefix < masked < prefix
+
+
+def _indexers(args, with_mtp) -> int:
+    """The attention modules that own an indexer, read off the model itself."""
+    with torch.device("meta"):
+        model = GLM52Model(args, with_mtp=with_mtp)
+    return sum(1 for name, _ in model.named_modules() if name.endswith("attention.indexer"))
+
+
+def _indexer_kl_by_hand(args, lengths, with_mtp, sparse) -> float:
+    """Training FLOPs of the KL's indexer logits: per layer with an indexer, per query, its KL keys
+    (the selected ones, or every visible one in the dense warm-up), per key every indexer head's
+    scores and their weighted sum, as forward + twice that in backward."""
+    per_pair = 2 * args.index_n_heads * (args.index_head_dim + 1)
+    keys = sum(min(args.index_topk, p + 1) if sparse else p + 1 for n in lengths for p in range(n))
+    return 3 * _indexers(args, with_mtp) * per_pair * keys
+
+
+@pytest.mark.parametrize("sparse", [True, False])
+@pytest.mark.parametrize("with_mtp", [False, True])
+@pytest.mark.parametrize("dense_prefix", [False, True])
+def test_step_flops_counts_the_indexer_kl_on_indexer_layers(sparse, with_mtp, dense_prefix):
+    # debug: indexers on 4 of the 8 layers (0, 1, 2, 6) and the MTP layer; the 40-token document
+    # is longer than index_topk 16, so the sparse stage's KL sees fewer keys than the warm-up's
+    args = get_flavor("debug")
+    assert _indexers(args, False) == 4 and _indexers(args, True) == 5
+    lengths = torch.tensor([7, 16, 40, 3])
+    on, off = (
+        step_flops(args, lengths, with_mtp, sparse=sparse, dense_prefix=dense_prefix, indexer_kl=kl)
+        for kl in (True, False)
+    )
+    want = _indexer_kl_by_hand(args, lengths.tolist(), with_mtp, sparse)
+    assert on - off == pytest.approx(want, rel=1e-12)

@@ -19,7 +19,12 @@ Per (query, key) pair:
   * the sparse attention core in the absorbed form the kernels run: ``H (2 kv_lora_rank + rope)``
     per selected pair (scores over ``kv_lora_rank + rope``, values over ``kv_lora_rank``); a query
     selects ``min(index_topk, position + 1)`` keys (every visible key in the dense warm-up);
-  * the indexer: ``H_I (D_I + 1)`` per visible pair (the per-head scores, then their weighted sum).
+  * the indexer: ``H_I (D_I + 1)`` per visible pair (the per-head scores, then their weighted sum);
+  * the indexer KL loss (``[dsa] indexer_loss_coeff > 0``), on layers with an indexer: the indexer
+    logits once more over the KL's keys, ``H_I (D_I + 1)`` per selected pair (every visible pair in
+    the dense warm-up). Its target, the main attention's probabilities on those keys, is not
+    counted: the attention already computes them (a kernel that computes them again for the KL
+    does a recompute, left out like activation checkpointing's).
 Dense prefix (``[dsa] dense_prefix``): the first ``index_topk`` rows of each document of at least
 ``index_topk`` tokens run in the plain MLA form instead: ``H (qk_head_dim + v_head_dim)`` per pair,
 plus their keys' up-projection ``kv_lora_rank x H (nope + v)`` per row. Masked dense (``[dsa]
@@ -135,10 +140,12 @@ def step_flops(
     sparse: bool = True,
     dense_prefix: bool = False,
     dense_masked_ratio: float = 0.0,
+    indexer_kl: bool = False,
 ) -> float:
     """Training FLOPs (forward + backward) of the documents ``doc_lengths`` (their lengths sum to
     the token count). ``sparse``: the DSA sparse stage (else the dense warm-up); ``dense_prefix`` /
-    ``dense_masked_ratio``: the model runs with those ``[dsa]`` options."""
+    ``dense_masked_ratio``: the model runs with those ``[dsa]`` options; ``indexer_kl``: the
+    indexers train by their KL loss (``[dsa] indexer_loss_coeff > 0``)."""
     tokens = int(doc_lengths.sum())
     selected = pairs(doc_lengths, args.index_topk if sparse else None)
     visible = pairs(doc_lengths)
@@ -152,7 +159,18 @@ def step_flops(
         attention_layers += 1
     if dense_prefix and sparse:
         forward += attention_layers * _dense_rows_extra(args, doc_lengths, dense_masked_ratio)
+    if indexer_kl:
+        forward += indexer_kl_flops(args, selected if sparse else visible, with_mtp)
     return 3.0 * forward
+
+
+def indexer_kl_flops(args: GLM52ModelArgs, kl_pairs: float, with_mtp: bool) -> float:
+    """Forward FLOPs of the indexer KL's logits over ``kl_pairs`` (query, key) pairs per layer, on
+    every layer with an indexer (the MTP layer's block too, with MTP). Its backward, into the
+    indexer alone, is twice this, as for the rest of the step."""
+    layer_ids = range(args.num_hidden_layers + (1 if with_mtp else 0))
+    layers = sum(1 for i in layer_ids if args.index_share.has_indexer(i))
+    return 2.0 * layers * indexer_macs_per_pair(args) * kl_pairs
 
 
 def _dense_rows_extra(
