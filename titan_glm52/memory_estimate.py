@@ -1386,10 +1386,10 @@ def job_memory_check(cfg, world_size: int, gpu_memory_gib: float) -> tuple[bool,
     if not fits:
         line += (
             ". More than the GPU has: the step will likely run out of memory there. Options: "
-            "activation_checkpoint.mode 'selective' or 'full', a shorter training.seq_len or "
-            "smaller "
-            "local_batch_size, more GPUs (parallelism.data_parallel_shard_degree / "
-            "pipeline_parallel_degree); "
+            "activation_checkpoint.mode 'selective' or 'full', "
+            "activation_checkpoint.mtp_token_chunk or mlp_token_chunk, a shorter "
+            "training.seq_len or smaller local_batch_size, more GPUs "
+            "(parallelism.data_parallel_shard_degree / pipeline_parallel_degree); "
             "training.memory_check = false skips this check"
         )
     return fits, line
