@@ -23,7 +23,7 @@ from torchtitan.config import ConfigManager
 from torchtitan.config import job_config as tt
 
 from titan_glm52.errors import ConfigError
-from titan_glm52.lora import ATTENTION_TARGETS, LoRASpec, target_refusal
+from titan_glm52.lora import ATTENTION_TARGETS, MLP_TARGETS, LoRASpec, target_refusal
 from titan_glm52.model.args import GLM52ModelArgs, get_flavor
 from titan_glm52.model.options import ModelOptions
 from titan_glm52.parallelize import AC_MODES, RESHARD_POLICIES
@@ -126,6 +126,17 @@ class ActivationCheckpoint(tt.ActivationCheckpoint):
     chunk's intermediates at a time instead of the batch's: long sequences on few GPUs (at 128K
     tokens and top-8 the routed experts' dispatched copy alone is 12 GiB per MoE layer at GLM-5.2's
     width). The same math; the MLPs' forward runs twice. 0: the whole batch at once."""
+
+    mtp_token_chunk: int = 0
+    """> 0: the MTP layer's token-wise parts (its input projection with enorm and hnorm, its
+    block's MLP, its final norm) run over chunks of this many tokens, each recomputed in backward,
+    while the main blocks keep what mode and mlp_token_chunk say. The MTP layer runs backward
+    first, when every main block still holds its activations: rebuilt chunk by chunk its MLP and
+    norms add one chunk's intermediates to that peak instead of the whole sequence's (a
+    checkpoint of the whole MTP block would rebuild them all there; with mode = "full" the block
+    is recomputed and its chunks inside that recompute). The same math; those parts' forward
+    runs twice. Needs mtp.enable. 0: the MTP layer's MLP as mlp_token_chunk says, the rest
+    whole."""
 
 
 @dataclass
@@ -596,6 +607,12 @@ def validate(cfg: JobConfig, world_size: int | None = None, device_type: str | N
             "activation_checkpoint.mode",
             f"{cfg.activation_checkpoint.mode!r}: choose one of {AC_MODES}",
         )
+    if cfg.activation_checkpoint.mtp_token_chunk > 0 and not cfg.mtp.enable:
+        _refuse(
+            "activation_checkpoint.mtp_token_chunk",
+            f"{cfg.activation_checkpoint.mtp_token_chunk} chunks the MTP layer, which "
+            "mtp.enable = false leaves out: set it to 0 or enable the MTP layer",
+        )
     if p.fsdp_reshard_after_forward not in RESHARD_POLICIES:
         _refuse(
             "parallelism.fsdp_reshard_after_forward",
@@ -694,6 +711,14 @@ def _validate_lora(cfg: JobConfig) -> None:
             "activation checkpointing recomputes without the forward's dropout masks: set "
             "dropout = 0 or activation_checkpoint.mode = 'none'",
         )
+    ac = cfg.activation_checkpoint
+    chunked = [k for k in ("mlp_token_chunk", "mtp_token_chunk") if getattr(ac, k) > 0]
+    if lo.dropout > 0 and chunked and set(lo.target_modules) & set(MLP_TARGETS):
+        _refuse(
+            "lora.dropout",
+            f"activation_checkpoint.{chunked[0]} recomputes the MLPs without the forward's "
+            "dropout masks: set dropout = 0, that chunk to 0, or adapt attention modules only",
+        )
     if cfg.dsa.mode != "sparse" or cfg.dsa.indexer_loss_coeff > 0:
         _refuse(
             "dsa.indexer_loss_coeff",
@@ -774,6 +799,7 @@ def model_options(cfg: JobConfig, device_type: str) -> ModelOptions:
         grouped_mm={"auto": None, "on": True, "off": False}[m.grouped_mm],
         recompute_expert_inputs=m.recompute_expert_inputs,
         mlp_token_chunk=cfg.activation_checkpoint.mlp_token_chunk,
+        mtp_token_chunk=cfg.activation_checkpoint.mtp_token_chunk,
         trainable=trainable,
     )
 
@@ -805,6 +831,7 @@ _RANGES: dict[str, tuple[float | None, float | None]] = {
     "dsa.indexer_loss_coeff": (0, None),
     "moe.bias_update_rate": (0, None),
     "activation_checkpoint.mlp_token_chunk": (0, None),
+    "activation_checkpoint.mtp_token_chunk": (0, None),
     "moe.seq_aux_loss_coeff": (0, None),
     "mtp.loss_weight": (0, None),
     "model.num_layers": (1, None),

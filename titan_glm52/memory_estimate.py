@@ -149,7 +149,13 @@ fp32 rstd and the normalised copy its weight multiplies:
              sends on); not last
              stage: + a*D (stage output kept by the schedule); last stage: + a*3D + 4 (final norm:
              input, normalised copy, output) and, with MTP, + a*7D + 12 (enorm and hnorm copies,
-             their concat, MTP norm) + the MTP block (a full MoE block)
+             their concat, MTP norm) + the MTP block (a full MoE block). With
+             ``mtp_token_chunk`` below the micro-batch's tokens the MTP layer's token-wise parts
+             run in recomputed chunks: + a*2D instead of a*7D + 12 (the MTP norm's input and the
+             MTP head's gradient; the input projection keeps only its rows, held anyway), and its
+             block's MLP counts as ``mlp_token_chunk`` counts the main blocks' (at the MTP
+             layer's chunk size). (All of these are freed after the MTP layer's backward: counting
+             them through the whole backward is an upper bound.)
   logits     none kept, pipelined or not: the head runs the fused chunked loss (model/head.py; the
              trainer's, and the last pipeline stage's loss function), which keeps only the gradients
              it formed (see head)
@@ -281,6 +287,7 @@ class MemoryRequest:
     recompute_expert_inputs: bool = True  # [moe] recompute_expert_inputs
     recompute_latent_query: bool = True  # [dsa] recompute_latent_query
     mlp_token_chunk: int = 0  # [activation_checkpoint] mlp_token_chunk
+    mtp_token_chunk: int = 0  # [activation_checkpoint] mtp_token_chunk
     # training.master_weights as resolved: "fsdp" or "optimizer" (one process)
     master_weights: str = "fsdp"
     # more than one micro-batch per optimizer step (training.global_batch_size)
@@ -422,15 +429,9 @@ def block_bytes_per_token(
                 2 if recompute_experts else 4
             ) * k * f
             routed_saved = ints + load * a * routed + a * k * d
-            mlp = (
-                a * 3 * d
-                + 4
-                + 4 * d
-                + 4 * e
-                + (0.0 if mlp_chunked else routed_saved)
-                + 12 * k
-                + a * 4 * fs
-            )
+            # the token chunks run the routed and the shared experts (model/moe.py)
+            experts = 0.0 if mlp_chunked else routed_saved + a * 4 * fs
+            mlp = a * 3 * d + 4 + 4 * d + 4 * e + experts + 12 * k
         else:
             mlp = a * 3 * d + 4 + (0.0 if mlp_chunked else a * 4 * fd)
         return attn + mlp
@@ -626,22 +627,25 @@ def stage_activations(
     recompute_query: bool = False,
     moe_chunk: int = 0,
     cp: int = 1,
+    mtp_chunk: int = 0,
 ) -> StageActivations:
     """Activations of one pipeline stage for micro-batches of ``tokens`` tokens (this rank's, under
     context parallelism of degree ``cp``; module docstring). ``mask_per_token``: the masked dense
     rows' selection mask, bytes per token of every block (saved with its attention, or rebuilt by
-    its recompute)."""
+    its recompute). ``moe_chunk``: ``[activation_checkpoint] mlp_token_chunk``; ``mtp_chunk``:
+    ``[activation_checkpoint] mtp_token_chunk`` (the MTP layer's, in place of ``moe_chunk``)."""
     a, d = act_bytes, args.hidden_size
     ids = list(layer_ids) + ([args.num_hidden_layers] if is_last and with_mtp else [])
     modes = _block_modes(ac_mode, selective_option, len(ids))
     blocks = []
     for b, m in zip(ids, modes):
+        chunk = mtp_chunk if b == args.num_hidden_layers and mtp_chunk else moe_chunk
         # A checkpointed block ("full", "op") rebuilds its "none" set in backward while its own
         # saved tensors are still held (for "op" the cached ones are shared: counted twice, an upper
         # bound). (The experts' and the latent query's rebuilds act only in blocks that are not
         # checkpointed: model/recompute.py, can_recompute.)
         lean, lean_q = recompute_experts and m == "none", recompute_query and m == "none"
-        chunked = 0 < moe_chunk < tokens
+        chunked = 0 < chunk < tokens
         none = (
             block_bytes_per_token(
                 args, b, "none", a, load, ep, prefix_share, lean, lean_q, chunked, cp
@@ -653,7 +657,7 @@ def stage_activations(
         )
         recompute = none if m != "none" else 0.0
         work = backward_workspace(
-            args, b, tokens, a, load, prefix_share, lean, ep, lean_q, moe_chunk, cp
+            args, b, tokens, a, load, prefix_share, lean, ep, lean_q, chunk, cp
         )
         blocks.append(BlockActivations(b, m, saved, tokens * recompute + work))
     extras = 8 + (a * d if with_mtp else 0)  # positions; next-token embeddings
@@ -667,7 +671,10 @@ def stage_activations(
             extras += a * d  # the copy of the next-token embeddings it sends on
     else:
         extras += 3 * a * d + 4  # final norm: input, normalised copy, output (the head's chunks)
-        if with_mtp:
+        if with_mtp and 0 < mtp_chunk < tokens:
+            # the chunks keep their rows: the MTP norm's input, and the MTP head's gradient
+            extras += 2 * a * d
+        elif with_mtp:
             # enorm and hnorm normalised copies, concat (2D), MTP norm (3D)
             extras += 7 * a * d + 12
     return StageActivations(
@@ -1181,6 +1188,7 @@ def estimate_memory(req: MemoryRequest) -> MemoryReport:
             req.recompute_latent_query,
             req.mlp_token_chunk,
             req.cp,
+            req.mtp_token_chunk,
         )
         for spec in layout.stages
     ]
@@ -1352,6 +1360,7 @@ def request_from_job_config(
         recompute_expert_inputs=cfg.moe.recompute_expert_inputs,
         recompute_latent_query=cfg.dsa.recompute_latent_query,
         mlp_token_chunk=cfg.activation_checkpoint.mlp_token_chunk,
+        mtp_token_chunk=cfg.activation_checkpoint.mtp_token_chunk,
         master_weights=master,
         grad_accumulation=t.global_batch_size // per_step > 1,
         cp=p.context_parallel_degree,
@@ -1377,10 +1386,10 @@ def job_memory_check(cfg, world_size: int, gpu_memory_gib: float) -> tuple[bool,
     if not fits:
         line += (
             ". More than the GPU has: the step will likely run out of memory there. Options: "
-            "activation_checkpoint.mode 'selective' or 'full', a shorter training.seq_len or "
-            "smaller "
-            "local_batch_size, more GPUs (parallelism.data_parallel_shard_degree / "
-            "pipeline_parallel_degree); "
+            "activation_checkpoint.mode 'selective' or 'full', "
+            "activation_checkpoint.mtp_token_chunk or mlp_token_chunk, a shorter "
+            "training.seq_len or smaller local_batch_size, more GPUs "
+            "(parallelism.data_parallel_shard_degree / pipeline_parallel_degree); "
             "training.memory_check = false skips this check"
         )
     return fits, line

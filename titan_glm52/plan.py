@@ -279,6 +279,13 @@ def _add_memory_parser(sub: argparse._SubParsersAction) -> None:
         "each rebuilt in backward",
     )
     p.add_argument(
+        "--mtp-token-chunk",
+        type=int,
+        default=None,
+        help="activation_checkpoint.mtp_token_chunk (default 0 = off): the MTP layer's input "
+        "projection, MLP and final norm over chunks of this many tokens, each rebuilt in backward",
+    )
+    p.add_argument(
         "--dense-masked-ratio",
         type=float,
         default=None,
@@ -340,6 +347,7 @@ _JOB_KEYS = {
     "ac": "activation_checkpoint.mode",
     "selective_ac_option": "activation_checkpoint.selective_ac_option",
     "mlp_token_chunk": "activation_checkpoint.mlp_token_chunk",
+    "mtp_token_chunk": "activation_checkpoint.mtp_token_chunk",
     "dense_masked_ratio": "dsa.dense_masked_ratio",
 }
 _JOB_SWITCHES = {

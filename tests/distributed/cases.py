@@ -90,6 +90,7 @@ def check_train_step(
     route_to_first_experts: bool = False,
     clip_in_step: str | None = None,
     dsa_backend: str = "torch",
+    mtp_token_chunk: int = 0,
     **arg_overrides,
 ) -> None:
     """Loss, gradients, grad norm (after clipping), one AdamW step (parameters, both moments,
@@ -105,6 +106,8 @@ def check_train_step(
     ``dsa_backend``: "triton" runs the DSA kernels (in the interpreter on CPU) on both sides, whose
     sparse attention keeps the latent query that ``[dsa] recompute_latent_query`` (on) rebuilds in
     backward.
+    ``mtp_token_chunk``: the parallel run's MTP layer in token chunks (``[activation_checkpoint]
+    mtp_token_chunk``), the reference's whole.
     """
     if dsa_backend == "triton" and DEVICE_TYPE == "cpu":
         # before the kernels are imported (lazily, below)
@@ -122,6 +125,12 @@ def check_train_step(
     ref.to(env.device)
     init_params = {n: p.detach().clone() for n, p in ref.named_parameters()}
     model = copy.deepcopy(ref)
+    if mtp_token_chunk:
+        model = GLM52Model(
+            args, ModelOptions(dsa_backend=dsa_backend, mtp_token_chunk=mtp_token_chunk)
+        )
+        model.load_state_dict(ref.state_dict())
+        model.to(env.device)
     local_ref = copy.deepcopy(ref)
     tokens = make_batch(args.vocab_size).to(env.device)
     n_main = int((labels_of(tokens, 1) != IGNORE).sum())

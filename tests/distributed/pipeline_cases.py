@@ -24,6 +24,7 @@ from titan_glm52.model.aux_loss import AuxTerms
 from tests.losses import cross_entropy_sum
 from titan_glm52.model.model import GLM52Model
 from titan_glm52.model.moe import MoE
+from titan_glm52.model.options import ModelOptions
 from titan_glm52.optimizer import clip_grad_norm_
 from titan_glm52.parallelize import parallelize_model
 from titan_glm52.pipeline import build_pipeline_stages, build_schedule, micro_batch_bounds
@@ -56,9 +57,11 @@ def check_pipeline(
     stages_per_rank: int | None = None,
     layout: list[int] | None = None,
     ac_mode: str = "none",
+    mtp_token_chunk: int = 0,
 ) -> None:
     """Loss, every gradient, the clipped grad norm and the MoE loads equal the single-process
-    run."""
+    run. ``mtp_token_chunk``: the stages run the MTP layer in token chunks (``[activation_checkpoint]
+    mtp_token_chunk``), the reference without them."""
     env = init_distributed()
     args = debug_args()
     mesh = build_mesh(
@@ -80,12 +83,14 @@ def check_pipeline(
         pp_mesh.get_local_rank(),
         pp_mesh.get_group(),
         env.device,
-        None,
+        ModelOptions(mtp_token_chunk=mtp_token_chunk),
         lambda m: parallelize_model(m, mesh, ac_mode=ac_mode, ep_enabled=ep > 1),
     )
     for part in parts:
         part.to_empty(device=env.device)
         part.init_weights(seed=0)
+        if part.mtp is not None:
+            assert part.mtp.block.moe.token_chunk == mtp_token_chunk
 
     dp_rank, dp_size = mesh["dp"].get_local_rank(), mesh["dp"].size()
     local = tokens.chunk(dp_size)[dp_rank]

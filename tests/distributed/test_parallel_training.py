@@ -30,6 +30,19 @@ CASES = {
         ),
     ),
     "ep2_compile_ac_selective": (2, dict(dp_shard=2, ep=2, compile=True, ac_mode="selective")),
+    # the MTP layer in token chunks of 48 (128 tokens per rank) while every 2nd block is
+    # checkpointed, its own FSDP unit resharded after forward and gathered again for the recompute
+    "fsdp2_mtp_token_chunk_ac_every_2nd_block": (
+        2,
+        dict(
+            dp_shard=2,
+            ac_mode="selective",
+            selective_ac_option="2",
+            reshard_after_forward="always",
+            mtp_token_chunk=48,
+        ),
+    ),
+    "ep2_compile_mtp_token_chunk": (2, dict(dp_shard=2, ep=2, compile=True, mtp_token_chunk=48)),
     # fused / Triton AdamW on DTensor parameters with the gradient clip folded into its step (the
     # trainer's paths)
     "fsdp2_fused_clip": (2, dict(dp_shard=2, clip_in_step="fused")),

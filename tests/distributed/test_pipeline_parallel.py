@@ -12,6 +12,13 @@ CASES = {
     "interleaved1f1b_pp2_v2": (2, dict(schedule="Interleaved1F1B", pp=2, stages_per_rank=2)),
     "zbv_pp2": (2, dict(schedule="ZBVZeroBubble", pp=2, stages_per_rank=2)),
     "1f1b_pp2_ac_full": (2, dict(schedule="1F1B", pp=2, ac_mode="full")),
+    # the MTP layer (last stage) in token chunks of 12 (micro-batches of 32 tokens), also in the
+    # zero-bubble schedule's separate input- and weight-gradient passes
+    "1f1b_pp2_mtp_token_chunk": (2, dict(schedule="1F1B", pp=2, mtp_token_chunk=12)),
+    "zbv_pp2_mtp_token_chunk": (
+        2,
+        dict(schedule="ZBVZeroBubble", pp=2, stages_per_rank=2, mtp_token_chunk=12),
+    ),
     "1f1b_pp2_x_fsdp2": (4, dict(schedule="1F1B", pp=2, dp_shard=2)),
     "interleaved_pp2_x_ep2_fsdp2": (
         4,

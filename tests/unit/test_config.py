@@ -109,11 +109,59 @@ def test_unknown_cli_key_is_refused_in_one_line():
             ],
             "training.master_weights",
         ),
+        (
+            ["--activation_checkpoint.mtp_token_chunk", "64", "--mtp.no-enable"],
+            "activation_checkpoint.mtp_token_chunk",
+        ),
+        (
+            ["--activation_checkpoint.mtp_token_chunk", "-1"],
+            "activation_checkpoint.mtp_token_chunk",
+        ),
+        # the chunks' recompute would draw new dropout masks in the adapted shared experts
+        (
+            [
+                "--lora.enable",
+                "--lora.dropout",
+                "0.1",
+                "--lora.target_modules",
+                "gate_proj",
+                "--activation_checkpoint.mode",
+                "none",
+                "--activation_checkpoint.mtp_token_chunk",
+                "64",
+            ],
+            "lora.dropout",
+        ),
     ],
 )
 def test_impossible_combinations_name_the_key(argv, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         parse_job_config(argv)
+
+
+def test_mtp_token_chunk_reaches_the_model_options():
+    from titan_glm52.config import model_options
+
+    cfg = parse_job_config(["--activation_checkpoint.mtp_token_chunk", "4096"])
+    opts = model_options(cfg, "cpu")
+    assert opts.mtp_token_chunk == 4096 and opts.mlp_token_chunk == 0
+    assert model_options(parse_job_config([]), "cpu").mtp_token_chunk == 0
+    # LoRA dropout on attention adapters only: the chunks recompute no adapted module
+    parse_job_config(
+        [
+            "--lora.enable",
+            "--lora.dropout",
+            "0.1",
+            "--lora.target_modules",
+            "q_a_proj",
+            "--activation_checkpoint.mode",
+            "none",
+            "--activation_checkpoint.mtp_token_chunk",
+            "64",
+            "--moe.bias_update_rate",
+            "0",
+        ]
+    )
 
 
 def test_master_weights_in_the_optimizer_need_one_process():
@@ -143,6 +191,7 @@ def test_help_lists_our_options():
         "--moe.bias_update_rate",
         "--moe.seq_aux_loss_coeff",
         "--mtp.loss_weight",
+        "--activation_checkpoint.mtp_token_chunk",
         "--faults.max_consecutive_nonfinite",
         "--parallelism.pipeline_parallel_layout",
         "--model.hf_config",

@@ -920,3 +920,45 @@ def test_cli_plans_a_training_config_with_the_trainers_checks(capsys):
         "4",
     )
     assert rc == 1 and out == "" and "parallelism.pipeline_parallel_microbatch_size" in err
+
+
+def test_mtp_token_chunk_takes_the_mtp_layers_share_off_the_peak(capsys):
+    """[activation_checkpoint] mtp_token_chunk, the proxy config at 32K with MTP and AC none: the
+    peak stays in the MTP layer's backward (it runs first, with every main block's activations
+    still held) and falls by what the MTP layer stops keeping: its block's routed and shared
+    experts' intermediates (the planner's per-block figure, chunked against whole) and 5aD + 12 of
+    its norms and concatenation per token; the workspace there is the attention's either way. A
+    checkpoint of the whole MTP block (every (L + 1)-th block) rebuilds its set at that same peak,
+    without the experts' lean saved set: the plan rises."""
+    args, t, a, chunk = _proxy_args(), 32768, 2, 16384
+    mtp, d = args.num_hidden_layers, args.hidden_size
+    proxy = os.path.join(REPO, "train_configs", "glm52_proxy.toml")
+    base = ["memory", "--config", proxy, "--gpus", "1", "--seq-len", str(t), "--ac", "none"]
+    ns = plan.build_parser().parse_args(base + ["--mtp-token-chunk", str(chunk)])
+    req = plan.memory_request(ns)
+    assert req.mtp_token_chunk == chunk and req.with_mtp and not req.recompute_latent_query
+    on = estimate_memory(req).worst
+    off = estimate_memory(dataclasses.replace(req, mtp_token_chunk=0)).worst
+    assert on.phase == off.phase == "backward MTP layer"
+    kw = dict(ep=False, prefix_share=args.index_topk / t, recompute_experts=True)
+    saved_off = block_bytes_per_token(args, mtp, "none", a, **kw)
+    saved_on = block_bytes_per_token(args, mtp, "none", a, mlp_chunked=True, **kw)
+    f, k = args.moe_intermediate_size, args.num_experts_per_tok
+    fs = f * args.n_shared_experts
+    # without EP, experts rebuilt: int64 routing indices, fp32 weights, the gate / up outputs,
+    # the combine's copy, the shared expert
+    assert saved_off - saved_on == 32 * k + a * 2 * k * f + a * k * d + a * 4 * fs
+    work = [
+        backward_workspace(args, mtp, t, a, 1.0, kw["prefix_share"], True, False, False, c)
+        for c in (0, chunk)
+    ]
+    assert work[0] == work[1]
+    assert off.total - on.total == t * (saved_off - saved_on + 5 * a * d + 12)
+    assert off.total - on.total > 7 * GIB
+    whole = dataclasses.replace(
+        req, mtp_token_chunk=0, ac_mode="selective", selective_ac_option=str(mtp + 1)
+    )
+    assert estimate_memory(whole).worst.total > off.total
+    # refused with the trainer's check where there is no MTP layer to chunk
+    rc, out, err = _main(capsys, *base, "--mtp-token-chunk", "4096", "--no-mtp")
+    assert rc == 1 and out == "" and "activation_checkpoint.mtp_token_chunk" in err

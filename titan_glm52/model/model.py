@@ -19,6 +19,7 @@ states.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -75,6 +76,12 @@ class MTPLayer(nn.Module):
     token ``t_{i+1}``: ``x = eh_proj([enorm(emb), hnorm(h)])``, runs its own full block (own
     indexer, MoE), and returns ``shared_head.norm(x)``; the caller applies the shared output head to
     predict ``t_{i+2}``.
+
+    With ``options.mtp_token_chunk`` the token-wise parts (the input projection, the block's MLP,
+    the final norm) run over chunks of that many tokens, each recomputed in backward. The MTP
+    layer's backward runs first, while every main block still holds its activations, so a
+    recompute of the whole layer would rebuild them all at the step's peak; chunks rebuild one
+    chunk's at a time. Only the attention (which mixes tokens) keeps its saved set.
     """
 
     def __init__(self, args: GLM52ModelArgs, options: ModelOptions) -> None:
@@ -83,13 +90,28 @@ class MTPLayer(nn.Module):
         self.enorm = RMSNorm(d, args.rms_norm_eps)
         self.hnorm = RMSNorm(d, args.rms_norm_eps)
         self.eh_proj = nn.Linear(2 * d, d, bias=False)
+        self.token_chunk = options.mtp_token_chunk
+        if self.token_chunk:
+            options = replace(options, mlp_token_chunk=self.token_chunk)
         self.block = Block(args.num_hidden_layers, args, options)
         self.norm = RMSNorm(d, args.rms_norm_eps)  # shared_head.norm
 
     def forward(self, h: torch.Tensor, emb_next: torch.Tensor, ctx: PackedContext) -> torch.Tensor:
-        x = self.eh_proj(torch.cat((self.enorm(emb_next), self.hnorm(h)), dim=-1))
+        x = self._by_rows(self._project, emb_next, h)
         x, _ = self.block(x, ctx, None)
-        return self.norm(x)
+        return self._by_rows(self.norm, x)
+
+    def _project(self, emb_next: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        return self.eh_proj(torch.cat((self.enorm(emb_next), self.hnorm(h)), dim=-1))
+
+    def _by_rows(self, fn, *rows: torch.Tensor) -> torch.Tensor:
+        """``fn(*rows)``, over ``token_chunk`` rows at a time when it is set and training: then
+        only the rows are kept for backward (not the normalised copies or the ``[T, 2D]``
+        concatenation), and each chunk is rebuilt there."""
+        chunk = self.token_chunk
+        if chunk and rows[0].shape[0] > chunk and torch.is_grad_enabled():
+            return token_chunked(fn, chunk, *rows)
+        return fn(*rows)
 
 
 def next_token_embeddings(emb: torch.Tensor, batch: int) -> torch.Tensor:

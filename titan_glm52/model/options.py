@@ -45,6 +45,11 @@ class ModelOptions:
         mlp_token_chunk: > 0 runs each MLP (dense, or the routed and shared experts) over chunks of
             that many tokens, each recomputed in backward (``[activation_checkpoint]
             mlp_token_chunk``; long sequences); 0 runs the whole batch at once.
+        mtp_token_chunk: > 0 runs the MTP layer's token-wise parts (its input projection with
+            ``enorm`` and ``hnorm``, its block's MLP, its final norm) over chunks of that many
+            tokens, each recomputed in backward, whatever ``mlp_token_chunk`` says
+            (``[activation_checkpoint] mtp_token_chunk``); 0: its MLP as the main blocks', the
+            rest unchunked.
         trainable: which parameters train: "all", "indexers" (the dense warm-up) or
             "all_but_indexers" (``[dsa] freeze_indexer``).
     """
@@ -63,6 +68,7 @@ class ModelOptions:
     grouped_mm: bool | None = None
     recompute_expert_inputs: bool = True
     mlp_token_chunk: int = 0
+    mtp_token_chunk: int = 0
     # Training.
     trainable: Literal["all", "indexers", "all_but_indexers"] = "all"
 
