@@ -278,7 +278,7 @@ def run_size(args, T, layout, deadline):
     fused = lambda: torch.autograd.grad(  # noqa: E731
         o, (q, kv, qi_, ki_, wi_), do, retain_graph=True
     )
-    ms_fused = bench(fused)
+    ms_fused, peak_fused = bench(fused), peak_of(fused)
     o = None
     o, _ = sparse_mla(q, kv, idx, scale, D_V)
     ms_plain = bench(lambda: torch.autograd.grad(o, (q, kv), do, retain_graph=True))
@@ -292,7 +292,7 @@ def run_size(args, T, layout, deadline):
         ms_fused,
         b_flop + 3 * 2 * H_I * D_I * kvalid,
         None,
-        peak_of(fused),
+        peak_fused,
         plain_bwd_ms=ms_plain,
         kl_ms=ms_fused - ms_plain,
     )
