@@ -1,4 +1,4 @@
-"""Issue 7's layouts on CPU: 8 gloo processes, debug model with MTP and IndexShare, the same global
+"""The 8-rank layouts on CPU: 8 gloo processes, debug model with MTP and IndexShare, the same global
 batches as a 1-process run: losses and grad norms equal step for step.
 
 PP=2 x EP=2 x FSDP (pp 2, dp_shard 4 = EP 2 x expert-FSDP 2) with 1F1B, and PP=2 with

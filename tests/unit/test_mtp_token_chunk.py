@@ -10,22 +10,15 @@ import torch
 
 from titan_glm52.memory_estimate import stage_activations
 from titan_glm52.model import recompute as recompute_mod
-from titan_glm52.model.args import get_flavor
 from titan_glm52.model.model import GLM52Model
 from titan_glm52.model.options import ModelOptions
 from titan_glm52.parallelize import parallelize_model
+from tests.unit._sparse_debug import ARGS, model_and_tokens
 
-ARGS = get_flavor("debug").replace(index_topk=8)  # sparse at S=32; MTP block: MoE
 CHUNK = 24  # 64 tokens: chunks of 24, 24 and 16
 
 
-@pytest.fixture(scope="module")
-def base():
-    torch.manual_seed(0)
-    model = GLM52Model(ARGS)
-    model.init_weights()
-    tokens = torch.randint(1, ARGS.vocab_size, (2, 32), generator=torch.Generator().manual_seed(1))
-    return model, tokens
+base = pytest.fixture(scope="module", name="base")(model_and_tokens)
 
 
 def _with_chunk(base_model: GLM52Model, chunk: int) -> GLM52Model:

@@ -16,6 +16,7 @@ from titan_glm52.model.model import GLM52Model
 from titan_glm52.model.moe import MoE
 from titan_glm52.optimizer import clip_grad_norm_
 from titan_glm52.parallelize import _reshard_policy, apply_ac, parallelize_model
+from tests.unit._sparse_debug import model_and_tokens
 
 
 # ----------------------------------------------------------------------------------------- degrees
@@ -92,16 +93,9 @@ def test_bad_options_are_refused():
 
 
 # ------------------------------------------------------------------------------------- AC / compile
-ARGS = get_flavor("debug").replace(index_topk=8)  # sparse at S=32; IndexShare FFFSSSFS; MTP
 
 
-@pytest.fixture(scope="module")
-def base():
-    torch.manual_seed(0)
-    model = GLM52Model(ARGS)
-    model.init_weights()
-    tokens = torch.randint(1, ARGS.vocab_size, (2, 32), generator=torch.Generator().manual_seed(1))
-    return model, tokens
+base = pytest.fixture(scope="module", name="base")(model_and_tokens)
 
 
 def _step(model, tokens):

@@ -26,7 +26,7 @@ import triton.language as tl
 
 from . import tuning
 from ._triton_env import check_device, pow2
-from .sparse_mla import LOG2E, _contig, _dot, _gather, valid_extent
+from .sparse_mla import LOG2E, _contig, _dot, _gather, _slots, valid_extent
 from .sparse_mla import _bwd as _sparse_bwd
 from .sparse_mla import _fwd as _sparse_fwd
 
@@ -133,9 +133,7 @@ def _kl_fwd_kernel(
         offs_k = k0 + tl.arange(0, BK)
         kmask = offs_k < K
         if GIVEN:
-            idx = tl.load(idx_row + offs_k, mask=kmask, other=-1)
-            valid = (idx >= 0) & (idx < T)
-            safe = tl.where(valid, idx, 0).to(tl.int64)
+            _, valid, safe = _slots(idx_row, k0, K, T, BK)
             psum = tl.load(tgt_row + offs_k, mask=valid, other=0.0)
         else:
             valid, safe, ka, kb = _gather(
@@ -243,10 +241,7 @@ def _kl_bwd_kernel(
     dw = tl.zeros([HIP], tl.float32)
     dqi = tl.zeros([HIP, DIP], tl.float32)
     for k0 in range(0, K, BK):
-        offs_k = k0 + tl.arange(0, BK)
-        idx = tl.load(idx_row + offs_k, mask=offs_k < K, other=-1)
-        valid = (idx >= 0) & (idx < T)
-        safe = tl.where(valid, idx, 0).to(tl.int64)
+        offs_k, valid, safe = _slots(idx_row, k0, K, T, BK)
         ki = tl.load(
             ki_ptr + safe[:, None] * stride_kit + offs_di[None, :],
             mask=valid[:, None] & dimask[None, :],

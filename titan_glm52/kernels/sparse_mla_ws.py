@@ -1394,35 +1394,23 @@ def compile_specs(small: bool = False):
                 LOADER_REGS=f["loader_regs"],
             ),
         ),
-        (
-            "sparse_mla_ws_bwd_ps",
-            _bwd_ps_ws_kernel,
-            p1,
-            dict(
-                H=H,
-                DA=DA,
-                DB=DB,
-                BK=p1["bk"],
-                STAGES=p1["stages"],
-                CONSUMER_REGS=p1["consumer_regs"],
-                LOADER_REGS=p1["loader_regs"],
-                TGT=False,
-            ),
-        ),
-        (
-            "sparse_mla_ws_bwd_ps_kl",
-            _bwd_ps_ws_kernel,
-            p1,
-            dict(
-                H=H,
-                DA=DA,
-                DB=DB,
-                BK=p1["bk"],
-                STAGES=p1["stages"],
-                CONSUMER_REGS=p1["consumer_regs"],
-                LOADER_REGS=p1["loader_regs"],
-                TGT=True,
-            ),
+        *(
+            (
+                f"sparse_mla_ws_bwd_ps{suffix}",
+                _bwd_ps_ws_kernel,
+                p1,
+                dict(
+                    H=H,
+                    DA=DA,
+                    DB=DB,
+                    BK=p1["bk"],
+                    STAGES=p1["stages"],
+                    CONSUMER_REGS=p1["consumer_regs"],
+                    LOADER_REGS=p1["loader_regs"],
+                    TGT=tgt,
+                ),
+            )
+            for suffix, tgt in (("", False), ("_kl", True))  # with the KL's target or without
         ),
         (
             "sparse_mla_ws_bwd_grad",
