@@ -14,6 +14,7 @@ On the GPU machine (wheels carried in .whl/, see bench/gpu_env.sh):
     python3 bench/e2e.py --nproc 2 --parallel fsdp                        # each side on 2 GPUs, FSDP over 2
     python3 bench/e2e.py --nproc 2 --parallel ep                          # EP = 2 (carved out of FSDP's 2 ranks)
     python3 bench/e2e.py --seq-lens 4096 --trace                          # + top GPU kernels of both sides
+    python3 bench/e2e.py --quick --peer-args="--float8 rowwise"           # the peer in float8
 
 Every cell of the matrix (seq_len x compile x AC) runs twice, each side in its own subprocess
 (memory is released, an OOM or a crash loses only that cell, recorded as "OOM" / "error" with the
@@ -35,7 +36,9 @@ last lines of its log):
   ``--peer-mp fsdp,autocast`` runs both (the cell's "peer" and "peer_autocast") and reports ours
   against the faster ("ratio_best_peer"). A peer run that runs out of memory runs once more with
   full activation checkpointing (``--peer-oom-ac``; at 32K on one H200 it fits only so), marked in
-  the table, so every cell has a ratio.
+  the table, so every cell has a ratio. ``--peer-args="--float8 rowwise"`` (or tensorwise) trains
+  the peer with torchtitan's own float8 converters (see that file: the linears in float8, the
+  routed experts where its grouped-mm converter takes them); the notes then say what ran in float8.
 
 With ``--nproc N`` (N > 1) both sides run under ``python -m torch.distributed.run --standalone
 --nproc_per_node N`` with the same mode: ``--parallel fsdp`` = FSDP over the N ranks (ours
@@ -203,7 +206,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--our-args", default="", help="extra train.py arguments (e.g. '--model.flavor debug')"
     )
     p.add_argument(
-        "--peer-args", default="", help="extra bench/e2e_tt_dsv3.py arguments (e.g. '--tiny')"
+        "--peer-args",
+        default="",
+        help="extra bench/e2e_tt_dsv3.py arguments (e.g. '--tiny'); a value that starts with '-' "
+        "takes the = form: --peer-args='--float8 rowwise'",
     )
     p.add_argument(
         "--out",
@@ -739,8 +745,8 @@ def real_mode_notes(m: dict) -> list[str]:
         f"KL loss at coefficient {m['our_indexer_loss_coeff']:g} (`--dsa.indexer_loss_coeff`).",
         "- ours' MFU in the real mode = 3 F / step time / 989 TFLOP/s (backward = twice the "
         "forward, recomputation not counted), with the forward FLOPs F = 2 [T W + (L + 1) H (2 d_c "
-        "+ d_r) P_sel + (L_I + 1) H_I (D_I + 1) (P_vis + P_sel) + (L + 1) B ((H (d_qk + d_v) - H (2 "
-        "d_c + d_r)) k (k + 1) / 2 + k d_c H (d_nope + d_v))]: T = B S tokens; W = the "
+        "+ d_r) P_sel + (L_I + 1) H_I (D_I + 1) (P_vis + P_sel) + (L - L_I) B ((H (d_qk + d_v) - H "
+        "(2 d_c + d_r)) k (k + 1) / 2 + k d_c H (d_nope + d_v))]: T = B S tokens; W = the "
         "multiply-adds per token of every weight a token meets (the L = 4 layers' MLA projections "
         "and MLPs, the indexer projections of the L_I + 1 layers with an indexer, the head, and "
         "MTP's eh_proj 2D x D, its MoE layer and the head once more); P_sel = B sum_{t=1..S} min(k, "
@@ -750,10 +756,30 @@ def real_mode_notes(m: dict) -> list[str]:
         "512, RoPE d_r = 64) over the selected keys; the indexer's scores (H_I heads of D_I, then "
         "their weighted sum) over the visible keys and, for the KL, its logits once more over the "
         "selected keys; the dense prefix (`[dsa] dense_prefix`, on: each sequence's first k rows in "
-        "the plain MLA form, plus their keys' up-projection; every sequence here is longer than k). "
-        "Not counted: the KL's target (the attention's probabilities on those keys, which the "
-        "attention computes anyway) and the prefix rows' gradient-free sparse forward that gives "
-        "the KL their log-sum-exp.",
+        "the plain MLA form, plus their keys' up-projection, on the L - L_I layers without an "
+        "indexer; the layers with one run those rows sparse, whose backward forms their KL; every "
+        "sequence here is longer than k). Not counted: the KL's target (the attention's "
+        "probabilities on those keys, which the attention computes anyway).",
+    ]
+
+
+def peer_float8_notes(cells: list[dict]) -> list[str]:
+    """The notes' line on a peer that ran torchtitan's float8 converters (``--peer-args='--float8
+    <recipe>'``), once per distinct outcome over the cells' successful peer runs: the recipe, the
+    linears in float8 and whether the routed experts' grouped GEMMs were, with why not (none for a
+    peer without float8, or an older report)."""
+    seen = []
+    for c in cells:
+        for k in peer_keys(c):
+            f8 = c[k].get("float8") if c[k].get("status") == "ok" else None
+            if f8 and f8 not in seen:
+                seen.append(f8)
+    return [
+        f"- peer in float8 (`--float8 {f8['recipe']}`, torchtitan's float8 converters): "
+        f"{f8['linears']} linears in float8, {f8['linears_kept']} kept (filter_fqns "
+        f"{', '.join(f8['filter_fqns'])}); the routed experts' grouped GEMMs "
+        + ("in float8." if f8["grouped_experts"] else f"not in float8: {f8['why_not']}.")
+        for f8 in seen
     ]
 
 
@@ -819,6 +845,7 @@ def markdown(report: dict) -> str:
         "build_optimizers_with_moe_load_balancing (fused AdamW). "
         "MFU = (6 N_active T + 3 L 2 H (d_qk + d_v) B S(S+1)/2) / step time / 989 TFLOP/s "
         "(dense causal attention; `mfu_pct_tt` in the JSON uses torchtitan's own full S x S count).",
+        *peer_float8_notes(report["cells"]),
         f"- AC 'selective' = activation_checkpoint.selective_ac_option {m['sac_option']!r} on both "
         "sides "
         "(an integer N: every N-th block fully recomputed; 'op': each side's own per-op policy). "

@@ -955,6 +955,7 @@ class Trainer:
             dense_prefix=self.options.dense_prefix,
             dense_masked_ratio=self.cfg.dsa.dense_masked_ratio,
             indexer_kl=self.cfg.dsa.indexer_loss_coeff > 0,
+            kl_in_sparse=self.options.dsa_backend == "triton",
         )
         flops /= devices_per_replica
         tokens_local = sum(b["input_ids"].numel() for b in st.batches) / devices_per_replica

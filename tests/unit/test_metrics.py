@@ -23,7 +23,7 @@ def _weights_per_token(args, with_mtp) -> float:
     return total + (model.output.weight.numel() if with_mtp else 0)
 
 
-def _row_by_row(args, lengths, with_mtp, dense_prefix, masked_ratio=0.0):
+def _row_by_row(args, lengths, with_mtp, dense_prefix, masked_ratio=0.0, kl_in_sparse=False):
     k, h = args.index_topk, args.num_attention_heads
     absorbed = 2 * h * (args.kv_lora_rank + args.qk_rope_head_dim + args.kv_lora_rank)
     plain = 2 * h * (args.qk_head_dim + args.v_head_dim)
@@ -31,7 +31,8 @@ def _row_by_row(args, lengths, with_mtp, dense_prefix, masked_ratio=0.0):
     attn_layers, index_layers = args.num_hidden_layers, len(args.index_share.full_layers)
     if with_mtp:
         attn_layers, index_layers = attn_layers + 1, index_layers + 1
-    prefix_layers = attn_layers if dense_prefix else 0
+    # where the sparse backward forms the KL, the layers with an indexer run their prefix sparse
+    prefix_layers = (attn_layers - (index_layers if kl_in_sparse else 0)) if dense_prefix else 0
     fwd = 2 * _weights_per_token(args, with_mtp) * sum(lengths)
     for length in lengths:
         # the masked rows' keys include the prefix rows' again
@@ -60,6 +61,29 @@ def test_step_flops_counts_rows_as_they_run(dense_prefix, with_mtp):
     lengths = [7, 16, 40, 3]
     got = step_flops(args, torch.tensor(lengths), with_mtp, dense_prefix=dense_prefix)
     assert got == pytest.approx(_row_by_row(args, lengths, with_mtp, dense_prefix), rel=1e-12)
+
+
+@pytest.mark.parametrize("with_mtp", [False, True])
+def test_step_flops_kl_in_sparse_runs_the_indexer_layers_prefix_sparse(with_mtp):
+    args = get_flavor("debug")  # indexers on 4 of 8 layers (+ the MTP layer)
+    lengths = [7, 16, 40, 3]
+
+    def kl_flops(kl_in_sparse):
+        return step_flops(
+            args,
+            torch.tensor(lengths),
+            with_mtp,
+            dense_prefix=True,
+            indexer_kl=True,
+            kl_in_sparse=kl_in_sparse,
+        )
+
+    # the KL's own term is the same either way: the difference is the prefix rows' form
+    want = _row_by_row(args, lengths, with_mtp, True, kl_in_sparse=True) - _row_by_row(
+        args, lengths, with_mtp, True
+    )
+    assert kl_flops(True) - kl_flops(False) == pytest.approx(want, rel=1e-9)
+    assert want != 0
 
 
 @pytest.mark.parametrize("ratio", [2.0, 2.5])

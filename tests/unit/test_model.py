@@ -279,8 +279,10 @@ def test_dense_prefix_equals_all_sparse(backend, kl, monkeypatch):
     # CE, then the KL of each of the three full layers (FFFS)
     assert results[0][0].numel() == (4 if kl else 1)
     assert any("indexer" in n for n in results[0][1]) == kl
-    # once per layer, on only
-    assert calls == [torch.Size([3, args.num_attention_heads, 16, args.qk_head_dim])] * 4
+    # once per layer, on only; on the Triton backend a layer that trains its indexer runs its
+    # prefix on the sparse kernels, whose backward forms the KL: only the shared layer calls SDPA
+    layers = 1 if backend == "triton" and kl else 4
+    assert calls == [torch.Size([3, args.num_attention_heads, 16, args.qk_head_dim])] * layers
     _assert_same_run(*results, tol)
 
 

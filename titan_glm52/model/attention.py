@@ -13,7 +13,8 @@ their top-k is every visible key and their DSA attention is plain causal attenti
 tokens) run in the plain MLA form (per-head 256-d keys and values from ``wkv_b``) on a dense causal
 kernel (SDPA: cuDNN / FlashAttention on GPU), and only the remaining rows go through the sparse
 kernels. Same math, a different summation order; it saves a third of the sparse work at ``T = 2 *
-index_topk`` (``bench/attn_paths.py``).
+index_topk`` (``bench/attn_paths.py``). A layer that trains its indexer on the Triton backend runs
+its prefix rows on the sparse kernels all the same, since their backward forms the KL too.
 
 Masked dense: a document a little longer than ``index_topk`` (up to ``PackedContext.dense_masked``'s
 ratio times it) has rows that select most of what they see. When ``dense_masked`` is set, such a
@@ -450,7 +451,10 @@ class Attention(nn.Module):
             topk = topk_in
 
         lse = kl_rows = None
-        prefix = ctx.dense_prefix if self.sparse else None
+        # A layer whose KL the sparse backward forms runs its prefix rows there too: their KL on
+        # the separate kernel cost more than the dense kernel saves (10.8% of the step at 4K on one
+        # H200, bench/results/2026-12-04_h200_real_mode.md).
+        prefix = ctx.dense_prefix if self.sparse and not kl_fused else None
         masked = ctx.dense_masked if self.sparse else None
         if self.sparse:
             dense_rows = [

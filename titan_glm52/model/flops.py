@@ -31,7 +31,8 @@ plus their keys' up-projection ``kv_lora_rank x H (nope + v)`` per row. Masked d
 dense_masked_ratio``): a document of ``index_topk < L <= ratio x index_topk`` tokens runs its later
 rows in the plain form too, per selected pair, plus the up-projection of all its ``L`` keys. The
 absorbed-form work such rows still do and discard is not counted, nor the gradient-free sparse
-forward that gives a trained indexer's KL those rows' log-sum-exp.
+forward that gives a trained indexer's KL those rows' log-sum-exp. Where the sparse backward forms
+the KL (the Triton backend), the layers with an indexer run their prefix rows in the absorbed form.
 """
 
 from __future__ import annotations
@@ -141,11 +142,14 @@ def step_flops(
     dense_prefix: bool = False,
     dense_masked_ratio: float = 0.0,
     indexer_kl: bool = False,
+    kl_in_sparse: bool = False,
 ) -> float:
     """Training FLOPs (forward + backward) of the documents ``doc_lengths`` (their lengths sum to
     the token count). ``sparse``: the DSA sparse stage (else the dense warm-up); ``dense_prefix`` /
     ``dense_masked_ratio``: the model runs with those ``[dsa]`` options; ``indexer_kl``: the
-    indexers train by their KL loss (``[dsa] indexer_loss_coeff > 0``)."""
+    indexers train by their KL loss (``[dsa] indexer_loss_coeff > 0``); ``kl_in_sparse``: the
+    sparse backward forms that KL (the Triton backend), so the layers with an indexer run their
+    prefix rows on the sparse kernels (absorbed form) rather than the dense prefix."""
     tokens = int(doc_lengths.sum())
     selected = pairs(doc_lengths, args.index_topk if sparse else None)
     visible = pairs(doc_lengths)
@@ -158,19 +162,25 @@ def step_flops(
         forward += mtp_flops(args, tokens, selected, visible)
         attention_layers += 1
     if dense_prefix and sparse:
+        if indexer_kl and kl_in_sparse:
+            attention_layers -= _indexer_layers(args, with_mtp)
         forward += attention_layers * _dense_rows_extra(args, doc_lengths, dense_masked_ratio)
     if indexer_kl:
         forward += indexer_kl_flops(args, selected if sparse else visible, with_mtp)
     return 3.0 * forward
 
 
+def _indexer_layers(args: GLM52ModelArgs, with_mtp: bool) -> int:
+    """The layers that run an indexer (the MTP layer's block too, with MTP)."""
+    layer_ids = range(args.num_hidden_layers + (1 if with_mtp else 0))
+    return sum(1 for i in layer_ids if args.index_share.has_indexer(i))
+
+
 def indexer_kl_flops(args: GLM52ModelArgs, kl_pairs: float, with_mtp: bool) -> float:
     """Forward FLOPs of the indexer KL's logits over ``kl_pairs`` (query, key) pairs per layer, on
     every layer with an indexer (the MTP layer's block too, with MTP). Its backward, into the
     indexer alone, is twice this, as for the rest of the step."""
-    layer_ids = range(args.num_hidden_layers + (1 if with_mtp else 0))
-    layers = sum(1 for i in layer_ids if args.index_share.has_indexer(i))
-    return 2.0 * layers * indexer_macs_per_pair(args) * kl_pairs
+    return 2.0 * _indexer_layers(args, with_mtp) * indexer_macs_per_pair(args) * kl_pairs
 
 
 def _dense_rows_extra(
