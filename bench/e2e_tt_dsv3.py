@@ -1,9 +1,9 @@
 """The peer of bench/e2e.py: torchtitan 0.2.2's own DeepSeek-V3 model, at our proxy's widths,
 trained on one device or on the N GPUs of one host (under torchrun, FSDP or EP + FSDP).
 
-    python3 bench/e2e_tt_dsv3.py --seq-len 4096 --ac selective --compile off --steps 4 --warmup 2
-    --out cell.json python3 -m torch.distributed.run --standalone --nproc_per_node 2
-    bench/e2e_tt_dsv3.py --dp-shard 2 [--ep 2] ...
+    python3 bench/e2e_tt_dsv3.py --seq-len 4096 --ac selective --steps 4 --warmup 2 --out cell.json
+    torchrun --standalone --nproc_per_node 2 bench/e2e_tt_dsv3.py --dp-shard 2 [--ep 2] ...
+    python3 bench/e2e_tt_dsv3.py --float8 rowwise ...    # + torchtitan's float8 training converters
 
 What runs (every piece is torchtitan 0.2.2's, used as a library; only this loop is ours):
 
@@ -35,6 +35,24 @@ What runs (every piece is torchtitan 0.2.2's, used as a library; only this loop 
   list) / full.
   Compile: ``compile.components = ["model"]`` (per-block ``torch.compile``, MoE blocks per child as
   torchtitan does; the loss stays eager, as ours).
+* float8 (``--float8 rowwise|tensorwise``, default off): torchtitan's own converters from
+  ``torchtitan.components.quantization.float8``, as its trainer applies ``--model.converters
+  quantize.linear.float8,quantize.grouped_mm.float8 --quantize.linear.float8.recipe_name <recipe>
+  --quantize.grouped_mm.float8.fqns experts``: built from the job config and applied to the model
+  on meta, before parallelize; their ``post_optimizer_hook`` runs after every optimizer step (a
+  step post-hook, as there). ``Float8LinearConverter`` (torchao's ``Float8Linear``, dynamic
+  scaling) takes every ``nn.Linear`` whose dims are multiples of 16 but those named in
+  ``filter_fqns`` = "output", "router.gate" (DeepSeek-V3's float8 settings): at the proxy's widths
+  32 of 36 (each layer's wq_a, wq_b, wkv_a, wkv_b, wo, the dense MLP and the shared experts; the
+  head and the 3 router gates stay bf16). FSDP float8 all-gather stays off (torchtitan asserts it
+  off with a recipe). ``Float8GroupedMMConverter`` (the routed experts' grouped GEMMs) needs sm89+
+  and imports torchao's ``MoETrainingConfig``, which torchao 0.18.0 no longer has: where it
+  refuses, the routed experts stay bf16, the token-group alignment it set (16) goes back to 8, and
+  the JSON's ``float8`` says so: {"recipe", "linears" (converted), "linears_kept", "filter_fqns",
+  "emulate", "fsdp_float8_all_gather", "grouped_experts" (true / false), "why_not"} (null when
+  off). Float8 asked for and nothing converted is an error. On CPU (the smoke test, compile off)
+  torchtitan's ``emulate`` option lets the linear converter through; the recipe's torchao config
+  does not take it, so the float8 matmuls run through CPU ``torch._scaled_mm``.
 * optimizer: ``build_optimizers_with_moe_load_balancing`` (AdamW fused, lr 3e-4, betas 0.9/0.95, wd
   0.1, eps 1e-8, plus the expert-bias pre-step hook), grad clipping
   ``torchtitan.distributed.utils.clip_grad_norm_`` at 1.0, loss
@@ -119,6 +137,9 @@ TINY = dict(
     rope_theta=1e4,
 )
 TINY_MOE = dict(num_experts=8, num_shared_experts=1, top_k=3)
+# --float8: the linears kept in high precision, as torchtitan's DeepSeek-V3 float8 configs and
+# tests filter them (the output head, the routers' gates).
+FLOAT8_SKIP = ("output", "router.gate")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -156,6 +177,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="one rank's mixed precision: FSDP2 on a one-rank mesh (bf16 params, fp32 masters and "
         "gradients) or torchtitan's own single-device path, maybe_enable_amp (torch.autocast bf16 "
         "over fp32 parameters and gradients)",
+    )
+    p.add_argument(
+        "--float8",
+        choices=("off", "rowwise", "tensorwise"),
+        default="off",
+        help="torchtitan's float8 training converters with this recipe (linears; the routed "
+        "experts' grouped GEMMs where its converter takes them); needs sm89+, on CPU emulate",
     )
     p.add_argument("--out", default=None, help="JSON result path (default: stdout only)")
     p.add_argument(
@@ -270,6 +298,79 @@ def job_config(a: argparse.Namespace, dump_folder: str, on_gpu: bool = True):
     return jc
 
 
+def apply_float8(a: argparse.Namespace, jc, dims, model: torch.nn.Module, on_gpu: bool):
+    """torchtitan's float8 converters applied to ``model`` (on meta, before parallelize), as its
+    trainer applies ``--model.converters quantize.linear.float8,quantize.grouped_mm.float8
+    --quantize.linear.float8.recipe_name <recipe> --quantize.grouped_mm.float8.fqns experts`` with
+    DeepSeek-V3's ``filter_fqns`` (FLOAT8_SKIP): each converter built from ``jc`` and applied, in
+    that order. The linear converter's refusal (below sm89, or compile with emulate) is the run's
+    error. The grouped-mm one may refuse (below sm89; an import its torchao lacks): then the routed
+    experts stay in bf16, the token-group alignment it set is put back, and ``why_not`` says why.
+
+    Returns (the applied converters, for their post-optimizer hook; what ran in float8, None when
+    off). Raises when float8 was asked for and nothing was converted."""
+    if a.float8 == "off":
+        return [], None
+    if not on_gpu and a.compile == "on":
+        raise ValueError(
+            f"--float8 {a.float8} on CPU runs torchtitan's emulate path, which it allows only "
+            "with --compile off"
+        )
+    import torchtitan.models.moe.utils as moe_utils
+    from torchao.float8.float8_linear import Float8Linear
+    from torchtitan.components.quantization.float8 import (
+        Float8GroupedMMConverter,
+        Float8LinearConverter,
+    )
+
+    jc.model.converters = ["quantize.linear.float8", "quantize.grouped_mm.float8"]
+    f8 = jc.quantize.linear.float8
+    f8.recipe_name, f8.filter_fqns, f8.emulate = a.float8, list(FLOAT8_SKIP), not on_gpu
+    jc.quantize.grouped_mm.float8.fqns = ["experts"]
+    linear = Float8LinearConverter(jc, dims)
+    linear.convert(model)
+    applied = [linear]
+    info = {
+        "recipe": a.float8,
+        "linears": sum(isinstance(m, Float8Linear) for m in model.modules()),
+        "linears_kept": sum(type(m) is torch.nn.Linear for m in model.modules()),
+        "filter_fqns": list(FLOAT8_SKIP),
+        "emulate": f8.emulate,
+        "fsdp_float8_all_gather": False,
+        "grouped_experts": False,
+        "why_not": None,
+    }
+    align = moe_utils.TOKEN_GROUP_ALIGN_SIZE_M
+    try:
+        grouped = Float8GroupedMMConverter(jc, dims)
+        grouped.convert(model)
+    except (ValueError, ImportError, AssertionError) as e:
+        moe_utils.set_token_group_alignment_size_m(align)
+        cause = f" ({type(e.__cause__).__name__}: {e.__cause__})" if e.__cause__ else ""
+        info["why_not"] = f"{type(e).__name__}: {e}{cause}"[:400]
+    else:
+        applied.append(grouped)
+        # the routed experts' weights swapped for torchao's float8 training tensor subclass
+        info["grouped_experts"] = any(
+            type(p.data) is not torch.Tensor
+            for name, p in model.named_parameters()
+            if ".moe.experts." in name
+        )
+        if not info["grouped_experts"]:
+            info["why_not"] = "the grouped-mm converter swapped no routed expert weight"
+    if not info["linears"] and not info["grouped_experts"]:
+        raise RuntimeError(
+            f"--float8 {a.float8}: torchtitan's converters converted nothing ({info['why_not']})"
+        )
+    print(
+        f"[peer] float8 {a.float8}: {info['linears']} linears in float8, "
+        f"{info['linears_kept']} kept; routed experts "
+        + ("float8" if info["grouped_experts"] else f"not float8 ({info['why_not']})"),
+        flush=True,
+    )
+    return applied, info
+
+
 def build(a: argparse.Namespace, device: torch.device, dump_folder: str, world_size: int = 1):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule
@@ -310,6 +411,8 @@ def build(a: argparse.Namespace, device: torch.device, dump_folder: str, world_s
             )
             print(f"[peer] {mesh_note}", flush=True)
             dims.get_optional_mesh = lambda names: None
+    # float8 (when asked) on the model on meta, before parallelize, as torchtitan's trainer
+    converters, float8 = apply_float8(a, jc, dims, model, on_gpu)
     # AC, then compile; at one rank no FSDP, else EP (ep > 1) and FSDP over dims' meshes, as
     # torchtitan's trainer
     model = parallelize_deepseekv3(model, dims, jc)
@@ -334,7 +437,13 @@ def build(a: argparse.Namespace, device: torch.device, dump_folder: str, world_s
         model.init_weights(buffer_device=device)
     model.train()
     optimizers = build_optimizers_with_moe_load_balancing([model], jc.optimizer, dims)
-    return args, model, optimizers, dims, n_total, n_active, mesh_note
+    # the converters' post-optimizer hook after every optimizer step, registered as torchtitan's
+    # trainer does (float8 tensorwise scales for FSDP's float8 all-gather; that stays off here)
+    if converters:
+        optimizers.register_step_post_hook(
+            lambda *args, **kwargs: [c.post_optimizer_hook([model]) for c in converters]
+        )
+    return args, model, optimizers, dims, n_total, n_active, mesh_note, float8
 
 
 def run(a: argparse.Namespace) -> dict:
@@ -412,7 +521,7 @@ def run(a: argparse.Namespace) -> dict:
         result["device_name"] = torch.cuda.get_device_name(device)
     with tempfile.TemporaryDirectory() as dump:
         t_build = time.perf_counter()
-        args, model, optimizers, dims, n_total, n_active, mesh_note = build(
+        args, model, optimizers, dims, n_total, n_active, mesh_note, float8 = build(
             a, device, dump, world_size
         )
         sync()
@@ -422,6 +531,7 @@ def run(a: argparse.Namespace) -> dict:
             params_active=n_active,
             sdpa=a.sdpa,
             grouped_mm=args.moe_args.use_grouped_mm,
+            float8=float8,
         )
         if mesh_note:
             result["note"] = mesh_note
