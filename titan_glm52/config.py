@@ -23,6 +23,9 @@ from torchtitan.config import ConfigManager
 from torchtitan.config import job_config as tt
 
 from titan_glm52.errors import ConfigError
+from titan_glm52.fp8_training import DEFAULT_FILTER as DEFAULT_FP8_FILTER
+from titan_glm52.fp8_training import RECIPES as FP8_RECIPES
+from titan_glm52.fp8_training import Fp8Spec
 from titan_glm52.lora import ATTENTION_TARGETS, MLP_TARGETS, LoRASpec, target_refusal
 from titan_glm52.model.args import GLM52ModelArgs, get_flavor
 from titan_glm52.model.options import ModelOptions
@@ -356,6 +359,44 @@ class LoRA:
 
 
 @dataclass
+class Float8Linear(tt.Float8Linear):
+    recipe_name: str = "blockwise"
+    """The FP8 recipe of the linears (with ``model.converters`` holding "quantize.linear.float8")
+    and of the routed experts ("quantize.grouped_mm.float8"): "blockwise" is DeepSeek-V3's, e4m3
+    products accumulated in fp32 with activations and gradients scaled per 1 x 128 tile and weights
+    per 128 x 128 block (docs/fp8_training.md). The weights, gradients, master weights and optimizer
+    state stay as without FP8; checkpoints and the HF export are unchanged."""
+
+    filter_fqns: list[str] = field(default_factory=lambda: list(DEFAULT_FP8_FILTER))
+    """Linears whose name contains one of these stay bf16 (torchtitan's option). The default keeps
+    the output head, the indexer and wkv_b (read directly by the absorbed attention) in bf16;
+    linears whose dimensions are not multiples of 128 (wkv_a: 576 outputs) stay bf16 too."""
+
+
+@dataclass
+class Float8GroupedMM(tt.Float8GroupedMM):
+    fqns: list[str] = field(default_factory=lambda: ["experts"])
+    """The routed experts' modules (by a part of their name) whose products run in FP8 when
+    ``model.converters`` holds "quantize.grouped_mm.float8": one block-wise FP8 GEMM per expert."""
+
+
+@dataclass
+class QuantizedLinear(tt.QuantizedLinear):
+    float8: Float8Linear = field(default_factory=Float8Linear)
+
+
+@dataclass
+class QuantizedGroupedMM(tt.QuantizedGroupedMM):
+    float8: Float8GroupedMM = field(default_factory=Float8GroupedMM)
+
+
+@dataclass
+class Quantize(tt.Quantize):
+    linear: QuantizedLinear = field(default_factory=QuantizedLinear)
+    grouped_mm: QuantizedGroupedMM = field(default_factory=QuantizedGroupedMM)
+
+
+@dataclass
 class JobConfig(tt.JobConfig):
     model: Model = field(default_factory=Model)
     training: Training = field(default_factory=Training)
@@ -369,6 +410,7 @@ class JobConfig(tt.JobConfig):
     mtp: MTP = field(default_factory=MTP)
     faults: Faults = field(default_factory=Faults)
     lora: LoRA = field(default_factory=LoRA)
+    quantize: Quantize = field(default_factory=Quantize)
 
 
 def _refuse(key: str, why: str) -> None:
@@ -436,13 +478,19 @@ _NOT_IMPLEMENTED = {
     "experimental": "*",
     "fault_tolerance": "*",
     "memory_estimation": "*",
-    "quantize": "*",
+    "quantize.linear.float8": (
+        "enable_fsdp_float8_all_gather",
+        "precompute_float8_dynamic_scale_for_fsdp",
+        "emulate",
+    ),
+    "quantize.linear.mx": "*",
+    "quantize.grouped_mm.mx": "*",
     "validation": "*",
     "training.dataloader": "*",
     "debug": ("deterministic", "deterministic_warn_only", "moe_force_load_balance"),
     "job": ("print_config", "save_config_file", "custom_config_module"),
     "metrics": ("disable_color_printing", "save_for_all_ranks", "enable_wandb"),
-    "model": ("converters", "print_after_conversion"),
+    "model": ("print_after_conversion",),
 }
 _INSTEAD = {
     "training.dataloader": "the data loader is this project's: data.prefetch makes batches on a "
@@ -683,6 +731,44 @@ def validate(cfg: JobConfig, world_size: int | None = None, device_type: str | N
             _refuse("parallelism.pipeline_parallel_microbatch_size", str(e))
     if cfg.lora.enable:
         _validate_lora(cfg)
+    _validate_fp8(cfg)
+
+
+# the model converters titan_glm52 implements (torchtitan's names)
+FP8_LINEARS, FP8_EXPERTS = "quantize.linear.float8", "quantize.grouped_mm.float8"
+
+
+def _validate_fp8(cfg: JobConfig) -> None:
+    """``model.converters`` and the ``[quantize]`` options FP8 training uses."""
+    for name in cfg.model.converters:
+        if name not in (FP8_LINEARS, FP8_EXPERTS):
+            _refuse(
+                "model.converters",
+                f"{name!r} is not implemented; the converters here are {FP8_LINEARS!r} and "
+                f"{FP8_EXPERTS!r} (FP8 training, docs/fp8_training.md)",
+            )
+    if not cfg.model.converters:
+        return
+    recipe = cfg.quantize.linear.float8.recipe_name
+    if recipe not in FP8_RECIPES:
+        _refuse(
+            "quantize.linear.float8.recipe_name",
+            f"{recipe!r} is not implemented; use 'blockwise' (DeepSeek-V3's scaling: 1 x 128 tiles "
+            "of activations and gradients, 128 x 128 blocks of weights)",
+        )
+    if cfg.lora.enable:
+        _refuse(
+            "model.converters",
+            "FP8 products with LoRA adapters are not implemented; remove the FP8 converters or "
+            "set lora.enable false",
+        )
+    if FP8_EXPERTS in cfg.model.converters and cfg.moe.grouped_mm == "on":
+        _refuse(
+            "moe.grouped_mm",
+            "'on' asks for one grouped bf16 GEMM, while the FP8 experts run one block-wise GEMM "
+            "per expert; set it to 'auto' or 'off', or drop the converter "
+            f"{FP8_EXPERTS!r}",
+        )
 
 
 def _validate_lora(cfg: JobConfig) -> None:
@@ -923,6 +1009,19 @@ def lora_spec(cfg: JobConfig, base_dtype) -> LoRASpec | None:
         target_modules=tuple(lo.target_modules),
         use_rslora=lo.use_rslora,
         base_dtype=base_dtype,
+    )
+
+
+def fp8_spec(cfg: JobConfig) -> Fp8Spec | None:
+    """The job's FP8 training (None without an FP8 converter in ``model.converters``)."""
+    converters = cfg.model.converters
+    if FP8_LINEARS not in converters and FP8_EXPERTS not in converters:
+        return None
+    return Fp8Spec(
+        recipe=cfg.quantize.linear.float8.recipe_name,
+        linears=FP8_LINEARS in converters,
+        filter_fqns=tuple(cfg.quantize.linear.float8.filter_fqns),
+        expert_fqns=tuple(cfg.quantize.grouped_mm.float8.fqns) if FP8_EXPERTS in converters else (),
     )
 
 

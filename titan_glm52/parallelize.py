@@ -1,7 +1,7 @@
 """Parallelism applied to a plain ``GLM52Model`` from outside: expert parallel, torch.compile,
 activation checkpointing and FSDP2/HSDP, in that order (torchtitan's order, except that compile goes
-inside the checkpoint, see ``apply_compile``); LoRA adapters (``lora.py``), when asked for, before
-all of them.
+inside the checkpoint, see ``apply_compile``); LoRA adapters (``lora.py``) and FP8 products
+(``fp8_training.py``), when asked for, before all of them.
 
 Parameter names never change: EP swaps the expert weights for DTensors and adds hooks, AC and
 compile replace a module's ``forward`` on the instance (no
@@ -31,6 +31,7 @@ from torch.utils.checkpoint import (
 )
 
 from titan_glm52.distributed import OPTION, ParallelMesh
+from titan_glm52.fp8_training import Fp8Spec, apply_fp8
 from titan_glm52.lora import LoRASpec, apply_lora
 from titan_glm52.model.attention import Attention, prepare_compiled_calls
 from titan_glm52.model.moe import GroupedExperts
@@ -149,8 +150,9 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> None:
 _MATMULS = {
     torch.ops.aten.mm.default,
     torch.ops.aten.addmm.default,
-    # (model/expert_mm.py, registered on import of the model)
+    # (model/expert_mm.py and model/fp8_mm.py, registered on import of the model)
     torch.ops.titan_glm52.expert_mm.default,
+    torch.ops.titan_glm52.fp8_mm.default,
 }
 for _name in ("_grouped_mm", "_scaled_mm", "_scaled_grouped_mm"):
     if hasattr(torch.ops.aten, _name):
@@ -406,11 +408,14 @@ def parallelize_model(
     compile_backend: str = "inductor",
     ep_enabled: bool | None = None,
     lora: LoRASpec | None = None,
+    fp8: Fp8Spec | None = None,
 ) -> nn.Module:
-    """Applies LoRA -> EP -> compile -> AC -> FSDP2 in place and returns the model.
+    """Applies LoRA -> FP8 -> EP -> compile -> AC -> FSDP2 in place and returns the model.
 
     ``lora``: adapt and freeze the model first (``lora.apply_lora``), so that every later step sees
     the adapters as ordinary parameters; FSDP2 units then hold frozen and trainable parameters.
+    ``fp8``: the modules it names run their products in FP8 (``fp8_training.apply_fp8``; same
+    parameters, same names).
 
     FSDP is applied when there is data, context or expert parallelism, and also on a mesh of one
     data-parallel rank when ``param_dtype`` is not fp32: that is how one GPU computes in bf16 with
@@ -429,6 +434,8 @@ def parallelize_model(
         )
     if lora is not None:
         apply_lora(model, lora)
+    if fp8 is not None:
+        apply_fp8(model, fp8)
     if ep_enabled:
         n = next(
             (

@@ -39,6 +39,7 @@ from titan_glm52.context_parallel import CPGroup, next_token_ids, zigzag_split
 from titan_glm52.config import (
     ConfigError,
     JobConfig,
+    fp8_spec,
     lora_spec,
     model_args,
     model_options,
@@ -54,6 +55,7 @@ from titan_glm52.errors import (
     report_refusal,
     show_tracebacks,
 )
+from titan_glm52.fp8_training import is_fp8
 from titan_glm52.host_copy import host_to_device
 from titan_glm52.lora import init_adapters_, parameter_counts, save_adapter
 from titan_glm52.master_weights import MasterWeights
@@ -127,6 +129,15 @@ class Trainer:
         )
         self.master_mode = resolve_master_weights(cfg, self.env.world_size, self.bf16)
         self.lora = lora_spec(cfg, torch.bfloat16 if self.bf16 else torch.float32)
+        self.fp8 = fp8_spec(cfg)
+        if self.fp8 is not None and self.device.type == "cuda":
+            cap = torch.cuda.get_device_capability(self.device)
+            if cap[0] < 9:
+                raise ConfigError(
+                    f"model.converters: FP8 training runs cuBLAS's block-scaled FP8 GEMMs, which "
+                    f"need a Hopper-class GPU (sm_90 or later); this one is sm_{cap[0]}{cap[1]}: "
+                    "remove the FP8 converters"
+                )
         self._build_model()
         self._build_data()
         self._build_optimizer()
@@ -284,6 +295,8 @@ class Trainer:
         self.model = self.model_parts[0]
         if self.lora is not None:
             self._log_lora_counts()
+        if self.fp8 is not None:
+            self._log_fp8()
         if self.pp:
             self._pp_warmup()
 
@@ -305,6 +318,7 @@ class Trainer:
             compile_backend=cfg.compile.backend,
             ep_enabled=p.expert_parallel_degree > 1,
             lora=self.lora,
+            fp8=self.fp8,
         )
 
     def _run_record(self) -> dict:
@@ -873,6 +887,35 @@ class Trainer:
                 self._save_adapter(s.step)
         if s.log:
             self._log(s, vals, t_host)
+
+    def _log_fp8(self) -> None:
+        """Which products run in FP8 (this rank's model parts), and which linears stay bf16; none
+        in FP8 is refused (the model's widths are not in 128 x 128 blocks)."""
+        fp8 = [n for part in self.model_parts for n, m in part.named_modules() if is_fp8(m)]
+        if not fp8:
+            raise ConfigError(
+                "model.converters: no product of this model runs in FP8: a linear needs both "
+                "dimensions in multiples of 128 and a name outside "
+                "quantize.linear.float8.filter_fqns; remove the FP8 converters"
+            )
+        if self.env.rank:
+            return
+        kept = sorted(
+            {
+                n.split(".")[-1]
+                for part in self.model_parts
+                for n, m in part.named_modules()
+                if isinstance(m, torch.nn.Linear) and not is_fp8(m)
+            }
+        )
+        logger.info(
+            "FP8 (%s): %d linears and %d routed-expert modules run their products in FP8; bf16: "
+            "%s",
+            self.fp8.recipe,
+            sum(1 for n in fp8 if not n.endswith("experts")),
+            sum(1 for n in fp8 if n.endswith("experts")),
+            ", ".join(kept) or "none",
+        )
 
     # ----------------------------------------------------------------------------------------- LoRA
     def _log_lora_counts(self) -> None:

@@ -371,6 +371,23 @@ def _debug_args() -> GLM52ModelArgs:
     )
 
 
+def _debug_fp8_args() -> GLM52ModelArgs:
+    # The debug model at widths FP8 training's 128 x 128 blocks divide (hidden 128, q rank 128,
+    # 4 heads of 16 + 16 / 32, MLPs 256 and 128), so that it runs FP8 products on CPU; kv_a (80
+    # outputs) stays bf16, as the published model's (576) does.
+    return _debug_args().replace(
+        hidden_size=128,
+        q_lora_rank=128,
+        kv_lora_rank=64,
+        qk_rope_head_dim=16,
+        qk_head_dim=32,
+        v_head_dim=32,
+        intermediate_size=256,
+        moe_intermediate_size=128,
+        index_head_dim=32,
+    )
+
+
 def _proxy_args() -> GLM52ModelArgs:
     # Every per-layer width of GLM-5.2 (hidden, MLA ranks and head dims, indexer, expert and dense
     # widths, top-8 + 1 shared routing, vocabulary); 4 layers (1 dense + 3 MoE, IndexShare FFFS) and
@@ -387,6 +404,7 @@ FLAVORS = {
     "glm52_744b": glm52_744b_args,
     "glm52_proxy": _proxy_args,
     "debug": _debug_args,
+    "debug_fp8": _debug_fp8_args,
 }
 
 

@@ -1,0 +1,107 @@
+"""FP8 training (``[quantize]``): DeepSeek-V3's block-wise FP8 products applied to a plain
+``GLM52Model`` from outside.
+
+``apply_fp8(model, spec)`` runs in the parallelize recipe after LoRA and before EP, compile, AC and
+FSDP. It changes the class of the chosen modules in place, so every parameter keeps its object and
+its name (checkpoints, the HF export and the optimizer see the same model):
+
+* every ``nn.Linear`` whose name contains none of ``spec.filter_fqns`` and whose two dimensions are
+  multiples of 128 becomes an ``Fp8Linear``: its forward is ``model/fp8_mm.fp8_linear``;
+* every routed experts' module (``GroupedExperts``) whose name contains one of
+  ``spec.expert_fqns`` becomes ``Fp8GroupedExperts``: one block-wise FP8 GEMM per expert
+  (``fp8_expert_mm``; cuBLAS has no block-scaled grouped GEMM on Hopper).
+
+The weights, their gradients, the fp32 master weights and the optimizer state stay as they are;
+only the products run in FP8. What stays bf16 and why is docs/fp8_training.md's table: the output
+head (its fused loss reads the weight directly), the router and the indexer's head weights (fp32
+products), the indexer's projections (they learn from the KL alone), ``wkv_b`` (the absorbed
+attention reads it directly) and ``wkv_a`` (576 outputs, not a multiple of 128).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from titan_glm52.model.fp8_mm import TILE, fp8_expert_mm, fp8_linear
+from titan_glm52.model.moe import GroupedExperts
+
+RECIPES = ("blockwise",)
+# torchtitan's filter_fqns: linears whose name contains one of these stay bf16
+DEFAULT_FILTER = ("output", "indexer", "wkv_b")
+
+
+@dataclass(frozen=True)
+class Fp8Spec:
+    """What runs in FP8: ``linears`` (the dense ``nn.Linear`` products, less ``filter_fqns``) and
+    the routed experts named by ``expert_fqns`` (empty: none), with ``recipe``'s scaling."""
+
+    recipe: str = "blockwise"
+    linears: bool = True
+    filter_fqns: tuple[str, ...] = DEFAULT_FILTER
+    expert_fqns: tuple[str, ...] = ("experts",)
+
+    def __post_init__(self) -> None:
+        if self.recipe not in RECIPES:
+            raise ValueError(f"Fp8Spec.recipe = {self.recipe!r}: choose one of {RECIPES}")
+
+
+class Fp8Linear(nn.Linear):
+    """An ``nn.Linear`` without bias whose product runs in FP8 (``fp8_linear``)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fp8_linear(x, self.weight)
+
+
+class Fp8GroupedExperts(GroupedExperts):
+    """``GroupedExperts`` whose products are block-wise FP8, one GEMM per expert."""
+
+    per_expert_mm = staticmethod(fp8_expert_mm)
+
+
+def _kept_why(name: str, module: nn.Linear, spec: Fp8Spec) -> str | None:
+    if module.bias is not None:
+        return "has a bias"
+    hit = next((f for f in spec.filter_fqns if f in name), None)
+    if hit is not None:
+        return f"filter_fqns {hit!r}"
+    if module.in_features % TILE or module.out_features % TILE:
+        return f"{module.out_features} x {module.in_features} is not in 128 x 128 blocks"
+    return None
+
+
+def apply_fp8(model: nn.Module, spec: Fp8Spec) -> dict[str, dict[str, str]]:
+    """Turns the modules ``spec`` names into their FP8 form in place (module docstring). Returns
+    ``{"fp8": {name: what}, "bf16": {name: why}}`` over the linears and experts looked at. Call it
+    before any parallelism."""
+    done: dict[str, str] = {}
+    kept: dict[str, str] = {}
+    for name, module in model.named_modules():
+        if type(module) is nn.Linear and spec.linears:
+            why = _kept_why(name, module, spec)
+            if why is None:
+                module.__class__ = Fp8Linear
+                done[name] = "linear"
+            else:
+                kept[name] = why
+        elif type(module) is GroupedExperts:
+            if any(f in name for f in spec.expert_fqns):
+                dims = (*module.w13.shape[1:], *module.w2.shape[1:])
+                if any(d % TILE for d in dims):
+                    kept[name] = f"expert weights {dims} are not in 128 x 128 blocks"
+                    continue
+                module.__class__ = Fp8GroupedExperts
+                module.use_grouped_mm = False  # one product per expert (class docstring)
+                done[name] = "routed experts"
+            else:
+                kept[name] = "not in expert_fqns"
+    return {"fp8": done, "bf16": kept}
+
+
+def is_fp8(module: nn.Module) -> bool:
+    return isinstance(module, (Fp8Linear, Fp8GroupedExperts))
+
+
+__all__ = ["RECIPES", "Fp8GroupedExperts", "Fp8Linear", "Fp8Spec", "apply_fp8", "is_fp8"]

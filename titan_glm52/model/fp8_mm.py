@@ -1,0 +1,323 @@
+"""FP8 products with DeepSeek-V3's block-wise scaling: ``fp8_linear(x, w)`` (``x @ w^T``) and
+``fp8_expert_mm(x, w, splits)`` (``expert_mm``'s per-expert products), forward and backward.
+
+Each operand is quantised to e4m3 where it enters a product, per 1 x 128 tile of the contraction for
+activations and gradients and per 128 x 128 block for weights, and the product accumulates in fp32
+(cuBLAS's block-scaled FP8 GEMM, ``F.scaled_mm``, on CUDA):
+
+    forward         y  = x  @ w^T    x: 1 x 128 along K       w: 128 x 128
+    input gradient  dx = dy @ w      dy: 1 x 128 along N      w: 128 x 128 (laid transposed)
+    weight gradient dw = dy^T @ x    dy and x: 128 x 1 along the tokens
+
+The weight gradient's tiles run along the tokens and, for the routed experts, start at each expert's
+first row; a tile an expert does not fill is padded with zeros. The result of a product is rounded
+once to the input's dtype (the weight gradient to the weight's). What is kept for backward is what a
+bf16 product keeps (x and w), so memory and activation checkpointing are unchanged.
+
+On CUDA the quantisation is ``kernels/fp8_quant.py`` (one Triton pass per operand) and the products
+cuBLAS; elsewhere the same quantisation in torch (the same bits) and each product on the dequantised
+operands in fp32 (what the FP8 GEMM computes, up to the order of its fp32 sums), so that the CPU
+tests and the gloo cases run the recipe. Both ops are registered custom ops (as ``expert_mm``):
+``torch.compile`` keeps them whole and op-level activation checkpointing can save their outputs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from titan_glm52.host_copy import host_to_device
+from titan_glm52.kernels import triton_available
+
+E4M3 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+EPS = 1e-12  # kernels/fp8_quant.EPS (not imported here: importing the model must not import triton)
+TILE = 128
+
+
+def _on_kernel(*ts: torch.Tensor) -> bool:
+    return all(t.is_cuda for t in ts) and triton_available()
+
+
+# ------------------------------------------------------------------------------ quantisation
+def _e4m3(x: torch.Tensor, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernels' formulas: (``e4m3(clamp(x * (448 / amax)))``, ``amax / 448``)."""
+    amax = amax.clamp_min(EPS)
+    # (a 0-dim tensor over a tensor: a python number over a tensor is not IEEE-rounded on CPU)
+    inv = amax.new_tensor(FP8_MAX) / amax
+    q = (x * inv).clamp(-FP8_MAX, FP8_MAX).to(E4M3)
+    return q, amax / FP8_MAX
+
+
+def quant_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [M, K]`` per 1 x 128 tile along K -> (``q [M, K]``, scales ``[M, K / 128]``)."""
+    m, k = x.shape
+    tiles = x.float().view(m, k // TILE, TILE)
+    q, s = _e4m3(tiles, tiles.abs().amax(-1, keepdim=True))
+    return q.view(m, k), s.view(m, k // TILE)
+
+
+def quant_cols(x: torch.Tensor, splits: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [M, K]`` per 128 x 1 tile along M, the tiles of each segment of ``splits`` rows starting
+    at its first row -> (``qt [K, 128 n]``, scales ``[K, n]``), n the tiles of all segments; a
+    segment's tiles are consecutive and the rows a tile lacks are zeros."""
+    cols = []
+    start = 0
+    for rows in splits:
+        n = -(-rows // TILE)
+        seg = F.pad(x[start : start + rows].float(), (0, 0, 0, n * TILE - rows))
+        cols.append(seg.view(n, TILE, x.shape[1]))
+        start += rows
+    tiles = torch.cat(cols) if cols else x.new_zeros(0, TILE, x.shape[1], dtype=torch.float32)
+    q, s = _e4m3(tiles, tiles.abs().amax(1, keepdim=True))  # [n, 128, K], [n, 1, K]
+    return q.permute(2, 0, 1).reshape(x.shape[1], -1), s[:, 0].t()
+
+
+def quant_blocks(w: torch.Tensor, transpose: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w [G, N, K]`` per 128 x 128 block -> (``q [G, N, K]`` or ``[G, K, N]``, scales ``[G, N /
+    128, K / 128]``)."""
+    g, n, k = w.shape
+    blocks = w.float().view(g, n // TILE, TILE, k // TILE, TILE)
+    q, s = _e4m3(blocks, blocks.abs().amax((2, 4), keepdim=True))
+    q = q.view(g, n, k)
+    return (q.transpose(1, 2).contiguous() if transpose else q), s.view(g, n // TILE, k // TILE)
+
+
+def tiles_of(splits: list[int], device: torch.device) -> torch.Tensor:
+    """int32 ``[n, 2]``: each 128-row tile's first row and row count, segment by segment."""
+    if len(splits) == 1:  # one segment: made on the device, nothing copied from the host
+        first = torch.arange(0, splits[0], TILE, dtype=torch.int32, device=device)
+        return torch.stack((first, (splits[0] - first).clamp_max(TILE)), dim=1)
+    rows, start = [], 0
+    for n in splits:
+        rows += [(start + t, min(TILE, n - t)) for t in range(0, n, TILE)]
+        start += n
+    return host_to_device(torch.tensor(rows, dtype=torch.int32).view(-1, 2), device)
+
+
+# ------------------------------------------------------------------------------ the products
+def _dequant(q: torch.Tensor, s: torch.Tensor, blocks: bool) -> torch.Tensor:
+    """fp32 values of ``q [R, C]``: scales ``s`` per 1 x 128 tile ``[R, C / 128]`` or per 128 x 128
+    block ``[R / 128, C / 128]``."""
+    s = s.repeat_interleave(TILE, -1)[..., : q.shape[1]]
+    if blocks:
+        s = s.repeat_interleave(TILE, 0)[: q.shape[0]]
+    return q.float() * s
+
+
+def _k_major(s: torch.Tensor) -> torch.Tensor:
+    """A 128 x 128 scale ``[N / 128, Kc / 128]`` as cuBLAS reads it for ``B [Kc, N]``: ``[Kc / 128,
+    N / 128]`` with the Kc blocks contiguous, their count padded to a multiple of 4."""
+    nb, kb = s.shape
+    if s.is_contiguous() and kb % 4 == 0:
+        return s.t()
+    out = s.new_ones(nb, -(-kb // 4) * 4)
+    out[:, :kb] = s
+    return out.t()
+
+
+def scaled_mm(
+    a: torch.Tensor,
+    a_s: torch.Tensor,
+    bt: torch.Tensor,
+    bt_s: torch.Tensor,
+    blocks: bool,
+    out_dtype: torch.dtype,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``a @ bt^T`` of e4m3 operands: ``a [M, Kc]`` with 1 x 128 scales ``a_s [M, Kc / 128]`` (M
+    contiguous on CUDA), ``bt [N, Kc]`` (rows contiguous) with 128 x 128 scales ``[N / 128, Kc /
+    128]`` (``blocks``) or 1 x 128 scales ``[N, Kc / 128]`` (N contiguous on CUDA); fp32 sums,
+    rounded once to ``out_dtype`` (into ``out`` when given)."""
+    if a.is_cuda:
+        st = F.ScalingType
+        res = F.scaled_mm(
+            a,
+            bt.t(),
+            scale_a=a_s,
+            scale_recipe_a=st.BlockWise1x128,
+            scale_b=_k_major(bt_s) if blocks else bt_s,
+            scale_recipe_b=st.BlockWise128x128 if blocks else st.BlockWise1x128,
+            output_dtype=out_dtype,
+        )
+    else:
+        res = (_dequant(a, a_s, False) @ _dequant(bt, bt_s, blocks).t()).to(out_dtype)
+    if out is None:
+        return res
+    return out.copy_(res)
+
+
+def _rows(x: torch.Tensor, segments=None):
+    if _on_kernel(x):
+        from titan_glm52.kernels import fp8_quant  # lazy: the model must not import triton
+
+        return fp8_quant.quant_rows(x, segments)
+    return quant_rows(x)
+
+
+def _cols(x: torch.Tensor, splits: list[int]):
+    if _on_kernel(x):
+        from titan_glm52.kernels import fp8_quant
+
+        return fp8_quant.quant_cols(x, tiles_of(splits, x.device))
+    return quant_cols(x, splits)
+
+
+def _blocks(w: torch.Tensor, transpose: bool = False):
+    if _on_kernel(w):
+        from titan_glm52.kernels import fp8_quant
+
+        return fp8_quant.quant_blocks(w, transpose)
+    return quant_blocks(w, transpose)
+
+
+# ------------------------------------------------------------------------------ the ops
+def _spans(splits: list[int]):
+    start = 0
+    for e, n in enumerate(splits):
+        yield e, start, n
+        start += n
+
+
+def _segments(splits: list[int], device: torch.device):
+    """int32 ``[rows]`` pairs (first row, row count) of each row's segment, for the kernel's
+    per-segment scale layout (``kernels/fp8_quant.quant_rows``), made on the device from the
+    counts; None for one segment (whose layout is the plain one)."""
+    if len(splits) == 1:
+        return None
+    counts = host_to_device(torch.tensor(splits, dtype=torch.int32), device)
+    starts = torch.cumsum(counts, 0, dtype=torch.int32) - counts
+    rows = sum(splits)
+    return (
+        torch.repeat_interleave(starts, counts, output_size=rows),
+        torch.repeat_interleave(counts, counts, output_size=rows),
+    )
+
+
+def _rows_per_segment(x: torch.Tensor, splits: list[int]):
+    """``x`` per 1 x 128 tile along K, and a function giving segment (first row, rows)'s rows and
+    scales in the GEMM's layout."""
+    if _on_kernel(x):
+        q, s = _rows(x, _segments(splits, x.device))
+        if len(splits) == 1:
+            return lambda s0, n: (q, s)
+        kb = x.shape[1] // TILE
+        flat = s
+
+        def part(s0: int, n: int):
+            return q[s0 : s0 + n], flat[s0 * kb : (s0 + n) * kb].view(kb, n).t()
+
+        return part
+    q, s = quant_rows(x)
+    return lambda s0, n: (q[s0 : s0 + n], s[s0 : s0 + n])
+
+
+def _check(x: torch.Tensor, w: torch.Tensor, splits: list[int], what: str) -> None:
+    if x.dim() != 2 or w.dim() != 3 or len(splits) != w.shape[0] or sum(splits) != x.shape[0]:
+        raise ValueError(
+            f"{what}: x {tuple(x.shape)}, w {tuple(w.shape)} and {len(splits)} splits do not fit "
+            "(x [rows, K], w [E, N, K], one split per expert, covering x's rows)"
+        )
+    if x.shape[1] != w.shape[2] or w.shape[1] % TILE or w.shape[2] % TILE:
+        raise ValueError(
+            f"{what}: w {tuple(w.shape)}: the FP8 products need both weight dimensions in "
+            f"multiples of {TILE}"
+        )
+
+
+@torch.library.custom_op("titan_glm52::fp8_mm", mutates_args=())
+def fp8_expert_mm(x: torch.Tensor, w: torch.Tensor, splits: list[int]) -> torch.Tensor:
+    """``out[rows of e] = x[rows of e] @ w[e]^T`` for every expert e (``model/expert_mm.py``'s
+    product; ``splits[e]`` rows each), in FP8 (module docstring)."""
+    _check(x, w, splits, "fp8_expert_mm")
+    x = x.contiguous()
+    part = _rows_per_segment(x, splits)
+    wq, ws = _blocks(w.contiguous())
+    out = x.new_empty(x.shape[0], w.shape[1])
+    for e, s, n in _spans(splits):
+        if n:
+            xq, xs = part(s, n)
+            scaled_mm(xq, xs, wq[e], ws[e], True, x.dtype, out=out[s : s + n])
+    return out
+
+
+@fp8_expert_mm.register_fake
+def _(x, w, splits):
+    _check(x, w, splits, "fp8_expert_mm")
+    return x.new_empty(x.shape[0], w.shape[1])
+
+
+@torch.library.custom_op("titan_glm52::fp8_mm_input_grad", mutates_args=())
+def _input_grad(grad: torch.Tensor, w: torch.Tensor, splits: list[int]) -> torch.Tensor:
+    """``dx[rows of e] = grad[rows of e] @ w[e]``: the gradient per 1 x 128 tile along N, w per
+    128 x 128 block, laid transposed."""
+    g = grad.contiguous()
+    part = _rows_per_segment(g, splits)
+    wtq, ws = _blocks(w.contiguous(), transpose=True)
+    wts = ws.transpose(1, 2).contiguous()  # the blocks of w^T are w's, transposed
+    dx = g.new_empty(g.shape[0], w.shape[2])
+    for e, s, n in _spans(splits):
+        if n:
+            gq, gs = part(s, n)
+            scaled_mm(gq, gs, wtq[e], wts[e], True, g.dtype, out=dx[s : s + n])
+    return dx
+
+
+@_input_grad.register_fake
+def _(grad, w, splits):
+    return grad.new_empty(grad.shape[0], w.shape[2])
+
+
+@torch.library.custom_op("titan_glm52::fp8_mm_weight_grad", mutates_args=())
+def _weight_grad(
+    grad: torch.Tensor, x: torch.Tensor, splits: list[int], dtype: torch.dtype
+) -> torch.Tensor:
+    """``dw[e] = grad[rows of e]^T @ x[rows of e]`` (``[E, N, K]`` in ``dtype``; zero for an expert
+    without rows), both operands per 128 x 1 tile of the expert's rows."""
+    g, x = grad.contiguous(), x.contiguous()
+    gt, gts = _cols(g, splits)
+    xt, xts = _cols(x, splits)
+    dw = g.new_empty(len(splits), g.shape[1], x.shape[1], dtype=dtype)
+    tile = 0
+    for e, _, rows in _spans(splits):
+        n = -(-rows // TILE)
+        cols, scales = slice(tile * TILE, (tile + n) * TILE), slice(tile, tile + n)
+        if n:
+            scaled_mm(
+                gt[:, cols], gts[:, scales], xt[:, cols], xts[:, scales], False, dtype, out=dw[e]
+            )
+        else:
+            dw[e].zero_()
+        tile += n
+    return dw
+
+
+@_weight_grad.register_fake
+def _(grad, x, splits, dtype):
+    return grad.new_empty(len(splits), grad.shape[1], x.shape[1], dtype=dtype)
+
+
+def _setup(ctx, inputs, output) -> None:
+    x, w, splits = inputs
+    ctx.save_for_backward(x, w)
+    ctx.splits = splits
+
+
+def _backward(ctx, grad: torch.Tensor):
+    x, w = ctx.saved_tensors
+    dx = _input_grad(grad, w, ctx.splits) if ctx.needs_input_grad[0] else None
+    dw = _weight_grad(grad, x, ctx.splits, w.dtype) if ctx.needs_input_grad[1] else None
+    return dx, dw, None
+
+
+fp8_expert_mm.register_autograd(_backward, setup_context=_setup)
+
+
+def fp8_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x [..., K] @ w [N, K]^T`` in FP8 (module docstring), rounded to x's dtype: the one-expert
+    case of ``fp8_expert_mm``."""
+    x2 = x.reshape(-1, x.shape[-1])
+    return fp8_expert_mm(x2, w.unsqueeze(0), [x2.shape[0]]).view(*x.shape[:-1], w.shape[0])
+
+
+__all__ = ["fp8_expert_mm", "fp8_linear", "quant_blocks", "quant_cols", "quant_rows", "scaled_mm"]
