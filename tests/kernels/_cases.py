@@ -40,3 +40,96 @@ def cos_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.detach().double().flatten(), b.detach().double().flatten()
     den = (a * a).sum() + (b * b).sum()
     return 0.0 if den == 0 else float(1 - 2 * (a * b).sum() / den)
+
+
+def fp8_dequantised(t: torch.Tensor, tile_rows: int, tile_cols: int) -> torch.Tensor:
+    """The quantise-then-dequantise reference of FP8 training: ``t [R, C]`` cut into tiles of
+    ``tile_rows x tile_cols`` (the last ones short), each scaled so that its largest magnitude maps
+    to e4m3's 448, rounded to e4m3 and scaled back; fp32."""
+    r, c = t.shape
+    pr, pc = -(-r // tile_rows) * tile_rows, -(-c // tile_cols) * tile_cols
+    padded = torch.zeros(pr, pc, dtype=torch.float32, device=t.device)
+    padded[:r, :c] = t.float()
+    tiles = padded.view(pr // tile_rows, tile_rows, pc // tile_cols, tile_cols)
+    amax = tiles.abs().amax((1, 3), keepdim=True).clamp_min(1e-12)
+    q = (tiles * (torch.tensor(448.0, device=t.device) / amax)).clamp(-448, 448)
+    back = q.to(torch.float8_e4m3fn).float() * (amax / 448.0)
+    return back.view(pr, pc)[:r, :c]
+
+
+def check_fp8(device, splits, dim: int, hidden: int, tol: float, seed: int = 0) -> None:
+    """FP8 training on ``device``: (1) the Triton quantisation kernels equal the torch formulas of
+    ``model/fp8_mm.py`` bit for bit (1 x 128 tiles, the per-expert scale layout, 128 x 1 tiles
+    per expert written transposed, 128 x 128 blocks both ways); (2) ``fp8_expert_mm``'s output and
+    both gradients, and ``fp8_linear``'s output, equal quantise-then-matmul references written
+    here (activations and gradients per 1 x 128 tile of the contraction, weights per 128 x 128
+    block, the weight gradient's operands per 128 x 1 tile of each expert's rows) within ``tol``
+    (relative, the whole tensor)."""
+    from titan_glm52.kernels import fp8_quant as K
+    from titan_glm52.model import fp8_mm as M
+
+    g = torch.Generator(device=device).manual_seed(seed)
+    rows = sum(splits)
+    act = torch.bfloat16 if device != "cpu" else torch.float32
+    x = (torch.randn(rows, dim, generator=g, device=device) * 2).to(act)
+    w = (torch.randn(len(splits), 2 * hidden, dim, generator=g, device=device) * 0.02).to(act)
+    dy = torch.randn(rows, 2 * hidden, generator=g, device=device).to(act)
+    x16, w16 = x.to(torch.bfloat16), w.to(torch.bfloat16)
+
+    def same_bits(a, b):
+        assert a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+    q, s = K.quant_rows(x16)
+    qr, sr = M.quant_rows(x16)
+    same_bits(q, qr)
+    assert torch.equal(s, sr)
+    qs, ss = K.quant_rows(
+        x16,
+        M._segments(splits, x.device)
+        or (
+            torch.zeros(rows, dtype=torch.int32, device=device),
+            torch.full((rows,), rows, dtype=torch.int32, device=device),
+        ),
+    )
+    same_bits(qs, qr)
+    kb, start = dim // 128, 0
+    for n in splits:  # each expert's scales M-contiguous on their own
+        assert torch.equal(ss[start * kb : (start + n) * kb].view(kb, n).t(), sr[start : start + n])
+        start += n
+    qt, st = K.quant_cols(x16, M.tiles_of(splits, x.device))
+    qtr, str_ = M.quant_cols(x16, splits)
+    same_bits(qt, qtr)
+    assert torch.equal(st, str_)
+    for transpose in (False, True):
+        qb, sb = K.quant_blocks(w16, transpose)
+        qbr, sbr = M.quant_blocks(w16, transpose)
+        same_bits(qb, qbr)
+        assert torch.equal(sb, sbr)
+
+    def rel(a, b):
+        return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+    xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+    out = M.fp8_expert_mm(xg, wg, splits)
+    out.backward(dy)
+    xd, dyd = fp8_dequantised(x, 1, 128), fp8_dequantised(dy, 1, 128)
+    ref_out, ref_dx, ref_dw, start = [], [], [], 0
+    for e, n in enumerate(splits):
+        we = fp8_dequantised(w[e], 128, 128)
+        ref_out.append(xd[start : start + n] @ we.t())
+        ref_dx.append(dyd[start : start + n] @ we)
+        ref_dw.append(
+            fp8_dequantised(dy[start : start + n], 128, 1).t()
+            @ fp8_dequantised(x[start : start + n], 128, 1)
+        )
+        start += n
+    assert rel(out, torch.cat(ref_out)) < tol
+    assert rel(xg.grad, torch.cat(ref_dx)) < tol
+    assert rel(wg.grad, torch.stack(ref_dw)) < tol
+    empty = [e for e, n in enumerate(splits) if n == 0]
+    assert all(wg.grad[e].abs().max() == 0 for e in empty)
+    lin = M.fp8_linear(x, w[0])
+    assert rel(lin, xd @ fp8_dequantised(w[0], 128, 128).t()) < tol
+    # FP8's own error against the plain products: e4m3 keeps 3 mantissa bits
+    plain = torch.cat([x[a : a + n].float() @ w[e].float().t() for e, a, n in M._spans(splits)])
+    assert rel(out, plain) < 0.05
