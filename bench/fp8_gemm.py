@@ -37,8 +37,8 @@ import traceback
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+import torch
+import torch.nn.functional as F
 
 E4M3 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -151,7 +151,7 @@ def add(**row) -> None:
     print(
         f"  {row['shape']:14s} M={row['M']:<6d} {row['impl']:22s} "
         f"{(f'{ms:8.3f} ms' if ms else row.get('status', '')):>12s} {tf} TFLOP/s"
-        f"{'  err=%.2e' % row['rel_err'] if row.get('rel_err') is not None else ''}",
+        f"{'  err={:.2e}'.format(row['rel_err']) if row.get('rel_err') is not None else ''}",
         flush=True,
     )
 
@@ -166,7 +166,7 @@ def products(name: str, m: int, n: int, k: int, reps: int) -> None:
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
     g = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
     flop = 2 * m * n * k
-    base = dict(shape=name, M=m, N=n, K=k, flop=flop)
+    base = {"shape": name, "M": m, "N": n, "K": k, "flop": flop}
     add(**base, impl="bf16_fwd", ms=timed(lambda: x @ w.t(), reps))
     add(**base, impl="bf16_dgrad", ms=timed(lambda: g @ w, reps))
     add(**base, impl="bf16_wgrad", ms=timed(lambda: g.t() @ x, reps))
@@ -186,7 +186,7 @@ def products(name: str, m: int, n: int, k: int, reps: int) -> None:
             if k % 128 == 0 and n % 128 == 0
             else None
         )
-        fwd = lambda: blockwise_mm(xq, xs, wq.t(), ws.t(), "128x128")  # noqa: E731
+        fwd = lambda: blockwise_mm(xq, xs, wq.t(), ws.t(), "128x128")
         out = fwd()
         add(
             **base,
@@ -194,21 +194,21 @@ def products(name: str, m: int, n: int, k: int, reps: int) -> None:
             ms=timed(fwd, reps),
             rel_err=rel_err(out, ref) if ref is not None else None,
         )
-    except Exception as e:  # a shape cuBLAS's block-wise path refuses
+    except Exception as e:  # noqa: BLE001 (a shape cuBLAS's block-wise path refuses)
         add(**base, impl="blockwise_fwd", status=f"error: {str(e)[:160]}")
     try:
         wtq, wts = quant_blocks(w.t().contiguous())  # W [N, K] as B [N, K] contracted over N
-        dgrad = lambda: blockwise_mm(gq, gs, wtq.t(), wts.t(), "128x128")  # noqa: E731
+        dgrad = lambda: blockwise_mm(gq, gs, wtq.t(), wts.t(), "128x128")
         add(**base, impl="blockwise_dgrad", ms=timed(dgrad, reps))
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 (recorded as this cell's error)
         add(**base, impl="blockwise_dgrad", status=f"error: {str(e)[:160]}")
     try:
         # dW [N, K] = g^T [N, M] @ x [M, K]: both per 1x128 tile along M
         gtq, gts = quant_tiles(g.t().contiguous())
         xtq, xts = quant_tiles(x.t().contiguous())
-        wgrad = lambda: blockwise_mm(gtq, gts, xtq.t(), xts, "1x128")  # noqa: E731
+        wgrad = lambda: blockwise_mm(gtq, gts, xtq.t(), xts, "1x128")
         add(**base, impl="blockwise_wgrad", ms=timed(wgrad, reps))
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 (recorded as this cell's error)
         add(**base, impl="blockwise_wgrad", status=f"error: {str(e)[:160]}")
     try:
         xr = x.float().abs().amax(1, keepdim=True) / FP8_MAX
@@ -218,7 +218,7 @@ def products(name: str, m: int, n: int, k: int, reps: int) -> None:
             xrq,
             wrq.t(),
             scale_a=xr,
-            scale_b=wr.t(),  # noqa: E731
+            scale_b=wr.t(),
             out_dtype=torch.bfloat16,
         )
         add(**base, impl="rowwise_fwd", ms=timed(rw, reps))
@@ -227,11 +227,11 @@ def products(name: str, m: int, n: int, k: int, reps: int) -> None:
             xrq,
             wrq.t(),
             scale_a=one,
-            scale_b=one,  # noqa: E731
+            scale_b=one,
             out_dtype=torch.bfloat16,
         )
         add(**base, impl="tensorwise_fwd", ms=timed(tw, reps))
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 (recorded as this cell's error)
         add(**base, impl="rowwise_fwd", status=f"error: {str(e)[:160]}")
 
 
@@ -240,7 +240,7 @@ def linears(name: str, m: int, n: int, k: int, reps: int, impls: dict) -> None:
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     w = (torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02).requires_grad_()
     g = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
-    base = dict(shape=name, M=m, N=n, K=k, flop=6 * m * n * k)
+    base = {"shape": name, "M": m, "N": n, "K": k, "flop": 6 * m * n * k}
 
     def step(fn):
         return lambda: torch.autograd.backward(fn(x, w), g)
@@ -251,7 +251,7 @@ def linears(name: str, m: int, n: int, k: int, reps: int, impls: dict) -> None:
         try:
             err = rel_err(fn(x, w), ref)
             add(**base, impl=f"linear_{impl}", ms=timed(step(fn), reps), rel_err=err)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 (recorded as this cell's error)
             add(**base, impl=f"linear_{impl}", status=f"error: {str(e)[:160]}")
 
 
@@ -263,7 +263,7 @@ def experts(m: int, reps: int) -> None:
     w13 = torch.randn(EXPERTS, 2 * MOE_F, D, device="cuda", dtype=torch.bfloat16) * 0.02
     offs = torch.arange(1, EXPERTS + 1, device="cuda", dtype=torch.int32) * rows
     flop = 2 * rows * EXPERTS * 2 * MOE_F * D
-    base = dict(shape="experts.w13", M=m, N=2 * MOE_F, K=D, flop=flop)
+    base = {"shape": "experts.w13", "M": m, "N": 2 * MOE_F, "K": D, "flop": flop}
     add(
         **base,
         impl="grouped_bf16",
@@ -278,11 +278,11 @@ def experts(m: int, reps: int) -> None:
             wq.transpose(-2, -1),
             xs,
             ws,
-            offs=offs,  # noqa: E731
+            offs=offs,
             out_dtype=torch.bfloat16,
         )
         add(**base, impl="grouped_rowwise", ms=timed(gr, reps))
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 (recorded as this cell's error)
         add(**base, impl="grouped_rowwise", status=f"error: {str(e)[:160]}")
     add(
         **base,
@@ -299,7 +299,7 @@ def experts(m: int, reps: int) -> None:
                 blockwise_mm(xq[s], xs[s], wq[e][0].t(), wq[e][1].t(), "128x128")
 
         add(**base, impl="per_expert_blockwise", ms=timed(per_expert, reps))
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 (recorded as this cell's error)
         add(**base, impl="per_expert_blockwise", status=f"error: {str(e)[:160]}")
 
 
@@ -323,7 +323,7 @@ def refusals() -> None:
                 status="ok",
                 rel_err=rel_err(out, ref),
             )
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 (recorded as this cell's error)
             add(shape=f"wgrad_K{kk}", M=kk, impl="blockwise_wgrad", status=f"error: {str(e)[:200]}")
 
 
@@ -335,13 +335,13 @@ def fp8_impls() -> dict:
         impls["torchao_blockwise"] = lambda a, b: fp8_blockwise_mm.apply(
             a, b, 128, torch.bfloat16, False
         )
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 (recorded as this cell's error)
         print("torchao blockwise: not importable:", e)
     try:
         from titan_glm52.model.fp8_mm import fp8_linear
 
         impls["ours_blockwise"] = fp8_linear
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 (recorded as this cell's error)
         print("titan_glm52.model.fp8_mm: not importable:", e)
     return impls
 
@@ -351,33 +351,39 @@ def main() -> None:
     ap.add_argument("--tokens", default="4096,32768")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--out", default="fp8_gemm.json")
-    ap.add_argument("--skip-linears", action="store_true")
+    ap.add_argument("--skip-linears", action="store_true", help="no whole-linear timings")
+    ap.add_argument(
+        "--linears-only", action="store_true", help="only the whole-linear timings (and bf16's)"
+    )
     args = ap.parse_args()
     t0 = time.time()
-    meta = dict(
-        device=torch.cuda.get_device_name(),
-        torch=torch.__version__,
-        command=" ".join(sys.argv),
-        started=time.strftime("%Y-%m-%d %H:%M:%S"),
-    )
+    meta = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "command": " ".join(sys.argv),
+        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
     impls = {} if args.skip_linears else fp8_impls()
     for m in (int(t) for t in args.tokens.split(",")):
         print(f"tokens {m}", flush=True)
         for name, n, k in SHAPES:
             try:
-                products(name, m, n, k, args.reps)
+                if not args.linears_only:
+                    products(name, m, n, k, args.reps)
                 if impls and name != "head":
                     linears(name, m, n, k, args.reps, impls)
-            except Exception:
+            except Exception:  # noqa: BLE001 (the next shape still runs)
                 traceback.print_exc()
             torch.cuda.empty_cache()
-        try:
-            experts(m, args.reps)
-        except Exception:
-            traceback.print_exc()
-    refusals()
+        if not args.linears_only:
+            try:
+                experts(m, args.reps)
+            except Exception:  # noqa: BLE001 (the next shape still runs)
+                traceback.print_exc()
+    if not args.linears_only:
+        refusals()
     meta["elapsed_s"] = round(time.time() - t0, 1)
-    doc = dict(meta=meta, rows=ROWS)
+    doc = {"meta": meta, "rows": ROWS}
     paths = [args.out] + (
         [os.path.join(os.environ["OUT"], "fp8_gemm.json")] if os.environ.get("OUT") else []
     )
