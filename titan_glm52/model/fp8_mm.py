@@ -43,10 +43,11 @@ def _on_kernel(*ts: torch.Tensor) -> bool:
 def _e4m3(x: torch.Tensor, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernels' formulas: (``e4m3(clamp(x * (448 / amax)))``, ``amax / 448``)."""
     amax = amax.clamp_min(EPS)
-    # (a 0-dim tensor over a tensor: a python number over a tensor is not IEEE-rounded on CPU)
-    inv = amax.new_tensor(FP8_MAX) / amax
-    q = (x * inv).clamp(-FP8_MAX, FP8_MAX).to(E4M3)
-    return q, amax / FP8_MAX
+    # Tensor by tensor: with a python number torch multiplies by its reciprocal (not IEEE-rounded:
+    # a number over a tensor on CPU, a tensor over a number on CUDA).
+    fp8_max = amax.new_tensor(FP8_MAX)
+    q = (x * (fp8_max / amax)).clamp(-FP8_MAX, FP8_MAX).to(E4M3)
+    return q, amax / fp8_max
 
 
 def quant_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
