@@ -16,6 +16,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from titan_glm52.distributed import build_mesh, init_distributed
+from titan_glm52.fp8_training import Fp8Spec, apply_fp8, is_fp8
 from titan_glm52.model.args import get_flavor
 from titan_glm52.model import attention as attention_mod
 from titan_glm52.model.attention import Attention
@@ -43,9 +44,19 @@ def all_reduce_moe_load(model, dp_mesh) -> None:
             dist.all_reduce(m.tokens_per_expert, group=dp_mesh.get_group())
 
 
-def debug_args():
-    # index_topk 8 < SEQ so DSA is really sparse; IndexShare FFFSSSFS; MTP on.
-    return get_flavor("debug").replace(index_topk=8)
+def debug_args(flavor: str = "debug"):
+    # index_topk 8 < SEQ so DSA is really sparse; IndexShare FFFSSSFS; MTP on. "debug_fp8": the same
+    # model at widths FP8's 128 x 128 blocks divide.
+    return get_flavor(flavor).replace(index_topk=8)
+
+
+# FP8 cases compute everything but the FP8 products in float64 (test_parallel_training.FP8_NOTE)
+FP8_CASE_DTYPE = torch.float64
+
+
+def fp8_modules(model) -> list[str]:
+    """The names of the modules that run their products in FP8."""
+    return [n for n, m in model.named_modules() if is_fp8(m)]
 
 
 def make_batch(vocab: int) -> torch.Tensor:
@@ -91,6 +102,8 @@ def check_train_step(
     clip_in_step: str | None = None,
     dsa_backend: str = "torch",
     mtp_token_chunk: int = 0,
+    fp8: bool = False,
+    ref_chunks: int = 1,
     **arg_overrides,
 ) -> None:
     """Loss, gradients, grad norm (after clipping), one AdamW step (parameters, both moments,
@@ -108,12 +121,25 @@ def check_train_step(
     backward.
     ``mtp_token_chunk``: the parallel run's MTP layer in token chunks (``[activation_checkpoint]
     mtp_token_chunk``), the reference's whole.
+    ``fp8``: the "debug_fp8" flavor with FP8 products (``Fp8Spec()``: the linears and the routed
+    experts) on both sides: ``apply_fp8`` on the reference, ``parallelize_model(fp8=...)`` on the
+    parallel copy; parameters, gradients and the FSDP compute and reduction in float64 (the FP8
+    products quantise from fp32 and return fp32 values), so that the parallel run's summation
+    order cannot move an FP8 rounding (test_parallel_training.FP8_NOTE).
+    ``ref_chunks``: the reference runs the global batch as this many accumulated micro-batches (the
+    single process's gradient accumulation), summing their losses and gradients. FP8's weight
+    gradient quantises its operands per 128 x 1 tile of the tokens (of each expert, for the routed
+    experts), so it depends on which tokens one product sees: with FP8, pass the micro-batches that
+    the parallel run forms (test_parallel_training.py says which). Without FP8 every split gives the
+    same result up to fp32 rounding.
     """
     if dsa_backend == "triton" and DEVICE_TYPE == "cpu":
         # before the kernels are imported (lazily, below)
         os.environ.setdefault("TRITON_INTERPRET", "1")
     env = init_distributed(device_type=DEVICE_TYPE)
-    args = debug_args().replace(**arg_overrides)
+    args = debug_args("debug_fp8" if fp8 else "debug").replace(**arg_overrides)
+    spec = Fp8Spec() if fp8 else None
+    dtype = FP8_CASE_DTYPE if fp8 else torch.float32
     torch.manual_seed(0)
     ref = GLM52Model(args, ModelOptions(dsa_backend=dsa_backend))
     ref.init_weights()
@@ -122,7 +148,7 @@ def check_train_step(
             for m in ref.modules():
                 if isinstance(m, MoE):
                     m.router.e_score_correction_bias[: args.n_routed_experts // 2] = 100.0
-    ref.to(env.device)
+    ref.to(env.device, dtype)
     init_params = {n: p.detach().clone() for n, p in ref.named_parameters()}
     model = copy.deepcopy(ref)
     if mtp_token_chunk:
@@ -130,7 +156,9 @@ def check_train_step(
             args, ModelOptions(dsa_backend=dsa_backend, mtp_token_chunk=mtp_token_chunk)
         )
         model.load_state_dict(ref.state_dict())
-        model.to(env.device)
+        model.to(env.device, dtype)
+    if spec is not None:  # (the parallel copy gets it from parallelize_model)
+        apply_fp8(ref, spec)
     local_ref = copy.deepcopy(ref)
     tokens = make_batch(args.vocab_size).to(env.device)
     n_main = int((labels_of(tokens, 1) != IGNORE).sum())
@@ -139,8 +167,11 @@ def check_train_step(
     # Single-process reference on the whole global batch. AdamW eps 1e-6: with the default 1e-8,
     # weights whose gradient is ~1e-8 would turn fp32 rounding differences of the reductions into
     # different updates.
-    ref_loss = loss_on(ref, tokens, n_main, n_mtp)
-    ref_loss.backward()
+    ref_loss = 0
+    for chunk in tokens.chunk(ref_chunks):
+        part = loss_on(ref, chunk, n_main, n_mtp)
+        part.backward()
+        ref_loss = ref_loss + part.detach()
     # The DSA indexer runs under no_grad (its own KL loss trains it), so its weights get no gradient
     # here.
     ref_grads = {n: None if p.grad is None else p.grad.clone() for n, p in ref.named_parameters()}
@@ -159,15 +190,20 @@ def check_train_step(
     parallelize_model(
         model,
         mesh,
-        param_dtype=torch.float32,
-        reduce_dtype=torch.float32,
+        param_dtype=dtype,
+        reduce_dtype=dtype,
         reshard_after_forward=reshard_after_forward,
         ac_mode=ac_mode,
         selective_ac_option=selective_ac_option,
         compile=compile,
         compile_backend=compile_backend,
+        fp8=spec,
     )
     assert [n for n, _ in model.named_parameters()] == list(ref_grads), "parameter names changed"
+    if spec is not None:
+        converted = fp8_modules(model)
+        assert converted == fp8_modules(ref), converted
+        assert any(n.endswith("moe.experts") for n in converted), converted
     # experts: EP shards dim 0 on "ep"; FSDP on "efsdp" shards dim 0 again, or dim 1 if too few
     if ep > 1:
         w13 = model.layers["3"].moe.experts.w13
@@ -195,7 +231,7 @@ def check_train_step(
 
     total = loss.detach().clone()
     dist.all_reduce(total, group=dp.get_group())
-    torch.testing.assert_close(total, ref_loss.detach(), rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(total, ref_loss, rtol=RTOL, atol=ATOL)
     for name, p in model.named_parameters():
         if ref_grads[name] is None:
             assert p.grad is None, name
@@ -219,7 +255,8 @@ def check_train_step(
     )
     norm = clip_grad_norm_(model.parameters(), max_norm=0.5, scale_grads=clip_in_step is None)
     assert not isinstance(norm, DTensor)
-    torch.testing.assert_close(norm, ref_norm, rtol=RTOL, atol=ATOL)
+    # (an fp32 norm, also of the float64 gradients of the FP8 cases)
+    torch.testing.assert_close(norm, ref_norm.float(), rtol=RTOL, atol=ATOL)
     hyper = dict(lr=1e-3, eps=1e-6, weight_decay=0.1)
     if clip_in_step == "triton":
         opt = TritonAdamW(model.parameters(), **hyper)

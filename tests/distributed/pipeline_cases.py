@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from tests.distributed.cases import (
+    FP8_CASE_DTYPE,
     GLOBAL_BATCH,
     IGNORE,
     SEQ,
@@ -20,6 +21,7 @@ from tests.distributed.cases import (
     make_batch,
 )
 from titan_glm52.distributed import build_mesh, init_distributed
+from titan_glm52.fp8_training import Fp8Spec, apply_fp8, is_fp8
 from titan_glm52.model.aux_loss import AuxTerms
 from tests.losses import cross_entropy_sum
 from titan_glm52.model.model import GLM52Model
@@ -34,19 +36,33 @@ from titan_glm52.step import mtp_labels
 RTOL, ATOL = 1e-4, 1e-5
 
 
-def _reference(args, tokens: torch.Tensor):
+def _reference(args, tokens: torch.Tensor, fp8: Fp8Spec | None = None, chunks: int = 1):
+    """The single process on the whole batch, as ``chunks`` accumulated micro-batches, with the FP8
+    products of ``fp8``."""
     ref = GLM52Model(args)
     ref.init_weights(seed=0)
+    if fp8 is not None:
+        apply_fp8(ref, fp8)
+        ref.to(FP8_CASE_DTYPE)
     n_main = (labels_of(tokens, 1) != IGNORE).sum().item()
     n_mtp = (labels_of(tokens, 2) != IGNORE).sum().item()
-    logits, mtp = ref(tokens, with_mtp=True)
-    loss = (
-        cross_entropy_sum(logits, labels_of(tokens, 1)) / n_main
-        + cross_entropy_sum(mtp, labels_of(tokens, 2)) / n_mtp
-    )
-    loss.backward()
+    loss = 0
+    for chunk in tokens.chunk(chunks):
+        if fp8 is None:
+            logits, mtp = ref(chunk, with_mtp=True)
+            ce = cross_entropy_sum(logits, labels_of(chunk, 1))
+            mtp = cross_entropy_sum(mtp, labels_of(chunk, 2))
+        else:
+            # the stages' fused head (pipeline.GLM52Stage.loss_sums): its gradient is rounded
+            # otherwise than autograd's through the logits, an fp32 difference that FP8 amplifies
+            ce, mtp = ref(
+                chunk, with_mtp=True, labels=labels_of(chunk, 1), mtp_labels=labels_of(chunk, 2)
+            )
+        part = ce / n_main + mtp / n_mtp
+        part.backward()
+        loss = loss + part.detach()
     counts = {n: m.tokens_per_expert.clone() for n, m in ref.named_modules() if isinstance(m, MoE)}
-    return ref, loss.detach(), n_main, n_mtp, counts
+    return ref, loss, n_main, n_mtp, counts
 
 
 def check_pipeline(
@@ -58,12 +74,24 @@ def check_pipeline(
     layout: list[int] | None = None,
     ac_mode: str = "none",
     mtp_token_chunk: int = 0,
+    fp8: bool = False,
 ) -> None:
     """Loss, every gradient, the clipped grad norm and the MoE loads equal the single-process
     run. ``mtp_token_chunk``: the stages run the MTP layer in token chunks (``[activation_checkpoint]
-    mtp_token_chunk``), the reference without them."""
+    mtp_token_chunk``), the reference without them.
+
+    ``fp8``: the "debug_fp8" flavor with FP8 products (``Fp8Spec()``: the linears and the routed
+    experts) on both sides. The schedule runs micro-batches of one sequence and FP8's weight
+    gradient quantises per 128 x 1 tile of the tokens one product sees (per expert for the routed
+    experts), so the reference runs the same one-sequence micro-batches, accumulated (the single
+    process's gradient accumulation). Both sides compute in float64 outside the FP8 products, so
+    that the schedule's summation order cannot move an FP8 rounding (see
+    test_parallel_training.FP8_NOTE)."""
+    if fp8 and (dp_shard != 1 or ep != 1):
+        raise NotImplementedError("fp8: the stages are cast to float64 unsharded, after init")
     env = init_distributed()
-    args = debug_args()
+    args = debug_args("debug_fp8" if fp8 else "debug")
+    spec = Fp8Spec() if fp8 else None
     mesh = build_mesh(
         env.world_size,
         dp_shard=dp_shard,
@@ -73,7 +101,9 @@ def check_pipeline(
         n_routed_experts=args.n_routed_experts,
     )
     tokens = make_batch(args.vocab_size)
-    ref, ref_loss, n_main, n_mtp, ref_counts = _reference(args, tokens)
+    ref, ref_loss, n_main, n_mtp, ref_counts = _reference(
+        args, tokens, spec, GLOBAL_BATCH if fp8 else 1
+    )
 
     plan = choose_layout(args, schedule, pp, stages_per_rank, seq_len=SEQ, layers_per_stage=layout)
     pp_mesh = mesh["pp"]
@@ -84,11 +114,20 @@ def check_pipeline(
         pp_mesh.get_group(),
         env.device,
         ModelOptions(mtp_token_chunk=mtp_token_chunk),
-        lambda m: parallelize_model(m, mesh, ac_mode=ac_mode, ep_enabled=ep > 1),
+        lambda m: parallelize_model(m, mesh, ac_mode=ac_mode, ep_enabled=ep > 1, fp8=spec),
     )
+    if fp8:  # every module that runs FP8 in the reference does so in one of the stages
+        converted = [n for part in parts for n, m in part.named_modules() if is_fp8(m)]
+        every = [None] * env.world_size
+        dist.all_gather_object(every, converted)
+        want = [n for n, m in ref.named_modules() if is_fp8(m)]
+        assert sorted(n for names in every for n in names) == sorted(want), every
+        assert any(n.endswith("moe.experts") for n in want), want
     for part in parts:
         part.to_empty(device=env.device)
         part.init_weights(seed=0)
+        if fp8:
+            part.to(FP8_CASE_DTYPE)
         if part.mtp is not None:
             assert part.mtp.block.moe.token_chunk == mtp_token_chunk
 
@@ -139,7 +178,7 @@ def check_pipeline(
                 assert p.grad is None, name
                 continue
             torch.testing.assert_close(
-                full(p.grad), ref_grads[name], rtol=RTOL, atol=ATOL, msg=name
+                full(p.grad), ref_grads[name], rtol=RTOL, atol=ATOL, msg=lambda m: f"{name}: {m}"
             )
             checked += 1
         for name, m in part.named_modules():
@@ -152,5 +191,5 @@ def check_pipeline(
     ref_norm = torch.nn.utils.get_total_norm(
         [p.grad for p in ref.parameters() if p.grad is not None]
     )
-    torch.testing.assert_close(norm, ref_norm, rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(norm, ref_norm.float(), rtol=RTOL, atol=ATOL)  # (an fp32 norm)
     assert GLOBAL_BATCH % dp_size == 0

@@ -4,7 +4,8 @@ reference.
 Each case: loss (summed over ranks), every gradient (full tensors), the grad norm after clipping,
 the parameters, moments and gradients after one AdamW step (for-loop, or torch fused / Triton with
 the clip folded into its step) and the MoE loads (per rank and all-reduced) equal the single-process
-run of the debug flavor on the whole global batch (see cases.check_train_step).
+run of the debug flavor on the whole global batch (see cases.check_train_step). The ``fp8_`` cases
+run FP8 products on both sides (FP8_NOTE says against which micro-batches of the single process).
 """
 
 import pytest
@@ -72,7 +73,52 @@ CASES = {
         dict(dp_shard=4, ep=2, n_routed_experts=2, num_experts_per_tok=2, clip_in_step="triton"),
     ),
     "hsdp2x2_ep2_fused_clip": (4, dict(dp_replicate=2, dp_shard=2, ep=2, clip_in_step="fused")),
+    # FP8 products (the linears and the routed experts) on both sides, "debug_fp8" flavor: see
+    # FP8_NOTE for the reference's micro-batches
+    "fp8_fsdp2": (2, dict(dp_shard=2, fp8=True, ref_chunks=2)),
+    "fp8_ep2_fsdp2_compile_ac_selective": (
+        2,
+        dict(dp_shard=2, ep=2, compile=True, ac_mode="selective", fp8=True, ref_chunks=1),
+    ),
+    "fp8_hsdp2x2_ac_full": (
+        4,
+        dict(dp_replicate=2, dp_shard=2, ac_mode="full", fp8=True, ref_chunks=4),
+    ),
 }
+
+FP8_NOTE = """FP8 (block-wise) cases: which micro-batches the single process runs, and why in float64.
+
+Tiles. The forward and the input gradient quantise per 1 x 128 tile along the contraction, i.e. per
+row: they do not depend on how the batch is split. The weight gradient quantises the gradient and
+the input per 128 x 1 tile along the tokens that one product sees (per expert for the routed
+experts, each expert's tiles starting at its first row), so a data-parallel rank, which holds only
+its own tokens, forms other tiles than one process holding the whole batch unless the counts line
+up:
+
+* every linear sees the rank's 4 x 32 = 128 tokens under 2 ranks: one whole tile, the one that the
+  single process forms from the same tokens; under 4 ranks (64 tokens) a padded tile of its own;
+* a routed expert gets about 96 of the batch's 768 routed rows, split unevenly over the ranks (no
+  split lines up with the tiles), so under FSDP and HSDP its tiles are per rank. Under EP over all
+  the data-parallel ranks the owner of an expert receives the expert's rows from every rank, in rank
+  order, which is the order in which one process sorts them (a stable sort of the global batch):
+  the same tiles as one process.
+
+So the reference is the single process running the rank slices as accumulated micro-batches
+(``ref_chunks`` = the data-parallel degree) under FSDP and HSDP, and the one-batch single process
+(``ref_chunks`` = 1) under EP 2 on 2 ranks. Swapping them fails: one batch against FSDP 2 differs in
+the routed experts' gradients (the first mismatch is layers.3.moe.experts.w13), two micro-batches
+against EP 2 likewise, two against HSDP 2 x 2 in the linears' (64-token tiles).
+
+float64. In fp32 the parallel run is equal to the single process only up to summation order (under
+FSDP's hooks autograd sums the gradient terms that reach the final norm's output from the head and
+from the MTP layer in another order: a last-bit difference). Without FP8 that stays ~1e-7; an FP8 quantisation turns a last-bit change of a
+value that lies at an e4m3 rounding midpoint into a whole e4m3 step (1/16 of it), and backward
+carries that into every earlier layer (up to 3 % of a gradient's largest element, far beyond the
+tolerances, although every tile is the same). These cases therefore keep parameters, activations,
+gradients and the FSDP reductions in float64 on both sides: the FP8 products quantise from fp32
+(``x.float()``) and return fp32 values, so summation-order differences (~1e-16) vanish in that
+rounding, and the comparison keeps the tolerances of the other cases.
+"""
 
 
 @pytest.mark.parametrize("name", list(CASES))

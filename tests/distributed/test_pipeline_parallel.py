@@ -19,6 +19,9 @@ CASES = {
         2,
         dict(schedule="ZBVZeroBubble", pp=2, stages_per_rank=2, mtp_token_chunk=12),
     ),
+    # FP8 products (linears and routed experts) on both sides; the reference accumulates the
+    # schedule's one-sequence micro-batches (pipeline_cases.check_pipeline)
+    "fp8_1f1b_pp2": (2, dict(schedule="1F1B", pp=2, fp8=True)),
     "1f1b_pp2_x_fsdp2": (4, dict(schedule="1F1B", pp=2, dp_shard=2)),
     "interleaved_pp2_x_ep2_fsdp2": (
         4,

@@ -59,8 +59,9 @@ def fp8_dequantised(t: torch.Tensor, tile_rows: int, tile_cols: int) -> torch.Te
 
 def check_fp8(device, splits, dim: int, hidden: int, tol: float, seed: int = 0) -> None:
     """FP8 training on ``device``: (1) the Triton quantisation kernels equal the torch formulas of
-    ``model/fp8_mm.py`` bit for bit (1 x 128 tiles, the per-expert scale layout, 128 x 1 tiles
-    per expert written transposed, 128 x 128 blocks both ways); (2) ``fp8_expert_mm``'s output and
+    ``model/fp8_mm.py`` bit for bit (1 x 128 tiles in segments padded to ``ROW_ALIGN`` rows with
+    their scales per segment, 128 x 1 tiles per expert written transposed, 128 x 128 blocks both
+    ways); (2) ``fp8_expert_mm``'s output and
     both gradients, and ``fp8_linear``'s output, equal quantise-then-matmul references written
     here (activations and gradients per 1 x 128 tile of the contraction, weights per 128 x 128
     block, the weight gradient's operands per 128 x 1 tile of each expert's rows) within ``tol``
@@ -79,23 +80,15 @@ def check_fp8(device, splits, dim: int, hidden: int, tol: float, seed: int = 0) 
     def same_bits(a, b):
         assert a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
-    q, s = K.quant_rows(x16)
     qr, sr = M.quant_rows(x16)
-    same_bits(q, qr)
-    assert torch.equal(s, sr)
-    qs, ss = K.quant_rows(
-        x16,
-        M._segments(splits, x.device)
-        or (
-            torch.zeros(rows, dtype=torch.int32, device=device),
-            torch.full((rows,), rows, dtype=torch.int32, device=device),
-        ),
-    )
-    same_bits(qs, qr)
-    kb, start = dim // 128, 0
-    for n in splits:  # each expert's scales M-contiguous on their own
-        assert torch.equal(ss[start * kb : (start + n) * kb].view(kb, n).t(), sr[start : start + n])
-        start += n
+    padded = [-(-n // K.ROW_ALIGN) * K.ROW_ALIGN for n in splits]
+    qs, ss = K.quant_rows(x16, M.segments_of(splits, x.device), sum(padded))
+    kb, start, first = dim // 128, 0, 0
+    for n, p in zip(splits, padded):  # rows from a multiple of ROW_ALIGN, scales M-contiguous
+        same_bits(qs[first : first + n], qr[start : start + n])
+        got = ss[first * kb : (first + p) * kb].view(kb, p).t()[:n]
+        assert torch.equal(got, sr[start : start + n])
+        start, first = start + n, first + p
     qt, st = K.quant_cols(x16, M.tiles_of(splits, x.device))
     qtr, str_ = M.quant_cols(x16, splits)
     same_bits(qt, qtr)

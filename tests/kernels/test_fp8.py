@@ -21,3 +21,13 @@ except ImportError:
 )
 def test_fp8_quantisation_and_products(splits):
     check_fp8("cpu", splits, dim=256, hidden=192, tol=1e-5)
+
+
+def test_fp8_products_on_the_kernel_path(monkeypatch):
+    """The products as CUDA runs them (the Triton quantisation, segments padded to ROW_ALIGN rows,
+    per-segment scale views, the padded rows of each product dropped), with the products of the
+    dequantised operands in place of cuBLAS's: the same results as the CPU path's."""
+    from titan_glm52.model import fp8_mm as M
+
+    monkeypatch.setattr(M, "_on_kernel", lambda *ts: True)
+    check_fp8("cpu", [100, 0, 250, 1, 129], dim=256, hidden=192, tol=1e-5)

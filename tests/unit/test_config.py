@@ -179,6 +179,7 @@ def test_help_lists_our_options():
     # (spelled with underscores, as the TOML keys and the README spell them)
     out = subprocess.run(
         [sys.executable, "train.py", "--help"],
+        check=False,
         capture_output=True,
         text=True,
         timeout=120,
@@ -249,3 +250,140 @@ def test_missing_or_broken_config_files_are_refused(tmp_path):
     with pytest.raises(ConfigError, match=r"training\.steps: invalid literal.*'abc'") as e:
         parse_job_config(["--training.steps", "abc"])
     assert "\n" not in str(e.value)
+
+
+# ------------------------------------------------------------------------------------------ FP8
+FP8_BOTH = "quantize.linear.float8,quantize.grouped_mm.float8"
+
+
+@pytest.mark.parametrize(
+    "argv, key",
+    [
+        (["--model.converters", "float8"], "model.converters"),
+        (["--model.converters", f"{FP8_BOTH},quantize.linear.mx"], "model.converters"),
+        (
+            ["--model.converters", FP8_BOTH, "--quantize.linear.float8.recipe_name", "rowwise"],
+            "quantize.linear.float8.recipe_name",
+        ),
+        # (bias_update_rate 0: LoRA's own refusal of the routing bias would come first)
+        (
+            ["--model.converters", FP8_BOTH, "--lora.enable", "--moe.bias_update_rate", "0"],
+            "model.converters",
+        ),
+        (["--model.converters", FP8_BOTH, "--moe.grouped_mm", "on"], "moe.grouped_mm"),
+        (
+            ["--model.converters", FP8_BOTH, "--quantize.linear.float8.emulate"],
+            "quantize.linear.float8.emulate",
+        ),
+        (
+            ["--quantize.linear.mx.recipe_name", "mxfp8_cublas_rceil"],
+            "quantize.linear.mx.recipe_name",
+        ),
+        (
+            ["--quantize.linear.mx.mxfp8_dim1_cast_kernel_choice", "cuda"],
+            "quantize.linear.mx.mxfp8_dim1_cast_kernel_choice",
+        ),
+        (["--quantize.grouped_mm.mx.fqns", "experts"], "quantize.grouped_mm.mx.fqns"),
+    ],
+)
+def test_fp8_refusals_name_the_key(argv, key):
+    """Each of ``_validate_fp8``'s refusals (and the MX options', which are not implemented) is one
+    ConfigError whose message starts with the key."""
+    with pytest.raises(ConfigError) as e:
+        parse_job_config(argv)
+    assert str(e.value).startswith(f"{key}: "), str(e.value)
+    assert "\n" not in str(e.value)
+    if "--lora.enable" in argv:
+        assert "LoRA" in str(e.value)
+
+
+def test_fp8_spec_from_the_converters(tmp_path):
+    from titan_glm52.config import fp8_spec
+    from titan_glm52.fp8_training import Fp8Spec
+
+    assert fp8_spec(parse_job_config([])) is None
+    assert fp8_spec(parse_job_config(["--quantize.linear.float8.filter_fqns", "x"])) is None
+    toml = write(
+        tmp_path,
+        "[model]\nconverters = ['quantize.linear.float8', 'quantize.grouped_mm.float8']\n"
+        "[quantize.linear.float8]\nrecipe_name = 'blockwise'\n",
+    )
+    assert fp8_spec(parse_job_config(["--job.config_file", toml])) == Fp8Spec(
+        recipe="blockwise",
+        linears=True,
+        filter_fqns=("output", "indexer", "wkv_b"),
+        expert_fqns=("experts",),
+    )
+    linears = parse_job_config(
+        [
+            "--model.converters",
+            "quantize.linear.float8",
+            "--quantize.linear.float8.filter_fqns",
+            "output,router",
+        ]
+    )
+    assert fp8_spec(linears) == Fp8Spec(
+        linears=True, filter_fqns=("output", "router"), expert_fqns=()
+    )
+    # the grouped bf16 GEMM is refused only for FP8 experts
+    assert linears.moe.grouped_mm != "on"
+    parse_job_config(["--model.converters", "quantize.linear.float8", "--moe.grouped_mm", "on"])
+    experts = parse_job_config(
+        [
+            "--model.converters",
+            "quantize.grouped_mm.float8",
+            "--quantize.grouped_mm.float8.fqns",
+            "mtp",
+        ]
+    )
+    assert fp8_spec(experts) == Fp8Spec(linears=False, expert_fqns=("mtp",))
+
+
+def test_without_converters_the_model_is_unchanged():
+    """The switch off gives today's results: without ``model.converters`` the parallelize recipe
+    leaves every module's class as it was (no Fp8Linear / Fp8GroupedExperts) and the loss and every
+    gradient are bit for bit those of the untouched model, on the flavor whose widths FP8 converts;
+    with the converters the same recipe converts and the loss moves."""
+    import copy
+
+    import torch
+
+    from tests.losses import cross_entropy_sum
+    from titan_glm52.config import fp8_spec
+    from titan_glm52.fp8_training import Fp8GroupedExperts, Fp8Linear, is_fp8
+    from titan_glm52.model.args import get_flavor
+    from titan_glm52.model.model import GLM52Model
+    from titan_glm52.parallelize import parallelize_model
+
+    args = get_flavor("debug_fp8").replace(index_topk=8)
+    torch.manual_seed(0)
+    base = GLM52Model(args)
+    base.init_weights()
+    tokens = torch.randint(1, args.vocab_size, (2, 32), generator=torch.Generator().manual_seed(1))
+
+    def step(model):
+        loss = cross_entropy_sum(model(tokens)[:, :-1], tokens[:, 1:]) / 62
+        loss.backward()
+        return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+    want_loss, want_grads = step(copy.deepcopy(base))
+    off = copy.deepcopy(base)
+    assert fp8_spec(parse_job_config([])) is None
+    parallelize_model(off, None, fp8=fp8_spec(parse_job_config([])))
+    assert [type(m) for m in off.modules()] == [type(m) for m in base.modules()]
+    assert not any(isinstance(m, (Fp8Linear, Fp8GroupedExperts)) for m in off.modules())
+    loss, grads = step(off)
+    assert torch.equal(loss, want_loss)
+    assert grads.keys() == want_grads.keys()
+    for n in grads:
+        assert torch.equal(grads[n], want_grads[n]), n
+
+    on = copy.deepcopy(base)
+    parallelize_model(on, None, fp8=fp8_spec(parse_job_config(["--model.converters", FP8_BOTH])))
+    assert sum(isinstance(m, Fp8Linear) for m in on.modules()) > 0
+    assert sum(isinstance(m, Fp8GroupedExperts) for m in on.modules()) == 6  # 5 MoE layers + MTP
+    assert all(is_fp8(m) for m in on.modules() if isinstance(m, (Fp8Linear, Fp8GroupedExperts)))
+    assert [n for n, _ in on.named_parameters()] == [n for n, _ in base.named_parameters()]
+    fp8_loss, _ = step(on)
+    assert not torch.equal(fp8_loss, want_loss)
+    torch.testing.assert_close(fp8_loss, want_loss, rtol=2e-2, atol=0)

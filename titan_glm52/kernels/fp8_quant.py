@@ -6,11 +6,11 @@ divisions are IEEE-rounded (``div_rn``), the product and the clamp exact, so ``m
 torch formulas give the same bits. The layouts are the ones cuBLAS's block-scaled FP8 GEMM reads
 (``F.scaled_mm`` with ``BlockWise1x128`` / ``BlockWise128x128``):
 
-* ``quant_rows(x [M, K])``: tiles of 1 x 128 along K (an operand's contraction dimension) ->
-  ``q [M, K]`` and the scales ``[M, K / 128]`` with M contiguous. With ``segments`` (the routed
-  experts' rows, one segment per expert) each segment's scales lie M-contiguous on their own, at
-  ``start x K / 128`` of one flat buffer, so that a segment's slice is a scale tensor in cuBLAS's
-  layout.
+* ``quant_rows(x [M, K], segments)``: tiles of 1 x 128 along K (an operand's contraction
+  dimension), per segment of rows (the routed experts' rows, one segment per expert; a linear's
+  rows are one segment): each segment's rows start at a multiple of ``ROW_ALIGN`` rows of ``q``
+  and its scales lie M-contiguous on their own in one flat buffer, so that a segment's slices
+  are an operand and a scale tensor in cuBLAS's layout.
 * ``quant_cols(x [M, K], tiles)``: tiles of 128 x 1 along M (the tokens: the weight gradient's
   contraction), written transposed: ``qt [K, 128 n_tiles]`` and the scales ``[K, n_tiles]`` with K
   contiguous. ``tiles [n_tiles, 2]`` int32 holds each tile's first row and row count (at most 128):
@@ -32,6 +32,9 @@ E4M3 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 EPS = 1e-12  # an all-zero tile gets scale EPS / 448 and stays zero
 TILE = 128
+# cuBLAS's block-scaled GEMM reads a 1 x 128 operand's scales M-contiguous: each segment's rows
+# start on a multiple of this many rows, so that every column of its scales is 16-byte aligned
+ROW_ALIGN = 16
 ROWS_BM = 32  # rows per program of quant_rows
 COLS_BK = 64  # columns per program of quant_cols
 
@@ -46,8 +49,8 @@ def _to_e4m3(x, amax):
 
 @triton.jit
 def _quant_rows_kernel(
-    x_ptr, q_ptr, s_ptr, seg_start_ptr, seg_len_ptr, M, K,
-    SEGMENTED: tl.constexpr, BM: tl.constexpr, TILE: tl.constexpr, EPS: tl.constexpr,
+    x_ptr, q_ptr, s_ptr, seg_ptr, M, K,
+    BM: tl.constexpr, TILE: tl.constexpr, ALIGN: tl.constexpr, EPS: tl.constexpr,
 ):  # fmt: skip
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     kb = tl.program_id(1)
@@ -57,13 +60,13 @@ def _quant_rows_kernel(
     x = tl.load(x_ptr + r64[:, None] * K + cols[None, :], mask=live[:, None], other=0.0)
     amax = tl.maximum(tl.max(tl.abs(x.to(tl.float32)), axis=1), EPS)
     q, s = _to_e4m3(x.to(tl.float32), amax[:, None])
-    tl.store(q_ptr + r64[:, None] * K + cols[None, :], q, mask=live[:, None])
-    if SEGMENTED:  # the segment's own [K / TILE, rows of the segment] block of scales
-        start = tl.load(seg_start_ptr + rows, mask=live, other=0).to(tl.int64)
-        n = tl.load(seg_len_ptr + rows, mask=live, other=1).to(tl.int64)
-        at = start * (K // TILE) + kb * n + (r64 - start)
-    else:
-        at = kb.to(tl.int64) * M + r64
+    # the row's segment: its first row in x, its row count, its first row in the padded output
+    start = tl.load(seg_ptr + rows, mask=live, other=0).to(tl.int64)
+    n = tl.load(seg_ptr + M + rows, mask=live, other=1).to(tl.int64)
+    out = tl.load(seg_ptr + 2 * M + rows, mask=live, other=0).to(tl.int64) + (r64 - start)
+    tl.store(q_ptr + out[:, None] * K + cols[None, :], q, mask=live[:, None])
+    padded = (n + ALIGN - 1) // ALIGN * ALIGN
+    at = (out - (r64 - start)) * (K // TILE) + kb * padded + (r64 - start)
     tl.store(s_ptr + at, tl.reshape(s, (BM,)), mask=live)
 
 
@@ -116,24 +119,24 @@ def _check(x: torch.Tensor, what: str, dims: tuple[int, ...]) -> None:
 
 
 def quant_rows(
-    x: torch.Tensor, segments: tuple[torch.Tensor, torch.Tensor] | None = None
+    x: torch.Tensor, segments: torch.Tensor, padded_rows: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x [M, K]`` (K a multiple of 128) per 1 x 128 tile -> (``q [M, K]`` e4m3, scales fp32):
-    ``[M, K / 128]`` with M contiguous; with ``segments = (start, length)`` (int32 ``[M]``: each
-    row's segment's first row and row count) the flat ``[M K / 128]`` buffer, segment by segment."""
+    """``x [M, K]`` (K a multiple of 128) per 1 x 128 tile, in segments (module docstring):
+    ``segments`` int32 ``[3, M]`` holds each row's segment's first row, row count and first row in
+    the output, whose segments start on multiples of ``ROW_ALIGN`` rows (``padded_rows`` in all).
+    Returns (``q [padded_rows, K]`` e4m3, the flat fp32 scales ``[padded_rows K / 128]``: a
+    segment of n rows padded to p has its ``[K / 128, p]`` block at its first output row x K /
+    128). The padding rows are left unwritten."""
     _check(x, "quant_rows", (1,))
-    check_device(x)
+    check_device(x, segments)
     m, k = x.shape
-    q = torch.empty(m, k, dtype=E4M3, device=x.device)
-    s = torch.empty(m * (k // TILE), dtype=torch.float32, device=x.device)
-    start, length = segments if segments is not None else (x, x)  # unread without segments
-    grid = (triton.cdiv(m, ROWS_BM), k // TILE)
+    q = torch.empty(padded_rows, k, dtype=E4M3, device=x.device)
+    s = torch.empty(padded_rows * (k // TILE), dtype=torch.float32, device=x.device)
     if m:
-        _quant_rows_kernel[grid](
-            x, q, s, start, length, m, k, SEGMENTED=segments is not None, BM=ROWS_BM, TILE=TILE,
-            EPS=EPS,
-        )  # fmt: skip
-    return q, (s if segments is not None else s.view(k // TILE, m).t())
+        _quant_rows_kernel[(triton.cdiv(m, ROWS_BM), k // TILE)](
+            x, q, s, segments, m, k, BM=ROWS_BM, TILE=TILE, ALIGN=ROW_ALIGN, EPS=EPS
+        )
+    return q, s
 
 
 def quant_cols(x: torch.Tensor, tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -167,4 +170,13 @@ def quant_blocks(w: torch.Tensor, transpose: bool = False) -> tuple[torch.Tensor
     return q, s
 
 
-__all__ = ["E4M3", "EPS", "FP8_MAX", "TILE", "quant_blocks", "quant_cols", "quant_rows"]
+__all__ = [
+    "E4M3",
+    "EPS",
+    "FP8_MAX",
+    "ROW_ALIGN",
+    "TILE",
+    "quant_blocks",
+    "quant_cols",
+    "quant_rows",
+]

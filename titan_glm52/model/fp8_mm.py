@@ -124,12 +124,11 @@ def scaled_mm(
     bt_s: torch.Tensor,
     blocks: bool,
     out_dtype: torch.dtype,
-    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``a @ bt^T`` of e4m3 operands: ``a [M, Kc]`` with 1 x 128 scales ``a_s [M, Kc / 128]`` (M
     contiguous on CUDA), ``bt [N, Kc]`` (rows contiguous) with 128 x 128 scales ``[N / 128, Kc /
     128]`` (``blocks``) or 1 x 128 scales ``[N, Kc / 128]`` (N contiguous on CUDA); fp32 sums,
-    rounded once to ``out_dtype`` (into ``out`` when given)."""
+    rounded once to ``out_dtype``."""
     if a.is_cuda:
         st = F.ScalingType
         res = F.scaled_mm(
@@ -143,17 +142,7 @@ def scaled_mm(
         )
     else:
         res = (_dequant(a, a_s, False) @ _dequant(bt, bt_s, blocks).t()).to(out_dtype)
-    if out is None:
-        return res
-    return out.copy_(res)
-
-
-def _rows(x: torch.Tensor, segments=None):
-    if _on_kernel(x):
-        from titan_glm52.kernels import fp8_quant  # lazy: the model must not import triton
-
-        return fp8_quant.quant_rows(x, segments)
-    return quant_rows(x)
+    return res
 
 
 def _cols(x: torch.Tensor, splits: list[int]):
@@ -180,37 +169,54 @@ def _spans(splits: list[int]):
         start += n
 
 
-def _segments(splits: list[int], device: torch.device):
-    """int32 ``[rows]`` pairs (first row, row count) of each row's segment, for the kernel's
-    per-segment scale layout (``kernels/fp8_quant.quant_rows``), made on the device from the
-    counts; None for one segment (whose layout is the plain one)."""
-    if len(splits) == 1:
-        return None
+# kernels/fp8_quant.ROW_ALIGN: each segment's quantised rows start on a multiple of this many
+ROW_ALIGN = 16
+
+
+def _padded(n: int) -> int:
+    return -(-n // ROW_ALIGN) * ROW_ALIGN
+
+
+def segments_of(splits: list[int], device: torch.device) -> torch.Tensor:
+    """int32 ``[3, rows]``: each row's segment's first row, row count and first row in the padded
+    output of ``kernels/fp8_quant.quant_rows`` (segments on multiples of ``ROW_ALIGN`` rows), made
+    on the device from the counts."""
     counts = host_to_device(torch.tensor(splits, dtype=torch.int32), device)
-    starts = torch.cumsum(counts, 0, dtype=torch.int32) - counts
+    padded = (counts + ROW_ALIGN - 1) // ROW_ALIGN * ROW_ALIGN
     rows = sum(splits)
-    return (
-        torch.repeat_interleave(starts, counts, output_size=rows),
-        torch.repeat_interleave(counts, counts, output_size=rows),
+    starts = [torch.cumsum(c, 0, dtype=torch.int32) - c for c in (counts, padded)]
+    return torch.stack(
+        [
+            torch.repeat_interleave(v, counts, output_size=rows)
+            for v in (starts[0], counts, starts[1])
+        ]
     )
 
 
 def _rows_per_segment(x: torch.Tensor, splits: list[int]):
-    """``x`` per 1 x 128 tile along K, and a function giving segment (first row, rows)'s rows and
-    scales in the GEMM's layout."""
-    if _on_kernel(x):
-        q, s = _rows(x, _segments(splits, x.device))
-        if len(splits) == 1:
-            return lambda s0, n: (q, s)
-        kb = x.shape[1] // TILE
-        flat = s
+    """``x`` per 1 x 128 tile along K, and a function giving segment e's (rows, scales) in the
+    GEMM's layout: on CUDA its ``ROW_ALIGN``-padded rows (a product's extra rows are dropped),
+    elsewhere its rows."""
+    if not _on_kernel(x):
+        q, s = quant_rows(x)
+        starts = [0]
+        for n in splits:
+            starts.append(starts[-1] + n)
+        return lambda e: (q[starts[e] : starts[e + 1]], s[starts[e] : starts[e + 1]])
+    from titan_glm52.kernels import fp8_quant  # lazy: the model must not import triton
 
-        def part(s0: int, n: int):
-            return q[s0 : s0 + n], flat[s0 * kb : (s0 + n) * kb].view(kb, n).t()
+    padded = [_padded(n) for n in splits]
+    q, flat = fp8_quant.quant_rows(x, segments_of(splits, x.device), sum(padded))
+    kb = x.shape[1] // TILE
+    first = [0]
+    for p in padded:
+        first.append(first[-1] + p)
 
-        return part
-    q, s = quant_rows(x)
-    return lambda s0, n: (q[s0 : s0 + n], s[s0 : s0 + n])
+    def part(e: int):
+        a, p = first[e], padded[e]
+        return q[a : a + p], flat[a * kb : (a + p) * kb].view(kb, p).t()
+
+    return part
 
 
 def _check(x: torch.Tensor, w: torch.Tensor, splits: list[int], what: str) -> None:
@@ -237,8 +243,8 @@ def fp8_expert_mm(x: torch.Tensor, w: torch.Tensor, splits: list[int]) -> torch.
     out = x.new_empty(x.shape[0], w.shape[1])
     for e, s, n in _spans(splits):
         if n:
-            xq, xs = part(s, n)
-            scaled_mm(xq, xs, wq[e], ws[e], True, x.dtype, out=out[s : s + n])
+            xq, xs = part(e)
+            out[s : s + n] = scaled_mm(xq, xs, wq[e], ws[e], True, x.dtype)[:n]
     return out
 
 
@@ -259,8 +265,8 @@ def _input_grad(grad: torch.Tensor, w: torch.Tensor, splits: list[int]) -> torch
     dx = g.new_empty(g.shape[0], w.shape[2])
     for e, s, n in _spans(splits):
         if n:
-            gq, gs = part(s, n)
-            scaled_mm(gq, gs, wtq[e], wts[e], True, g.dtype, out=dx[s : s + n])
+            gq, gs = part(e)
+            dx[s : s + n] = scaled_mm(gq, gs, wtq[e], wts[e], True, g.dtype)[:n]
     return dx
 
 
@@ -284,8 +290,8 @@ def _weight_grad(
         n = -(-rows // TILE)
         cols, scales = slice(tile * TILE, (tile + n) * TILE), slice(tile, tile + n)
         if n:
-            scaled_mm(
-                gt[:, cols], gts[:, scales], xt[:, cols], xts[:, scales], False, dtype, out=dw[e]
+            dw[e] = scaled_mm(
+                gt[:, cols], gts[:, scales], xt[:, cols], xts[:, scales], False, dtype
             )
         else:
             dw[e].zero_()
