@@ -902,7 +902,7 @@ class Trainer:
             return
         kept = sorted(
             {
-                n.split(".")[-1]
+                ".".join(n.split(".")[-2:]).removeprefix("attention.")
                 for part in self.model_parts
                 for n, m in part.named_modules()
                 if isinstance(m, torch.nn.Linear) and not is_fp8(m)
