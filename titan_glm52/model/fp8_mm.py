@@ -232,20 +232,25 @@ def _check(x: torch.Tensor, w: torch.Tensor, splits: list[int], what: str) -> No
         )
 
 
+def _times_blocks(a: torch.Tensor, bt: torch.Tensor, bt_s: torch.Tensor, splits: list[int]):
+    """``out[rows of e] = a[rows of e] @ bt[e]^T``: ``a`` quantised here per 1 x 128 tile, ``bt``
+    e4m3 ``[E, N, Kc]`` with 128 x 128 scales ``bt_s [E, N / 128, Kc / 128]``."""
+    a = a.contiguous()
+    part = _rows_per_segment(a, splits)
+    out = a.new_empty(a.shape[0], bt.shape[1])
+    for e, s, n in _spans(splits):
+        if n:
+            aq, a_s = part(e)
+            out[s : s + n] = scaled_mm(aq, a_s, bt[e], bt_s[e], True, a.dtype)[:n]
+    return out
+
+
 @torch.library.custom_op("titan_glm52::fp8_mm", mutates_args=())
 def fp8_expert_mm(x: torch.Tensor, w: torch.Tensor, splits: list[int]) -> torch.Tensor:
     """``out[rows of e] = x[rows of e] @ w[e]^T`` for every expert e (``model/expert_mm.py``'s
     product; ``splits[e]`` rows each), in FP8 (module docstring)."""
     _check(x, w, splits, "fp8_expert_mm")
-    x = x.contiguous()
-    part = _rows_per_segment(x, splits)
-    wq, ws = _blocks(w.contiguous())
-    out = x.new_empty(x.shape[0], w.shape[1])
-    for e, s, n in _spans(splits):
-        if n:
-            xq, xs = part(e)
-            out[s : s + n] = scaled_mm(xq, xs, wq[e], ws[e], True, x.dtype)[:n]
-    return out
+    return _times_blocks(x, *_blocks(w.contiguous()), splits)
 
 
 @fp8_expert_mm.register_fake
@@ -257,17 +262,9 @@ def _(x, w, splits):
 @torch.library.custom_op("titan_glm52::fp8_mm_input_grad", mutates_args=())
 def _input_grad(grad: torch.Tensor, w: torch.Tensor, splits: list[int]) -> torch.Tensor:
     """``dx[rows of e] = grad[rows of e] @ w[e]``: the gradient per 1 x 128 tile along N, w per
-    128 x 128 block, laid transposed."""
-    g = grad.contiguous()
-    part = _rows_per_segment(g, splits)
+    128 x 128 block, laid transposed (the blocks of w^T are w's, transposed)."""
     wtq, ws = _blocks(w.contiguous(), transpose=True)
-    wts = ws.transpose(1, 2).contiguous()  # the blocks of w^T are w's, transposed
-    dx = g.new_empty(g.shape[0], w.shape[2])
-    for e, s, n in _spans(splits):
-        if n:
-            gq, gs = part(e)
-            dx[s : s + n] = scaled_mm(gq, gs, wtq[e], wts[e], True, g.dtype)[:n]
-    return dx
+    return _times_blocks(grad, wtq, ws.transpose(1, 2).contiguous(), splits)
 
 
 @_input_grad.register_fake
