@@ -15,12 +15,12 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from tests.losses import cross_entropy_sum
 from titan_glm52.distributed import build_mesh, init_distributed
 from titan_glm52.fp8_training import Fp8Spec, apply_fp8, is_fp8
-from titan_glm52.model.args import get_flavor
 from titan_glm52.model import attention as attention_mod
+from titan_glm52.model.args import get_flavor
 from titan_glm52.model.attention import Attention
-from tests.losses import cross_entropy_sum
 from titan_glm52.model.model import GLM52Model
 from titan_glm52.model.moe import MoE
 from titan_glm52.model.options import ModelOptions

@@ -20,10 +20,10 @@ from tests.distributed.cases import (
     labels_of,
     make_batch,
 )
+from tests.losses import cross_entropy_sum
 from titan_glm52.distributed import build_mesh, init_distributed
 from titan_glm52.fp8_training import Fp8Spec, apply_fp8, is_fp8
 from titan_glm52.model.aux_loss import AuxTerms
-from tests.losses import cross_entropy_sum
 from titan_glm52.model.model import GLM52Model
 from titan_glm52.model.moe import MoE
 from titan_glm52.model.options import ModelOptions
@@ -178,7 +178,11 @@ def check_pipeline(
                 assert p.grad is None, name
                 continue
             torch.testing.assert_close(
-                full(p.grad), ref_grads[name], rtol=RTOL, atol=ATOL, msg=lambda m: f"{name}: {m}"
+                full(p.grad),
+                ref_grads[name],
+                rtol=RTOL,
+                atol=ATOL,
+                msg=lambda m, name=name: f"{name}: {m}",
             )
             checked += 1
         for name, m in part.named_modules():

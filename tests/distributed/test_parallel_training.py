@@ -75,14 +75,14 @@ CASES = {
     "hsdp2x2_ep2_fused_clip": (4, dict(dp_replicate=2, dp_shard=2, ep=2, clip_in_step="fused")),
     # FP8 products (the linears and the routed experts) on both sides, "debug_fp8" flavor: see
     # FP8_NOTE for the reference's micro-batches
-    "fp8_fsdp2": (2, dict(dp_shard=2, fp8=True, ref_chunks=2)),
+    "fp8_fsdp2": (2, {"dp_shard": 2, "fp8": True, "ref_chunks": 2}),
     "fp8_ep2_fsdp2_compile_ac_selective": (
         2,
-        dict(dp_shard=2, ep=2, compile=True, ac_mode="selective", fp8=True, ref_chunks=1),
+        {"dp_shard": 2, "ep": 2, "compile": True, "ac_mode": "selective", "fp8": True},
     ),
     "fp8_hsdp2x2_ac_full": (
         4,
-        dict(dp_replicate=2, dp_shard=2, ac_mode="full", fp8=True, ref_chunks=4),
+        {"dp_replicate": 2, "dp_shard": 2, "ac_mode": "full", "fp8": True, "ref_chunks": 4},
     ),
 }
 

@@ -21,7 +21,7 @@ CASES = {
     ),
     # FP8 products (linears and routed experts) on both sides; the reference accumulates the
     # schedule's one-sequence micro-batches (pipeline_cases.check_pipeline)
-    "fp8_1f1b_pp2": (2, dict(schedule="1F1B", pp=2, fp8=True)),
+    "fp8_1f1b_pp2": (2, {"schedule": "1F1B", "pp": 2, "fp8": True}),
     "1f1b_pp2_x_fsdp2": (4, dict(schedule="1F1B", pp=2, dp_shard=2)),
     "interleaved_pp2_x_ep2_fsdp2": (
         4,

@@ -17,8 +17,11 @@ bf16 product keeps (x and w), so memory and activation checkpointing are unchang
 On CUDA the quantisation is ``kernels/fp8_quant.py`` (one Triton pass per operand) and the products
 cuBLAS; elsewhere the same quantisation in torch (the same bits) and each product on the dequantised
 operands in fp32 (what the FP8 GEMM computes, up to the order of its fp32 sums), so that the CPU
-tests and the gloo cases run the recipe. Both ops are registered custom ops (as ``expert_mm``):
-``torch.compile`` keeps them whole and op-level activation checkpointing can save their outputs.
+tests and the gloo cases run the recipe. On CUDA each expert's quantised rows start on a multiple
+of 16 rows, with its scales laid out on their own: cuBLAS refused the products of uneven row counts
+otherwise (bench/results/2026-12-04_h200_fp8.md). The product and its two gradient products are
+registered custom ops (as ``expert_mm``): ``torch.compile`` keeps them whole and op-level activation
+checkpointing can save their outputs.
 """
 
 from __future__ import annotations
