@@ -60,6 +60,11 @@ class Model(tt.Model):
     """The tokenizer: an HF tokenizer directory (tokenizer.json), or "embedded" for the one shipped
     with the package (it matches the debug flavor's 2048-token vocabulary)."""
 
+    converters: list[str] = field(default_factory=list)
+    """FP8 training (docs/fp8_training.md), torchtitan's names: "quantize.linear.float8" runs the
+    dense linears' products in FP8, "quantize.grouped_mm.float8" the routed experts'; their options
+    are [quantize.linear.float8] and [quantize.grouped_mm.float8]. Other converters are refused."""
+
 
 @dataclass
 class Training(tt.Training):

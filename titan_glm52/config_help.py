@@ -108,40 +108,40 @@ def help_text(job_config_cls: type, not_implemented: dict) -> str:
     ]
     sections = {f.name: f for f in dataclasses.fields(job_config_cls)}
     left_out = []
-    for section in ORDER + tuple(s for s in sections if s not in ORDER):
-        if section not in sections:
-            continue
+
+    def emit(section: str, cls: type) -> None:
+        """The options of ``[section]``, then those of the sections nested in it."""
         skip = not_implemented.get(section, ())
         if skip == "*":
             left_out.append(f"[{section}]")
-            continue
-        cls = (
-            sections[section].type
-            if isinstance(sections[section].type, type)
-            else type(sections[section].default_factory())
-        )
+            return
         hints, docs, default = typing.get_type_hints(cls), _field_docs(cls), cls()
-        lines = []
+        lines, nested = [], []
         for f in dataclasses.fields(cls):
             value = getattr(default, f.name)
-            if (
-                f.name in skip
-                or f"{section}.{f.name}" in not_implemented
-                or dataclasses.is_dataclass(value)
-            ):
-                if not dataclasses.is_dataclass(value) or f"{section}.{f.name}" in not_implemented:
-                    left_out.append(f"{section}.{f.name}")
+            key = f"{section}.{f.name}"
+            if dataclasses.is_dataclass(value):
+                nested.append((key, type(value)))
+                continue
+            if f.name in skip or key in not_implemented:
+                left_out.append(key)
                 continue
             lines += _option_lines(
-                section,
-                f.name,
-                hints.get(f.name),
-                value,
-                docs.get(f.name, ""),
-                f"{section}.{f.name}" in DEFAULT_ONLY,
+                section, f.name, hints.get(f.name), value, docs.get(f.name, ""), key in DEFAULT_ONLY
             )
         if lines:
-            out += [f"[{section}]", *lines, ""]
+            out.extend([f"[{section}]", *lines, ""])
+        for key, nested_cls in nested:
+            emit(key, nested_cls)
+
+    for section in ORDER + tuple(s for s in sections if s not in ORDER):
+        if section not in sections:
+            continue
+        field = sections[section]
+        emit(
+            section,
+            field.type if isinstance(field.type, type) else type(field.default_factory()),
+        )
     out += textwrap.wrap(
         "Not listed: torchtitan options this trainer does not implement (setting one is "
         "refused, naming it): " + ", ".join(left_out) + ".",
