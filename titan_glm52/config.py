@@ -752,9 +752,30 @@ def _validate_fp8(cfg: JobConfig) -> None:
                 f"{name!r} is not implemented; the converters here are {FP8_LINEARS!r} and "
                 f"{FP8_EXPERTS!r} (FP8 training, docs/fp8_training.md)",
             )
+    linear, experts = cfg.quantize.linear.float8, cfg.quantize.grouped_mm.float8
+    for key, value, default, converter in (
+        ("quantize.linear.float8.recipe_name", linear.recipe_name, "blockwise", None),
+        (
+            "quantize.linear.float8.filter_fqns",
+            linear.filter_fqns,
+            list(DEFAULT_FP8_FILTER),
+            FP8_LINEARS,
+        ),
+        ("quantize.grouped_mm.float8.fqns", experts.fqns, ["experts"], FP8_EXPERTS),
+    ):
+        used = (
+            bool(cfg.model.converters) if converter is None else converter in cfg.model.converters
+        )
+        if value != default and not used:
+            _refuse(
+                key,
+                f"{value!r} has no effect without the converter "
+                f"{converter or FP8_LINEARS!r} in model.converters; add it, or leave the option "
+                "at its default",
+            )
     if not cfg.model.converters:
         return
-    recipe = cfg.quantize.linear.float8.recipe_name
+    recipe = linear.recipe_name
     if recipe not in FP8_RECIPES:
         _refuse(
             "quantize.linear.float8.recipe_name",

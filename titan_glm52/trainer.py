@@ -909,8 +909,8 @@ class Trainer:
             }
         )
         logger.info(
-            "FP8 (%s): %d linears and %d routed-expert modules run their products in FP8; bf16: "
-            "%s",
+            "FP8 (%s): %d linears and %d routed-expert modules of this rank's model parts run "
+            "their products in FP8; bf16: %s",
             self.fp8.recipe,
             sum(1 for n in fp8 if not n.endswith("experts")),
             sum(1 for n in fp8 if n.endswith("experts")),

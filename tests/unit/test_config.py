@@ -284,6 +284,20 @@ FP8_BOTH = "quantize.linear.float8,quantize.grouped_mm.float8"
             "quantize.linear.mx.mxfp8_dim1_cast_kernel_choice",
         ),
         (["--quantize.grouped_mm.mx.fqns", "experts"], "quantize.grouped_mm.mx.fqns"),
+        # an FP8 option without its converter would be ignored
+        (
+            ["--quantize.linear.float8.recipe_name", "rowwise"],
+            "quantize.linear.float8.recipe_name",
+        ),
+        (
+            [
+                "--model.converters",
+                "quantize.linear.float8",
+                "--quantize.grouped_mm.float8.fqns",
+                "moe",
+            ],
+            "quantize.grouped_mm.float8.fqns",
+        ),
     ],
 )
 def test_fp8_refusals_name_the_key(argv, key):
