@@ -148,12 +148,14 @@ def scaled_mm(
     return res
 
 
-def _cols(x: torch.Tensor, splits: list[int]):
-    if _on_kernel(x):
+def _cols(xs: tuple[torch.Tensor, ...], splits: list[int]):
+    """Each of ``xs`` per 128 x 1 tile of each segment's rows (the segments' tiles made once)."""
+    if _on_kernel(*xs):
         from titan_glm52.kernels import fp8_quant
 
-        return fp8_quant.quant_cols(x, tiles_of(splits, x.device))
-    return quant_cols(x, splits)
+        tiles = tiles_of(splits, xs[0].device)
+        return [fp8_quant.quant_cols(x, tiles) for x in xs]
+    return [quant_cols(x, splits) for x in xs]
 
 
 def _blocks(w: torch.Tensor, transpose: bool = False):
@@ -282,8 +284,7 @@ def _weight_grad(
     """``dw[e] = grad[rows of e]^T @ x[rows of e]`` (``[E, N, K]`` in ``dtype``; zero for an expert
     without rows), both operands per 128 x 1 tile of the expert's rows."""
     g, x = grad.contiguous(), x.contiguous()
-    gt, gts = _cols(g, splits)
-    xt, xts = _cols(x, splits)
+    (gt, gts), (xt, xts) = _cols((g, x), splits)
     dw = g.new_empty(len(splits), g.shape[1], x.shape[1], dtype=dtype)
     tile = 0
     for e, _, rows in _spans(splits):
