@@ -330,7 +330,15 @@ def test_help_lists_this_projects_options_first_and_no_refused_ones():
     assert proc.returncode == 0
     sections = re.findall(r"^\[(\w+)\]$", proc.stdout, re.M)
     assert sections[:7] == ["model", "training", "data", "dsa", "moe", "mtp", "faults"]
-    assert "--metrics.enable_wandb" not in proc.stdout and "--quantize." not in proc.stdout
+    assert "--metrics.enable_wandb" not in proc.stdout
+    # the FP8 options are listed under their nested sections, the refused quantize ones are not
+    assert "[quantize.linear.float8]" in proc.stdout.split("Not listed:")[0]
+    assert "--quantize.linear.float8.recipe_name" in proc.stdout
+    assert "--quantize.linear.float8.emulate" not in proc.stdout
+    assert (
+        "--quantize.linear.mx." not in proc.stdout
+        and "--quantize.grouped_mm.mx." not in proc.stdout
+    )
     assert (
         "Not listed:" in proc.stdout
         and "metrics.enable_wandb" in proc.stdout.split("Not listed:")[1]
