@@ -285,6 +285,8 @@ class Trainer:
             with torch.device("meta"):
                 model = GLM52Model(self.args, self.options, with_mtp=self.with_mtp)
             self.model_parts = [self._parallelize(model)]
+        if self.fp8 is not None:  # on the meta device still: a refusal comes before any work
+            self._log_fp8()
         for part in self.model_parts:
             part.to_empty(device=self.device)
             with torch.no_grad():
@@ -295,8 +297,6 @@ class Trainer:
         self.model = self.model_parts[0]
         if self.lora is not None:
             self._log_lora_counts()
-        if self.fp8 is not None:
-            self._log_fp8()
         if self.pp:
             self._pp_warmup()
 

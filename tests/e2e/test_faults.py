@@ -72,6 +72,16 @@ def test_a_refusal_is_one_line_once_with_status_2(tmp_path):
     assert not os.path.exists(tmp_path / ".titan_glm52.lock")
 
 
+def test_fp8_on_a_model_it_cannot_convert_is_refused_before_any_work(tmp_path):
+    # the debug flavor's widths are not in 128 x 128 blocks: nothing would run in FP8
+    proc = run_train(tmp_path, "--model.converters", "quantize.linear.float8", nproc=1, check=False)
+    out = _output(proc)
+    assert proc.returncode != 0 and "exitcode  : 2" in out, out[-2000:]
+    line = [ln for ln in out.splitlines() if ln.startswith("error: model.converters:")]
+    assert len(line) == 1 and "no product of this model runs in FP8" in line[0], out[-2000:]
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
 def test_the_traceback_comes_back_on_request(tmp_path):
     env_before = os.environ.get("TITAN_GLM52_TRACEBACK")
     os.environ["TITAN_GLM52_TRACEBACK"] = "1"
