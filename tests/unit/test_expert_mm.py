@@ -70,9 +70,11 @@ def test_auto_takes_grouped_below_the_row_threshold(monkeypatch, rows_per_expert
     monkeypatch.setattr(moe_mod, "_grouped_mm_usable", lambda x: True)
     monkeypatch.setattr(torch, "_grouped_mm", fake_grouped, raising=False)
     monkeypatch.setattr(
-        moe_mod,
-        "expert_mm",
-        lambda x, w, splits: calls.append("per_expert") or x.new_zeros(x.shape[0], w.shape[1]),
+        GroupedExperts,
+        "per_expert_mm",
+        staticmethod(
+            lambda x, w, splits: calls.append("per_expert") or x.new_zeros(x.shape[0], w.shape[1])
+        ),
     )
     ex = GroupedExperts(2, 4, 4)
     init_weights_(ex, 0.1)
