@@ -111,8 +111,9 @@ against EP 2 likewise, two against HSDP 2 x 2 in the linears' (64-token tiles).
 
 float64. In fp32 the parallel run is equal to the single process only up to summation order (under
 FSDP's hooks autograd sums the gradient terms that reach the final norm's output from the head and
-from the MTP layer in another order: a last-bit difference). Without FP8 that stays ~1e-7; an FP8 quantisation turns a last-bit change of a
-value that lies at an e4m3 rounding midpoint into a whole e4m3 step (1/16 of it), and backward
+from the MTP layer in another order: a last-bit difference). Without FP8 that stays ~1e-7; an FP8
+quantisation turns a last-bit change of a value that lies at an e4m3 rounding midpoint into a whole
+e4m3 step (1/16 of it), and backward
 carries that into every earlier layer (up to 3 % of a gradient's largest element, far beyond the
 tolerances, although every tile is the same). These cases therefore keep parameters, activations,
 gradients and the FSDP reductions in float64 on both sides: the FP8 products quantise from fp32
