@@ -26,11 +26,14 @@ checkpointing can save their outputs.
 
 from __future__ import annotations
 
+from itertools import accumulate
+
 import torch
 import torch.nn.functional as F
 
 from titan_glm52.host_copy import host_to_device
 from titan_glm52.kernels import triton_available
+from titan_glm52.model.expert_mm import _setup, _spans  # expert_mm's spans and saved inputs
 
 E4M3 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -167,13 +170,6 @@ def _blocks(w: torch.Tensor, transpose: bool = False):
 
 
 # ------------------------------------------------------------------------------ the ops
-def _spans(splits: list[int]):
-    start = 0
-    for e, n in enumerate(splits):
-        yield e, start, n
-        start += n
-
-
 # kernels/fp8_quant.ROW_ALIGN: each segment's quantised rows start on a multiple of this many
 ROW_ALIGN = 16
 
@@ -204,18 +200,14 @@ def _rows_per_segment(x: torch.Tensor, splits: list[int]):
     elsewhere its rows."""
     if not _on_kernel(x):
         q, s = quant_rows(x)
-        starts = [0]
-        for n in splits:
-            starts.append(starts[-1] + n)
+        starts = list(accumulate(splits, initial=0))
         return lambda e: (q[starts[e] : starts[e + 1]], s[starts[e] : starts[e + 1]])
     from titan_glm52.kernels import fp8_quant  # lazy: the model must not import triton
 
     padded = [_padded(n) for n in splits]
     q, flat = fp8_quant.quant_rows(x, segments_of(splits, x.device), sum(padded))
     kb = x.shape[1] // TILE
-    first = [0]
-    for p in padded:
-        first.append(first[-1] + p)
+    first = list(accumulate(padded, initial=0))
 
     def part(e: int):
         a, p = first[e], padded[e]
@@ -303,12 +295,6 @@ def _weight_grad(
 @_weight_grad.register_fake
 def _(grad, x, splits, dtype):
     return grad.new_empty(len(splits), grad.shape[1], x.shape[1], dtype=dtype)
-
-
-def _setup(ctx, inputs, output) -> None:
-    x, w, splits = inputs
-    ctx.save_for_backward(x, w)
-    ctx.splits = splits
 
 
 def _backward(ctx, grad: torch.Tensor):
