@@ -30,6 +30,7 @@ CATEGORIES = (
     ("dsa: sparse mla bwd", r"^_bwd_(dq_|dkv_|ps_|grad_)(ws_)?kernel|^_bwd_kernel"),
     ("dsa: indexer top-k", r"^_(score|score_ws|select)_kernel"),
     ("dsa: indexer kl", r"^_kl_(fwd|bwd)_kernel"),
+    ("fp8 quantisation", r"^_quant_(rows|cols|blocks)_kernel"),
     ("dense attention (flash/cudnn/efficient)", r"flash|fmha|cudnn|attention|sdpa|efficient"),
     ("grouped gemm (moe)", r"grouped|group_gemm|groupproblem|ragged"),
     ("nccl", r"nccl"),

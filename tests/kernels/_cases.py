@@ -61,7 +61,7 @@ def check_fp8(device, splits, dim: int, hidden: int, tol: float, seed: int = 0) 
     """FP8 training on ``device``: (1) the Triton quantisation kernels equal the torch formulas of
     ``model/fp8_mm.py`` bit for bit (1 x 128 tiles in segments padded to ``ROW_ALIGN`` rows with
     their scales per segment, 128 x 1 tiles per expert written transposed, 128 x 128 blocks both
-    ways); (2) ``fp8_expert_mm``'s output and
+    ways; one segment without a segment or tile table); (2) ``fp8_expert_mm``'s output and
     both gradients, and ``fp8_linear``'s output, equal quantise-then-matmul references written
     here (activations and gradients per 1 x 128 tile of the contraction, weights per 128 x 128
     block, the weight gradient's operands per 128 x 1 tile of each expert's rows) within ``tol``
@@ -89,10 +89,18 @@ def check_fp8(device, splits, dim: int, hidden: int, tol: float, seed: int = 0) 
         got = ss[first * kb : (first + p) * kb].view(kb, p).t()[:n]
         assert torch.equal(got, sr[start : start + n])
         start, first = start + n, first + p
+    q1, s1 = K.quant_rows(x16)  # one segment, no segment table (a linear's input)
+    p1 = -(-rows // K.ROW_ALIGN) * K.ROW_ALIGN
+    same_bits(q1[:rows], qr)
+    assert torch.equal(s1.view(kb, p1).t()[:rows], sr)
     qt, st = K.quant_cols(x16, M.tiles_of(splits, x.device))
     qtr, str_ = M.quant_cols(x16, splits)
     same_bits(qt, qtr)
     assert torch.equal(st, str_)
+    qt1, st1 = K.quant_cols(x16)  # one segment, no tile table
+    qtr1, str1 = M.quant_cols(x16, [rows])
+    same_bits(qt1, qtr1)
+    assert torch.equal(st1, str1)
     for transpose in (False, True):
         qb, sb = K.quant_blocks(w16, transpose)
         qbr, sbr = M.quant_blocks(w16, transpose)

@@ -10,12 +10,13 @@ torch formulas give the same bits. The layouts are the ones cuBLAS's block-scale
   dimension), per segment of rows (the routed experts' rows, one segment per expert; a linear's
   rows are one segment): each segment's rows start at a multiple of ``ROW_ALIGN`` rows of ``q``
   and its scales lie M-contiguous on their own in one flat buffer, so that a segment's slices
-  are an operand and a scale tensor in cuBLAS's layout.
+  are an operand and a scale tensor in cuBLAS's layout. Without segments (a linear's input) x's
+  rows are one segment, with nothing read from a segment table.
 * ``quant_cols(x [M, K], tiles)``: tiles of 128 x 1 along M (the tokens: the weight gradient's
   contraction), written transposed: ``qt [K, 128 n_tiles]`` and the scales ``[K, n_tiles]`` with K
   contiguous. ``tiles [n_tiles, 2]`` int32 holds each tile's first row and row count (at most 128):
   a tile never crosses a segment, a segment's tiles are consecutive, and the rows a tile lacks are
-  written as zeros.
+  written as zeros. Without ``tiles`` x's rows are one segment.
 * ``quant_blocks(w [G, N, K])``: 128 x 128 blocks of each of G matrices -> ``q [G, N, K]`` (or
   ``[G, K, N]``, transposed) and the scales ``[G, N / 128, K / 128]``.
 """
@@ -51,6 +52,7 @@ def _to_e4m3(x, amax):
 def _quant_rows_kernel(
     x_ptr, q_ptr, s_ptr, seg_ptr, M, K,
     BM: tl.constexpr, TILE: tl.constexpr, ALIGN: tl.constexpr, EPS: tl.constexpr,
+    SEGMENTED: tl.constexpr,
 ):  # fmt: skip
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     kb = tl.program_id(1)
@@ -60,25 +62,34 @@ def _quant_rows_kernel(
     x = tl.load(x_ptr + r64[:, None] * K + cols[None, :], mask=live[:, None], other=0.0)
     amax = tl.maximum(tl.max(tl.abs(x.to(tl.float32)), axis=1), EPS)
     q, s = _to_e4m3(x.to(tl.float32), amax[:, None])
-    # the row's segment: its first row in x, its row count, its first row in the padded output
-    start = tl.load(seg_ptr + rows, mask=live, other=0).to(tl.int64)
-    n = tl.load(seg_ptr + M + rows, mask=live, other=1).to(tl.int64)
-    out = tl.load(seg_ptr + 2 * M + rows, mask=live, other=0).to(tl.int64) + (r64 - start)
-    tl.store(q_ptr + out[:, None] * K + cols[None, :], q, mask=live[:, None])
+    if SEGMENTED:  # the row's segment: its first row in x, its rows, its first row in the output
+        start = tl.load(seg_ptr + rows, mask=live, other=0).to(tl.int64)
+        n = tl.load(seg_ptr + M + rows, mask=live, other=1).to(tl.int64)
+        first = tl.load(seg_ptr + 2 * M + rows, mask=live, other=0).to(tl.int64)
+        pos = r64 - start  # the row within its segment
+    else:  # one segment: x's rows
+        n = M
+        first = 0
+        pos = r64
+    tl.store(q_ptr + (first + pos)[:, None] * K + cols[None, :], q, mask=live[:, None])
     padded = (n + ALIGN - 1) // ALIGN * ALIGN
-    at = (out - (r64 - start)) * (K // TILE) + kb * padded + (r64 - start)
+    at = first * (K // TILE) + kb * padded + pos
     tl.store(s_ptr + at, tl.reshape(s, (BM,)), mask=live)
 
 
 @triton.jit
 def _quant_cols_kernel(
-    x_ptr, q_ptr, s_ptr, tiles_ptr, K, width,
-    BK: tl.constexpr, TILE: tl.constexpr, EPS: tl.constexpr,
+    x_ptr, q_ptr, s_ptr, tiles_ptr, M, K, width,
+    BK: tl.constexpr, TILE: tl.constexpr, EPS: tl.constexpr, SEGMENTED: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0)
     cols = tl.program_id(1) * BK + tl.arange(0, BK)
-    first = tl.load(tiles_ptr + 2 * t).to(tl.int64)
-    n = tl.load(tiles_ptr + 2 * t + 1)
+    if SEGMENTED:
+        first = tl.load(tiles_ptr + 2 * t).to(tl.int64)
+        n = tl.load(tiles_ptr + 2 * t + 1)
+    else:  # one segment: tile t holds rows 128 t on
+        first = t.to(tl.int64) * TILE
+        n = tl.minimum(M - first, TILE)
     r = tl.arange(0, TILE)
     live = cols < K
     mask = (r[:, None] < n) & live[None, :]
@@ -119,39 +130,53 @@ def _check(x: torch.Tensor, what: str, dims: tuple[int, ...]) -> None:
 
 
 def quant_rows(
-    x: torch.Tensor, segments: torch.Tensor, padded_rows: int
+    x: torch.Tensor, segments: torch.Tensor | None = None, padded_rows: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``x [M, K]`` (K a multiple of 128) per 1 x 128 tile, in segments (module docstring):
     ``segments`` int32 ``[3, M]`` holds each row's segment's first row, row count and first row in
-    the output, whose segments start on multiples of ``ROW_ALIGN`` rows (``padded_rows`` in all).
-    Returns (``q [padded_rows, K]`` e4m3, the flat fp32 scales ``[padded_rows K / 128]``: a
-    segment of n rows padded to p has its ``[K / 128, p]`` block at its first output row x K /
-    128). The padding rows are left unwritten."""
+    the output, whose segments start on multiples of ``ROW_ALIGN`` rows (``padded_rows`` in all);
+    without them x's rows are one segment (M padded to ``ROW_ALIGN``). Returns (``q [padded_rows,
+    K]`` e4m3, the flat fp32 scales ``[padded_rows K / 128]``: a segment of n rows padded to p has
+    its ``[K / 128, p]`` block at its first output row x K / 128). The padding rows are left
+    unwritten."""
     _check(x, "quant_rows", (1,))
-    check_device(x, segments)
     m, k = x.shape
+    if segments is None:
+        check_device(x)
+        padded_rows = -(-m // ROW_ALIGN) * ROW_ALIGN
+    else:
+        check_device(x, segments)
     q = torch.empty(padded_rows, k, dtype=E4M3, device=x.device)
     s = torch.empty(padded_rows * (k // TILE), dtype=torch.float32, device=x.device)
     if m:
         _quant_rows_kernel[(triton.cdiv(m, ROWS_BM), k // TILE)](
-            x, q, s, segments, m, k, BM=ROWS_BM, TILE=TILE, ALIGN=ROW_ALIGN, EPS=EPS
-        )
+            x, q, s, x if segments is None else segments, m, k,
+            BM=ROWS_BM, TILE=TILE, ALIGN=ROW_ALIGN, EPS=EPS, SEGMENTED=segments is not None,
+        )  # fmt: skip
     return q, s
 
 
-def quant_cols(x: torch.Tensor, tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x [M, K]`` per 128 x 1 tile along M as ``tiles`` lays them (module docstring) -> (``qt [K,
-    128 n]`` e4m3, scales ``[K, n]`` fp32 with K contiguous), n = ``tiles.shape[0]``."""
+def quant_cols(
+    x: torch.Tensor, tiles: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [M, K]`` per 128 x 1 tile along M as ``tiles`` lays them (module docstring; without
+    them x's rows are one segment) -> (``qt [K, 128 n]`` e4m3, scales ``[K, n]`` fp32 with K
+    contiguous), n the number of tiles."""
     _check(x, "quant_cols", ())
-    check_device(x, tiles)
-    _m, k = x.shape
-    n = tiles.shape[0]
+    m, k = x.shape
+    if tiles is None:
+        check_device(x)
+        n = triton.cdiv(m, TILE)
+    else:
+        check_device(x, tiles)
+        n = tiles.shape[0]
     qt = torch.empty(k, n * TILE, dtype=E4M3, device=x.device)
     s = torch.empty(n, k, dtype=torch.float32, device=x.device)
     if n:
         _quant_cols_kernel[(n, triton.cdiv(k, COLS_BK))](
-            x, qt, s, tiles, k, n * TILE, BK=COLS_BK, TILE=TILE, EPS=EPS
-        )
+            x, qt, s, x if tiles is None else tiles, m, k, n * TILE,
+            BK=COLS_BK, TILE=TILE, EPS=EPS, SEGMENTED=tiles is not None,
+        )  # fmt: skip
     return qt, s.t()
 
 

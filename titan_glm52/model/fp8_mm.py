@@ -129,26 +129,23 @@ def scaled_mm(
     bt: torch.Tensor,
     bt_s: torch.Tensor,
     blocks: bool,
-    out_dtype: torch.dtype,
+    out: torch.Tensor,
 ) -> torch.Tensor:
-    """``a @ bt^T`` of e4m3 operands: ``a [M, Kc]`` with 1 x 128 scales ``a_s [M, Kc / 128]`` (M
-    contiguous on CUDA), ``bt [N, Kc]`` (rows contiguous) with 128 x 128 scales ``[N / 128, Kc /
+    """``out = a @ bt^T`` of e4m3 operands: ``a [M, Kc]`` with 1 x 128 scales ``a_s [M, Kc / 128]``
+    (M contiguous on CUDA), ``bt [N, Kc]`` (rows contiguous) with 128 x 128 scales ``[N / 128, Kc /
     128]`` (``blocks``) or 1 x 128 scales ``[N, Kc / 128]`` (N contiguous on CUDA); fp32 sums,
-    rounded once to ``out_dtype``."""
-    if a.is_cuda:
-        st = F.ScalingType
-        res = F.scaled_mm(
-            a,
-            bt.t(),
-            scale_a=a_s,
-            scale_recipe_a=st.BlockWise1x128,
-            scale_b=_k_major(bt_s) if blocks else bt_s,
-            scale_recipe_b=st.BlockWise128x128 if blocks else st.BlockWise1x128,
-            output_dtype=out_dtype,
-        )
-    else:
-        res = (_dequant(a, a_s, False) @ _dequant(bt, bt_s, blocks).t()).to(out_dtype)
-    return res
+    rounded once to ``out``'s dtype (``out [M, N]`` contiguous). Returns ``out``."""
+    if not a.is_cuda:
+        return out.copy_(_dequant(a, a_s, False) @ _dequant(bt, bt_s, blocks).t())
+    # aten's out= form of F.scaled_mm: cuBLAS writes into out (an expert's rows of the output)
+    # instead of a new tensor copied there
+    b_recipe = F.ScalingType.BlockWise128x128 if blocks else F.ScalingType.BlockWise1x128
+    return torch.ops.aten._scaled_mm_v2.out(
+        a, bt.t(),
+        [a_s], [F.ScalingType.BlockWise1x128.value], [],
+        [_k_major(bt_s) if blocks else bt_s], [b_recipe.value], [],
+        None, out.dtype, [], False, out=out,
+    )  # fmt: skip
 
 
 def _cols(xs: tuple[torch.Tensor, ...], splits: list[int]):
@@ -156,7 +153,7 @@ def _cols(xs: tuple[torch.Tensor, ...], splits: list[int]):
     if _on_kernel(*xs):
         from titan_glm52.kernels import fp8_quant
 
-        tiles = tiles_of(splits, xs[0].device)
+        tiles = tiles_of(splits, xs[0].device) if len(splits) > 1 else None
         return [fp8_quant.quant_cols(x, tiles) for x in xs]
     return [quant_cols(x, splits) for x in xs]
 
@@ -205,7 +202,10 @@ def _rows_per_segment(x: torch.Tensor, splits: list[int]):
     from titan_glm52.kernels import fp8_quant  # lazy: the model must not import triton
 
     padded = [_padded(n) for n in splits]
-    q, flat = fp8_quant.quant_rows(x, segments_of(splits, x.device), sum(padded))
+    if len(splits) == 1:  # a linear: no segment table
+        q, flat = fp8_quant.quant_rows(x)
+    else:
+        q, flat = fp8_quant.quant_rows(x, segments_of(splits, x.device), sum(padded))
     kb = x.shape[1] // TILE
     first = list(accumulate(padded, initial=0))
 
@@ -238,7 +238,15 @@ def _times_blocks(a: torch.Tensor, bt: torch.Tensor, bt_s: torch.Tensor, splits:
     for e, s, n in _spans(splits):
         if n:
             aq, a_s = part(e)
-            out[s : s + n] = scaled_mm(aq, a_s, bt[e], bt_s[e], True, a.dtype)[:n]
+            p = aq.shape[0]  # n, or n padded on CUDA (the product's extra rows are dropped)
+            # Experts run in row order, so an expert's extra rows may land on the next one's
+            # rows of out (which it writes after); past out's end they go to a scratch tensor.
+            if s + p <= out.shape[0]:
+                scaled_mm(aq, a_s, bt[e], bt_s[e], True, out[s : s + p])
+            else:
+                out[s : s + n] = scaled_mm(
+                    aq, a_s, bt[e], bt_s[e], True, out.new_empty(p, out.shape[1])
+                )[:n]
     return out
 
 
@@ -283,9 +291,7 @@ def _weight_grad(
         n = -(-rows // TILE)
         cols, scales = slice(tile * TILE, (tile + n) * TILE), slice(tile, tile + n)
         if n:
-            dw[e] = scaled_mm(
-                gt[:, cols], gts[:, scales], xt[:, cols], xts[:, scales], False, dtype
-            )
+            scaled_mm(gt[:, cols], gts[:, scales], xt[:, cols], xts[:, scales], False, dw[e])
         else:
             dw[e].zero_()
         tile += n
