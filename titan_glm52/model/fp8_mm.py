@@ -26,8 +26,6 @@ checkpointing can save their outputs.
 
 from __future__ import annotations
 
-from itertools import accumulate
-
 import torch
 import torch.nn.functional as F
 
@@ -192,13 +190,13 @@ def segments_of(splits: list[int], device: torch.device) -> torch.Tensor:
 
 
 def _rows_per_segment(x: torch.Tensor, splits: list[int]):
-    """``x`` per 1 x 128 tile along K, and a function giving segment e's (rows, scales) in the
-    GEMM's layout: on CUDA its ``ROW_ALIGN``-padded rows (a product's extra rows are dropped),
-    elsewhere its rows."""
+    """``x`` per 1 x 128 tile along K, as each segment's (rows, scales) in the GEMM's layout: on
+    CUDA its ``ROW_ALIGN``-padded rows (a product's extra rows are dropped), elsewhere its rows.
+    The views come from one ``split`` per tensor: at 4K tokens the host's time per product
+    matters (bench/results/2026-12-04_h200_fp8.md)."""
     if not _on_kernel(x):
         q, s = quant_rows(x)
-        starts = list(accumulate(splits, initial=0))
-        return lambda e: (q[starts[e] : starts[e + 1]], s[starts[e] : starts[e + 1]])
+        return list(zip(q.split(splits), s.split(splits)))
     from titan_glm52.kernels import fp8_quant  # lazy: the model must not import triton
 
     padded = [_padded(n) for n in splits]
@@ -207,13 +205,8 @@ def _rows_per_segment(x: torch.Tensor, splits: list[int]):
     else:
         q, flat = fp8_quant.quant_rows(x, segments_of(splits, x.device), sum(padded))
     kb = x.shape[1] // TILE
-    first = list(accumulate(padded, initial=0))
-
-    def part(e: int):
-        a, p = first[e], padded[e]
-        return q[a : a + p], flat[a * kb : (a + p) * kb].view(kb, p).t()
-
-    return part
+    scales = flat.split([p * kb for p in padded])
+    return [(qe, se.view(kb, p).t()) for qe, se, p in zip(q.split(padded), scales, padded)]
 
 
 def _check(x: torch.Tensor, w: torch.Tensor, splits: list[int], what: str) -> None:
@@ -233,20 +226,17 @@ def _times_blocks(a: torch.Tensor, bt: torch.Tensor, bt_s: torch.Tensor, splits:
     """``out[rows of e] = a[rows of e] @ bt[e]^T``: ``a`` quantised here per 1 x 128 tile, ``bt``
     e4m3 ``[E, N, Kc]`` with 128 x 128 scales ``bt_s [E, N / 128, Kc / 128]``."""
     a = a.contiguous()
-    part = _rows_per_segment(a, splits)
     out = a.new_empty(a.shape[0], bt.shape[1])
-    for e, s, n in _spans(splits):
+    parts = zip(_spans(splits), _rows_per_segment(a, splits), bt.unbind(0), bt_s.unbind(0))
+    for (_, s, n), (aq, a_s), b, b_s in parts:
         if n:
-            aq, a_s = part(e)
             p = aq.shape[0]  # n, or n padded on CUDA (the product's extra rows are dropped)
             # Experts run in row order, so an expert's extra rows may land on the next one's
             # rows of out (which it writes after); past out's end they go to a scratch tensor.
             if s + p <= out.shape[0]:
-                scaled_mm(aq, a_s, bt[e], bt_s[e], True, out[s : s + p])
+                scaled_mm(aq, a_s, b, b_s, True, out[s : s + p])
             else:
-                out[s : s + n] = scaled_mm(
-                    aq, a_s, bt[e], bt_s[e], True, out.new_empty(p, out.shape[1])
-                )[:n]
+                out[s : s + n] = scaled_mm(aq, a_s, b, b_s, True, out.new_empty(p, len(b)))[:n]
     return out
 
 
@@ -286,15 +276,17 @@ def _weight_grad(
     g, x = grad.contiguous(), x.contiguous()
     (gt, gts), (xt, xts) = _cols((g, x), splits)
     dw = g.new_empty(len(splits), g.shape[1], x.shape[1], dtype=dtype)
-    tile = 0
-    for e, _, rows in _spans(splits):
-        n = -(-rows // TILE)
-        cols, scales = slice(tile * TILE, (tile + n) * TILE), slice(tile, tile + n)
+    tiles = [-(-rows // TILE) for rows in splits]  # each expert's 128 x 1 tiles
+    cols = [n * TILE for n in tiles]
+    parts = zip(
+        dw.unbind(0), tiles, gt.split(cols, 1), gts.split(tiles, 1), xt.split(cols, 1),
+        xts.split(tiles, 1),
+    )  # fmt: skip
+    for dwe, n, ge, ges, xe, xes in parts:
         if n:
-            scaled_mm(gt[:, cols], gts[:, scales], xt[:, cols], xts[:, scales], False, dw[e])
+            scaled_mm(ge, ges, xe, xes, False, dwe)
         else:
-            dw[e].zero_()
-        tile += n
+            dwe.zero_()
     return dw
 
 
