@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # FP8 training against bf16 on one H200, in one call (docs/fp8_training.md): the FP8 products at real
 # size, the proxy trained 300 steps in bf16 (two data orders) and in FP8, then tokens/s of both at
-# 4K and 32K (compiled, MTP off, AC none). About 7 minutes. Usage on the GPU machine (.whl carried):
+# 4K and 32K (compiled, MTP off, AC none). About 8 minutes. Usage on the GPU machine (.whl carried):
 #   bash bench/fp8_check.sh
 # Results in $OUT (or /tmp/out): the three runs' metrics.jsonl, e2e_bf16.json / e2e_fp8.json and the
 # curve comparison (bench/compare_curves.py) printed last.
