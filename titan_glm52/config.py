@@ -788,6 +788,14 @@ def _validate_fp8(cfg: JobConfig) -> None:
             "FP8 products with LoRA adapters are not implemented; remove the FP8 converters or "
             "set lora.enable false",
         )
+    if FP8_LINEARS in cfg.model.converters and not any(f in "output" for f in linear.filter_fqns):
+        # the converter never takes the head (fp8_training.apply_fp8): asking for it is refused
+        # rather than ignored
+        _refuse(
+            "quantize.linear.float8.filter_fqns",
+            f"{linear.filter_fqns!r} leaves the LM head ('output') to FP8, but its fused "
+            "cross-entropy (model/head.py) has no FP8 form; add 'output' to the list",
+        )
     if FP8_EXPERTS in cfg.model.converters and cfg.moe.grouped_mm == "on":
         _refuse(
             "moe.grouped_mm",

@@ -271,6 +271,15 @@ FP8_BOTH = "quantize.linear.float8,quantize.grouped_mm.float8"
             "model.converters",
         ),
         (["--model.converters", FP8_BOTH, "--moe.grouped_mm", "on"], "moe.grouped_mm"),
+        (  # the head's fused loss has no FP8 form
+            [
+                "--model.converters",
+                FP8_BOTH,
+                "--quantize.linear.float8.filter_fqns",
+                "indexer,wkv_b",
+            ],
+            "quantize.linear.float8.filter_fqns",
+        ),
         (
             ["--model.converters", FP8_BOTH, "--quantize.linear.float8.emulate"],
             "quantize.linear.float8.emulate",
