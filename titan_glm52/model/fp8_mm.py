@@ -3,7 +3,7 @@
 
 Each operand is quantised to e4m3 where it enters a product, per 1 x 128 tile of the contraction for
 activations and gradients and per 128 x 128 block for weights, and the product accumulates in fp32
-(cuBLAS's block-scaled FP8 GEMM, ``F.scaled_mm``, on CUDA):
+(cuBLAS's block-scaled FP8 GEMM, aten's ``_scaled_mm_v2`` behind ``F.scaled_mm``, on CUDA):
 
     forward         y  = x  @ w^T    x: 1 x 128 along K       w: 128 x 128
     input gradient  dx = dy @ w      dy: 1 x 128 along N      w: 128 x 128 (laid transposed)
