@@ -89,10 +89,8 @@ def quant_blocks(w: torch.Tensor, transpose: bool = False) -> tuple[torch.Tensor
 
 
 def tiles_of(splits: list[int], device: torch.device) -> torch.Tensor:
-    """int32 ``[n, 2]``: each 128-row tile's first row and row count, segment by segment."""
-    if len(splits) == 1:  # one segment: made on the device, nothing copied from the host
-        first = torch.arange(0, splits[0], TILE, dtype=torch.int32, device=device)
-        return torch.stack((first, (splits[0] - first).clamp_max(TILE)), dim=1)
+    """int32 ``[n, 2]``: each 128-row tile's first row and row count, segment by segment (one
+    segment needs no table: ``kernels/fp8_quant.quant_cols`` without ``tiles``)."""
     rows, start = [], 0
     for n in splits:
         rows += [(start + t, min(TILE, n - t)) for t in range(0, n, TILE)]
