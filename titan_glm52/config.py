@@ -375,7 +375,9 @@ class Float8Linear(tt.Float8Linear):
     filter_fqns: list[str] = field(default_factory=lambda: list(DEFAULT_FP8_FILTER))
     """Linears whose name contains one of these stay bf16 (torchtitan's option). The default keeps
     the output head, the indexer and wkv_b (read directly by the absorbed attention) in bf16;
-    linears whose dimensions are not multiples of 128 (wkv_a: 576 outputs) stay bf16 too."""
+    linears whose dimensions are not multiples of 128 (wkv_a: 576 outputs) stay bf16 too. Without
+    "output" the head's logits and its fused loss's gradients run in FP8 as well
+    (docs/fp8_training.md: its speed and loss curve)."""
 
 
 @dataclass
@@ -787,14 +789,6 @@ def _validate_fp8(cfg: JobConfig) -> None:
             "model.converters",
             "FP8 products with LoRA adapters are not implemented; remove the FP8 converters or "
             "set lora.enable false",
-        )
-    if FP8_LINEARS in cfg.model.converters and not any(f in "output" for f in linear.filter_fqns):
-        # the converter never takes the head (fp8_training.apply_fp8): asking for it is refused
-        # rather than ignored
-        _refuse(
-            "quantize.linear.float8.filter_fqns",
-            f"{linear.filter_fqns!r} leaves the LM head ('output') to FP8, but its fused "
-            "cross-entropy (model/head.py) has no FP8 form; add 'output' to the list",
         )
     if FP8_EXPERTS in cfg.model.converters and cfg.moe.grouped_mm == "on":
         _refuse(

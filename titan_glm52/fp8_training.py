@@ -9,12 +9,14 @@ its name (checkpoints, the HF export and the optimizer see the same model):
   multiples of 128 becomes an ``Fp8Linear``: its forward is ``model/fp8_mm.fp8_linear``;
 * every routed experts' module (``GroupedExperts``) whose name contains one of
   ``spec.expert_fqns`` becomes ``Fp8GroupedExperts``: one block-wise FP8 GEMM per expert
-  (``fp8_expert_mm``; cuBLAS has no block-scaled grouped GEMM on Hopper).
+  (``fp8_expert_mm``; cuBLAS has no block-scaled grouped GEMM on Hopper);
+* the output head (``OutputHead``), when ``output`` is not in ``spec.filter_fqns``, becomes an
+  ``Fp8OutputHead``: its fused loss forms its three products in FP8 (``Fp8HeadProducts``).
 
 The weights, their gradients, the fp32 master weights and the optimizer state stay as they are;
 only the products run in FP8. What stays bf16 and why is docs/fp8_training.md's table: the output
-head (its fused loss reads the weight directly), the router and the indexer's head weights (fp32
-products), the indexer's projections (they learn from the KL alone), ``wkv_b`` (the absorbed
+head by default (as DeepSeek-V3 kept it; FP8 when asked), the router and the indexer's head
+weights (fp32 products), the indexer's projections (they learn from the KL alone), ``wkv_b`` (the absorbed
 attention reads it directly) and ``wkv_a`` (576 outputs, not a multiple of 128).
 """
 
@@ -25,7 +27,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from titan_glm52.model.fp8_mm import TILE, fp8_expert_mm, fp8_linear
+from titan_glm52.model.fp8_mm import TILE, Fp8HeadProducts, fp8_expert_mm, fp8_linear
+from titan_glm52.model.head import OutputHead, linear_cross_entropy_sum
 from titan_glm52.model.moe import GroupedExperts
 
 RECIPES = ("blockwise",)
@@ -55,6 +58,15 @@ class Fp8Linear(nn.Linear):
         return fp8_linear(x, self.weight)
 
 
+class Fp8OutputHead(OutputHead):
+    """The output head with its logits and its fused loss's products in FP8."""
+
+    def forward(self, h: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        if labels is None:
+            return fp8_linear(h, self.weight)
+        return linear_cross_entropy_sum(h, self.weight, labels, products=Fp8HeadProducts)
+
+
 class Fp8GroupedExperts(GroupedExperts):
     """``GroupedExperts`` whose products are block-wise FP8, one GEMM per expert."""
 
@@ -62,6 +74,7 @@ class Fp8GroupedExperts(GroupedExperts):
 
 
 def _kept_why(name: str, module: nn.Linear, spec: Fp8Spec) -> str | None:
+    """Why the linear or head ``name`` stays bf16, or None."""
     if module.bias is not None:
         return "has a bias"
     hit = next((f for f in spec.filter_fqns if f in name), None)
@@ -79,11 +92,12 @@ def apply_fp8(model: nn.Module, spec: Fp8Spec) -> dict[str, dict[str, str]]:
     done: dict[str, str] = {}
     kept: dict[str, str] = {}
     for name, module in model.named_modules():
-        if type(module) is nn.Linear and spec.linears:
+        if type(module) in (nn.Linear, OutputHead) and spec.linears:
             why = _kept_why(name, module, spec)
+            head = type(module) is OutputHead
             if why is None:
-                module.__class__ = Fp8Linear
-                done[name] = "linear"
+                module.__class__ = Fp8OutputHead if head else Fp8Linear
+                done[name] = "output head" if head else "linear"
             else:
                 kept[name] = why
         elif type(module) is GroupedExperts:
@@ -101,7 +115,15 @@ def apply_fp8(model: nn.Module, spec: Fp8Spec) -> dict[str, dict[str, str]]:
 
 
 def is_fp8(module: nn.Module) -> bool:
-    return isinstance(module, (Fp8Linear, Fp8GroupedExperts))
+    return isinstance(module, (Fp8Linear, Fp8OutputHead, Fp8GroupedExperts))
 
 
-__all__ = ["RECIPES", "Fp8GroupedExperts", "Fp8Linear", "Fp8Spec", "apply_fp8", "is_fp8"]
+__all__ = [
+    "RECIPES",
+    "Fp8GroupedExperts",
+    "Fp8Linear",
+    "Fp8OutputHead",
+    "Fp8Spec",
+    "apply_fp8",
+    "is_fp8",
+]

@@ -52,6 +52,9 @@ def debug_args(flavor: str = "debug"):
 
 # FP8 cases compute everything but the FP8 products in float64 (test_parallel_training.FP8_NOTE)
 FP8_CASE_DTYPE = torch.float64
+# What FP8 cases convert: the linears, the routed experts and the output head (the default filter
+# less "output", so that the head's FP8 loss is checked too)
+FP8_CASE_SPEC = Fp8Spec(filter_fqns=("indexer", "wkv_b"))
 
 
 def fp8_modules(model) -> list[str]:
@@ -121,8 +124,8 @@ def check_train_step(
     backward.
     ``mtp_token_chunk``: the parallel run's MTP layer in token chunks (``[activation_checkpoint]
     mtp_token_chunk``), the reference's whole.
-    ``fp8``: the "debug_fp8" flavor with FP8 products (``Fp8Spec()``: the linears and the routed
-    experts) on both sides: ``apply_fp8`` on the reference, ``parallelize_model(fp8=...)`` on the
+    ``fp8``: the "debug_fp8" flavor with FP8 products (``FP8_CASE_SPEC``: the linears, the routed
+    experts and the output head) on both sides: ``apply_fp8`` on the reference, ``parallelize_model(fp8=...)`` on the
     parallel copy; parameters, gradients and the FSDP compute and reduction in float64 (the FP8
     products quantise from fp32 and compute in fp32), so that the parallel run's summation order
     cannot move an FP8 rounding (test_parallel_training.FP8_NOTE).
@@ -140,7 +143,7 @@ def check_train_step(
         raise NotImplementedError("fp8 cases run in float64; the meta-device path initialises fp32")
     env = init_distributed(device_type=DEVICE_TYPE)
     args = debug_args("debug_fp8" if fp8 else "debug").replace(**arg_overrides)
-    spec = Fp8Spec() if fp8 else None
+    spec = FP8_CASE_SPEC if fp8 else None
     dtype = FP8_CASE_DTYPE if fp8 else torch.float32
     torch.manual_seed(0)
     ref = GLM52Model(args, ModelOptions(dsa_backend=dsa_backend))

@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from tests.distributed.cases import (
     FP8_CASE_DTYPE,
+    FP8_CASE_SPEC,
     GLOBAL_BATCH,
     IGNORE,
     SEQ,
@@ -80,8 +81,8 @@ def check_pipeline(
     run. ``mtp_token_chunk``: the stages run the MTP layer in token chunks (``[activation_checkpoint]
     mtp_token_chunk``), the reference without them.
 
-    ``fp8``: the "debug_fp8" flavor with FP8 products (``Fp8Spec()``: the linears and the routed
-    experts) on both sides. The schedule runs micro-batches of one sequence and FP8's weight
+    ``fp8``: the "debug_fp8" flavor with FP8 products (``FP8_CASE_SPEC``: the linears, the routed
+    experts and the output head) on both sides. The schedule runs micro-batches of one sequence and FP8's weight
     gradient quantises per 128 x 1 tile of the tokens one product sees (per expert for the routed
     experts), so the reference runs the same one-sequence micro-batches, accumulated (the single
     process's gradient accumulation). Both sides compute in float64 outside the FP8 products, so
@@ -91,7 +92,7 @@ def check_pipeline(
         raise NotImplementedError("fp8: the stages are cast to float64 unsharded, after init")
     env = init_distributed()
     args = debug_args("debug_fp8" if fp8 else "debug")
-    spec = Fp8Spec() if fp8 else None
+    spec = FP8_CASE_SPEC if fp8 else None
     mesh = build_mesh(
         env.world_size,
         dp_shard=dp_shard,

@@ -134,3 +134,53 @@ def check_fp8(device, splits, dim: int, hidden: int, tol: float, seed: int = 0) 
     # FP8's own error against the plain products: e4m3 keeps 3 mantissa bits
     plain = torch.cat([x[a : a + n].float() @ w[e].float().t() for e, a, n in M._spans(splits)])
     assert rel(out, plain) < 0.05
+
+
+def check_fp8_head(device, rows: int, dim: int, vocab: int, chunk: int, piece: int, tol: float):
+    """The LM head's fused loss in FP8 (``model/fp8_mm.Fp8HeadProducts`` through
+    ``model/head.linear_cross_entropy_sum``) on ``device``, ``chunk`` tokens at a time and the
+    weight gradient of a later chunk ``piece`` vocabulary rows at a time: the loss and both
+    gradients equal quantise-then-matmul references written here (the logits from ``h`` per 1 x 128
+    tile and W per 128 x 128 block; ``dh`` from each chunk's logit gradient per 1 x 128 tile and W;
+    ``dW`` summed over the chunks of the gradient and ``h`` per 128 x 1 tile of the chunk's tokens)
+    within ``tol`` (relative, the whole tensor), and stay within FP8's error of the plain loss."""
+    import torch.nn.functional as F
+
+    from titan_glm52.model import fp8_mm as M
+    from titan_glm52.model.head import linear_cross_entropy_sum
+
+    g = torch.Generator(device=device).manual_seed(5)
+    act = torch.bfloat16 if device != "cpu" else torch.float32
+    h = torch.randn(rows, dim, generator=g, device=device).to(act)
+    w = (torch.randn(vocab, dim, generator=g, device=device) * 0.05).to(act)
+    labels = torch.randint(0, vocab, (rows,), generator=g, device=device)
+    labels[::7] = -100
+    scale = 0.37
+
+    hg, wg = h.clone().requires_grad_(), w.clone().requires_grad_()
+    old_piece, M.Fp8HeadProducts.PIECE = M.Fp8HeadProducts.PIECE, piece
+    try:
+        loss = linear_cross_entropy_sum(hg, wg, labels, chunk, products=M.Fp8HeadProducts)
+        (loss * scale).backward()
+    finally:
+        M.Fp8HeadProducts.PIECE = old_piece
+
+    wd, wtd = fp8_dequantised(w, 128, 128), fp8_dequantised(w.t(), 128, 128)
+    ref_loss, ref_dh, ref_dw = 0.0, [], torch.zeros(vocab, dim, device=device)
+    for h_c, l_c in zip(h.split(chunk), labels.split(chunk)):
+        z = (fp8_dequantised(h_c, 1, 128) @ wd.t()).to(act).float()  # rounded as the GEMM's output
+        ref_loss += F.cross_entropy(z, l_c, ignore_index=-100, reduction="sum")
+        dz = torch.softmax(z, 1) - F.one_hot(l_c.clamp_min(0), vocab)
+        dz = (dz * (l_c != -100)[:, None]).to(act)
+        ref_dh.append(fp8_dequantised(dz, 1, 128) @ wtd.t())
+        ref_dw += fp8_dequantised(dz, 128, 1).t() @ fp8_dequantised(h_c, 128, 1)
+
+    def rel(a, b):
+        return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+    assert abs(loss.item() - ref_loss.item()) < tol * abs(ref_loss.item())
+    assert rel(hg.grad, torch.cat(ref_dh) * scale) < tol
+    assert rel(wg.grad, ref_dw * scale) < tol
+    # FP8's own error against the plain loss
+    plain = F.cross_entropy((h.float() @ w.float().t()), labels, reduction="sum")
+    assert abs(loss.item() - plain.item()) < 0.02 * abs(plain.item())

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 
 try:
-    from ._cases import check_fp8
+    from ._cases import check_fp8, check_fp8_head
 except ImportError:
-    from _cases import check_fp8
+    from _cases import check_fp8, check_fp8_head
 
 
 @pytest.mark.parametrize(
@@ -33,3 +33,21 @@ def test_fp8_products_on_the_kernel_path(monkeypatch, splits):
 
     monkeypatch.setattr(M, "_on_kernel", lambda *ts: True)
     check_fp8("cpu", splits, dim=256, hidden=192, tol=1e-5)
+
+
+@pytest.mark.parametrize("kernel_path", [False, True])
+@pytest.mark.parametrize(
+    "rows, chunk, piece",
+    [
+        (200, 4096, 16384),  # one chunk (its weight gradient written in place), padded rows
+        (300, 128, 128),  # three chunks, the later ones' weight gradient in two pieces of 128 rows
+    ],
+)
+def test_fp8_head_loss_and_gradients(monkeypatch, kernel_path, rows, chunk, piece):
+    """The LM head's fused loss in FP8 (``_cases.check_fp8_head``), on the CPU path and on the
+    kernel path (the Triton quantisation, as ``test_fp8_products_on_the_kernel_path``)."""
+    if kernel_path:
+        from titan_glm52.model import fp8_mm as M
+
+        monkeypatch.setattr(M, "_on_kernel", lambda *ts: True)
+    check_fp8_head("cpu", rows, dim=256, vocab=256, chunk=chunk, piece=piece, tol=1e-5)

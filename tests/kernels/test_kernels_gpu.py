@@ -10,9 +10,9 @@ import pytest
 import torch
 
 try:
-    from ._cases import check_fp8, cos_diff
+    from ._cases import check_fp8, check_fp8_head, cos_diff
 except ImportError:
-    from _cases import check_fp8, cos_diff
+    from _cases import check_fp8, check_fp8_head, cos_diff
 
 from titan_glm52 import packed
 from titan_glm52.kernels import reference as R
@@ -459,3 +459,9 @@ def test_fp8_products_real_size():
     equal the products of the dequantised operands up to bf16 rounding."""
     splits = [2048, 0, 1, 130, 3000, 127, 1790, 1096]  # 8192 routed rows, uneven, one empty
     check_fp8(DEV, splits, dim=6144, hidden=2048, tol=4e-3)
+
+
+def test_fp8_head_real_size():
+    """The LM head's fused loss in FP8 at GLM-5.2's widths (``_cases.check_fp8_head``): two chunks,
+    the second one's rows not a multiple of 16, its weight gradient in 16,384-row pieces."""
+    check_fp8_head(DEV, 3000, dim=6144, vocab=154880, chunk=2048, piece=16384, tol=4e-3)

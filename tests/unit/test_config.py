@@ -271,15 +271,6 @@ FP8_BOTH = "quantize.linear.float8,quantize.grouped_mm.float8"
             "model.converters",
         ),
         (["--model.converters", FP8_BOTH, "--moe.grouped_mm", "on"], "moe.grouped_mm"),
-        (  # the head's fused loss has no FP8 form
-            [
-                "--model.converters",
-                FP8_BOTH,
-                "--quantize.linear.float8.filter_fqns",
-                "indexer,wkv_b",
-            ],
-            "quantize.linear.float8.filter_fqns",
-        ),
         (
             ["--model.converters", FP8_BOTH, "--quantize.linear.float8.emulate"],
             "quantize.linear.float8.emulate",
@@ -347,6 +338,9 @@ def test_fp8_spec_from_the_converters(tmp_path):
     assert fp8_spec(linears) == Fp8Spec(
         linears=True, filter_fqns=("output", "router"), expert_fqns=()
     )
+    # without "output" the head runs in FP8 too (fp8_training.Fp8OutputHead)
+    head = ["--model.converters", FP8_BOTH, "--quantize.linear.float8.filter_fqns", "indexer"]
+    assert fp8_spec(parse_job_config(head)).filter_fqns == ("indexer",)
     # the grouped bf16 GEMM is refused only for FP8 experts
     assert linears.moe.grouped_mm != "on"
     parse_job_config(["--model.converters", "quantize.linear.float8", "--moe.grouped_mm", "on"])
@@ -372,8 +366,9 @@ def test_without_converters_the_model_is_unchanged():
 
     from tests.losses import cross_entropy_sum
     from titan_glm52.config import fp8_spec
-    from titan_glm52.fp8_training import Fp8GroupedExperts, Fp8Linear, is_fp8
+    from titan_glm52.fp8_training import Fp8GroupedExperts, Fp8Linear, Fp8OutputHead, is_fp8
     from titan_glm52.model.args import get_flavor
+    from titan_glm52.model.head import OutputHead
     from titan_glm52.model.model import GLM52Model
     from titan_glm52.parallelize import parallelize_model
 
@@ -409,3 +404,14 @@ def test_without_converters_the_model_is_unchanged():
     fp8_loss, _ = step(on)
     assert not torch.equal(fp8_loss, want_loss)
     torch.testing.assert_close(fp8_loss, want_loss, rtol=2e-2, atol=0)
+    assert type(on.output) is OutputHead  # "output" is in the default filter_fqns
+
+    # without "output" in filter_fqns the head's products run in FP8 too
+    head = copy.deepcopy(base)
+    argv = ["--model.converters", FP8_BOTH, "--quantize.linear.float8.filter_fqns", "indexer"]
+    parallelize_model(head, None, fp8=fp8_spec(parse_job_config(argv)))
+    assert type(head.output) is Fp8OutputHead and is_fp8(head.output)
+    head_loss, head_grads = step(head)
+    assert not torch.equal(head_loss, fp8_loss)
+    torch.testing.assert_close(head_loss, want_loss, rtol=2e-2, atol=0)
+    assert head_grads.keys() == want_grads.keys()

@@ -220,11 +220,18 @@ def _check(x: torch.Tensor, w: torch.Tensor, splits: list[int], what: str) -> No
         )
 
 
-def _times_blocks(a: torch.Tensor, bt: torch.Tensor, bt_s: torch.Tensor, splits: list[int]):
+def _times_blocks(
+    a: torch.Tensor,
+    bt: torch.Tensor,
+    bt_s: torch.Tensor,
+    splits: list[int],
+    out: torch.Tensor | None = None,
+):
     """``out[rows of e] = a[rows of e] @ bt[e]^T``: ``a`` quantised here per 1 x 128 tile, ``bt``
-    e4m3 ``[E, N, Kc]`` with 128 x 128 scales ``bt_s [E, N / 128, Kc / 128]``."""
+    e4m3 ``[E, N, Kc]`` with 128 x 128 scales ``bt_s [E, N / 128, Kc / 128]``; ``out`` (contiguous
+    ``[rows, N]``) defaults to a new tensor of a's dtype."""
     a = a.contiguous()
-    out = a.new_empty(a.shape[0], bt.shape[1])
+    out = a.new_empty(a.shape[0], bt.shape[1]) if out is None else out
     parts = zip(_spans(splits), _rows_per_segment(a, splits), bt.unbind(0), bt_s.unbind(0))
     for (_, s, n), (aq, a_s), b, b_s in parts:
         if n:
@@ -303,6 +310,57 @@ def _backward(ctx, grad: torch.Tensor):
 fp8_expert_mm.register_autograd(_backward, setup_context=_setup)
 
 
+class Fp8HeadProducts:
+    """The three products of the LM head's fused loss (``model/head.py``) in FP8, for ``weight [V,
+    D]``: the logits ``h W^T``, the input gradient ``g W`` and the weight gradient ``g^T h`` of a
+    chunk of tokens, with the module docstring's scaling. The weight is quantised once per loss
+    (and once more, laid transposed, when the input gradient is asked for), not per chunk.
+
+    The weight gradient accumulates over the chunks in the weight's dtype: the first chunk's
+    product is written into it, a later chunk's is formed ``PIECE`` vocabulary rows at a time and
+    added (cuBLAS's FP8 GEMM cannot add into its output; a piece bounds the temporary)."""
+
+    PIECE = 16384  # vocabulary rows per temporary of a later chunk's weight gradient
+
+    def __init__(self, weight: torch.Tensor, input_grad: bool) -> None:
+        if weight.shape[0] % TILE or weight.shape[1] % TILE:
+            raise ValueError(
+                f"Fp8HeadProducts: the head's weight {tuple(weight.shape)} is not in 128 x 128 "
+                "blocks"
+            )
+        w = weight.unsqueeze(0).contiguous()
+        self.wq, self.ws = _blocks(w)
+        if input_grad:  # the blocks of W^T are W's, transposed
+            self.wtq, wts = _blocks(w, transpose=True)
+            self.wts = wts.transpose(1, 2).contiguous()
+
+    def logits(self, h_c: torch.Tensor) -> torch.Tensor:
+        """``h_c [c, D] @ W^T`` -> ``[c, V]`` in h's dtype."""
+        return _times_blocks(h_c, self.wq, self.ws, [h_c.shape[0]])
+
+    def input_grad(self, g: torch.Tensor, out: torch.Tensor) -> None:
+        """``out [c, D] = g [c, V] @ W``."""
+        _times_blocks(g, self.wtq, self.wts, [g.shape[0]], out)
+
+    def weight_grad(
+        self, g: torch.Tensor, h_c: torch.Tensor, dw: torch.Tensor | None, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """``dw [V, D] += g^T @ h_c`` (a new ``dw`` of ``dtype`` when None); returns ``dw``."""
+        (gt, gts), (ht, hts) = _cols((g.contiguous(), h_c.contiguous()), [g.shape[0]])
+        first = dw is None
+        if first:
+            dw = g.new_empty(gt.shape[0], ht.shape[0], dtype=dtype)
+        for r0 in range(0, gt.shape[0], self.PIECE):
+            rows = slice(r0, r0 + self.PIECE)
+            # a row slice of the scales, repacked rows-contiguous as cuBLAS reads them
+            a_s = gts[rows].t().contiguous().t()
+            out = dw[rows] if first else dw.new_empty(a_s.shape[0], dw.shape[1])
+            scaled_mm(gt[rows], a_s, ht, hts, False, out)
+            if not first:
+                dw[rows] += out
+        return dw
+
+
 def fp8_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``x [..., K] @ w [N, K]^T`` in FP8 (module docstring), rounded to x's dtype: the one-expert
     case of ``fp8_expert_mm``."""
@@ -310,4 +368,12 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return fp8_expert_mm(x2, w.unsqueeze(0), [x2.shape[0]]).view(*x.shape[:-1], w.shape[0])
 
 
-__all__ = ["fp8_expert_mm", "fp8_linear", "quant_blocks", "quant_cols", "quant_rows", "scaled_mm"]
+__all__ = [
+    "Fp8HeadProducts",
+    "fp8_expert_mm",
+    "fp8_linear",
+    "quant_blocks",
+    "quant_cols",
+    "quant_rows",
+    "scaled_mm",
+]

@@ -31,18 +31,38 @@ IGNORE_INDEX = -100
 LOSS_CHUNK = 4096
 
 
-def _chunk_loss_and_grad(
-    h_c: torch.Tensor, weight: torch.Tensor, labels_c: torch.Tensor, want_grad: bool
-):
-    """(summed fp32 CE of the chunk, gradient of that sum w.r.t. the chunk's logits in h's dtype or
-    None). On CUDA one Triton kernel (``kernels/cross_entropy.py``) reads the logits twice and
+class Bf16Products:
+    """The head's three products in the weight's dtype: the logits of a chunk of tokens ``h_c
+    W^T``, the input gradient ``g W`` and the weight gradient ``g^T h_c`` summed over the chunks
+    (``model/fp8_mm.Fp8HeadProducts`` is the FP8 form)."""
+
+    def __init__(self, weight: torch.Tensor, input_grad: bool) -> None:
+        self.weight = weight
+
+    def logits(self, h_c: torch.Tensor) -> torch.Tensor:
+        return F.linear(h_c, self.weight)
+
+    def input_grad(self, g: torch.Tensor, out: torch.Tensor) -> None:
+        torch.mm(g, self.weight, out=out)
+
+    def weight_grad(
+        self, g: torch.Tensor, h_c: torch.Tensor, dw: torch.Tensor | None, dtype: torch.dtype
+    ) -> torch.Tensor:
+        if dw is None:
+            return torch.mm(g.t(), h_c).to(dtype)
+        return dw.addmm_(g.t(), h_c.to(dw.dtype))
+
+
+def _chunk_loss_and_grad(z: torch.Tensor, labels_c: torch.Tensor, want_grad: bool):
+    """(summed fp32 CE of a chunk's logits ``z``, the gradient of that sum w.r.t. them in z's dtype
+    or None). On CUDA one Triton kernel (``kernels/cross_entropy.py``) reads the logits twice and
     writes the gradient over them; elsewhere the same numbers in torch through an fp32 copy."""
-    z = F.linear(h_c, weight)
     if z.is_cuda and triton_available():
         from titan_glm52.kernels.cross_entropy import cross_entropy_rows  # lazy, as in _scaled
 
         loss_rows = cross_entropy_rows(z, labels_c, IGNORE_INDEX, grad_in_place=want_grad)
         return loss_rows.sum(), (z if want_grad else None)
+    dtype = z.dtype
     z = z.float()
     valid = labels_c != IGNORE_INDEX
     target = torch.where(valid, labels_c, 0).unsqueeze(1)
@@ -55,29 +75,29 @@ def _chunk_loss_and_grad(
     z.sub_(lse.unsqueeze(1)).exp_()
     z.scatter_add_(1, target, torch.full_like(target, -1.0, dtype=z.dtype))
     z.mul_(valid.unsqueeze(1))
-    return loss, z.to(h_c.dtype)
+    return loss, z.to(dtype)
 
 
 class _LinearCrossEntropySum(torch.autograd.Function):
     """``sum_t CE(h_t W^T, labels_t)``; the gradients are formed in forward (module docstring)."""
 
     @staticmethod
-    def forward(ctx, h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int):
+    def forward(
+        ctx, h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int, products
+    ):
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        mm = products(weight, input_grad=need_h)
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         dh = torch.empty_like(h) if need_h else None
         dw = None
         start = 0
         for h_c, labels_c in zip(h.split(chunk), labels.split(chunk)):
-            loss, g = _chunk_loss_and_grad(h_c, weight, labels_c, True)
+            loss, g = _chunk_loss_and_grad(mm.logits(h_c), labels_c, True)
             total += loss
             if need_h:
-                torch.mm(g, weight, out=dh[start : start + h_c.shape[0]])
+                mm.input_grad(g, dh[start : start + h_c.shape[0]])
             if need_w:
-                if dw is None:
-                    dw = torch.mm(g.t(), h_c).to(weight.dtype)
-                else:
-                    dw.addmm_(g.t(), h_c.to(dw.dtype))
+                dw = mm.weight_grad(g, h_c, dw, weight.dtype)
             start += h_c.shape[0]
         if need_w and dw is None:  # no tokens
             dw = torch.zeros_like(weight)
@@ -90,7 +110,7 @@ class _LinearCrossEntropySum(torch.autograd.Function):
         # pipelines take the input gradient and the weight gradient in two passes with the graph
         # retained).
         dh, dw = ctx.saved_tensors
-        return _scaled(dh, grad_total), _scaled(dw, grad_total), None, None
+        return _scaled(dh, grad_total), _scaled(dw, grad_total), None, None, None
 
 
 def _scaled(x: torch.Tensor | None, g: torch.Tensor, rows: int = 8192) -> torch.Tensor | None:
@@ -113,18 +133,24 @@ def _scaled(x: torch.Tensor | None, g: torch.Tensor, rows: int = 8192) -> torch.
 
 
 def linear_cross_entropy_sum(
-    h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int | None = None
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    chunk: int | None = None,
+    products=Bf16Products,
 ) -> torch.Tensor:
     """``sum_t CE(h_t W^T, labels_t)`` in fp32 (``IGNORE_INDEX`` rows count 0) for ``h [T, D]``,
-    ``weight [V, D]``, ``labels [T]``, ``chunk`` (default ``LOSS_CHUNK``) tokens at a time.
+    ``weight [V, D]``, ``labels [T]``, ``chunk`` (default ``LOSS_CHUNK``) tokens at a time, the
+    products formed by ``products(weight, input_grad)`` (``Bf16Products``' interface).
     Differentiable in ``h`` and ``weight``."""
     chunk = chunk or LOSS_CHUNK
     labels = labels.reshape(-1)
     if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
-        return _LinearCrossEntropySum.apply(h, weight, labels, chunk)
+        return _LinearCrossEntropySum.apply(h, weight, labels, chunk, products)
+    mm = products(weight, input_grad=False)
     total = torch.zeros((), dtype=torch.float32, device=h.device)
     for h_c, labels_c in zip(h.split(chunk), labels.split(chunk)):
-        total += _chunk_loss_and_grad(h_c, weight, labels_c, False)[0]
+        total += _chunk_loss_and_grad(mm.logits(h_c), labels_c, False)[0]
     return total
 
 
