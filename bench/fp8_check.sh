@@ -7,6 +7,7 @@
 #                                    # data orders and in FP8 with the head (with "all" also FP8 with the
 #                                    # default filter), from the same start; the curve comparison
 #                                    # (bench/compare_curves.py) printed last; about 4.5 minutes (6 with "all")
+# SEQ_LENS=4096 bash bench/fp8_check.sh speed: other lengths (4K alone fits an 80 GB H100).
 # On the GPU machine with .whl carried. Results in $OUT (or /tmp/out): e2e_*.json, the runs' *.jsonl.
 set -uo pipefail
 source bench/gpu_env.sh >/dev/null
@@ -21,7 +22,7 @@ run() {  # name, train.py args...
   cp "/tmp/$1/metrics.jsonl" "$out/$1.jsonl"
 }
 e2e() {  # name, bench/e2e.py args...
-  python3 bench/e2e.py --no-peer --our-mtp off --compile on --ac none --seq-lens 4096,32768 \
+  python3 bench/e2e.py --no-peer --our-mtp off --compile on --ac none --seq-lens "${SEQ_LENS:-4096,32768}" \
     --steps 3 --warmup 2 --warmup-compiled 2 --cell-timeout 150 --logs "/tmp/$1" \
     --out "$out/$1.json" "${@:2}" > "/tmp/$1.log" 2>&1
   echo "$1: exit $?"; grep "S=" "/tmp/$1.log"
