@@ -22,17 +22,17 @@ run() {  # name, train.py args...
   cp "/tmp/$1/metrics.jsonl" "$out/$1.jsonl"
 }
 e2e() {  # name, bench/e2e.py args...
-  python3 bench/e2e.py --no-peer --our-mtp off --compile on --ac none --seq-lens "${SEQ_LENS:-4096,32768}" \
+  python3 bench/e2e.py --no-peer --our-mtp off --compile on --ac none --seq-lens "${SEQ_LENS:-32768,4096}" \
     --steps 3 --warmup 2 --warmup-compiled 2 --cell-timeout 150 --logs "/tmp/$1" \
-    --out "$out/$1.json" "${@:2}" > "/tmp/$1.log" 2>&1
-  echo "$1: exit $?"; grep "S=" "/tmp/$1.log"
+    --out "$out/$1.json" "${@:2}" 2>&1 | tee "/tmp/$1.log" | grep --line-buffered "\[e2e\]   ours"
+  echo "$1: exit ${PIPESTATUS[0]}"
 }
 case "${1:-}" in
   speed)
     python3 -m pytest -q -x tests/kernels/test_kernels_gpu.py -k fp8 2>&1 | tail -3
     e2e e2e_bf16
-    e2e e2e_fp8 --our-args="--model.converters $fp8"
     e2e e2e_fp8_head --our-args="--model.converters $fp8 $head"
+    e2e e2e_fp8 --our-args="--model.converters $fp8"
     ;;
   curves)
     run bf16_seed0
