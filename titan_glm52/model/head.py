@@ -10,6 +10,10 @@ backward this saves the recompute (one head GEMM and one softmax per chunk) and,
 one module call per loss instead of one per chunk (one gradient reduce-scatter instead of one per
 chunk).
 
+The three products (a chunk's logits, their gradient times the weight, the weight gradient) come
+from a products object: ``Bf16Products`` (in the weight's dtype) or, for FP8 training,
+``model/fp8_mm.Fp8HeadProducts`` (``fp8_training.Fp8OutputHead``).
+
 Numerics: the loss is ``logsumexp(z) - z[label]`` over fp32 logits ``z = float(h W^T)`` (on CUDA one
 Triton kernel forms loss and gradient from the logits in two reads, with no fp32 copy), as
 ``F.cross_entropy(head(h).float(), labels, reduction="sum")`` computes it up to fp32 rounding. The
