@@ -7,7 +7,8 @@
 #                                    # data orders and in FP8 with the head (with "all" also FP8 with the
 #                                    # default filter), from the same start; the curve comparison
 #                                    # (bench/compare_curves.py) printed last; about 4.5 minutes (6 with "all")
-# SEQ_LENS=4096 bash bench/fp8_check.sh speed: other lengths (4K alone fits an 80 GB H100).
+# SEQ_LENS=4096 bash bench/fp8_check.sh speed: other lengths (4K alone fits an 80 GB H100); SKIP_TESTS=1: no
+# GPU tests first.
 # On the GPU machine with .whl carried. Results in $OUT (or /tmp/out): e2e_*.json, the runs' *.jsonl.
 set -uo pipefail
 source bench/gpu_env.sh >/dev/null
@@ -29,7 +30,7 @@ e2e() {  # name, bench/e2e.py args...
 }
 case "${1:-}" in
   speed)
-    python3 -m pytest -q -x tests/kernels/test_kernels_gpu.py -k fp8 2>&1 | tail -3
+    [ -n "${SKIP_TESTS:-}" ] || python3 -m pytest -q -x tests/kernels/test_kernels_gpu.py -k fp8 2>&1 | tail -3
     e2e e2e_bf16
     e2e e2e_fp8_head --our-args="--model.converters $fp8 $head"
     e2e e2e_fp8 --our-args="--model.converters $fp8"
