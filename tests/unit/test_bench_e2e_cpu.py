@@ -732,3 +732,14 @@ def test_float8_peer_in_the_notes(tmp_path, monkeypatch):
     assert e2e.main(argv + ["--peer-args=--float8 rowwise"]) == 0
     md = (tmp_path / "e2e.md").read_text().splitlines()
     assert len([ln for ln in md if ln.startswith("- peer in float8")]) == 2
+
+
+def test_host_time_runs_on_cpu(tmp_path):
+    """bench/host_time.py's CPU rows (the custom ops, their implementations called directly and as
+    a ``torch.library.Library`` op, whole products in bf16 and FP8) run and are written out."""
+    host_time = _load("host_time")
+    out = tmp_path / "host_time.json"
+    result = host_time.main(["--device", "cpu", "--calls", "2", "--out", str(out)])
+    assert json.loads(out.read_text()) == result
+    assert "fp8_mm implementation as a Library op" in result["rows"]
+    assert all(r["host_us"] > 0 and r["synced_us"] > 0 for r in result["rows"].values())

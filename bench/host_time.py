@@ -1,0 +1,156 @@
+"""Host time per call of the products and their parts: where an FP8 product's host time goes.
+
+    source bench/gpu_env.sh && python3 bench/host_time.py [--out host_time.json]
+
+Shapes are small (a linear over 256 tokens, the routed experts over 2,048 rows), so the GPU finishes
+each call before the host queues the next: the time per call of a loop without syncs is the host's.
+Each row: the mean over ``--calls`` calls after 5 warm-ups, without a sync ("host") and with one after
+every call ("synced"). The rows separate a registered custom op from its implementation called
+directly, the same implementation registered through ``torch.library.Library`` instead of
+``torch.library.custom_op``, each quantisation launch and one ``_scaled_mm_v2`` call, and whole
+products forward and backward in bf16 and FP8. On CPU (no Triton launches, emulated products) it
+runs the rows that do not need CUDA, as a check of the script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import titan_glm52.model.fp8_mm as M
+from titan_glm52.model.expert_mm import expert_mm
+
+# the proxy's widths (a linear 6144 -> 2048, experts 6144 -> 4096); on CPU each width / 16
+TOKENS, DIM, OUT_DIM, EXPERTS, EXPERT_ROWS, EXPERT_DIM = 256, 6144, 2048, 16, 2048, 4096
+
+
+def per_call(fn, calls: int, cuda: bool) -> dict[str, float]:
+    """Mean microseconds per call, without and with a sync after each."""
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    for _ in range(5):
+        fn()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = (time.perf_counter() - t0) / calls
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+        sync()
+    synced = (time.perf_counter() - t0) / calls
+    return {"host_us": host * 1e6, "synced_us": synced * 1e6}
+
+
+_LIB = None  # the registration below lives as long as its Library object
+
+
+def _library_twin():
+    """``fp8_expert_mm``'s implementation registered through ``torch.library.Library`` (the
+    registration ``custom_op`` wraps), once per process; returns the op."""
+    global _LIB
+    if _LIB is None:
+        _LIB = torch.library.Library("titan_glm52_host_time", "DEF")
+        _LIB.define("fp8_mm(Tensor x, Tensor w, SymInt[] splits) -> Tensor")
+        _LIB.impl("fp8_mm", M.fp8_expert_mm._init_fn, "CompositeExplicitAutograd")
+    return torch.ops.titan_glm52_host_time.fp8_mm
+
+
+def rows(device: torch.device, calls: int) -> dict[str, dict[str, float]]:
+    cuda = device.type == "cuda"
+    bf16 = torch.bfloat16 if cuda else torch.float32
+    d, o, ed = (DIM, OUT_DIM, EXPERT_DIM) if cuda else (DIM // 16, OUT_DIM // 16, EXPERT_DIM // 16)
+    twin = _library_twin()
+    g = torch.Generator(device=device).manual_seed(0)
+
+    def rand(*shape, scale=1.0, grad=False):
+        t = (torch.randn(*shape, generator=g, device=device) * scale).to(bf16)
+        return t.requires_grad_(grad)
+
+    x, w, dy = rand(TOKENS, d), rand(o, d, scale=0.02), rand(TOKENS, o)
+    w3, n = w.unsqueeze(0), [TOKENS]
+    xe, we = rand(EXPERT_ROWS, d, grad=True), rand(EXPERTS, ed, d, scale=0.02, grad=True)
+    splits = [EXPERT_ROWS // EXPERTS + (e % 5 - 2) * 16 for e in range(EXPERTS)]
+    splits[-1] += EXPERT_ROWS - sum(splits)
+    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+
+    def backward(y, *leaves):
+        for leaf in leaves:
+            leaf.grad = None
+        y.backward(torch.ones_like(y))
+
+    cases = {
+        "bf16 F.linear forward": lambda: torch.nn.functional.linear(x, w),
+        "fp8_mm custom op, forward (no autograd)": lambda: M.fp8_expert_mm(x, w3, n),
+        "fp8_mm implementation called directly": lambda: M.fp8_expert_mm._init_fn(x, w3, n),
+        "fp8_mm implementation as a Library op": lambda: twin(x, w3, n),
+        "fp8_mm_input_grad custom op": lambda: M._input_grad(dy, w3, n),
+        "fp8_mm_input_grad implementation directly": lambda: M._input_grad._init_fn(dy, w3, n),
+        "fp8_mm_weight_grad custom op": lambda: M._weight_grad(dy, x, n, bf16),
+        "fp8_mm_weight_grad implementation directly": lambda: M._weight_grad._init_fn(
+            dy, x, n, bf16
+        ),
+        "bf16 linear, forward + backward": lambda: backward(
+            torch.nn.functional.linear(xr, wr), xr, wr
+        ),
+        "fp8 linear, forward + backward": lambda: backward(M.fp8_linear(xr, wr), xr, wr),
+        "bf16 experts (expert_mm), forward + backward": lambda: backward(
+            expert_mm(xe, we, splits), xe, we
+        ),
+        "fp8 experts (fp8_expert_mm), forward + backward": lambda: backward(
+            M.fp8_expert_mm(xe, we, splits), xe, we
+        ),
+    }
+    if cuda:
+        from titan_glm52.kernels import fp8_quant as K
+
+        wq, ws = K.quant_blocks(w3)
+        aq, a_s = M._rows_per_segment(x, n)[0]
+        out = torch.empty(TOKENS, o, device=device, dtype=bf16)
+        cases.update(
+            {
+                "Triton quant_rows": lambda: K.quant_rows(x),
+                "Triton quant_cols": lambda: K.quant_cols(x),
+                "Triton quant_blocks": lambda: K.quant_blocks(w3),
+                "one block-scaled _scaled_mm_v2.out": lambda: M.scaled_mm(
+                    aq, a_s, wq[0], ws[0], True, out
+                ),
+                "torch.empty": lambda: torch.empty(TOKENS, d, device=device),
+            }
+        )
+    return {name: per_call(fn, calls, cuda) for name, fn in cases.items()}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--calls", type=int, default=200)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--out", default=None, help="JSON (also copied into $OUT when set)")
+    a = p.parse_args(argv)
+    device = torch.device(a.device)
+    result = {
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "calls": a.calls,
+        "rows": rows(device, a.calls),
+    }
+    for name, r in result["rows"].items():
+        print(f"{name:50s} host {r['host_us']:9.1f} us   synced {r['synced_us']:9.1f} us")
+    paths = [a.out] if a.out else []
+    if os.environ.get("OUT"):
+        paths.append(os.path.join(os.environ["OUT"], os.path.basename(a.out or "host_time.json")))
+    for path in paths:
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)
+    return result
+
+
+if __name__ == "__main__":
+    main()
