@@ -4,8 +4,8 @@
 
 Shapes are small (a linear over 256 tokens, the routed experts over 2,048 rows), so the GPU finishes
 each call before the host queues the next: the time per call of a loop without syncs is the host's.
-Each row: the mean over ``--calls`` calls after 5 warm-ups, without a sync ("host") and with one after
-every call ("synced"). The rows separate a registered custom op from its implementation called
+Each row: the mean over ``--calls`` calls after 5 warm-ups, without a sync ("host") and with one
+after every call ("synced"). The rows separate a registered custom op from its implementation called
 directly, the same implementation registered through ``torch.library.Library`` instead of
 ``torch.library.custom_op``, each quantisation launch and one ``_scaled_mm_v2`` call, and whole
 products forward and backward in bf16 and FP8. On CPU (no Triton launches, emulated products) it

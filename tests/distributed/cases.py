@@ -125,10 +125,10 @@ def check_train_step(
     ``mtp_token_chunk``: the parallel run's MTP layer in token chunks (``[activation_checkpoint]
     mtp_token_chunk``), the reference's whole.
     ``fp8``: the "debug_fp8" flavor with FP8 products (``FP8_CASE_SPEC``: the linears, the routed
-    experts and the output head) on both sides: ``apply_fp8`` on the reference, ``parallelize_model(fp8=...)`` on the
-    parallel copy; parameters, gradients and the FSDP compute and reduction in float64 (the FP8
-    products quantise from fp32 and compute in fp32), so that the parallel run's summation order
-    cannot move an FP8 rounding (test_parallel_training.FP8_NOTE).
+    experts and the output head) on both sides: ``apply_fp8`` on the reference,
+    ``parallelize_model(fp8=...)`` on the parallel copy; parameters, gradients and the FSDP compute
+    and reduction in float64 (the FP8 products quantise from fp32 and compute in fp32), so that the
+    parallel run's summation order cannot move an FP8 rounding (test_parallel_training.FP8_NOTE).
     ``ref_chunks``: the reference runs the global batch as this many accumulated micro-batches (the
     single process's gradient accumulation), summing their losses and gradients. FP8's weight
     gradient quantises its operands per 128 x 1 tile of the tokens (of each expert, for the routed

@@ -82,11 +82,11 @@ def check_pipeline(
     mtp_token_chunk``), the reference without them.
 
     ``fp8``: the "debug_fp8" flavor with FP8 products (``FP8_CASE_SPEC``: the linears, the routed
-    experts and the output head) on both sides. The schedule runs micro-batches of one sequence and FP8's weight
-    gradient quantises per 128 x 1 tile of the tokens one product sees (per expert for the routed
-    experts), so the reference runs the same one-sequence micro-batches, accumulated (the single
-    process's gradient accumulation). Both sides compute in float64 outside the FP8 products, so
-    that the schedule's summation order cannot move an FP8 rounding (see
+    experts and the output head) on both sides. The schedule runs micro-batches of one sequence and
+    FP8's weight gradient quantises per 128 x 1 tile of the tokens one product sees (per expert for
+    the routed experts), so the reference runs the same one-sequence micro-batches, accumulated (the
+    single process's gradient accumulation). Both sides compute in float64 outside the FP8
+    products, so that the schedule's summation order cannot move an FP8 rounding (see
     test_parallel_training.FP8_NOTE)."""
     if fp8 and (dp_shard != 1 or ep != 1):
         raise NotImplementedError("fp8: the stages are cast to float64 unsharded, after init")

@@ -73,8 +73,8 @@ CASES = {
         dict(dp_shard=4, ep=2, n_routed_experts=2, num_experts_per_tok=2, clip_in_step="triton"),
     ),
     "hsdp2x2_ep2_fused_clip": (4, dict(dp_replicate=2, dp_shard=2, ep=2, clip_in_step="fused")),
-    # FP8 products (the linears, the routed experts and the head) on both sides, "debug_fp8" flavor: see
-    # FP8_NOTE for the reference's micro-batches
+    # FP8 products (the linears, the routed experts and the head) on both sides, "debug_fp8"
+    # flavor: see FP8_NOTE for the reference's micro-batches
     "fp8_fsdp2": (2, {"dp_shard": 2, "fp8": True, "ref_chunks": 2}),
     "fp8_ep2_fsdp2_compile_ac_selective": (
         2,
