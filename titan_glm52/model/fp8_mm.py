@@ -162,6 +162,13 @@ def _blocks(w: torch.Tensor, transpose: bool = False):
     return quant_blocks(w, transpose)
 
 
+def _blocks_transposed(w: torch.Tensor):
+    """``w [E, N, K]`` per 128 x 128 block, laid as ``w^T`` for the input gradient: (``[E, K, N]``
+    e4m3, scales ``[E, K / 128, N / 128]``; the blocks of w^T are w's, transposed)."""
+    wtq, ws = _blocks(w.contiguous(), transpose=True)
+    return wtq, ws.transpose(1, 2).contiguous()
+
+
 # ------------------------------------------------------------------------------ the ops
 # kernels/fp8_quant.ROW_ALIGN: each segment's quantised rows start on a multiple of this many
 ROW_ALIGN = 16
@@ -262,9 +269,8 @@ def _(x, w, splits):
 @torch.library.custom_op("titan_glm52::fp8_mm_input_grad", mutates_args=())
 def _input_grad(grad: torch.Tensor, w: torch.Tensor, splits: list[int]) -> torch.Tensor:
     """``dx[rows of e] = grad[rows of e] @ w[e]``: the gradient per 1 x 128 tile along N, w per
-    128 x 128 block, laid transposed (the blocks of w^T are w's, transposed)."""
-    wtq, ws = _blocks(w.contiguous(), transpose=True)
-    return _times_blocks(grad, wtq, ws.transpose(1, 2).contiguous(), splits)
+    128 x 128 block, laid transposed."""
+    return _times_blocks(grad, *_blocks_transposed(w), splits)
 
 
 @_input_grad.register_fake
@@ -330,9 +336,8 @@ class Fp8HeadProducts:
             )
         w = weight.unsqueeze(0).contiguous()
         self.wq, self.ws = _blocks(w)
-        if input_grad:  # the blocks of W^T are W's, transposed
-            self.wtq, wts = _blocks(w, transpose=True)
-            self.wts = wts.transpose(1, 2).contiguous()
+        if input_grad:
+            self.wtq, self.wts = _blocks_transposed(w)
 
     def logits(self, h_c: torch.Tensor) -> torch.Tensor:
         """``h_c [c, D] @ W^T`` -> ``[c, V]`` in h's dtype."""
