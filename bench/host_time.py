@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import sys
+import threading
 import time
 
 import torch
@@ -47,6 +48,16 @@ def per_call(fn, calls: int, cuda: bool) -> dict[str, float]:
         sync()
     synced = (time.perf_counter() - t0) / calls
     return {"host_us": host * 1e6, "synced_us": synced * 1e6}
+
+
+def per_call_in_thread(fn, calls: int, cuda: bool) -> dict[str, float]:
+    """``per_call`` run in a new thread, as the autograd engine runs a CUDA backward (on its
+    device thread)."""
+    result: dict[str, dict[str, float]] = {}
+    thread = threading.Thread(target=lambda: result.update(r=per_call(fn, calls, cuda)))
+    thread.start()
+    thread.join()
+    return result["r"]
 
 
 _LIB = None  # the registration below lives as long as its Library object
@@ -125,7 +136,15 @@ def rows(device: torch.device, calls: int) -> dict[str, dict[str, float]]:
                 "torch.empty": lambda: torch.empty(TOKENS, d, device=device),
             }
         )
-    return {name: per_call(fn, calls, cuda) for name, fn in cases.items()}
+    out = {name: per_call(fn, calls, cuda) for name, fn in cases.items()}
+    # the same calls from a second thread: the backward's products run on the engine's thread
+    for name in ("fp8_mm_input_grad implementation directly", "bf16 linear, forward + backward"):
+        out[f"{name}, from a second thread"] = per_call_in_thread(cases[name], calls, cuda)
+    if cuda:
+        out["Triton quant_rows, from a second thread"] = per_call_in_thread(
+            cases["Triton quant_rows"], calls, cuda
+        )
+    return out
 
 
 def main(argv: list[str] | None = None) -> dict:
