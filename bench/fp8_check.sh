@@ -8,7 +8,8 @@
 #                                    # default filter), from the same start; the curve comparison
 #                                    # (bench/compare_curves.py) printed last; about 4.5 minutes (6 with "all")
 # SEQ_LENS=4096 bash bench/fp8_check.sh speed: other lengths (4K alone fits an 80 GB H100); SKIP_TESTS=1: no
-# GPU tests first.
+# GPU tests first. CURVE_ARGS="--activation_checkpoint.mode full" bash bench/fp8_check.sh curves: more train.py
+# arguments for every run of the curves (full AC fits the 4K runs with MTP into an 80 GB H100).
 # On the GPU machine with .whl carried. Results in $OUT (or /tmp/out): e2e_*.json, the runs' *.jsonl.
 set -uo pipefail
 source bench/gpu_env.sh >/dev/null
@@ -16,9 +17,10 @@ out=${OUT:-/tmp/out}; mkdir -p "$out"
 fp8="quantize.linear.float8,quantize.grouped_mm.float8"
 head="--quantize.linear.float8.filter_fqns indexer,wkv_b"  # the default filter less "output"
 run() {  # name, train.py args...
-  timeout 150 python3 train.py --job.config_file train_configs/glm52_proxy.toml --training.steps 300 \
+  # shellcheck disable=SC2086  # CURVE_ARGS holds several arguments
+  timeout 240 python3 train.py --job.config_file train_configs/glm52_proxy.toml --training.steps 300 \
     --metrics.log_freq 5 --job.dump_folder "/tmp/$1" --checkpoint.no-enable \
-    --metrics.no-enable_tensorboard "${@:2}" > "/tmp/$1.log" 2>&1
+    --metrics.no-enable_tensorboard ${CURVE_ARGS:-} "${@:2}" > "/tmp/$1.log" 2>&1
   echo "$1: exit $?"; grep "FP8\|run summary\|rror" "/tmp/$1.log" | tail -3
   cp "/tmp/$1/metrics.jsonl" "$out/$1.jsonl"
 }
