@@ -5,11 +5,12 @@
 Shapes are small (a linear over 256 tokens, the routed experts over 2,048 rows), so the GPU finishes
 each call before the host queues the next: the time per call of a loop without syncs is the host's.
 Each row: the mean over ``--calls`` calls after 5 warm-ups, without a sync ("host") and with one
-after every call ("synced"). The rows separate a registered custom op from its implementation called
-directly, the same implementation registered through ``torch.library.Library`` instead of
-``torch.library.custom_op``, each quantisation launch and one ``_scaled_mm_v2`` call, and whole
-products forward and backward in bf16 and FP8. On CPU (no Triton launches, emulated products) it
-runs the rows that do not need CUDA, as a check of the script.
+after every call ("synced"). The rows separate each registered op (``model/ops.py``:
+``torch.library.Library``) from its implementation called directly and from the same implementation
+registered through ``torch.library.custom_op``, each quantisation launch and one ``_scaled_mm_v2``
+call, whole products forward and backward in bf16 and FP8, and some of these calls made from a
+second thread (as the autograd engine makes a CUDA backward's). On CPU (no Triton launches, emulated
+products) it runs the rows that do not need CUDA, as a check of the script.
 """
 
 from __future__ import annotations
@@ -60,25 +61,23 @@ def per_call_in_thread(fn, calls: int, cuda: bool) -> dict[str, float]:
     return result["r"]
 
 
-_LIB = None  # the registration below lives as long as its Library object
+_TWIN = None
 
 
-def _library_twin():
-    """``fp8_expert_mm``'s implementation registered through ``torch.library.Library`` (the
-    registration ``custom_op`` wraps), once per process; returns the op."""
-    global _LIB
-    if _LIB is None:
-        _LIB = torch.library.Library("titan_glm52_host_time", "DEF")
-        _LIB.define("fp8_mm(Tensor x, Tensor w, SymInt[] splits) -> Tensor")
-        _LIB.impl("fp8_mm", M.fp8_expert_mm._init_fn, "CompositeExplicitAutograd")
-    return torch.ops.titan_glm52_host_time.fp8_mm
+def _custom_op_twin():
+    """``fp8_expert_mm``'s implementation registered through ``torch.library.custom_op`` (which
+    adds a Python wrapper to each call), once per process; returns the op."""
+    global _TWIN
+    if _TWIN is None:
+        _TWIN = torch.library.custom_op("titan_glm52_host_time::fp8_mm", mutates_args=())(M._fp8_mm)
+    return _TWIN
 
 
 def rows(device: torch.device, calls: int) -> dict[str, dict[str, float]]:
     cuda = device.type == "cuda"
     bf16 = torch.bfloat16 if cuda else torch.float32
     d, o, ed = (DIM, OUT_DIM, EXPERT_DIM) if cuda else (DIM // 16, OUT_DIM // 16, EXPERT_DIM // 16)
-    twin = _library_twin()
+    twin = _custom_op_twin()
     g = torch.Generator(device=device).manual_seed(0)
 
     def rand(*shape, scale=1.0, grad=False):
@@ -99,15 +98,13 @@ def rows(device: torch.device, calls: int) -> dict[str, dict[str, float]]:
 
     cases = {
         "bf16 F.linear forward": lambda: torch.nn.functional.linear(x, w),
-        "fp8_mm custom op, forward (no autograd)": lambda: M.fp8_expert_mm(x, w3, n),
-        "fp8_mm implementation called directly": lambda: M.fp8_expert_mm._init_fn(x, w3, n),
-        "fp8_mm implementation as a Library op": lambda: twin(x, w3, n),
-        "fp8_mm_input_grad custom op": lambda: M._input_grad(dy, w3, n),
-        "fp8_mm_input_grad implementation directly": lambda: M._input_grad._init_fn(dy, w3, n),
-        "fp8_mm_weight_grad custom op": lambda: M._weight_grad(dy, x, n, bf16),
-        "fp8_mm_weight_grad implementation directly": lambda: M._weight_grad._init_fn(
-            dy, x, n, bf16
-        ),
+        "fp8_mm op, forward (no autograd)": lambda: M.fp8_expert_mm(x, w3, n),
+        "fp8_mm implementation called directly": lambda: M._fp8_mm(x, w3, n),
+        "fp8_mm implementation as a custom_op": lambda: twin(x, w3, n),
+        "fp8_mm_input_grad op": lambda: M._input_grad(dy, w3, n),
+        "fp8_mm_input_grad implementation directly": lambda: M._input_grad_impl(dy, w3, n),
+        "fp8_mm_weight_grad op": lambda: M._weight_grad(dy, x, n, bf16),
+        "fp8_mm_weight_grad implementation directly": lambda: M._weight_grad_impl(dy, x, n, bf16),
         "bf16 linear, forward + backward": lambda: backward(
             torch.nn.functional.linear(xr, wr), xr, wr
         ),

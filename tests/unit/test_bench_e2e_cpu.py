@@ -735,11 +735,13 @@ def test_float8_peer_in_the_notes(tmp_path, monkeypatch):
 
 
 def test_host_time_runs_on_cpu(tmp_path):
-    """bench/host_time.py's CPU rows (the custom ops, their implementations called directly and as
-    a ``torch.library.Library`` op, whole products in bf16 and FP8) run and are written out."""
+    """bench/host_time.py's CPU rows (the registered ops, their implementations called directly and
+    as a ``torch.library.custom_op``, whole products in bf16 and FP8, calls from a second thread)
+    run and are written out."""
     host_time = _load("host_time")
     out = tmp_path / "host_time.json"
     result = host_time.main(["--device", "cpu", "--calls", "2", "--out", str(out)])
     assert json.loads(out.read_text()) == result
-    assert "fp8_mm implementation as a Library op" in result["rows"]
+    assert "fp8_mm implementation as a custom_op" in result["rows"]
+    assert "fp8_mm_input_grad implementation directly, from a second thread" in result["rows"]
     assert all(r["host_us"] > 0 and r["synced_us"] > 0 for r in result["rows"].values())

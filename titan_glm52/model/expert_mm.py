@@ -14,13 +14,15 @@ and input-gradient products and 4-5 % less for the weight gradient; the power-ca
 gains what the GEMMs save. Its price is ``splits`` on the host: one device-to-host read of the
 expert counts per MoE layer in forward (the backward reuses them).
 
-A registered custom op (not an ``autograd.Function``) so that op-level activation checkpointing can
-save its output like any other matmul's (``parallelize._MATMULS``).
+A registered op (``model/ops.py``; not an ``autograd.Function``) so that op-level activation
+checkpointing can save its output like any other matmul's (``parallelize._MATMULS``).
 """
 
 from __future__ import annotations
 
 import torch
+
+from titan_glm52.model.ops import define
 
 
 def _spans(splits: list[int]):
@@ -34,8 +36,7 @@ def _check(x: torch.Tensor, w: torch.Tensor, splits: list[int]) -> None:
     if x.dim() != 2 or w.dim() != 3 or x.shape[1] != w.shape[2] or len(splits) != w.shape[0]:
         raise ValueError(
             f"expert_mm: x {tuple(x.shape)}, w {tuple(w.shape)} and {len(splits)} splits do not "
-            "fit "
-            "(x [rows, K], w [E, N, K], one split per expert)"
+            "fit (x [rows, K], w [E, N, K], one split per expert)"
         )
     if sum(splits) != x.shape[0] or min(splits, default=0) < 0:
         raise ValueError(
@@ -44,9 +45,7 @@ def _check(x: torch.Tensor, w: torch.Tensor, splits: list[int]) -> None:
         )
 
 
-@torch.library.custom_op("titan_glm52::expert_mm", mutates_args=())
-def expert_mm(x: torch.Tensor, w: torch.Tensor, splits: list[int]) -> torch.Tensor:
-    """``out[rows of e] = x[rows of e] @ w[e]^T`` for every expert e (see the module docstring)."""
+def _expert_mm(x: torch.Tensor, w: torch.Tensor, splits: list[int]) -> torch.Tensor:
     _check(x, w, splits)
     out = x.new_empty(x.shape[0], w.shape[1])
     for e, s, n in _spans(splits):
@@ -55,8 +54,7 @@ def expert_mm(x: torch.Tensor, w: torch.Tensor, splits: list[int]) -> torch.Tens
     return out
 
 
-@expert_mm.register_fake
-def _(x, w, splits):
+def _expert_mm_fake(x, w, splits):
     _check(x, w, splits)
     return x.new_empty(x.shape[0], w.shape[1])
 
@@ -95,6 +93,10 @@ def weight_grad(
     return dw
 
 
-expert_mm.register_autograd(_backward, setup_context=_setup)
+# ``out[rows of e] = x[rows of e] @ w[e]^T`` for every expert e (the module docstring)
+expert_mm = define(
+    "expert_mm(Tensor x, Tensor w, SymInt[] splits) -> Tensor",
+    _expert_mm, _expert_mm_fake, _backward, _setup,
+)  # fmt: skip
 
 __all__ = ["expert_mm"]

@@ -20,8 +20,8 @@ operands in fp32 (what the FP8 GEMM computes, up to the order of its fp32 sums),
 tests and the gloo cases run the recipe. On CUDA each expert's quantised rows start on a multiple
 of 16 rows, with its scales laid out on their own: cuBLAS refused the products of uneven row counts
 otherwise (bench/results/2026-12-04_h200_fp8.md). The product and its two gradient products are
-registered custom ops (as ``expert_mm``): ``torch.compile`` keeps them whole and op-level activation
-checkpointing can save their outputs.
+registered ops (``model/ops.py``, as ``expert_mm``): ``torch.compile`` keeps them whole and op-level
+activation checkpointing can save their outputs.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from titan_glm52.host_copy import host_to_device
 from titan_glm52.kernels import triton_available
 from titan_glm52.model.expert_mm import _setup, _spans  # expert_mm's spans and saved inputs
+from titan_glm52.model.ops import define
 
 E4M3 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -252,34 +253,29 @@ def _times_blocks(
     return out
 
 
-@torch.library.custom_op("titan_glm52::fp8_mm", mutates_args=())
-def fp8_expert_mm(x: torch.Tensor, w: torch.Tensor, splits: list[int]) -> torch.Tensor:
-    """``out[rows of e] = x[rows of e] @ w[e]^T`` for every expert e (``model/expert_mm.py``'s
-    product; ``splits[e]`` rows each), in FP8 (module docstring)."""
+def _fp8_mm(x: torch.Tensor, w: torch.Tensor, splits: list[int]) -> torch.Tensor:
     _check(x, w, splits, "fp8_expert_mm")
     return _times_blocks(x, *_blocks(w.contiguous()), splits)
 
 
-@fp8_expert_mm.register_fake
-def _(x, w, splits):
+def _fp8_mm_fake(x, w, splits):
     _check(x, w, splits, "fp8_expert_mm")
     return x.new_empty(x.shape[0], w.shape[1])
 
 
-@torch.library.custom_op("titan_glm52::fp8_mm_input_grad", mutates_args=())
-def _input_grad(grad: torch.Tensor, w: torch.Tensor, splits: list[int]) -> torch.Tensor:
+def _input_grad_impl(grad: torch.Tensor, w: torch.Tensor, splits: list[int]) -> torch.Tensor:
     """``dx[rows of e] = grad[rows of e] @ w[e]``: the gradient per 1 x 128 tile along N, w per
     128 x 128 block, laid transposed."""
     return _times_blocks(grad, *_blocks_transposed(w), splits)
 
 
-@_input_grad.register_fake
-def _(grad, w, splits):
-    return grad.new_empty(grad.shape[0], w.shape[2])
+_input_grad = define(
+    "fp8_mm_input_grad(Tensor grad, Tensor w, SymInt[] splits) -> Tensor",
+    _input_grad_impl, lambda grad, w, splits: grad.new_empty(grad.shape[0], w.shape[2]),
+)  # fmt: skip
 
 
-@torch.library.custom_op("titan_glm52::fp8_mm_weight_grad", mutates_args=())
-def _weight_grad(
+def _weight_grad_impl(
     grad: torch.Tensor, x: torch.Tensor, splits: list[int], dtype: torch.dtype
 ) -> torch.Tensor:
     """``dw[e] = grad[rows of e]^T @ x[rows of e]`` (``[E, N, K]`` in ``dtype``; zero for an expert
@@ -301,9 +297,13 @@ def _weight_grad(
     return dw
 
 
-@_weight_grad.register_fake
-def _(grad, x, splits, dtype):
-    return grad.new_empty(len(splits), grad.shape[1], x.shape[1], dtype=dtype)
+_weight_grad = define(
+    "fp8_mm_weight_grad(Tensor grad, Tensor x, SymInt[] splits, ScalarType dtype) -> Tensor",
+    _weight_grad_impl,
+    lambda grad, x, splits, dtype: grad.new_empty(
+        len(splits), grad.shape[1], x.shape[1], dtype=dtype
+    ),
+)
 
 
 def _backward(ctx, grad: torch.Tensor):
@@ -313,7 +313,12 @@ def _backward(ctx, grad: torch.Tensor):
     return dx, dw, None
 
 
-fp8_expert_mm.register_autograd(_backward, setup_context=_setup)
+# ``out[rows of e] = x[rows of e] @ w[e]^T`` for every expert e (``model/expert_mm.py``'s product;
+# ``splits[e]`` rows each), in FP8 (module docstring)
+fp8_expert_mm = define(
+    "fp8_mm(Tensor x, Tensor w, SymInt[] splits) -> Tensor",
+    _fp8_mm, _fp8_mm_fake, _backward, _setup,
+)  # fmt: skip
 
 
 class Fp8HeadProducts:
