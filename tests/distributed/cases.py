@@ -52,9 +52,8 @@ def debug_args(flavor: str = "debug"):
 
 # FP8 cases compute everything but the FP8 products in float64 (test_parallel_training.FP8_NOTE)
 FP8_CASE_DTYPE = torch.float64
-# What FP8 cases convert: the linears, the routed experts and the output head (the default filter
-# less "output", so that the head's FP8 loss is checked too)
-FP8_CASE_SPEC = Fp8Spec(filter_fqns=("indexer", "wkv_b"))
+# What FP8 cases convert: the default (the linears, the routed experts and the output head)
+FP8_CASE_SPEC = Fp8Spec()
 
 
 def fp8_modules(model) -> list[str]:

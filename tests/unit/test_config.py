@@ -324,7 +324,7 @@ def test_fp8_spec_from_the_converters(tmp_path):
     assert fp8_spec(parse_job_config(["--job.config_file", toml])) == Fp8Spec(
         recipe="blockwise",
         linears=True,
-        filter_fqns=("output", "indexer", "wkv_b"),
+        filter_fqns=("indexer", "wkv_b"),
         expert_fqns=("experts",),
     )
     linears = parse_job_config(
@@ -338,9 +338,9 @@ def test_fp8_spec_from_the_converters(tmp_path):
     assert fp8_spec(linears) == Fp8Spec(
         linears=True, filter_fqns=("output", "router"), expert_fqns=()
     )
-    # without "output" the head runs in FP8 too (fp8_training.Fp8OutputHead)
-    head = ["--model.converters", FP8_BOTH, "--quantize.linear.float8.filter_fqns", "indexer"]
-    assert fp8_spec(parse_job_config(head)).filter_fqns == ("indexer",)
+    # with "output" the head stays bf16 (fp8_training.Fp8OutputHead otherwise)
+    head = ["--model.converters", FP8_BOTH, "--quantize.linear.float8.filter_fqns", "output"]
+    assert fp8_spec(parse_job_config(head)).filter_fqns == ("output",)
     # the grouped bf16 GEMM is refused only for FP8 experts
     assert linears.moe.grouped_mm != "on"
     parse_job_config(["--model.converters", "quantize.linear.float8", "--moe.grouped_mm", "on"])
@@ -404,14 +404,14 @@ def test_without_converters_the_model_is_unchanged():
     fp8_loss, _ = step(on)
     assert not torch.equal(fp8_loss, want_loss)
     torch.testing.assert_close(fp8_loss, want_loss, rtol=2e-2, atol=0)
-    assert type(on.output) is OutputHead  # "output" is in the default filter_fqns
+    assert type(on.output) is Fp8OutputHead and is_fp8(on.output)  # by default the head too
 
-    # without "output" in filter_fqns the head's products run in FP8 too
-    head = copy.deepcopy(base)
-    argv = ["--model.converters", FP8_BOTH, "--quantize.linear.float8.filter_fqns", "indexer"]
-    parallelize_model(head, None, fp8=fp8_spec(parse_job_config(argv)))
-    assert type(head.output) is Fp8OutputHead and is_fp8(head.output)
-    head_loss, head_grads = step(head)
-    assert not torch.equal(head_loss, fp8_loss)
-    torch.testing.assert_close(head_loss, want_loss, rtol=2e-2, atol=0)
-    assert head_grads.keys() == want_grads.keys()
+    # with "output" in filter_fqns the head stays bf16
+    kept = copy.deepcopy(base)
+    argv = ["--model.converters", FP8_BOTH, "--quantize.linear.float8.filter_fqns", "output"]
+    parallelize_model(kept, None, fp8=fp8_spec(parse_job_config(argv)))
+    assert type(kept.output) is OutputHead
+    kept_loss, kept_grads = step(kept)
+    assert not torch.equal(kept_loss, fp8_loss)
+    torch.testing.assert_close(kept_loss, want_loss, rtol=2e-2, atol=0)
+    assert kept_grads.keys() == want_grads.keys()
