@@ -51,3 +51,24 @@ def test_fp8_head_loss_and_gradients(monkeypatch, kernel_path, rows, chunk, piec
 
         monkeypatch.setattr(M, "_on_kernel", lambda *ts: True)
     check_fp8_head("cpu", rows, dim=256, vocab=256, chunk=chunk, piece=piece, tol=1e-5)
+
+
+def test_registered_ops_pass_torch_checks():
+    """The FP8 product and its two gradient products as torch.library registers them
+    (``model/ops.py``): schema, fake (meta) kernels, autograd registration and tracing, as
+    ``torch.library.opcheck`` checks them, on the CPU path."""
+    import torch
+
+    from titan_glm52.model import fp8_mm as M
+
+    g = torch.Generator().manual_seed(0)
+    splits = [100, 0, 156]
+    x = torch.randn(256, 256, generator=g).requires_grad_()
+    w = (torch.randn(3, 128, 256, generator=g) * 0.05).requires_grad_()
+    dy = torch.randn(256, 128, generator=g)
+    torch.library.opcheck(M.fp8_expert_mm, (x, w, splits))
+    torch.library.opcheck(M._input_grad, (dy, w.detach(), splits))
+    torch.library.opcheck(M._weight_grad, (dy, x.detach(), splits, torch.float32))
+    with torch.device("meta"):
+        out = M.fp8_expert_mm(torch.empty(256, 256), torch.empty(3, 128, 256), splits)
+    assert out.shape == (256, 128)
