@@ -376,8 +376,8 @@ class Float8Linear(tt.Float8Linear):
     """Linears whose name contains one of these stay bf16 (torchtitan's option). The default keeps
     the indexer and wkv_b (read directly by the absorbed attention) in bf16; linears whose
     dimensions are not multiples of 128 (wkv_a: 576 outputs) stay bf16 too. The output head's
-    logits and its fused loss's gradients run in FP8 unless "output" is listed (docs/fp8_training.md:
-    its speed and loss curve)."""
+    logits and its fused loss's gradients run in FP8 unless "output" is listed
+    (docs/fp8_training.md: its speed and loss curve)."""
 
 
 @dataclass

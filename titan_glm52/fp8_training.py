@@ -15,8 +15,9 @@ its name (checkpoints, the HF export and the optimizer see the same model):
 
 The weights, their gradients, the fp32 master weights and the optimizer state stay as they are;
 only the products run in FP8. What stays bf16 and why is docs/fp8_training.md's table: the router
-and the indexer's head weights (fp32 products), the indexer's projections (they learn from the KL alone), ``wkv_b`` (the
-absorbed attention reads it directly) and ``wkv_a`` (576 outputs, not a multiple of 128).
+and the indexer's head weights (fp32 products), the indexer's projections (they learn from the KL
+alone), ``wkv_b`` (the absorbed attention reads it directly) and ``wkv_a`` (576 outputs, not a
+multiple of 128).
 """
 
 from __future__ import annotations
