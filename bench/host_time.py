@@ -137,10 +137,13 @@ def rows(device: torch.device, calls: int) -> dict[str, dict[str, float]]:
     # the same calls from a second thread: the backward's products run on the engine's thread
     for name in ("fp8_mm_input_grad implementation directly", "bf16 linear, forward + backward"):
         out[f"{name}, from a second thread"] = per_call_in_thread(cases[name], calls, cuda)
-    if cuda:
-        out["Triton quant_rows, from a second thread"] = per_call_in_thread(
-            cases["Triton quant_rows"], calls, cuda
-        )
+    if cuda:  # the input gradient's parts, to find which one costs more off the main thread
+        for name in (
+            "Triton quant_rows",
+            "Triton quant_blocks",
+            "one block-scaled _scaled_mm_v2.out",
+        ):
+            out[f"{name}, from a second thread"] = per_call_in_thread(cases[name], calls, cuda)
     return out
 
 
