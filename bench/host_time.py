@@ -121,29 +121,30 @@ def rows(device: torch.device, calls: int) -> dict[str, dict[str, float]]:
 
         wq, ws = K.quant_blocks(w3)
         aq, a_s = M._rows_per_segment(x, n)[0]
-        out = torch.empty(TOKENS, o, device=device, dtype=bf16)
+        mm_out = torch.empty(TOKENS, o, device=device, dtype=bf16)
         cases.update(
             {
                 "Triton quant_rows": lambda: K.quant_rows(x),
                 "Triton quant_cols": lambda: K.quant_cols(x),
                 "Triton quant_blocks": lambda: K.quant_blocks(w3),
                 "one block-scaled _scaled_mm_v2.out": lambda: M.scaled_mm(
-                    aq, a_s, wq[0], ws[0], True, out
+                    aq, a_s, wq[0], ws[0], True, mm_out
                 ),
                 "torch.empty": lambda: torch.empty(TOKENS, d, device=device),
             }
         )
     out = {name: per_call(fn, calls, cuda) for name, fn in cases.items()}
-    # the same calls from a second thread: the backward's products run on the engine's thread
-    for name in ("fp8_mm_input_grad implementation directly", "bf16 linear, forward + backward"):
-        out[f"{name}, from a second thread"] = per_call_in_thread(cases[name], calls, cuda)
-    if cuda:  # the input gradient's parts, to find which one costs more off the main thread
-        for name in (
+    # the same calls from a second thread (the backward's products run on the engine's thread);
+    # on CUDA also the input gradient's parts, to find which one costs more there
+    threaded = ["fp8_mm_input_grad implementation directly", "bf16 linear, forward + backward"]
+    if cuda:
+        threaded += [
             "Triton quant_rows",
             "Triton quant_blocks",
             "one block-scaled _scaled_mm_v2.out",
-        ):
-            out[f"{name}, from a second thread"] = per_call_in_thread(cases[name], calls, cuda)
+        ]
+    for name in threaded:
+        out[f"{name}, from a second thread"] = per_call_in_thread(cases[name], calls, cuda)
     return out
 
 
