@@ -8,9 +8,12 @@ Each row: the mean over ``--calls`` calls after 5 warm-ups, without a sync ("hos
 after every call ("synced"). The rows separate each registered op (``model/ops.py``:
 ``torch.library.Library``) from its implementation called directly and from the same implementation
 registered through ``torch.library.custom_op``, each quantisation launch and one ``_scaled_mm_v2``
-call, whole products forward and backward in bf16 and FP8, and some of these calls made from a
-second thread (as the autograd engine makes a CUDA backward's). On CPU (no Triton launches, emulated
-products) it runs the rows that do not need CUDA, as a check of the script.
+call, whole products forward and backward in bf16 and FP8, a backward alone through the autograd
+engine against its formula called directly (an FP8 linear, and ``expert_mm`` with one expert as a
+registered op with a bf16 formula), and some of these calls made from a second thread (as the
+autograd engine makes a CUDA backward's). ``--profile`` adds torch.profiler's table of an FP8
+linear's host ops. On CPU (no Triton launches, emulated products) it runs the rows that do not
+need CUDA, as a check of the script.
 """
 
 from __future__ import annotations
@@ -21,11 +24,13 @@ import os
 import sys
 import threading
 import time
+import types
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import titan_glm52.model.fp8_mm as M
+import titan_glm52.model.expert_mm as EM
 from titan_glm52.model.expert_mm import expert_mm
 
 # the proxy's widths (a linear 6144 -> 2048, experts 6144 -> 4096); on CPU each width / 16
@@ -96,6 +101,13 @@ def rows(device: torch.device, calls: int) -> dict[str, dict[str, float]]:
             leaf.grad = None
         y.backward(torch.ones_like(y))
 
+    # the backward alone, through the autograd engine on a graph kept between calls, and the FP8
+    # op's backward formula called directly (no engine): what the engine adds
+    ones = torch.ones(TOKENS, o, device=device, dtype=bf16)
+    y_bf16, y_fp8 = torch.nn.functional.linear(xr, wr), M.fp8_linear(xr, wr)
+    y_op = expert_mm(xr, wr.unsqueeze(0), n)  # a registered op with a bf16 formula
+    ctx = types.SimpleNamespace(saved_tensors=(x, w3), splits=n, needs_input_grad=(True, True))
+
     cases = {
         "bf16 F.linear forward": lambda: torch.nn.functional.linear(x, w),
         "fp8_mm op, forward (no autograd)": lambda: M.fp8_expert_mm(x, w3, n),
@@ -109,6 +121,13 @@ def rows(device: torch.device, calls: int) -> dict[str, dict[str, float]]:
             torch.nn.functional.linear(xr, wr), xr, wr
         ),
         "fp8 linear, forward + backward": lambda: backward(M.fp8_linear(xr, wr), xr, wr),
+        "bf16 linear, backward alone (autograd)": lambda: y_bf16.backward(ones, retain_graph=True),
+        "fp8 linear, backward alone (autograd)": lambda: y_fp8.backward(ones, retain_graph=True),
+        "fp8 linear, backward formula called directly": lambda: M._backward(ctx, ones),
+        "bf16 expert_mm, one expert, backward alone (autograd)": lambda: y_op.backward(
+            ones, retain_graph=True
+        ),
+        "bf16 expert_mm, one expert, backward formula directly": lambda: EM._backward(ctx, ones),
         "bf16 experts (expert_mm), forward + backward": lambda: backward(
             expert_mm(xe, we, splits), xe, we
         ),
@@ -136,16 +155,42 @@ def rows(device: torch.device, calls: int) -> dict[str, dict[str, float]]:
     out = {name: per_call(fn, calls, cuda) for name, fn in cases.items()}
     # the same calls from a second thread (the backward's products run on the engine's thread);
     # on CUDA also the input gradient's parts, to find which one costs more there
-    threaded = ["fp8_mm_input_grad implementation directly", "bf16 linear, forward + backward"]
+    threaded = [
+        "fp8_mm_input_grad implementation directly",
+        "fp8_mm_weight_grad implementation directly",
+        "bf16 linear, forward + backward",
+    ]
     if cuda:
         threaded += [
             "Triton quant_rows",
             "Triton quant_blocks",
             "one block-scaled _scaled_mm_v2.out",
+            "torch.empty",
         ]
     for name in threaded:
         out[f"{name}, from a second thread"] = per_call_in_thread(cases[name], calls, cuda)
     return out
+
+
+def profile_fp8_linear(device: torch.device, calls: int) -> str:
+    """torch.profiler's table of the host ops of an FP8 linear's forward + backward through
+    autograd (both threads), by self CPU time: where its host time goes op by op."""
+    bf16 = torch.bfloat16 if device.type == "cuda" else torch.float32
+    d, o = (DIM, OUT_DIM) if device.type == "cuda" else (DIM // 16, OUT_DIM // 16)
+    x = torch.randn(TOKENS, d, device=device).to(bf16).requires_grad_()
+    w = (torch.randn(o, d, device=device) * 0.02).to(bf16).requires_grad_()
+
+    def step():
+        x.grad = w.grad = None
+        y = M.fp8_linear(x, w)
+        y.backward(torch.ones_like(y))
+
+    for _ in range(5):
+        step()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(calls):
+            step()
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -153,6 +198,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--calls", type=int, default=200)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", default=None, help="JSON (also copied into $OUT when set)")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="also print torch.profiler's host-op table of an FP8 linear's forward + backward",
+    )
     a = p.parse_args(argv)
     device = torch.device(a.device)
     result = {
@@ -163,6 +213,9 @@ def main(argv: list[str] | None = None) -> dict:
     }
     for name, r in result["rows"].items():
         print(f"{name:50s} host {r['host_us']:9.1f} us   synced {r['synced_us']:9.1f} us")
+    if a.profile:
+        result["profile"] = profile_fp8_linear(device, min(a.calls, 50))
+        print(result["profile"])
     paths = [a.out] if a.out else []
     if os.environ.get("OUT"):
         paths.append(os.path.join(os.environ["OUT"], os.path.basename(a.out or "host_time.json")))

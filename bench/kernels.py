@@ -3,6 +3,7 @@ and dense causal attention of the same model.
 
     python bench/kernels.py [--sizes 4096,16384,32768,65536,131072] [--out bench/results/kernels_h200.json]
     python bench/kernels.py --sweep-only --tune-out chosen.json  # launch alternatives, fastest kept
+    python bench/kernels.py --sweep-only --sweep-parts indexer_loss.fwd_given,indexer_loss.bwd
     python bench/kernels.py --overrides chosen.json              # every size with those launches
 
 ``--overrides``: launch variants (``titan_glm52.kernels.tuning.launch_overrides``; JSON or a file
@@ -15,7 +16,9 @@ FLOPs (per query, K_valid = min(topk, visible keys)): sparse fwd 2*H*K_valid*(D_
 2*H*K_valid*(3*D_qk+2*d_v), indexer 2*H_I*D_I*visible pairs (its tensor-core floor at 790 TFLOP/s is
 reported next to it), KL loss fwd+bwd 2*H*K_valid*D_qk (target recompute) + 3*2*H_I*D_I*K_valid;
 "sparse_mla_bwd_with_kl": the sparse backward that also forms the KL (``sparse_mla_indexer_kl``),
-its ``kl_ms`` = its time minus the plain backward's (measured beside it).
+its ``kl_ms`` = its time minus the plain backward's (measured beside it), and the KL's two kernels
+alone: ``kl_given_fwd_ms`` (the logits and the KL from the stored target), ``kl_bwd_ms`` (the
+gradients; ``dk_atomic_adds`` fp32 atomic adds into dk_idx).
 Dense: F.scaled_dot_product_attention (flash), 64 heads, q/k head dim 256 (192 + 64), v 256, causal.
 The torch reference runs only where it fits and finishes quickly; elsewhere it is recorded as
 skipped. JSON is rewritten after every measurement (a killed run keeps what it measured); with $OUT
@@ -142,6 +145,24 @@ def make_inputs(T, lengths, seed=0):
     ki = torch.randn(T, D_I, generator=g, device=dev).to(torch.bfloat16)
     wi = torch.randn(T, H_I, generator=g, device=dev) * H_I**-0.5
     return cu, qi, ki, wi
+
+
+def kl_parts(q, kv, lse, qi, ki, wi, idx, scale, iscale):
+    """The fused KL's two kernels as training runs them after the sparse backward, on a stand-in
+    target (they read it and never branch on it): (the forward from the given target, the
+    backward)."""
+    import titan_glm52.kernels.indexer_loss as IL
+
+    q_i, k_i, w_i = IL._indexer_inputs(qi, ki, wi)
+    idx32, tgt = idx.to(torch.int32).contiguous(), torch.rand(idx.shape, device="cuda")
+    q, kv, lse = q.detach(), kv.detach(), lse.float().contiguous()
+    ones = torch.ones(q.shape[0], device="cuda")
+
+    def fwd():
+        return IL._kl_forward(q, kv, lse, q_i, k_i, w_i, idx32, tgt, scale, iscale, True)
+
+    stat = fwd()[1]
+    return fwd, lambda: IL._kl_backward(q_i, k_i, w_i, idx32, tgt, stat, ones, iscale, H, D_QK)
 
 
 def run_size(args, T, layout, deadline):
@@ -283,6 +304,10 @@ def run_size(args, T, layout, deadline):
     o, _ = sparse_mla(q, kv, idx, scale, D_V)
     ms_plain = bench(lambda: torch.autograd.grad(o, (q, kv), do, retain_graph=True))
     o = None
+    # what kl_ms is made of: the KL's two kernels alone (the backward's dk_idx takes one fp32
+    # atomic add per valid pair and column)
+    kl_fwd, kl_bwd = kl_parts(q, kv, lse, qi, ki, wi, idx, scale, iscale)
+    ms_kl_fwd, ms_kl_bwd = bench(kl_fwd), bench(kl_bwd)
     record(
         out,
         "sparse_mla_bwd_with_kl",
@@ -295,7 +320,11 @@ def run_size(args, T, layout, deadline):
         peak_fused,
         plain_bwd_ms=ms_plain,
         kl_ms=ms_fused - ms_plain,
+        kl_given_fwd_ms=ms_kl_fwd,
+        kl_bwd_ms=ms_kl_bwd,
+        dk_atomic_adds=kvalid * D_I,
     )
+    print(f"  KL alone: given forward {ms_kl_fwd:.3f} ms, backward {ms_kl_bwd:.3f} ms", flush=True)
 
 
 def run_dense(args, T, layout, deadline):
@@ -365,7 +394,23 @@ SWEEP = {  # (module, part) -> alternatives to the built-in default ({}); the fa
     ("sparse_mla", "bwd_ps"): [dict(BK=32, num_stages=2), dict(BH=32, BK=64, num_stages=2)],
     ("sparse_mla", "bwd_grad"): [dict(DC=128, num_stages=1), dict(BK=32)],
     ("indexer_loss", "fwd"): [dict(BK=64, num_stages=1)],
-    ("indexer_loss", "bwd"): [dict(BK=32, num_warps=4)],
+    ("indexer_loss", "fwd_given"): [
+        dict(num_warps=4, num_stages=2),
+        dict(num_warps=4, num_stages=3),
+        dict(num_warps=4, num_stages=4),
+        dict(num_warps=8, num_stages=3),
+        dict(BK=32, num_warps=4, num_stages=4),
+        dict(BK=128, num_warps=4, num_stages=3),
+        dict(BK=128, num_warps=8, num_stages=2),
+    ],
+    ("indexer_loss", "bwd"): [
+        dict(num_stages=3),
+        dict(num_stages=4),
+        dict(num_warps=8),
+        dict(BK=16, num_stages=4),
+        dict(BK=64, num_warps=4, num_stages=3),
+        dict(BK=64, num_warps=8, num_stages=2),
+    ],
 }
 
 
@@ -397,6 +442,7 @@ def sweep(args, deadline) -> dict:
         kl = IL.indexer_kl_sparse(q, kv, 0.04, lse, qi_, ki_, wi_, 0.09, idx)
         torch.autograd.grad(kl, (qi_, ki_, wi_), torch.ones_like(kl))
 
+    kl_fwd, kl_bwd = kl_parts(q, kv, lse, qi, ki, wi, idx, 0.04, 0.09)
     work = {
         "indexer_topk": (
             lambda: IT.indexer_topk(qi, ki, wi, cu, TOPK, 1.0, gluon=gluon),
@@ -408,6 +454,9 @@ def sweep(args, deadline) -> dict:
             2 * H * kvalid * (3 * D_QK + 2 * D_V),
         ),
         "indexer_loss": (kl_step, 2 * H * kvalid * D_QK + 3 * 2 * H_I * D_I * kvalid),
+        # the fused KL's kernels alone (training runs these after the sparse backward)
+        "indexer_loss.fwd_given": (kl_fwd, 2 * H_I * D_I * kvalid),
+        "indexer_loss.bwd": (kl_bwd, 3 * 2 * H_I * D_I * kvalid),
     }
     chosen = {}
 
@@ -430,12 +479,17 @@ def sweep(args, deadline) -> dict:
             )
             return float("inf")
 
-    with launch_overrides({"indexer_topk": {"select": {"skip": True}}}):
-        measure("indexer_score_only", *work["indexer_topk"], {"skip": True})
+    if not args.sweep_parts:
+        with launch_overrides({"indexer_topk": {"select": {"skip": True}}}):
+            measure("indexer_score_only", *work["indexer_topk"], {"skip": True})
+    parts = [p for p in args.sweep_parts.split(",") if p]
     for (mod, part), alts in SWEEP.items():
         if time.time() > deadline:
             break
-        fn, flop = work[mod if mod != "sparse_mla" else ("fwd" if part == "fwd" else "bwd")]
+        if parts and f"{mod}.{part}" not in parts:
+            continue
+        key = f"{mod}.{part}" if f"{mod}.{part}" in work else mod
+        fn, flop = work[key if mod != "sparse_mla" else ("fwd" if part == "fwd" else "bwd")]
         best_ms, best = float("inf"), {}
         for cfg in [{}, *alts]:
             trial = {m: dict(parts) for m, parts in chosen.items()}
@@ -484,6 +538,11 @@ def main():
         help="the Triton kernels only, also where the Gluon ones would run",
     )
     ap.add_argument("--sweep-T", type=int, default=32768)
+    ap.add_argument(
+        "--sweep-parts",
+        default="",
+        help="only these groups of the sweep, by 'module.part' (comma-separated; default all)",
+    )
     ap.add_argument(
         "--time-budget",
         type=float,

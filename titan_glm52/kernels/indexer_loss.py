@@ -31,10 +31,11 @@ from .sparse_mla import _bwd as _sparse_bwd
 from .sparse_mla import _fwd as _sparse_fwd
 
 # What ``tuning.launch_overrides({"indexer_loss": {part: {...}}})`` may set over the defaults
-# (``_config``, ``_fwd_stages``, ``_bwd_launch``), per kernel: the slots per step and the launch's
-# warps and stages.
+# (``_fwd_launch``, ``_bwd_launch``), per kernel: the slots per step and the launch's warps and
+# stages. "fwd" is the forward that recomputes the target, "fwd_given" the one that reads it.
 LAUNCH_KEYS = {
     "fwd": frozenset({"BK", "num_warps", "num_stages"}),
+    "fwd_given": frozenset({"BK", "num_warps", "num_stages"}),
     "bwd": frozenset({"BK", "num_warps", "num_stages"}),
 }
 
@@ -296,15 +297,23 @@ def _config(h: int, d_qk: int, h_i: int, d_i: int):
     ), (8 if big else 4)
 
 
-def _fwd_stages(c: dict) -> int:
+def _fwd_launch(c: dict, num_warps: int, given: bool) -> dict:
+    """The forward's slots per step, warps and stages, with the active overrides laid over them."""
+    if given:
+        # only k_idx rows are gathered, so a 2-stage pipeline fits: 8.62 -> 3.48 ms at T = 32K on
+        # one H100 against 8 warps in one stage (bench/results/2026-12-06_h100_h200_real_mode_kl.md)
+        base = {"BK": c["BK"], "num_warps": 4, "num_stages": 2}
+        return {**base, **tuning.overrides("indexer_loss", "fwd_given")}
     # 64 slots x 576 dims in two stages would not fit shared memory
-    return 1 if c["BK"] >= 64 else 2
+    base = {"BK": c["BK"], "num_warps": num_warps, "num_stages": 1 if c["BK"] >= 64 else 2}
+    return {**base, **tuning.overrides("indexer_loss", "fwd")}
 
 
 def _bwd_launch(dip: int) -> dict:
-    # measured on one H200 at T = 32K: 32 slots x 4 warps beat 64 x 8 by 6%
+    # at T = 32K on one H100, 64 slots x 4 warps in 3 stages took 15.59 ms against 18.28 for 32
+    # slots in 2 and 22.49 for 64 x 8 warps (bench/results/2026-12-06_h100_h200_real_mode_kl.md)
     return (
-        {"BK": 32, "num_warps": 4, "num_stages": 2}
+        {"BK": 64, "num_warps": 4, "num_stages": 3}
         if dip >= 64
         else {"BK": 16, "num_warps": 4, "num_stages": 2}
     )
@@ -353,12 +362,7 @@ def _kl_forward(q, kv, lse, q_idx, k_idx, w_idx, indices, tgt, sm_scale, idx_sca
             IEEE=q.dtype == torch.float32,
             IEEE_I=q_idx.dtype == torch.float32,
             GIVEN=given,
-            **{
-                **c,
-                "num_warps": nw,
-                "num_stages": _fwd_stages(c),
-                **tuning.overrides("indexer_loss", "fwd"),
-            },
+            **{**c, **_fwd_launch(c, nw, given)},
         )
     return kl, stat
 
@@ -569,12 +573,7 @@ def compile_specs(small: bool = False):
     h, d_qk, h_i, d_i = (4, 24, 4, 16) if small else (64, 576, 32, 128)
     c, nw = _config(h, d_qk, h_i, d_i)
     c.update(IEEE=False, IEEE_I=False)
-    fwd = {
-        **c,
-        "num_warps": nw,
-        "num_stages": _fwd_stages(c),
-        **tuning.overrides("indexer_loss", "fwd"),
-    }
+    fwd, fwd_given = ({**c, **_fwd_launch(c, nw, given)} for given in (False, True))
     bwd = {
         "DI": c["DI"],
         "DIP": c["DIP"],
@@ -586,7 +585,7 @@ def compile_specs(small: bool = False):
     out = []
     for name, fn, launch in (
         ("indexer_kl_fwd", _kl_fwd_kernel, {**fwd, "GIVEN": False}),
-        ("indexer_kl_fwd_given", _kl_fwd_kernel, {**fwd, "GIVEN": True}),
+        ("indexer_kl_fwd_given", _kl_fwd_kernel, {**fwd_given, "GIVEN": True}),
         ("indexer_kl_bwd", _kl_bwd_kernel, bwd),
     ):
         sig = {
