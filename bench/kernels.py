@@ -395,21 +395,17 @@ SWEEP = {  # (module, part) -> alternatives to the built-in default ({}); the fa
     ("sparse_mla", "bwd_grad"): [dict(DC=128, num_stages=1), dict(BK=32)],
     ("indexer_loss", "fwd"): [dict(BK=64, num_stages=1)],
     ("indexer_loss", "fwd_given"): [
-        dict(num_warps=4, num_stages=2),
-        dict(num_warps=4, num_stages=3),
-        dict(num_warps=4, num_stages=4),
-        dict(num_warps=8, num_stages=3),
-        dict(BK=32, num_warps=4, num_stages=4),
-        dict(BK=128, num_warps=4, num_stages=3),
-        dict(BK=128, num_warps=8, num_stages=2),
+        dict(num_stages=3),
+        dict(num_warps=8),
+        dict(BK=128),
+        dict(BK=128, num_warps=8),
     ],
     ("indexer_loss", "bwd"): [
-        dict(num_stages=3),
+        dict(num_stages=2),
         dict(num_stages=4),
         dict(num_warps=8),
-        dict(BK=16, num_stages=4),
-        dict(BK=64, num_warps=4, num_stages=3),
-        dict(BK=64, num_warps=8, num_stages=2),
+        dict(BK=128, num_warps=8, num_stages=2),
+        dict(BK=32, num_stages=2),
     ],
 }
 

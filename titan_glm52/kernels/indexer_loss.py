@@ -42,9 +42,11 @@ LAUNCH_KEYS = {
 
 @triton.jit
 def _index_logits(qi, w, ki, idx_scale, IEEE_I: tl.constexpr):
-    """qi [HIP, DIP], w [HIP], ki [BK, DIP] -> (r = qi ki^T [HIP, BK], logits [BK])."""
-    r = _dot(qi, tl.trans(ki), IEEE_I)
-    return r, tl.sum(tl.maximum(r, 0.0) * w[:, None], axis=0) * idx_scale
+    """qi [HIP, DIP], w [HIP], ki [BK, DIP] -> (r = ki qi^T [BK, HIP], logits [BK]). The keys are
+    the products' M side (here and in the backward): 64 of them fill a Hopper warpgroup MMA, which
+    32 heads do not."""
+    r = _dot(ki, tl.trans(qi), IEEE_I)
+    return r, tl.sum(tl.maximum(r, 0.0) * w[None, :], axis=1) * idx_scale
 
 
 @triton.jit
@@ -240,7 +242,7 @@ def _kl_bwd_kernel(
     tgt_row = tgt_ptr + t64 * stride_st
 
     dw = tl.zeros([HIP], tl.float32)
-    dqi = tl.zeros([HIP, DIP], tl.float32)
+    dqi_t = tl.zeros([DIP, HIP], tl.float32)  # dq_idx transposed (dims on the M side)
     for k0 in range(0, K, BK):
         offs_k, valid, safe = _slots(idx_row, k0, K, T, BK)
         ki = tl.load(
@@ -255,10 +257,10 @@ def _kl_bwd_kernel(
             (tsum * tl.exp(tl.where(valid, lg, 0.0) - tl.where(valid, lse_l, 0.0)) - tg) * g,
             0.0,
         )
-        dw += tl.sum(tl.maximum(r, 0.0) * dl[None, :], axis=1)
-        dr = tl.where(r > 0.0, w[:, None] * dl[None, :], 0.0).to(ki.dtype)  # [HIP, BK]
-        dqi += _dot(dr, ki, IEEE_I)
-        dki = _dot(tl.trans(dr), qi, IEEE_I)  # [BK, DIP]
+        dw += tl.sum(tl.maximum(r, 0.0) * dl[:, None], axis=0)
+        dr = tl.where(r > 0.0, w[None, :] * dl[:, None], 0.0).to(ki.dtype)  # [BK, HIP]
+        dqi_t += _dot(tl.trans(ki), dr, IEEE_I)
+        dki = _dot(dr, qi, IEEE_I)  # [BK, DIP]
         tl.atomic_add(
             dki_ptr + safe[:, None] * stride_dkt + offs_di[None, :],
             dki * idx_scale,
@@ -266,9 +268,9 @@ def _kl_bwd_kernel(
             sem="relaxed",
         )
     tl.store(
-        dqi_ptr + t64 * stride_dqt + offs_hi[:, None] * stride_dqh + offs_di[None, :],
-        (dqi * idx_scale).to(dqi_ptr.dtype.element_ty),
-        mask=qmask,
+        dqi_ptr + t64 * stride_dqt + offs_hi[None, :] * stride_dqh + offs_di[:, None],
+        (dqi_t * idx_scale).to(dqi_ptr.dtype.element_ty),
+        mask=dimask[:, None] & himask[None, :],
     )
     tl.store(
         dwi_ptr + t64 * stride_dwt + offs_hi,
