@@ -302,9 +302,10 @@ def _config(h: int, d_qk: int, h_i: int, d_i: int):
 def _fwd_launch(c: dict, num_warps: int, given: bool) -> dict:
     """The forward's slots per step, warps and stages, with the active overrides laid over them."""
     if given:
-        # only k_idx rows are gathered, so a 2-stage pipeline fits: 8.62 -> 3.48 ms at T = 32K on
-        # one H100 against 8 warps in one stage (bench/results/2026-12-06_h100_h200_real_mode_kl.md)
-        base = {"BK": c["BK"], "num_warps": 4, "num_stages": 2}
+        # only k_idx rows are gathered, so 128 slots in a 2-stage pipeline fit: 8.62 -> 2.96 ms at
+        # T = 32K on one H100 against 64 slots, 8 warps and one stage
+        # (bench/results/2026-12-06_h100_h200_real_mode_kl.md)
+        base = {"BK": 128 if c["DIP"] >= 64 else c["BK"], "num_warps": 4, "num_stages": 2}
         return {**base, **tuning.overrides("indexer_loss", "fwd_given")}
     # 64 slots x 576 dims in two stages would not fit shared memory
     base = {"BK": c["BK"], "num_warps": num_warps, "num_stages": 1 if c["BK"] >= 64 else 2}
@@ -312,8 +313,8 @@ def _fwd_launch(c: dict, num_warps: int, given: bool) -> dict:
 
 
 def _bwd_launch(dip: int) -> dict:
-    # at T = 32K on one H100, 64 slots x 4 warps in 3 stages took 15.59 ms against 18.28 for 32
-    # slots in 2 and 22.49 for 64 x 8 warps (bench/results/2026-12-06_h100_h200_real_mode_kl.md)
+    # at T = 32K on one H100: 14.50 ms against 17.68 for 32 slots (whose 32 x 32 products miss
+    # the warpgroup MMA) and 23.22 for 8 warps (bench/results/2026-12-06_h100_h200_real_mode_kl.md)
     return (
         {"BK": 64, "num_warps": 4, "num_stages": 3}
         if dip >= 64
