@@ -736,12 +736,18 @@ def test_float8_peer_in_the_notes(tmp_path, monkeypatch):
 
 def test_host_time_runs_on_cpu(tmp_path):
     """bench/host_time.py's CPU rows (the registered ops, their implementations called directly and
-    as a ``torch.library.custom_op``, whole products in bf16 and FP8, calls from a second thread)
-    run and are written out."""
+    as a ``torch.library.custom_op``, whole products in bf16 and FP8, a backward through the engine
+    and its formula called directly, calls from a second thread) and its profile table run and are
+    written out."""
     host_time = _load("host_time")
     out = tmp_path / "host_time.json"
-    result = host_time.main(["--device", "cpu", "--calls", "2", "--out", str(out)])
+    result = host_time.main(["--device", "cpu", "--calls", "2", "--out", str(out), "--profile"])
     assert json.loads(out.read_text()) == result
-    assert "fp8_mm implementation as a custom_op" in result["rows"]
-    assert "fp8_mm_input_grad implementation directly, from a second thread" in result["rows"]
-    assert all(r["host_us"] > 0 and r["synced_us"] > 0 for r in result["rows"].values())
+    rows = result["rows"]
+    assert "fp8_mm implementation as a custom_op" in rows
+    assert "fp8_mm_input_grad implementation directly, from a second thread" in rows
+    for what in ("fp8 linear", "bf16 expert_mm, one expert"):
+        assert any(k.startswith(what) and "backward alone (autograd)" in k for k in rows)
+        assert any(k.startswith(what) and "formula" in k and "directly" in k for k in rows)
+    assert all(r["host_us"] > 0 and r["synced_us"] > 0 for r in rows.values())
+    assert "titan_glm52::fp8_mm_input_grad" in result["profile"]
