@@ -478,11 +478,11 @@ def sweep(args, deadline) -> dict:
     if not args.sweep_parts:
         with launch_overrides({"indexer_topk": {"select": {"skip": True}}}):
             measure("indexer_score_only", *work["indexer_topk"], {"skip": True})
-    parts = [p for p in args.sweep_parts.split(",") if p]
+    only = [p for p in args.sweep_parts.split(",") if p]
     for (mod, part), alts in SWEEP.items():
         if time.time() > deadline:
             break
-        if parts and f"{mod}.{part}" not in parts:
+        if only and f"{mod}.{part}" not in only:
             continue
         key = f"{mod}.{part}" if f"{mod}.{part}" in work else mod
         fn, flop = work[key if mod != "sparse_mla" else ("fwd" if part == "fwd" else "bwd")]

@@ -302,9 +302,9 @@ def _config(h: int, d_qk: int, h_i: int, d_i: int):
 def _fwd_launch(c: dict, num_warps: int, given: bool) -> dict:
     """The forward's slots per step, warps and stages, with the active overrides laid over them."""
     if given:
-        # only k_idx rows are gathered, so 128 slots in a 2-stage pipeline fit: 8.62 -> 2.96 ms at
-        # T = 32K on one H100 against 64 slots, 8 warps and one stage
-        # (bench/results/2026-12-06_h100_h200_real_mode_kl.md)
+        # only k_idx rows are gathered, so 128 slots in a 2-stage pipeline fit: at T = 32K on one
+        # H100 2.96 ms, 3.12 with 64 slots, 8.62 with the recomputing forward's launch (8 warps,
+        # one stage; bench/results/2026-12-06_h100_h200_real_mode_kl.md)
         base = {"BK": 128 if c["DIP"] >= 64 else c["BK"], "num_warps": 4, "num_stages": 2}
         return {**base, **tuning.overrides("indexer_loss", "fwd_given")}
     # 64 slots x 576 dims in two stages would not fit shared memory
