@@ -306,20 +306,21 @@ def _fwd_launch(c: dict, num_warps: int, given: bool) -> dict:
         # H100 2.96 ms, 3.12 with 64 slots, 8.62 with the recomputing forward's launch (8 warps,
         # one stage; bench/results/2026-12-06_h100_h200_real_mode_kl.md)
         base = {"BK": 128 if c["DIP"] >= 64 else c["BK"], "num_warps": 4, "num_stages": 2}
-        return {**base, **tuning.overrides("indexer_loss", "fwd_given")}
-    # 64 slots x 576 dims in two stages would not fit shared memory
-    base = {"BK": c["BK"], "num_warps": num_warps, "num_stages": 1 if c["BK"] >= 64 else 2}
-    return {**base, **tuning.overrides("indexer_loss", "fwd")}
+    else:  # 64 slots x 576 dims in two stages would not fit shared memory
+        base = {"BK": c["BK"], "num_warps": num_warps, "num_stages": 1 if c["BK"] >= 64 else 2}
+    return {**base, **tuning.overrides("indexer_loss", "fwd_given" if given else "fwd")}
 
 
 def _bwd_launch(dip: int) -> dict:
+    """The backward's slots per step, warps and stages, with the active overrides laid over them."""
     # at T = 32K on one H100: 14.50 ms against 17.68 for 32 slots (whose 32 x 32 products miss
     # the warpgroup MMA) and 23.22 for 8 warps (bench/results/2026-12-06_h100_h200_real_mode_kl.md)
-    return (
+    base = (
         {"BK": 64, "num_warps": 4, "num_stages": 3}
         if dip >= 64
         else {"BK": 16, "num_warps": 4, "num_stages": 2}
     )
+    return {**base, **tuning.overrides("indexer_loss", "bwd")}
 
 
 def _kl_forward(q, kv, lse, q_idx, k_idx, w_idx, indices, tgt, sm_scale, idx_scale, given):
@@ -408,7 +409,7 @@ def _kl_backward(q_idx, k_idx, w_idx, indices, tgt, stat, grad, idx_scale, h, d_
             DIP=c["DIP"],
             HIP=c["HIP"],
             IEEE_I=q_idx.dtype == torch.float32,
-            **{**_bwd_launch(c["DIP"]), **tuning.overrides("indexer_loss", "bwd")},
+            **_bwd_launch(c["DIP"]),
         )
     return dq, dk.to(k_idx.dtype), dw
 
@@ -583,7 +584,6 @@ def compile_specs(small: bool = False):
         "HIP": c["HIP"],
         "IEEE_I": False,
         **_bwd_launch(c["DIP"]),
-        **tuning.overrides("indexer_loss", "bwd"),
     }
     out = []
     for name, fn, launch in (
