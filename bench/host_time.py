@@ -31,7 +31,6 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import titan_glm52.model.fp8_mm as M
 import titan_glm52.model.expert_mm as EM
-from titan_glm52.model.expert_mm import expert_mm
 
 # the proxy's widths (a linear 6144 -> 2048, experts 6144 -> 4096); on CPU each width / 16
 TOKENS, DIM, OUT_DIM, EXPERTS, EXPERT_ROWS, EXPERT_DIM = 256, 6144, 2048, 16, 2048, 4096
@@ -105,7 +104,7 @@ def rows(device: torch.device, calls: int) -> dict[str, dict[str, float]]:
     # op's backward formula called directly (no engine): what the engine adds
     ones = torch.ones(TOKENS, o, device=device, dtype=bf16)
     y_bf16, y_fp8 = torch.nn.functional.linear(xr, wr), M.fp8_linear(xr, wr)
-    y_op = expert_mm(xr, wr.unsqueeze(0), n)  # a registered op with a bf16 formula
+    y_op = EM.expert_mm(xr, wr.unsqueeze(0), n)  # a registered op with a bf16 formula
     ctx = types.SimpleNamespace(saved_tensors=(x, w3), splits=n, needs_input_grad=(True, True))
 
     cases = {
@@ -129,7 +128,7 @@ def rows(device: torch.device, calls: int) -> dict[str, dict[str, float]]:
         ),
         "bf16 expert_mm, one expert, backward formula directly": lambda: EM._backward(ctx, ones),
         "bf16 experts (expert_mm), forward + backward": lambda: backward(
-            expert_mm(xe, we, splits), xe, we
+            EM.expert_mm(xe, we, splits), xe, we
         ),
         "fp8 experts (fp8_expert_mm), forward + backward": lambda: backward(
             M.fp8_expert_mm(xe, we, splits), xe, we
