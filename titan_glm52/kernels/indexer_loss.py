@@ -10,12 +10,13 @@ each row, 0 for a row without a valid key; gradients flow into q_idx, k_idx and 
   ``sparse_mla`` with the same q, kv, indices and sm_scale.
 * logits: ``sum_h w_idx[t, h] * relu(q_idx[t, h] . k_idx[s]) * idx_scale``.
 
-Forward (one program per row): walk the K slots in blocks; per block gather kv and k_idx rows,
-compute the head sum of P and the logits, keep the sums for the normalisers; a second pass over the
-row's [K] buffers forms the KL. The normalised target [T, K] (fp32) and the logits' logsumexp [T]
-are kept for backward. Backward (one program per row): recompute the logits from q_idx, k_idx;
-``dlogit = (sum(target) * softmax - target) * grad``; dw and dq_idx accumulate in registers, dk_idx
-with fp32 atomic adds.
+Forward (one program per row), one pass: walk the K slots in blocks; per block gather kv and k_idx
+rows, compute the head sum of P and the logits, and keep the sums the KL needs: the target's sum,
+its sums of ``p log p`` and ``p x logit``, and the logits' running logsumexp; ``KL = norm (sum p log
+p - sum p logit) + norm sum(p) (log norm + lse)``, ``norm = 1 / sum(p)``. The head sum of P [T, K]
+(fp32), its normaliser and the logits' logsumexp [T] are kept for backward. Backward (one program
+per row): recompute the logits from q_idx, k_idx; ``dlogit = (sum(target) * softmax - target) *
+grad``; dw and dq_idx accumulate in registers, dk_idx with fp32 atomic adds.
 """
 
 from __future__ import annotations
@@ -59,7 +60,6 @@ def _kl_fwd_kernel(
     wi_ptr,
     idx_ptr,
     tgt_ptr,
-    lg_ptr,
     kl_ptr,
     stat_ptr,
     T,
@@ -126,19 +126,20 @@ def _kl_fwd_kernel(
     w = tl.load(wi_ptr + t64 * stride_wit + offs_hi, mask=himask, other=0.0).to(tl.float32)
     idx_row = idx_ptr + t64 * stride_it
     tgt_row = tgt_ptr + t64 * stride_st
-    lg_row = lg_ptr + t64 * stride_st
 
+    # per lane: the target's sum, its sums of p log p and p x logit over the slots with p > 0 (the
+    # KL follows from them and the logsumexp in one pass), the logits' running max and sum of exp
     p_total = tl.zeros([BK], tl.float32)
-    # running max / sum of exp of the logits, per lane
+    plogp = tl.zeros([BK], tl.float32)
+    plg = tl.zeros([BK], tl.float32)
     m_l = tl.full([BK], float("-inf"), tl.float32)
     s_l = tl.zeros([BK], tl.float32)
     for k0 in range(0, K, BK):
-        offs_k = k0 + tl.arange(0, BK)
-        kmask = offs_k < K
         if GIVEN:
-            _, valid, safe = _slots(idx_row, k0, K, T, BK)
+            offs_k, valid, safe = _slots(idx_row, k0, K, T, BK)
             psum = tl.load(tgt_row + offs_k, mask=valid, other=0.0)
         else:
+            offs_k = k0 + tl.arange(0, BK)
             valid, safe, ka, kb = _gather(
                 kv_ptr, idx_row, k0, K, T, stride_kvt, DA, DB, DAP, DBP, BK, HAS_B
             )
@@ -148,16 +149,18 @@ def _kl_fwd_kernel(
             p = tl.math.exp2(s * qk_scale - lse2[:, None])
             p = tl.where(valid[None, :] & hmask[:, None], p, 0.0)
             psum = tl.sum(p, axis=0)  # [BK]
+            tl.store(tgt_row + offs_k, psum, mask=offs_k < K)  # the target, for the backward
         ki = tl.load(
             ki_ptr + safe[:, None] * stride_kit + offs_di[None, :],
             mask=valid[:, None] & dimask[None, :],
             other=0.0,
         )
-        r, lg = _index_logits(qi, w, ki, idx_scale, IEEE_I)
+        _, lg = _index_logits(qi, w, ki, idx_scale, IEEE_I)
         lg = tl.where(valid, lg, float("-inf"))
-        tl.store(tgt_row + offs_k, psum, mask=kmask)  # (with GIVEN: 0 on the invalid slots)
-        tl.store(lg_row + offs_k, lg, mask=kmask)
+        pos = valid & (psum > 0.0)
         p_total += psum
+        plogp += tl.where(pos, psum * tl.log(tl.where(pos, psum, 1.0)), 0.0)
+        plg += tl.where(pos, psum * tl.where(pos, lg, 0.0), 0.0)
         m_new = tl.maximum(m_l, lg)
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         s_l = s_l * tl.exp(m_l - m_use) + tl.exp(lg - m_use)
@@ -170,24 +173,16 @@ def _kl_fwd_kernel(
     lse_l = tl.where(has, m_use + tl.log(tl.where(has, l_all, 1.0)), float("-inf"))
     p_sum = tl.sum(p_total, axis=0)
     norm = 1.0 / tl.maximum(p_sum, 1e-10)
-    tl.debug_barrier()  # the row's buffers were written by other threads of this program
-
-    kl = tl.zeros([BK], tl.float32)
-    for k0 in range(0, K, BK):
-        offs_k = k0 + tl.arange(0, BK)
-        kmask = offs_k < K
-        tg = tl.load(tgt_row + offs_k, mask=kmask, other=0.0) * norm
-        lg = tl.load(lg_row + offs_k, mask=kmask, other=float("-inf"))
-        pos = (tg > 0.0) & (lg > float("-inf"))
-        term = tg * (
-            tl.log(tl.where(pos, tg, 1.0)) - (tl.where(pos, lg, 0.0) - tl.where(pos, lse_l, 0.0))
-        )
-        kl += tl.where(pos, term, 0.0)
-        tl.store(tgt_row + offs_k, tg, mask=kmask)
-    kl_row = tl.where(has, tl.sum(kl, axis=0), 0.0)
-    tl.store(kl_ptr + t, kl_row)
-    tl.store(stat_ptr + t64 * 2, lse_l)
-    tl.store(stat_ptr + t64 * 2 + 1, p_sum * norm)
+    # KL = sum t (log t - logit + lse) with t = p x norm, over the slots with p > 0
+    kl_row = norm * (
+        tl.sum(plogp, axis=0)
+        - tl.sum(plg, axis=0)
+        + p_sum * (tl.log(norm) + tl.where(has, lse_l, 0.0))
+    )
+    tl.store(kl_ptr + t, tl.where(has, kl_row, 0.0))
+    tl.store(stat_ptr + t64 * 3, lse_l)
+    tl.store(stat_ptr + t64 * 3 + 1, norm)
+    tl.store(stat_ptr + t64 * 3 + 2, p_sum * norm)
 
 
 @triton.jit
@@ -235,8 +230,9 @@ def _kl_bwd_kernel(
         other=0.0,
     )
     w = tl.load(wi_ptr + t64 * stride_wit + offs_hi, mask=himask, other=0.0).to(tl.float32)
-    lse_l = tl.load(stat_ptr + t64 * 2)
-    tsum = tl.load(stat_ptr + t64 * 2 + 1)
+    lse_l = tl.load(stat_ptr + t64 * 3)
+    norm = tl.load(stat_ptr + t64 * 3 + 1)  # the target's normaliser
+    tsum = tl.load(stat_ptr + t64 * 3 + 2)
     g = tl.load(g_ptr + t).to(tl.float32)
     idx_row = idx_ptr + t64 * stride_it
     tgt_row = tgt_ptr + t64 * stride_st
@@ -251,7 +247,7 @@ def _kl_bwd_kernel(
             other=0.0,
         )
         r, lg = _index_logits(qi, w, ki, idx_scale, IEEE_I)
-        tg = tl.load(tgt_row + offs_k, mask=valid, other=0.0)
+        tg = tl.load(tgt_row + offs_k, mask=valid, other=0.0) * norm
         dl = tl.where(
             valid,
             (tsum * tl.exp(tl.where(valid, lg, 0.0) - tl.where(valid, lse_l, 0.0)) - tg) * g,
@@ -324,16 +320,16 @@ def _bwd_launch(dip: int) -> dict:
 
 
 def _kl_forward(q, kv, lse, q_idx, k_idx, w_idx, indices, tgt, sm_scale, idx_scale, given):
-    """Per-row KL ``[T]`` and the row statistics ``[T, 2]`` (the logits' logsumexp, the target's
-    sum after normalising) for ``_kl_backward``; ``tgt [T, K]`` (fp32) ends as the normalised
-    target. ``given``: ``tgt`` already holds the head sum of P per slot (q, kv and lse unused)."""
+    """Per-row KL ``[T]`` and the row statistics ``[T, 3]`` (the logits' logsumexp, the target's
+    normaliser and its sum after normalising) for ``_kl_backward``; ``tgt [T, K]`` (fp32) ends as
+    the head sum of P per slot, not normalised. ``given``: ``tgt`` already holds it (q, kv and lse
+    unused)."""
     total, h, d_qk = q.shape
     h_i, d_i = q_idx.shape[1:]
     n_k = indices.shape[1]
     kl = torch.zeros(total, dtype=torch.float32, device=q_idx.device)
-    stat = torch.zeros((total, 2), dtype=torch.float32, device=q_idx.device)
+    stat = torch.zeros((total, 3), dtype=torch.float32, device=q_idx.device)
     if total and n_k:
-        lg = torch.empty_like(tgt)
         c, nw = _config(h, d_qk, h_i, d_i)
         _kl_fwd_kernel[(total,)](
             q,
@@ -344,7 +340,6 @@ def _kl_forward(q, kv, lse, q_idx, k_idx, w_idx, indices, tgt, sm_scale, idx_sca
             w_idx,
             indices,
             tgt,
-            lg,
             kl,
             stat,
             k_idx.shape[0],
@@ -602,7 +597,6 @@ def compile_specs(small: bool = False):
                     "lse_ptr",
                     "wi_ptr",
                     "tgt_ptr",
-                    "lg_ptr",
                     "kl_ptr",
                     "stat_ptr",
                     "g_ptr",
