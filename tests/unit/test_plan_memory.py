@@ -703,6 +703,40 @@ MEASURED_H200.update(
             dict(_OPT, seq_len=32768, selective_ac_option="op"),
             96.63,
         ),
+        # the real mode (MTP and the indexer KL, compiled, commit 23cc6e0;
+        # bench/results/2026-12-06_h200_real_mode_cells.md): the plan does not count the KL's
+        # target ([T, top-k] fp32 per layer), which these peaks include
+        "masters in the optimizer, real mode, 4K, AC none": (
+            dict(_REBUILT, seq_len=4096, with_mtp=True),
+            88.1,
+        ),
+        "masters in the optimizer, real mode, 16K, AC none": (
+            dict(_REBUILT, seq_len=16384, with_mtp=True),
+            115.5,
+        ),
+        "masters in the optimizer, real mode, 32K, AC none, MTP chunks, latent query rebuilt": (
+            dict(
+                _REBUILT,
+                seq_len=32768,
+                with_mtp=True,
+                mtp_token_chunk=16384,
+                recompute_latent_query=True,
+            ),
+            136.8,
+        ),
+        "masters in the optimizer, real mode, 64K, AC full, MLP and MTP chunks, latent rebuilt": (
+            dict(
+                _OPT,
+                seq_len=65536,
+                with_mtp=True,
+                ac_mode="full",
+                recompute_expert_inputs=True,
+                mlp_token_chunk=16384,
+                mtp_token_chunk=16384,
+                recompute_latent_query=True,
+            ),
+            109.7,
+        ),
     }
 )
 # The one-GPU estimates stay within 25% of the measured peak, except where a case says otherwise
