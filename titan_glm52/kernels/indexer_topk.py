@@ -176,6 +176,7 @@ def _select_kernel(
     NB: tl.constexpr,
     HAS_QROWS: tl.constexpr,
 ):
+    tl.static_assert(BLOCK <= 16384)  # pass 2's packed scan
     pid = tl.program_id(0)
     t = row0 + pid
     start = tl.load(starts_ptr + t)
@@ -220,15 +221,19 @@ def _select_kernel(
             b = _bucket(x, mn, inv, NB)
             gt = m & ((b > bstar) | ((b == bstar) & take_all))
             st = m & (b == bstar) & (cnt_eq != need)
-            gi = gt.to(tl.int32)
-            si = st.to(tl.int32)
-            pos = n_sel + tl.cumsum(gi, 0) - gi
+            # one scan for both compactions: the emitted count in the low 16 bits, the stashed in
+            # the high bits (BLOCK <= 16384 keeps both below 2^15 and the sum below 2^31)
+            both = gt.to(tl.int32) + (st.to(tl.int32) << 16)
+            incl = tl.cumsum(both, 0)
+            excl = incl - both
+            pos = n_sel + (excl & 0xFFFF)
             tl.store(out_row + pos, start + c0 + offs, mask=gt)
-            spos = n_st + tl.cumsum(si, 0) - si
+            spos = n_st + (excl >> 16)
             tl.store(row + stash_off + spos, x, mask=st)
             tl.store(idx_row + spos, start + c0 + offs, mask=st)
-            n_sel += tl.sum(gi, 0)
-            n_st += tl.sum(si, 0)
+            tot = tl.sum(both, 0)
+            n_sel += tot & 0xFFFF
+            n_st += tot >> 16
         tl.debug_barrier()  # stash written by other threads of this program
 
         # ---- exact radix select on the stash (or on the whole row after an overflow)
