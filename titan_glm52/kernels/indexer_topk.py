@@ -222,7 +222,8 @@ def _select_kernel(
             gt = m & ((b > bstar) | ((b == bstar) & take_all))
             st = m & (b == bstar) & (cnt_eq != need)
             # one scan for both compactions: the emitted count in the low 16 bits, the stashed in
-            # the high bits (BLOCK <= 16384 keeps both below 2^15 and the sum below 2^31)
+            # the high bits (BLOCK <= 16384 keeps both below 2^15 and the sum below 2^31); 4% off
+            # the whole call at 32K (bench/results/2026-12-06_h200_real_mode_cells.md)
             both = gt.to(tl.int32) + (st.to(tl.int32) << 16)
             incl = tl.cumsum(both, 0)
             excl = incl - both
