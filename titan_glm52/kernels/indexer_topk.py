@@ -3,7 +3,8 @@
 Contract: ``reference.indexer_topk``. Score of key s for query t is ``sum_h w[t,h] * relu(q[t,h] .
 k[s]) * scale`` over the keys ``start(t) <= s <= t`` of t's document; the result holds the global
 rows of the ``topk`` best keys (ties: lower row wins, exactly like the reference's stable sort)
-followed by ``-1`` padding. Within a row the selected rows come in ascending row order, not in score
+followed by ``-1`` padding. Within a row the selected rows come in two runs, each in ascending row
+order: those above the selection's threshold bucket (below), then those picked from it; not in score
 order.
 
 How (per chunk of R query rows, so memory is O(R * longest document), never [T, T]):
@@ -323,8 +324,8 @@ def indexer_topk(
     gluon: bool = True,
     q_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Same contract as ``reference.indexer_topk`` (selected set identical; rows listed in ascending
-    order).
+    """Same contract as ``reference.indexer_topk`` (selected set identical; rows listed in two
+    ascending runs, module docstring).
 
     ``max_len``: the longest document's length, when the caller knows it on the host (the model's
     packed context does); then ``cu_seqlens`` is taken as valid and the call makes no device-to-host
