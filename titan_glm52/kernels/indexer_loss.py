@@ -14,7 +14,7 @@ Forward (one program per row), one pass: walk the K slots in blocks; per block g
 rows, compute the head sum of P and the logits, and keep the sums the KL needs: the target's sum,
 its sums of ``p log p`` and ``p x logit``, and the logits' running logsumexp; ``KL = norm (sum p log
 p - sum p logit) + norm sum(p) (log norm + lse)``, ``norm = 1 / sum(p)``. The head sum of P [T, K]
-(fp32), its normaliser and the logits' logsumexp [T] are kept for backward. Backward (one program
+(fp32), its sum and the logits' logsumexp [T] are kept for backward. Backward (one program
 per row): recompute the logits from q_idx, k_idx; ``dlogit = (sum(target) * softmax - target) *
 grad``; dw and dq_idx accumulate in registers, dk_idx with fp32 atomic adds.
 """
@@ -180,9 +180,8 @@ def _kl_fwd_kernel(
         + p_sum * (tl.log(norm) + tl.where(has, lse_l, 0.0))
     )
     tl.store(kl_ptr + t, tl.where(has, kl_row, 0.0))
-    tl.store(stat_ptr + t64 * 3, lse_l)
-    tl.store(stat_ptr + t64 * 3 + 1, norm)
-    tl.store(stat_ptr + t64 * 3 + 2, p_sum * norm)
+    tl.store(stat_ptr + t64 * 2, lse_l)
+    tl.store(stat_ptr + t64 * 2 + 1, p_sum)
 
 
 @triton.jit
@@ -230,9 +229,10 @@ def _kl_bwd_kernel(
         other=0.0,
     )
     w = tl.load(wi_ptr + t64 * stride_wit + offs_hi, mask=himask, other=0.0).to(tl.float32)
-    lse_l = tl.load(stat_ptr + t64 * 3)
-    norm = tl.load(stat_ptr + t64 * 3 + 1)  # the target's normaliser
-    tsum = tl.load(stat_ptr + t64 * 3 + 2)
+    lse_l = tl.load(stat_ptr + t64 * 2)
+    p_sum = tl.load(stat_ptr + t64 * 2 + 1)
+    norm = 1.0 / tl.maximum(p_sum, 1e-10)  # the target's normaliser, as the forward formed it
+    tsum = p_sum * norm
     g = tl.load(g_ptr + t).to(tl.float32)
     idx_row = idx_ptr + t64 * stride_it
     tgt_row = tgt_ptr + t64 * stride_st
@@ -320,15 +320,15 @@ def _bwd_launch(dip: int) -> dict:
 
 
 def _kl_forward(q, kv, lse, q_idx, k_idx, w_idx, indices, tgt, sm_scale, idx_scale, given):
-    """Per-row KL ``[T]`` and the row statistics ``[T, 3]`` (the logits' logsumexp, the target's
-    normaliser and its sum after normalising) for ``_kl_backward``; ``tgt [T, K]`` (fp32) ends as
-    the head sum of P per slot, not normalised. ``given``: ``tgt`` already holds it (q, kv and lse
+    """Per-row KL ``[T]`` and the row statistics ``[T, 2]`` (the logits' logsumexp, the target's
+    sum before normalising) for ``_kl_backward``; ``tgt [T, K]`` (fp32) ends as the head sum of P
+    per slot, not normalised. ``given``: ``tgt`` already holds it (q, kv and lse
     unused)."""
     total, h, d_qk = q.shape
     h_i, d_i = q_idx.shape[1:]
     n_k = indices.shape[1]
     kl = torch.zeros(total, dtype=torch.float32, device=q_idx.device)
-    stat = torch.zeros((total, 3), dtype=torch.float32, device=q_idx.device)
+    stat = torch.zeros((total, 2), dtype=torch.float32, device=q_idx.device)
     if total and n_k:
         c, nw = _config(h, d_qk, h_i, d_i)
         _kl_fwd_kernel[(total,)](
