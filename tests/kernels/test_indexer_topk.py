@@ -14,6 +14,7 @@ except ImportError:
 from titan_glm52 import packed
 from titan_glm52.kernels import reference as R
 from titan_glm52.kernels.indexer_topk import indexer_topk
+from titan_glm52.kernels.tuning import launch_overrides
 
 
 def _inputs(lengths, h_i, d_i, seed, zero_frac=0.0, dup_keys=False):
@@ -88,8 +89,6 @@ def test_deterministic():
 def test_queries_per_scoring_program():
     """The scoring's BQ (queries per program, 4 by default at 32 heads): other blocks, including
     one that straddles documents and a last block past the rows, select the same keys."""
-    from titan_glm52.kernels.tuning import launch_overrides
-
     lengths = [7, 20, 23]
     q, k, w = _inputs(lengths, 4, 16, 1)
     cu = cu_seqlens(lengths)
@@ -97,3 +96,34 @@ def test_queries_per_scoring_program():
     for bq in (8, 16):
         with launch_overrides({"indexer_topk": {"score": {"BQ": bq}}}):
             _check(indexer_topk(q, k, w, cu, 5, 0.37), ref, lengths, 5)
+
+
+@pytest.mark.parametrize("sample,margin", [(8, 4.0), (2, 0.0), (1, 4.0)])
+def test_sampled_band(sample, margin):
+    """The selection's pass 1 histograms every SAMPLE-th key and stashes a band of MARGIN standard
+    deviations around the estimated threshold: keys emitted above the band and picked from it make
+    the reference's set at any stride (1: every key) and margin (0: the narrowest band)."""
+    lengths = [100, 20]
+    q, k, w = _inputs(lengths, 4, 16, 9)
+    cu = cu_seqlens(lengths)
+    ref = R.indexer_topk(q, k, w, cu, 12, 0.37)
+    with launch_overrides({"indexer_topk": {"select": {"SAMPLE": sample, "MARGIN": margin}}}):
+        _check(indexer_topk(q, k, w, cu, 12, 0.37), ref, lengths, 12)
+
+
+@pytest.mark.parametrize("sampled", ["low", "high"])
+def test_misleading_sample_falls_back_to_the_whole_row(sampled):
+    """Every 2nd key (the sampled ones, with SAMPLE 2 and the narrowest band) scores below every
+    other key ("low": the band lands under the threshold, more than top-k keys lie above it) or
+    above them ("high": the band lands over it, fewer than top-k keys lie in and above it); the
+    row's exact radix select must take over."""
+    lengths = [90]
+    q, k, w = _inputs(lengths, 4, 16, 10)
+    w = w.abs() + 0.1
+    q = q.abs()
+    k = k.abs()  # every score > 0
+    k[0::2] = 0.0 if sampled == "low" else 10.0
+    cu = cu_seqlens(lengths)
+    ref = R.indexer_topk(q, k, w, cu, 10, 0.37)
+    with launch_overrides({"indexer_topk": {"select": {"SAMPLE": 2, "MARGIN": 0.0}}}):
+        _check(indexer_topk(q, k, w, cu, 10, 0.37), ref, lengths, 10)

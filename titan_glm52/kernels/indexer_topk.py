@@ -4,8 +4,8 @@ Contract: ``reference.indexer_topk``. Score of key s for query t is ``sum_h w[t,
 k[s]) * scale`` over the keys ``start(t) <= s <= t`` of t's document; the result holds the global
 rows of the ``topk`` best keys (ties: lower row wins, exactly like the reference's stable sort)
 followed by ``-1`` padding. Within a row the selected rows come in two runs, each in ascending row
-order: those above the selection's threshold bucket (below), then those picked from it; not in score
-order.
+order: those above the threshold band of the selection below, then those picked from the band; not
+in score order.
 
 How (per chunk of R query rows, so memory is O(R * longest document), never [T, T]):
 
@@ -15,13 +15,14 @@ How (per chunk of R query rows, so memory is O(R * longest document), never [T, 
    ``K_tile @ Q^T`` on tensor cores, ReLU, weight and head sum in registers, and writes one fp32
    score per visible (query, key) pair into the chunk's scratch, plus the row's max and min. Rows
    with at most ``topk`` visible keys are skipped (they keep all their keys).
-2. ``_select_kernel``: one program per row. Pass 1: 256-bin histogram of the scores bucketed
-   linearly between the row's min and max; the threshold bucket follows from the suffix counts. Pass
-   2: emit every key of a higher bucket, stash the keys of the threshold bucket (score + row, in row
-   order). Then an exact 4 x 8-bit radix select on the stash (order-preserving int32 image of the
-   fp32 score) and an emission that takes the lowest rows among exact ties. If the threshold bucket
-   is larger than the stash (massive ties), the radix select runs on the whole row instead: slower,
-   same result.
+2. ``_select_kernel``: one program per row. Pass 1: a 256-bin histogram of every 8th score
+   (``SAMPLE``), bucketed linearly between the row's min and max; from it a band of buckets that
+   holds the threshold with a margin of four standard deviations of the estimate. Pass 2: emit every
+   key above the band, stash the band's keys (score + row, in row order). Then an exact 4 x 8-bit
+   radix select on the stash (order-preserving int32 image of the fp32 score) and an emission that
+   takes the lowest rows among exact ties. Where the band missed the threshold (a misleading sample)
+   or outgrew the stash (massive ties), the radix select runs on the whole row instead: slower, same
+   result.
 
 -0.0 is canonicalised to +0.0 so that bit-level ties agree with the float comparison of the
 reference.
@@ -47,7 +48,9 @@ NBINS = 256
 # {...}}})``, keys as in LAUNCH_KEYS: also the scoring's BQ (queries per program; by default from
 # the heads, ``_config``) and the selection's "skip" (no selection: times the scoring alone)
 SCORE_LAUNCH = {"BN": 64, "num_warps": 8, "num_stages": 3}
-SELECT_LAUNCH = {"BLOCK": 1024, "num_warps": 4}
+# the selection's pass 1 histograms every SAMPLE-th key (1 = every key); the stashed band reaches
+# MARGIN standard deviations of that estimate to either side of it
+SELECT_LAUNCH = {"BLOCK": 1024, "num_warps": 4, "SAMPLE": 8, "MARGIN": 4.0}
 LAUNCH_KEYS = {
     "score": frozenset({*SCORE_LAUNCH, "BQ"}),
     "select": frozenset({*SELECT_LAUNCH, "skip"}),
@@ -174,6 +177,8 @@ def _select_kernel(
     stash_off,
     stash_cap,
     BLOCK: tl.constexpr,
+    SAMPLE: tl.constexpr,
+    MARGIN: tl.constexpr,
     NB: tl.constexpr,
     HAS_QROWS: tl.constexpr,
 ):
@@ -198,30 +203,37 @@ def _select_kernel(
         inv = tl.where(mx > mn, NB / tl.where(mx > mn, mx - mn, 1.0), 0.0)
         bins = tl.arange(0, NB)
 
-        # ---- pass 1: bucket histogram -> threshold bucket
+        # ---- pass 1, on every SAMPLE-th key: a band of buckets [b_lo, b_hi] that holds the
+        # threshold unless the sample misleads (checked after pass 2). The top-k's share q of the
+        # row, estimated from n_s sampled keys, is off by sqrt(n_s q (1 - q)) keys at one standard
+        # deviation; the band reaches MARGIN of them (and one key) to either side. SAMPLE 1: the
+        # exact histogram, the band one bucket.
         hist = tl.zeros([NB], tl.int32)
+        for c0 in range(0, n, BLOCK * SAMPLE):
+            o = c0 + offs * SAMPLE
+            m = o < n
+            x = tl.load(row + o, mask=m, other=0.0)
+            hist += tl.histogram(_bucket(x, mn, inv, NB), NB, mask=m)
+        n_s = (n + SAMPLE - 1) // SAMPLE
+        ge_s = (n_s - tl.cumsum(hist, 0) + hist).to(tl.float32)  # sampled keys in buckets >= i
+        q = topk / n.to(tl.float32)
+        r_est = q * n_s
+        if SAMPLE == 1:
+            dev = 0.0
+        else:
+            dev = MARGIN * tl.sqrt(r_est * (1.0 - q)) + 1.0
+        b_hi = tl.sum((ge_s >= r_est - dev).to(tl.int32), 0) - 1  # above it: in the top-k
+        b_lo = tl.maximum(tl.sum((ge_s >= r_est + dev).to(tl.int32), 0) - 1, 0)  # below: not
+
+        # ---- pass 2: emit the keys above the band, stash the band's (row order is kept)
+        n_sel = n * 0
+        n_st = n * 0
         for c0 in range(0, n, BLOCK):
             m = c0 + offs < n
             x = tl.load(row + c0 + offs, mask=m, other=0.0)
-            hist += tl.histogram(_bucket(x, mn, inv, NB), NB, mask=m)
-        ge = n - tl.cumsum(hist, 0) + hist  # keys in buckets >= i
-        bstar = tl.sum((ge >= topk).to(tl.int32), 0) - 1
-        cnt_gt = tl.sum(tl.where(bins > bstar, hist, 0), 0)
-        cnt_eq = tl.sum(tl.where(bins == bstar, hist, 0), 0)
-        need = topk - cnt_gt
-        take_all = cnt_eq == need
-        overflow = (cnt_eq > stash_cap) & (cnt_eq != need)
-
-        # ---- pass 2: emit the higher buckets, stash the threshold bucket (row order is kept)
-        n_e = tl.where(overflow, 0, n)
-        n_sel = cnt_gt * 0
-        n_st = cnt_gt * 0
-        for c0 in range(0, n_e, BLOCK):
-            m = c0 + offs < n_e
-            x = tl.load(row + c0 + offs, mask=m, other=0.0)
             b = _bucket(x, mn, inv, NB)
-            gt = m & ((b > bstar) | ((b == bstar) & take_all))
-            st = m & (b == bstar) & (cnt_eq != need)
+            gt = m & (b > b_hi)
+            st = m & (b >= b_lo) & (b <= b_hi)
             # one scan for both compactions: the emitted count in the low 16 bits, the stashed in
             # the high bits (BLOCK <= 16384 keeps both below 2^15 and the sum below 2^31); 4% off
             # the whole call at 32K (bench/results/2026-12-06_h200_real_mode_cells.md)
@@ -229,20 +241,24 @@ def _select_kernel(
             incl = tl.cumsum(both, 0)
             excl = incl - both
             pos = n_sel + (excl & 0xFFFF)
-            tl.store(out_row + pos, start + c0 + offs, mask=gt)
+            tl.store(out_row + pos, start + c0 + offs, mask=gt & (pos < topk))
             spos = n_st + (excl >> 16)
-            tl.store(row + stash_off + spos, x, mask=st)
-            tl.store(idx_row + spos, start + c0 + offs, mask=st)
+            keep = st & (spos < stash_cap)
+            tl.store(row + stash_off + spos, x, mask=keep)
+            tl.store(idx_row + spos, start + c0 + offs, mask=keep)
             tot = tl.sum(both, 0)
             n_sel += tot & 0xFFFF
             n_st += tot >> 16
         tl.debug_barrier()  # stash written by other threads of this program
 
-        # ---- exact radix select on the stash (or on the whole row after an overflow)
-        m_len = tl.where(take_all, 0, tl.where(overflow, n, cnt_eq))
+        # ---- exact radix select on the stash; on the whole row where the band missed the
+        # threshold or outgrew the stash (a misleading sample, massive ties): slower, same result
+        need = topk - n_sel
+        overflow = (need < 0) | (n_st < need) | (n_st > stash_cap)
+        m_len = tl.where(overflow, n, tl.where(need == 0, 0, n_st))
         src = row + tl.where(overflow, 0, stash_off)
         rneed = tl.where(overflow, topk, need)
-        dst = out_row + tl.where(overflow, 0, cnt_gt)
+        dst = out_row + tl.where(overflow, 0, n_sel)
         prefix = rneed * 0
         shift = rneed * 0
         done = m_len == 0
@@ -503,7 +519,13 @@ def compile_specs(small: bool = False):
         "stash_cap": "i32",
     }
     div = ("q_ptr", "k_ptr", "stride_qt", "stride_qh", "stride_kt", "stride_sr")
-    sel_c = {"BLOCK": se["BLOCK"], "NB": NBINS, "HAS_QROWS": False}
+    sel_c = {
+        "BLOCK": se["BLOCK"],
+        "SAMPLE": se["SAMPLE"],
+        "MARGIN": se["MARGIN"],
+        "NB": NBINS,
+        "HAS_QROWS": False,
+    }
     return [
         (
             "indexer_score",
