@@ -24,6 +24,7 @@ from torchtitan.config import job_config as tt
 
 from titan_glm52.errors import ConfigError
 from titan_glm52.fp8_training import DEFAULT_FILTER as DEFAULT_FP8_FILTER
+from titan_glm52.fp8_training import EXPERT_RECIPES as FP8_EXPERT_RECIPES
 from titan_glm52.fp8_training import RECIPES as FP8_RECIPES
 from titan_glm52.fp8_training import Fp8Spec
 from titan_glm52.lora import ATTENTION_TARGETS, MLP_TARGETS, LoRASpec, target_refusal
@@ -367,7 +368,7 @@ class LoRA:
 class Float8Linear(tt.Float8Linear):
     recipe_name: str = "blockwise"
     """The FP8 recipe of the linears (with ``model.converters`` holding "quantize.linear.float8")
-    and of the routed experts ("quantize.grouped_mm.float8"): "blockwise" is DeepSeek-V3's, e4m3
+    and of the LM head: "blockwise" is DeepSeek-V3's, e4m3
     products accumulated in fp32 with activations and gradients scaled per 1 x 128 tile and weights
     per 128 x 128 block (docs/fp8_training.md). The weights, gradients, master weights and optimizer
     state stay as without FP8; checkpoints and the HF export are unchanged."""
@@ -384,7 +385,14 @@ class Float8Linear(tt.Float8Linear):
 class Float8GroupedMM(tt.Float8GroupedMM):
     fqns: list[str] = field(default_factory=lambda: ["experts"])
     """The routed experts' modules (by a part of their name) whose products run in FP8 when
-    ``model.converters`` holds "quantize.grouped_mm.float8": one block-wise FP8 GEMM per expert."""
+    ``model.converters`` holds "quantize.grouped_mm.float8"."""
+
+    recipe_name: str = "blockwise"
+    """The routed experts' FP8 recipe: "blockwise" (the linears' scaling, one GEMM per expert; the
+    host reads the expert counts in every MoE layer) or "rowwise" (torchtitan's float8 MoE recipe
+    through torchao: power-of-two scales per row, per feature and, for the weight gradient, per
+    feature over each expert's rows; one grouped GEMM per product and no host sync; needs torchao
+    on a GPU). docs/fp8_training.md has both recipes' speed."""
 
 
 @dataclass
@@ -764,6 +772,7 @@ def _validate_fp8(cfg: JobConfig) -> None:
             FP8_LINEARS,
         ),
         ("quantize.grouped_mm.float8.fqns", experts.fqns, ["experts"], FP8_EXPERTS),
+        ("quantize.grouped_mm.float8.recipe_name", experts.recipe_name, "blockwise", FP8_EXPERTS),
     ):
         used = (
             bool(cfg.model.converters) if converter is None else converter in cfg.model.converters
@@ -790,12 +799,26 @@ def _validate_fp8(cfg: JobConfig) -> None:
             "FP8 products with LoRA adapters are not implemented; remove the FP8 converters or "
             "set lora.enable false",
         )
-    if FP8_EXPERTS in cfg.model.converters and cfg.moe.grouped_mm == "on":
+    if experts.recipe_name not in FP8_EXPERT_RECIPES:
+        _refuse(
+            "quantize.grouped_mm.float8.recipe_name",
+            f"{experts.recipe_name!r} is not implemented; use one of {FP8_EXPERT_RECIPES}",
+        )
+    if FP8_EXPERTS not in cfg.model.converters:
+        return
+    if experts.recipe_name == "blockwise" and cfg.moe.grouped_mm == "on":
         _refuse(
             "moe.grouped_mm",
-            "'on' asks for one grouped bf16 GEMM, while the FP8 experts run one block-wise GEMM "
-            "per expert; set it to 'auto' or 'off', or drop the converter "
-            f"{FP8_EXPERTS!r}",
+            "'on' asks for one grouped bf16 GEMM, while the block-wise FP8 experts run one GEMM "
+            "per expert; set it to 'auto' or 'off', set quantize.grouped_mm.float8.recipe_name "
+            f"'rowwise', or drop the converter {FP8_EXPERTS!r}",
+        )
+    if experts.recipe_name == "rowwise" and cfg.moe.grouped_mm == "off":
+        _refuse(
+            "moe.grouped_mm",
+            "'off' asks for one GEMM per expert, while the rowwise FP8 experts run one grouped "
+            "GEMM; set it to 'auto' or 'on', or quantize.grouped_mm.float8.recipe_name "
+            "'blockwise'",
         )
 
 
@@ -1050,6 +1073,7 @@ def fp8_spec(cfg: JobConfig) -> Fp8Spec | None:
         linears=FP8_LINEARS in converters,
         filter_fqns=tuple(cfg.quantize.linear.float8.filter_fqns),
         expert_fqns=tuple(cfg.quantize.grouped_mm.float8.fqns) if FP8_EXPERTS in converters else (),
+        expert_recipe=cfg.quantize.grouped_mm.float8.recipe_name,
     )
 
 

@@ -9,7 +9,9 @@ its name (checkpoints, the HF export and the optimizer see the same model):
   multiples of 128 becomes an ``Fp8Linear``: its forward is ``model/fp8_mm.fp8_linear``;
 * every routed experts' module (``GroupedExperts``) whose name contains one of
   ``spec.expert_fqns`` becomes ``Fp8GroupedExperts``: one block-wise FP8 GEMM per expert
-  (``fp8_expert_mm``; cuBLAS has no block-scaled grouped GEMM on Hopper);
+  (``fp8_expert_mm``; cuBLAS has no block-scaled grouped GEMM on Hopper), or with
+  ``spec.expert_recipe`` "rowwise" ``Fp8RowwiseGroupedExperts``: torchao's rowwise FP8 grouped
+  GEMM, one per product (``model/fp8_grouped.py``);
 * the output head (``OutputHead``), unless ``output`` is in ``spec.filter_fqns``, becomes an
   ``Fp8OutputHead``: its fused loss forms its three products in FP8 (``Fp8HeadProducts``).
 
@@ -27,11 +29,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from titan_glm52.model.fp8_grouped import ALIGN, aligned_layout, rowwise_grouped_mm, to_aligned
 from titan_glm52.model.fp8_mm import TILE, Fp8HeadProducts, fp8_expert_mm, fp8_linear
 from titan_glm52.model.head import OutputHead, linear_cross_entropy_sum
 from titan_glm52.model.moe import GroupedExperts
 
 RECIPES = ("blockwise",)
+EXPERT_RECIPES = ("blockwise", "rowwise")
 # torchtitan's filter_fqns: linears whose name contains one of these stay bf16. Not the head
 # ("output", torchtitan's default): in FP8 it made the proxy 1.16x bf16 at 32K tokens against 1.10x
 # with it bf16, and its 300-step loss stayed within the spread of two bf16 data orders
@@ -41,17 +45,23 @@ DEFAULT_FILTER = ("indexer", "wkv_b")
 
 @dataclass(frozen=True)
 class Fp8Spec:
-    """What runs in FP8: ``linears`` (the dense ``nn.Linear`` products, less ``filter_fqns``) and
-    the routed experts named by ``expert_fqns`` (empty: none), with ``recipe``'s scaling."""
+    """What runs in FP8: ``linears`` (the dense ``nn.Linear`` products, less ``filter_fqns``) with
+    ``recipe``'s scaling, and the routed experts named by ``expert_fqns`` (empty: none) with
+    ``expert_recipe``'s."""
 
     recipe: str = "blockwise"
     linears: bool = True
     filter_fqns: tuple[str, ...] = DEFAULT_FILTER
     expert_fqns: tuple[str, ...] = ("experts",)
+    expert_recipe: str = "blockwise"
 
     def __post_init__(self) -> None:
         if self.recipe not in RECIPES:
             raise ValueError(f"Fp8Spec.recipe = {self.recipe!r}: choose one of {RECIPES}")
+        if self.expert_recipe not in EXPERT_RECIPES:
+            raise ValueError(
+                f"Fp8Spec.expert_recipe = {self.expert_recipe!r}: choose one of {EXPERT_RECIPES}"
+            )
 
 
 class Fp8Linear(nn.Linear):
@@ -74,6 +84,21 @@ class Fp8GroupedExperts(GroupedExperts):
     """``GroupedExperts`` whose products are block-wise FP8, one GEMM per expert."""
 
     per_expert_mm = staticmethod(fp8_expert_mm)
+
+
+class Fp8RowwiseGroupedExperts(GroupedExperts):
+    """``GroupedExperts`` whose two products are rowwise FP8 grouped GEMMs on the rows laid out
+    by ``aligned_layout`` (``model/fp8_grouped.py``); the host never reads the expert counts."""
+
+    def _grouped(self, x, w13, w2, counts, saved, gathered_from):
+        dest, ends, total = aligned_layout(counts, x.shape[0])
+        xa = to_aligned(x, dest, total)
+        if saved is not None and gathered_from is not None:
+            # the first product keeps the aligned copy: rebuilt in backward as x is
+            src, rows = gathered_from
+            saved.recompute(xa, lambda: to_aligned(src[rows], dest, total), src, rows, dest)
+        h = self._swiglu(rowwise_grouped_mm(xa, w13, ends), saved)
+        return rowwise_grouped_mm(h, w2, ends).index_select(0, dest)
 
 
 def _kept_why(name: str, module: nn.Linear, spec: Fp8Spec) -> str | None:
@@ -106,24 +131,31 @@ def apply_fp8(model: nn.Module, spec: Fp8Spec) -> dict[str, dict[str, str]]:
         elif type(module) is GroupedExperts:
             if any(f in name for f in spec.expert_fqns):
                 dims = (*module.w13.shape[1:], *module.w2.shape[1:])
-                if any(d % TILE for d in dims):
-                    kept[name] = f"expert weights {dims} are not in 128 x 128 blocks"
+                rowwise = spec.expert_recipe == "rowwise"
+                unit = ALIGN if rowwise else TILE
+                if any(d % unit for d in dims):
+                    kept[name] = f"expert weights {dims} are not in multiples of {unit}"
                     continue
-                module.__class__ = Fp8GroupedExperts
-                module.use_grouped_mm = False  # one product per expert (class docstring)
-                done[name] = "routed experts"
+                module.__class__ = Fp8RowwiseGroupedExperts if rowwise else Fp8GroupedExperts
+                # rowwise: one grouped product; blockwise: one per expert (class docstrings)
+                module.use_grouped_mm = rowwise
+                done[name] = f"routed experts ({spec.expert_recipe})"
             else:
                 kept[name] = "not in expert_fqns"
     return {"fp8": done, "bf16": kept}
 
 
 def is_fp8(module: nn.Module) -> bool:
-    return isinstance(module, (Fp8Linear, Fp8OutputHead, Fp8GroupedExperts))
+    return isinstance(
+        module, (Fp8Linear, Fp8OutputHead, Fp8GroupedExperts, Fp8RowwiseGroupedExperts)
+    )
 
 
 __all__ = [
+    "EXPERT_RECIPES",
     "RECIPES",
     "Fp8GroupedExperts",
+    "Fp8RowwiseGroupedExperts",
     "Fp8Linear",
     "Fp8OutputHead",
     "Fp8Spec",

@@ -138,6 +138,15 @@ class Trainer:
                     f"need a Hopper-class GPU (sm_90 or later); this one is sm_{cap[0]}{cap[1]}: "
                     "remove the FP8 converters"
                 )
+            if self.fp8.expert_fqns and self.fp8.expert_recipe == "rowwise":
+                try:
+                    import torchao.prototype.moe_training.fp8_grouped_mm  # noqa: F401
+                except ImportError as e:
+                    raise ConfigError(
+                        "quantize.grouped_mm.float8.recipe_name: 'rowwise' runs torchao's FP8 "
+                        f"grouped GEMM, which does not import here ({e}); pip install "
+                        "torchao==0.18.0, or use 'blockwise'"
+                    ) from None
         self._build_model()
         self._build_data()
         self._build_optimizer()
@@ -909,9 +918,10 @@ class Trainer:
             }
         )
         logger.info(
-            "FP8 (%s): %d linears and %d routed-expert modules of this rank's model parts run "
-            "their products in FP8; bf16: %s",
+            "FP8 (%s; experts %s): %d linears and %d routed-expert modules of this rank's model "
+            "parts run their products in FP8; bf16: %s",
             self.fp8.recipe,
+            self.fp8.expert_recipe,
             sum(1 for n in fp8 if not n.endswith("experts")),
             sum(1 for n in fp8 if n.endswith("experts")),
             ", ".join(kept) or "none",

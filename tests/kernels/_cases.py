@@ -184,3 +184,80 @@ def check_fp8_head(device, rows: int, dim: int, vocab: int, chunk: int, piece: i
     # FP8's own error against the plain loss
     plain = F.cross_entropy((h.float() @ w.float().t()), labels, reduction="sum")
     assert abs(loss.item() - plain.item()) < 0.02 * abs(plain.item())
+
+
+def check_fp8_rowwise(device, counts, dim: int, hidden: int, tol: float, seed: int = 0) -> None:
+    """The routed experts' rowwise FP8 product (``model/fp8_grouped.py``) on ``device``: the rows
+    laid out by ``aligned_layout`` (each expert on a multiple of 16 rows), the product, the rows
+    taken back; its output and both gradients equal a reference built from torchao's own torch
+    formulas (``tensor_to_scale`` with power-of-two scales and ``to_fp8_saturated``; for the
+    weight gradient on each expert's rows alone, as ``torch_to_float8_per_group_colwise`` does),
+    within ``tol`` (relative, the whole tensor)."""
+    from torchao.float8.config import ScalingGranularity
+    from torchao.float8.float8_utils import tensor_to_scale, to_fp8_saturated
+
+    from titan_glm52.model import fp8_grouped as G
+
+    def deq(t, dim_):  # torchao's rowwise quantisation along dim_, back in fp32
+        s = tensor_to_scale(
+            t, torch.float8_e4m3fn, scaling_granularity=ScalingGranularity.AXISWISE,
+            axiswise_dim=dim_, round_scales_to_power_of_2=True,
+        )  # fmt: skip
+        return to_fp8_saturated(t.float() * s, torch.float8_e4m3fn).float() / s
+
+    def rel(a, b):
+        return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+    g = torch.Generator(device=device).manual_seed(seed)
+    rows = sum(counts)
+    act = torch.bfloat16 if device != "cpu" else torch.float32  # CPU: no rounding of the result
+
+    # Power-of-two scales change no value that stays a normal e4m3 number (they shift exponents),
+    # only those driven into e4m3's subnormals: so magnitudes 2^-8 to 2^8 apart by row and by
+    # column, so that a scale along the wrong dimension changes results.
+    def spread(*shape):
+        t = torch.randn(*shape, generator=g, device=device)
+        for d in (-2, -1):
+            size = [1] * len(shape)
+            size[d] = shape[d]
+            t = t * torch.exp2(torch.randint(-8, 9, size, generator=g, device=device).float())
+        return t
+
+    x = spread(rows, dim).to(act)
+    w = (spread(len(counts), 2 * hidden, dim) * 0.02).to(act)
+    dy = spread(rows, 2 * hidden).to(act)
+    c = torch.tensor(counts, device=device)
+    dest, ends, total = G.aligned_layout(c, rows)
+    assert total % G.ALIGN == 0 and total >= rows + (G.ALIGN - 1) * len(counts)
+    starts = torch.cat([ends.new_zeros(1), ends[:-1]]).tolist()
+    assert all(s % G.ALIGN == 0 for s in starts) and ends[-1].item() == total
+
+    xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+    out = G.rowwise_grouped_mm(G.to_aligned(xg, dest, total), wg, ends).index_select(0, dest)
+    out.backward(dy)
+
+    xd, dyd = deq(x, -1), deq(dy, -1)
+    wf = deq(w.transpose(-2, -1), -2).transpose(-2, -1)  # per output feature, over K
+    wb = deq(w.transpose(-2, -1), -1).transpose(-2, -1)  # per input feature, over N
+    ref_out, ref_dx, ref_dw, start = [], [], [], 0
+    for e, n in enumerate(counts):
+        r = slice(start, start + n)
+        ref_out.append(xd[r] @ wf[e].t())
+        ref_dx.append(dyd[r] @ wb[e])
+        # (torchao's per-group reference cannot take an expert without rows)
+        ref_dw.append(deq(dy[r], 0).t() @ deq(x[r], 0) if n else w[e].float() * 0)
+        start += n
+    errs = [rel(out, torch.cat(ref_out)), rel(xg.grad, torch.cat(ref_dx))]
+    errs.append(rel(wg.grad, torch.stack(ref_dw)))
+    assert max(errs) < tol, errs
+    assert all(wg.grad[e].abs().max() == 0 for e, n in enumerate(counts) if n == 0)
+    # FP8's own error against the plain products
+    plain = torch.cat([x[s : s + n].float() @ w[e].float().t() for e, s, n in _spans(counts)])
+    assert rel(out, plain) < 0.05
+
+
+def _spans(counts):
+    start = 0
+    for e, n in enumerate(counts):
+        yield e, start, n
+        start += n

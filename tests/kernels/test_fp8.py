@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 
 try:
-    from ._cases import check_fp8, check_fp8_head
+    from ._cases import check_fp8, check_fp8_head, check_fp8_rowwise
 except ImportError:
-    from _cases import check_fp8, check_fp8_head
+    from _cases import check_fp8, check_fp8_head, check_fp8_rowwise
 
 
 @pytest.mark.parametrize(
@@ -72,3 +72,50 @@ def test_registered_ops_pass_torch_checks():
     with torch.device("meta"):
         out = M.fp8_expert_mm(torch.empty(256, 256), torch.empty(3, 128, 256), splits)
     assert out.shape == (256, 128)
+
+
+@pytest.mark.parametrize("counts", [[300], [100, 0, 250, 1, 129], [0, 0, 5]])
+def test_fp8_rowwise_experts_product(counts):
+    """The routed experts' rowwise FP8 product on the CPU path (``_cases.check_fp8_rowwise``):
+    uneven experts, an expert without rows, experts whose rows are not multiples of 16."""
+    check_fp8_rowwise("cpu", counts, dim=256, hidden=192, tol=1e-5)
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_fp8_rowwise_experts_module(recompute):
+    """``Fp8RowwiseGroupedExperts`` (``apply_fp8`` with ``expert_recipe`` "rowwise"): its output
+    and the gradients of its weights and of the tokens it gathers equal the two rowwise products
+    and SwiGLU composed here on the experts' rows without the aligned layout, with its inputs kept
+    or rebuilt in backward (``recompute_inputs``)."""
+    import torch
+    from torch import nn
+
+    from titan_glm52.fp8_training import Fp8RowwiseGroupedExperts, Fp8Spec, apply_fp8
+    from titan_glm52.model import fp8_grouped as G
+    from titan_glm52.model.moe import GroupedExperts, swiglu
+
+    torch.manual_seed(0)
+    counts = [37, 0, 64, 5, 20]
+    experts = GroupedExperts(len(counts), 128, 96, recompute_inputs=recompute)
+    for p in experts.parameters():
+        nn.init.normal_(p, std=0.05)
+    done = apply_fp8(nn.ModuleDict({"experts": experts}), Fp8Spec(expert_recipe="rowwise"))
+    assert done["fp8"] == {"experts": "routed experts (rowwise)"}
+    assert type(experts) is Fp8RowwiseGroupedExperts and experts.use_grouped_mm
+
+    src = torch.randn(60, 128, requires_grad=True)
+    rows = torch.randint(0, 60, (sum(counts),))
+    dy = torch.randn(sum(counts), 128)
+    out = experts(src[rows], torch.tensor(counts), gathered_from=(src, rows))
+    out.backward(dy)
+    got = [out, src.grad, experts.w13.grad, experts.w2.grad]
+
+    w13 = experts.w13.detach().clone().requires_grad_()
+    w2 = experts.w2.detach().clone().requires_grad_()
+    src2 = src.detach().clone().requires_grad_()
+    ends = torch.tensor(counts).cumsum(0).to(torch.int32)
+    h = swiglu(G._EmulatedRowwise.apply(src2[rows], w13, ends))
+    ref = G._EmulatedRowwise.apply(h, w2, ends)
+    ref.backward(dy)
+    for a, b in zip(got, [ref, src2.grad, w13.grad, w2.grad]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

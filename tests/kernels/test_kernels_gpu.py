@@ -10,9 +10,9 @@ import pytest
 import torch
 
 try:
-    from ._cases import check_fp8, check_fp8_head, cos_diff
+    from ._cases import check_fp8, check_fp8_head, check_fp8_rowwise, cos_diff
 except ImportError:
-    from _cases import check_fp8, check_fp8_head, cos_diff
+    from _cases import check_fp8, check_fp8_head, check_fp8_rowwise, cos_diff
 
 from titan_glm52 import packed
 from titan_glm52.kernels import reference as R
@@ -459,6 +459,14 @@ def test_fp8_products_real_size():
     equal the products of the dequantised operands up to bf16 rounding."""
     splits = [2048, 0, 1, 130, 3000, 127, 1790, 1096]  # 8192 routed rows, uneven, one empty
     check_fp8(DEV, splits, dim=6144, hidden=2048, tol=4e-3)
+
+
+def test_fp8_rowwise_experts_real_size():
+    """The routed experts' rowwise FP8 product through torchao's grouped GEMM at the proxy's
+    widths (``_cases.check_fp8_rowwise``): equal to torchao's torch formulas on the dequantised
+    operands up to bf16 rounding and the GEMM's FP8 accumulation."""
+    counts = [2048, 0, 1, 130, 3000, 127, 1790, 1096]  # 8192 routed rows, uneven, one empty
+    check_fp8_rowwise(DEV, counts, dim=6144, hidden=2048, tol=5e-3)
 
 
 def test_fp8_head_real_size():

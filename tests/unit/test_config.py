@@ -272,6 +272,21 @@ FP8_BOTH = "quantize.linear.float8,quantize.grouped_mm.float8"
         ),
         (["--model.converters", FP8_BOTH, "--moe.grouped_mm", "on"], "moe.grouped_mm"),
         (
+            ["--model.converters", FP8_BOTH, "--quantize.grouped_mm.float8.recipe_name", "mx"],
+            "quantize.grouped_mm.float8.recipe_name",
+        ),
+        (
+            [
+                "--model.converters",
+                FP8_BOTH,
+                "--quantize.grouped_mm.float8.recipe_name",
+                "rowwise",
+                "--moe.grouped_mm",
+                "off",
+            ],
+            "moe.grouped_mm",
+        ),
+        (
             ["--model.converters", FP8_BOTH, "--quantize.linear.float8.emulate"],
             "quantize.linear.float8.emulate",
         ),
@@ -297,6 +312,15 @@ FP8_BOTH = "quantize.linear.float8,quantize.grouped_mm.float8"
                 "moe",
             ],
             "quantize.grouped_mm.float8.fqns",
+        ),
+        (
+            [
+                "--model.converters",
+                "quantize.linear.float8",
+                "--quantize.grouped_mm.float8.recipe_name",
+                "rowwise",
+            ],
+            "quantize.grouped_mm.float8.recipe_name",
         ),
     ],
 )
@@ -353,6 +377,18 @@ def test_fp8_spec_from_the_converters(tmp_path):
         ]
     )
     assert fp8_spec(experts) == Fp8Spec(linears=False, expert_fqns=("mtp",))
+    # the rowwise experts are one grouped product: the grouped GEMM may be asked for
+    rowwise = parse_job_config(
+        [
+            "--model.converters",
+            FP8_BOTH,
+            "--quantize.grouped_mm.float8.recipe_name",
+            "rowwise",
+            "--moe.grouped_mm",
+            "on",
+        ]
+    )
+    assert fp8_spec(rowwise) == Fp8Spec(expert_recipe="rowwise")
 
 
 def test_without_converters_the_model_is_unchanged():

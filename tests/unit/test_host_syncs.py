@@ -26,20 +26,33 @@ cuda = pytest.mark.skipif(
 )
 
 
+MASTERS_IN_OPTIMIZER = ["--training.master_weights", "optimizer", "--optimizer.implementation"]
+
+
 @cuda
 @pytest.mark.parametrize(
-    "path",
+    "config, path",
     [
-        ["--training.master_weights", "optimizer", "--optimizer.implementation", "triton"],
-        ["--training.master_weights", "fsdp"],
+        ("glm52_debug", [*MASTERS_IN_OPTIMIZER, "triton"]),
+        ("glm52_debug", ["--training.master_weights", "fsdp"]),
+        # FP8 with the rowwise experts: one grouped product, the counts never on the host
+        (
+            "glm52_fp8_debug",
+            [
+                *MASTERS_IN_OPTIMIZER,
+                "triton",
+                "--quantize.grouped_mm.float8.recipe_name",
+                "rowwise",
+            ],
+        ),
     ],
-    ids=["masters-in-optimizer", "fsdp"],
+    ids=["masters-in-optimizer", "fsdp", "fp8-rowwise-experts"],
 )
-def test_a_training_step_makes_no_host_sync(tmp_path, monkeypatch, path):
+def test_a_training_step_makes_no_host_sync(tmp_path, monkeypatch, config, path):
     cfg = parse_job_config(
         [
             "--job.config_file",
-            "train_configs/glm52_debug.toml",
+            f"train_configs/{config}.toml",
             "--job.dump_folder",
             str(tmp_path),
             "--training.steps",

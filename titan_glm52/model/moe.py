@@ -119,12 +119,25 @@ class GroupedExperts(nn.Module):
                 src, rows = gathered_from
                 saved.recompute(x, lambda: src[rows], src, rows)
             if use_gmm:
-                offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
-                h = self._swiglu(torch._grouped_mm(x, w13.transpose(-2, -1), offs=offs), saved)
-                return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs)
+                return self._grouped(x, w13, w2, counts, saved, gathered_from)
             splits = counts.tolist()  # the host needs them to launch one product per expert
             h = self._swiglu(self.per_expert_mm(x, w13, splits), saved)
             return self.per_expert_mm(h, w2, splits)
+
+    def _grouped(
+        self,
+        x: torch.Tensor,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        counts: torch.Tensor,
+        saved: RecomputeSaved | None,
+        gathered_from: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> torch.Tensor:
+        """The two products as ``torch._grouped_mm`` (the experts' row offsets stay on the
+        device)."""
+        offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
+        h = self._swiglu(torch._grouped_mm(x, w13.transpose(-2, -1), offs=offs), saved)
+        return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs)
 
     @staticmethod
     def _swiglu(gu: torch.Tensor, saved: RecomputeSaved | None) -> torch.Tensor:
