@@ -7,6 +7,7 @@ global batch itself, then runs the parallelized copy on its slice of the batch a
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 from collections import Counter
 
@@ -105,6 +106,7 @@ def check_train_step(
     dsa_backend: str = "torch",
     mtp_token_chunk: int = 0,
     fp8: bool = False,
+    fp8_experts: str = "blockwise",
     ref_chunks: int = 1,
     **arg_overrides,
 ) -> None:
@@ -128,6 +130,7 @@ def check_train_step(
     ``parallelize_model(fp8=...)`` on the parallel copy; parameters, gradients and the FSDP compute
     and reduction in float64 (the FP8 products quantise from fp32 and compute in fp32), so that the
     parallel run's summation order cannot move an FP8 rounding (test_parallel_training.FP8_NOTE).
+    ``fp8_experts``: the routed experts' FP8 recipe (``Fp8Spec.expert_recipe``).
     ``ref_chunks``: the reference runs the global batch as this many accumulated micro-batches (the
     single process's gradient accumulation), summing their losses and gradients. FP8's weight
     gradient quantises its operands per 128 x 1 tile of the tokens (of each expert, for the routed
@@ -142,7 +145,7 @@ def check_train_step(
         raise NotImplementedError("fp8 cases run in float64; the meta-device path initialises fp32")
     env = init_distributed(device_type=DEVICE_TYPE)
     args = debug_args("debug_fp8" if fp8 else "debug").replace(**arg_overrides)
-    spec = FP8_CASE_SPEC if fp8 else None
+    spec = dataclasses.replace(FP8_CASE_SPEC, expert_recipe=fp8_experts) if fp8 else None
     dtype = FP8_CASE_DTYPE if fp8 else torch.float32
     torch.manual_seed(0)
     ref = GLM52Model(args, ModelOptions(dsa_backend=dsa_backend))

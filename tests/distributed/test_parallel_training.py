@@ -80,6 +80,12 @@ CASES = {
         2,
         {"dp_shard": 2, "ep": 2, "compile": True, "ac_mode": "selective", "fp8": True},
     ),
+    # the rowwise experts (one grouped product on rows aligned per expert): under EP 2 the owner
+    # of an expert gets its rows in the single process's order, so the same per-expert scales
+    "fp8_rowwise_experts_ep2_fsdp2": (
+        2,
+        {"dp_shard": 2, "ep": 2, "fp8": True, "fp8_experts": "rowwise"},
+    ),
     "fp8_hsdp2x2_ac_full": (
         4,
         {"dp_replicate": 2, "dp_shard": 2, "ac_mode": "full", "fp8": True, "ref_chunks": 4},

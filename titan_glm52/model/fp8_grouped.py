@@ -41,8 +41,9 @@ def aligned_layout(counts: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch
     shift = (torch.cumsum(padded, 0) - padded) - (torch.cumsum(counts, 0) - counts)
     dest = torch.arange(rows, device=counts.device)
     dest = dest + torch.repeat_interleave(shift, counts, output_size=rows)
-    ends = torch.cumsum(padded, 0)
-    ends[-1] = total
+    # the tail after the last expert's rows joins it (made on the device: writing a host int into
+    # a CUDA tensor would copy it over and wait)
+    ends = torch.cat([torch.cumsum(padded, 0)[:-1], padded.new_full((1,), total)])
     return dest, ends.to(torch.int32), total
 
 
