@@ -367,11 +367,11 @@ class LoRA:
 @dataclass
 class Float8Linear(tt.Float8Linear):
     recipe_name: str = "blockwise"
-    """The FP8 recipe of the linears (with ``model.converters`` holding "quantize.linear.float8")
-    and of the LM head: "blockwise" is DeepSeek-V3's, e4m3
-    products accumulated in fp32 with activations and gradients scaled per 1 x 128 tile and weights
-    per 128 x 128 block (docs/fp8_training.md). The weights, gradients, master weights and optimizer
-    state stay as without FP8; checkpoints and the HF export are unchanged."""
+    """The FP8 recipe of the linears and the LM head (with ``model.converters`` holding
+    "quantize.linear.float8"): "blockwise" is DeepSeek-V3's, e4m3 products accumulated in fp32 with
+    activations and gradients scaled per 1 x 128 tile and weights per 128 x 128 block
+    (docs/fp8_training.md). The weights, gradients, master weights and optimizer state stay as
+    without FP8; checkpoints and the HF export are unchanged."""
 
     filter_fqns: list[str] = field(default_factory=lambda: list(DEFAULT_FP8_FILTER))
     """Linears whose name contains one of these stay bf16 (torchtitan's option). The default keeps

@@ -134,7 +134,7 @@ class GroupedExperts(nn.Module):
         gathered_from: tuple[torch.Tensor, torch.Tensor] | None,
     ) -> torch.Tensor:
         """The two products as ``torch._grouped_mm`` (the experts' row offsets stay on the
-        device)."""
+        device). ``gathered_from`` as in ``forward``: for a subclass that keeps copies of ``x``."""
         offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
         h = self._swiglu(torch._grouped_mm(x, w13.transpose(-2, -1), offs=offs), saved)
         return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs)
