@@ -8,17 +8,19 @@ Each row: the mean over ``--calls`` calls after 5 warm-ups, without a sync ("hos
 after every call ("synced"). The rows separate each registered op (``model/ops.py``:
 ``torch.library.Library``) from its implementation called directly and from the same implementation
 registered through ``torch.library.custom_op``, each quantisation launch and one ``_scaled_mm_v2``
-call, whole products forward and backward in bf16 and FP8, a backward alone through the autograd
-engine against its formula called directly (an FP8 linear, and ``expert_mm`` with one expert as a
-registered op with a bf16 formula), and some of these calls made from a second thread (as the
-autograd engine makes a CUDA backward's). ``--profile`` adds torch.profiler's table of an FP8
-linear's host ops. On CPU (no Triton launches, emulated products) it runs the rows that do not
-need CUDA, as a check of the script.
+call (also over a new row count each call, against row counts met before), whole products forward
+and backward in bf16 and FP8, a backward alone through the autograd engine against its formula
+called directly (an FP8 linear, and ``expert_mm`` with one expert as a registered op with a bf16
+formula), and some of these calls made from a second thread (as the autograd engine makes a CUDA
+backward's). ``--profile`` adds torch.profiler's table of an FP8 linear's host ops. On CPU (no
+Triton launches, emulated products) it runs the rows that do not need CUDA, as a check of the
+script.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -150,6 +152,27 @@ def rows(device: torch.device, calls: int) -> dict[str, dict[str, float]]:
                 ),
                 "torch.empty": lambda: torch.empty(TOKENS, d, device=device),
             }
+        )
+        # The same product over row counts it has not met before, a new count each call (the routed
+        # experts' counts change every step), then over 16 of them in turn: what a new shape costs
+        # the host (cuBLAS choosing an algorithm, a kernel's first load).
+        steps = 2 * calls + 5  # per_call's calls
+        src = rand(TOKENS + 16 * steps, d)
+        shaped = [
+            M._rows_per_segment(src[: TOKENS + 16 * i], [TOKENS + 16 * i])[0] for i in range(steps)
+        ]
+        outs = [torch.empty(a.shape[0], o, device=device, dtype=bf16) for a, _ in shaped]
+
+        def scaled_mm_over(order):
+            i = next(order)
+            return M.scaled_mm(*shaped[i], wq[0], ws[0], True, outs[i])
+
+        new_rows, seen_rows = itertools.cycle(range(steps)), itertools.cycle(range(16))
+        cases["one block-scaled _scaled_mm_v2.out, a new row count each call"] = lambda: (
+            scaled_mm_over(new_rows)
+        )
+        cases["one block-scaled _scaled_mm_v2.out, 16 row counts met before, in turn"] = lambda: (
+            scaled_mm_over(seen_rows)
         )
     out = {name: per_call(fn, calls, cuda) for name, fn in cases.items()}
     # the same calls from a second thread (the backward's products run on the engine's thread);
