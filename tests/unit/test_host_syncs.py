@@ -1,11 +1,12 @@
 """A training step queues its work without waiting for the GPU: no host-device synchronisation from
 the batch's arrival to the optimizer step (``torch.cuda.set_sync_debug_mode("error")`` raises on
-any), on the one-GPU path (masters in the optimizer) and on FSDP2's path, whose root copies tensor
-arguments to the GPU with a blocking copy (the model's ``cu_seqlens`` therefore goes as a host
-list); nor in a pipeline stage's forward and backward, which takes its micro-batch's document bounds
-from the host (``pipeline.micro_batch_bounds``) instead of reading the device positions back. A sync
-there stops the host from queuing ahead, and on several GPUs it delays FSDP's all-gathers and the
-pipeline's sends. On the CPU: a list and a tensor give the model the same result, and the stage
+any), on the one-GPU path (masters in the optimizer; also with FP8 and the rowwise routed experts,
+whose grouped products take the expert counts on the device) and on FSDP2's path, whose root copies
+tensor arguments to the GPU with a blocking copy (the model's ``cu_seqlens`` therefore goes as a
+host list); nor in a pipeline stage's forward and backward, which takes its micro-batch's document
+bounds from the host (``pipeline.micro_batch_bounds``) instead of reading the device positions back.
+A sync there stops the host from queuing ahead, and on several GPUs it delays FSDP's all-gathers and
+the pipeline's sends. On the CPU: a list and a tensor give the model the same result, and the stage
 finds the bounds of every chunk that torch's pipelining splitter hands it."""
 
 import pytest
@@ -26,24 +27,24 @@ cuda = pytest.mark.skipif(
 )
 
 
-MASTERS_IN_OPTIMIZER = ["--training.master_weights", "optimizer", "--optimizer.implementation"]
+MASTERS_IN_OPTIMIZER = [
+    "--training.master_weights",
+    "optimizer",
+    "--optimizer.implementation",
+    "triton",
+]
 
 
 @cuda
 @pytest.mark.parametrize(
     "config, path",
     [
-        ("glm52_debug", [*MASTERS_IN_OPTIMIZER, "triton"]),
+        ("glm52_debug", MASTERS_IN_OPTIMIZER),
         ("glm52_debug", ["--training.master_weights", "fsdp"]),
         # FP8 with the rowwise experts: one grouped product, the counts never on the host
         (
             "glm52_fp8_debug",
-            [
-                *MASTERS_IN_OPTIMIZER,
-                "triton",
-                "--quantize.grouped_mm.float8.recipe_name",
-                "rowwise",
-            ],
+            [*MASTERS_IN_OPTIMIZER, "--quantize.grouped_mm.float8.recipe_name", "rowwise"],
         ),
     ],
     ids=["masters-in-optimizer", "fsdp", "fp8-rowwise-experts"],
