@@ -160,6 +160,14 @@ class Optimizer(tt.Optimizer):
     (``TRITON_INTERPRET=1``; slow). With "fused" and "triton" the gradient clip and the skip of a
     non-finite step run inside the kernel (no host sync)."""
 
+    state_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Adam's moments (exp_avg, exp_avg_sq): "float32", in the dtype of the trained parameters
+    (the fp32 masters) as torch keeps them, or "bfloat16", as DeepSeek-V3 trained: 4 bytes of
+    optimizer state per trainable parameter instead of 8, and 8 fewer bytes read and written per
+    parameter by each step. The update is computed in fp32 either way; each moment is rounded (to
+    nearest) when stored. Needs implementation = "triton"; checkpoints hold the moments in this
+    dtype, and a resume from the other one converts them."""
+
 
 @dataclass
 class Data:
@@ -700,6 +708,13 @@ def validate(cfg: JobConfig, world_size: int | None = None, device_type: str | N
         )
     ):
         _refuse("training.master_weights", why)
+    if cfg.optimizer.state_dtype == "bfloat16" and cfg.optimizer.implementation != "triton":
+        _refuse(
+            "optimizer.state_dtype",
+            "'bfloat16' moments need optimizer.implementation = 'triton' (torch's Adam keeps them "
+            f"in the parameter's dtype; is {cfg.optimizer.implementation!r}); set it, or "
+            "state_dtype 'float32'",
+        )
     if cfg.training.global_batch_size > 0 and world_size is not None:
         dp = world_size // max(p.pipeline_parallel_degree * p.context_parallel_degree, 1)
         per_step = cfg.training.local_batch_size * dp

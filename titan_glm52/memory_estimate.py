@@ -24,7 +24,8 @@ starts, a block's recompute and workspace exist only during its own backward. So
 step through its phases and reports the largest; each column of the table is what is alive at that
 moment, and the columns add up to it. Held the whole
 step (after the first): the fp32 master weights (padded local shard numel x 4, the model is built in
-fp32) and the AdamW states (exp_avg + exp_avg_sq, 2 x 4 bytes per local trainable element). The rest
+fp32) and the AdamW states (exp_avg + exp_avg_sq, 2 x 4 bytes per local trainable element; 2 x 2
+with ``[optimizer] state_dtype = "bfloat16"``). The rest
 follows torch 2.13's FSDP2 and pipelining (``torch/distributed/fsdp/_fully_shard``,
 ``torch/distributed/pipelining/stage.py``):
 
@@ -294,6 +295,8 @@ class MemoryRequest:
     grad_accumulation: bool = False
     # [parallelism] context_parallel_degree: every sequence split over this many ranks
     cp: int = 1
+    # [optimizer] state_dtype: Adam's two moments in "fp32" or "bf16"
+    state_dtype: str = "fp32"
 
     @property
     def budget_bytes(self) -> float:
@@ -1082,6 +1085,8 @@ def _check_request(req: MemoryRequest) -> None:
         raise ValueError(
             f"reshard_after_forward {req.reshard_after_forward!r}: choose one of {RESHARD_POLICIES}"
         )
+    if req.state_dtype not in ("fp32", "bf16"):
+        raise ValueError(f"optimizer state dtype {req.state_dtype!r}: choose fp32 or bf16")
     for name in ("gpus", "seq_len", "local_batch_size", "cp"):
         if getattr(req, name) < 1:
             raise ValueError(f"{name} must be >= 1, got {getattr(req, name)}")
@@ -1286,7 +1291,7 @@ def estimate_memory(req: MemoryRequest) -> MemoryReport:
                 trainable_params=trainable,
                 params=(4.0 + act_bytes * master) * local,
                 grads=peak.grads,
-                optimizer=8.0 * trainable,
+                optimizer=(8.0 if req.state_dtype == "fp32" else 4.0) * trainable,
                 unsharded=peak.unsharded,
                 grad_accum=peak.grad_accum,
                 activations=peak.activations,
@@ -1364,6 +1369,7 @@ def request_from_job_config(
         master_weights=master,
         grad_accumulation=t.global_batch_size // per_step > 1,
         cp=p.context_parallel_degree,
+        state_dtype="bf16" if cfg.optimizer.state_dtype == "bfloat16" else "fp32",
     )
 
 
@@ -1440,9 +1446,10 @@ def format_report(report: MemoryReport, model_name: str) -> str:
             f"FSDP), bf16 "
             f"grads{' (summed in fp32: gradient accumulation)' if req.grad_accumulation else ''}, "
             "AdamW "
-            f"2 x fp32 states; AC {req.ac_mode}"
+            f"2 x {req.state_dtype} states; AC {req.ac_mode}"
             if master
-            else f"precision: fp32 master weights, fp32 grads, AdamW 2 x fp32 states, "
+            else "precision: fp32 master weights, fp32 grads, AdamW "
+            f"2 x {req.state_dtype} states, "
             f"{req.param_dtype} compute "
             f"(FSDP param_dtype), fp32 reduce; AC {req.ac_mode}"
         )

@@ -85,6 +85,9 @@ class _TritonAdamStep:
         super().__init__(
             params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=False
         )
+        # Adam's moments in this dtype (``[optimizer] state_dtype`` "bfloat16"; set by
+        # build_optimizers before the first step), or None: the parameter's, as torch keeps them
+        self.state_dtype: torch.dtype | None = None
         self.grad_coef: torch.Tensor | None = None
         self.found_inf: torch.Tensor | None = None
         # ``master_weights.MasterWeights`` when the parameters are fp32 masters of bf16 compute
@@ -132,11 +135,22 @@ class _TritonAdamStep:
                 state = self.state[p]
                 if not state:  # torch's fused layout, so state dicts are interchangeable
                     state["step"] = torch.zeros((), dtype=torch.float32, device=local.device)
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                elif state["step"].device != local.device or state["step"].dtype != torch.float32:
-                    # a state dict from the for-loop / foreach optimizers keeps the count on the CPU
-                    state["step"] = state["step"].to(device=local.device, dtype=torch.float32)
+                    for key in ("exp_avg", "exp_avg_sq"):
+                        state[key] = torch.zeros_like(
+                            p,
+                            dtype=self.state_dtype or p.dtype,
+                            memory_format=torch.preserve_format,
+                        )
+                else:
+                    if state["step"].device != local.device or state["step"].dtype != torch.float32:
+                        # a state dict from the for-loop / foreach optimizers keeps the count on
+                        # the CPU
+                        state["step"] = state["step"].to(device=local.device, dtype=torch.float32)
+                    for key in ("exp_avg", "exp_avg_sq"):
+                        # torch's load_state_dict casts the moments to the parameter's dtype, and
+                        # a checkpoint may come from a run with the other state_dtype
+                        if self.state_dtype not in (None, state[key].dtype):
+                            state[key] = state[key].to(self.state_dtype)
                 steps_by_device[local.device].append(state["step"])
                 work.append(
                     (
@@ -443,6 +457,7 @@ def build_optimizers(model_parts: list[torch.nn.Module], cfg, master_weights=Non
         ),
     )
     for opt in optimizers.optimizers:
-        # (only the Triton step reads it; validate refuses other pairings)
+        # (only the Triton step reads them; validate refuses other pairings)
         opt.master_weights = master_weights
+        opt.state_dtype = torch.bfloat16 if cfg.state_dtype == "bfloat16" else None
     return optimizers

@@ -11,6 +11,7 @@ import sys
 
 import pytest
 import torch
+from torch.distributed.checkpoint import FileSystemReader
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEBUG_TOML = os.path.join(ROOT, "train_configs", "glm52_debug.toml")
@@ -101,12 +102,14 @@ def test_main_command_trains_and_writes_tensorboard(tmp_path):
     assert os.path.isdir(os.path.join(tmp_path, "checkpoint", "step-40"))
 
 
-@pytest.mark.parametrize("impl", ["foreach", "triton", "triton-master-weights"])
+@pytest.mark.parametrize(
+    "impl", ["foreach", "triton", "triton-master-weights", "triton-bf16-moments"]
+)
 def test_resume_reproduces_uninterrupted_losses(tmp_path, impl):
     """Also with TritonAdamW: its state (the device step counter, both moments on the FSDP2 shards)
-    goes through the DCP checkpoint and back. With the master weights in the optimizer (one process,
-    bf16 copies) the checkpoint holds the fp32 masters, and the copies are re-cast from them after
-    the load."""
+    goes through the DCP checkpoint and back, also with its moments in bf16 (``[optimizer]
+    state_dtype``). With the master weights in the optimizer (one process, bf16 copies) the
+    checkpoint holds the fp32 masters, and the copies are re-cast from them after the load."""
     full, part = tmp_path / "full", tmp_path / "part"
     # The LR schedule is pinned to 6 steps, so stopping after 3 and extending to 6 is the same run.
     common = small(
@@ -123,12 +126,21 @@ def test_resume_reproduces_uninterrupted_losses(tmp_path, impl):
     if impl == "triton-master-weights":
         common += ("--training.master_weights", "optimizer", "--training.mixed_precision_on_cpu")
         nproc = 1
+    if impl == "triton-bf16-moments":
+        common += ("--optimizer.state_dtype", "bfloat16")
     log = run_train(full, "--training.steps", "6", *common, nproc=nproc)
     assert ("fp32 masters in the optimizer" in log.stdout + log.stderr) == (
         impl == "triton-master-weights"
     )
     run_train(part, "--training.steps", "3", *common, nproc=nproc)
     assert os.path.exists(part / "checkpoint" / "step-3" / ".metadata")
+    meta = FileSystemReader(str(part / "checkpoint" / "step-3")).read_metadata()
+    moments = {
+        m.properties.dtype
+        for key, m in meta.state_dict_metadata.items()
+        if key.endswith(("exp_avg", "exp_avg_sq"))
+    }
+    assert moments == {torch.bfloat16 if impl == "triton-bf16-moments" else torch.float32}
     run_train(part, "--training.steps", "6", *common, nproc=nproc)
     a = {r["step"]: r for r in read_metrics(full)}
     b = {}

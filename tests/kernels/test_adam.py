@@ -257,3 +257,62 @@ def test_layout_mismatch_and_unsupported_options_are_refused():
     assert (
         TritonAdam([p]).defaults["weight_decay"] == torch.optim.Adam([p]).defaults["weight_decay"]
     )
+
+
+@pytest.mark.parametrize("ours_cls,torch_cls", PAIRS)
+def test_bf16_moments_are_the_fp32_step_from_rounded_moments(ours_cls, torch_cls):
+    """``state_dtype`` bf16 (``[optimizer] state_dtype``): the moments are stored in bf16, and each
+    step is torch's fp32 step from the stored (rounded) moments, which it then rounds to nearest:
+    torch's for-loop optimizer with its moments rounded to bf16 after every step, up to its fp32
+    roundings here and there (as in the fp32 test) and the bf16 step such a rounding can move."""
+    ours_p, ref_p = make_params(), make_params()
+    ours = ours_cls(ours_p, **HYPER)
+    ours.state_dtype = torch.bfloat16
+    ref = torch_cls(ref_p, foreach=False, **HYPER)
+    for step in range(5):
+        for P, o in ((ours_p, ours), (ref_p, ref)):
+            for p, g in zip(P, grads_for(step)):
+                p.grad = None if g is None else g.clone()
+            o.step()
+        for m, v in moments(ref, ref_p):
+            m.copy_(m.bfloat16())
+            v.copy_(v.bfloat16())
+    for a, b in zip(ours_p, ref_p):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6 * float(b.detach().abs().max()))
+    for (m, v), (m_ref, v_ref) in zip(moments(ours, ours_p), moments(ref, ref_p)):
+        assert m.dtype == v.dtype == torch.bfloat16
+        torch.testing.assert_close(m.float(), m_ref, rtol=2**-7, atol=0)
+        torch.testing.assert_close(v.float(), v_ref, rtol=2**-7, atol=0)
+
+
+def test_bf16_moments_survive_a_state_dict_round_trip():
+    """torch's ``load_state_dict`` casts the moments to the parameters' dtype; the next step keeps
+    them in bf16 again, with the same values, and goes on as an uninterrupted run does. A state
+    dict of fp32 moments loads into a bf16-moment optimizer the same way."""
+    params = make_params()
+    opt = TritonAdamW(params, **HYPER)
+    opt.state_dtype = torch.bfloat16
+    run(opt, params, steps=2)
+    resumed_p = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    resumed = TritonAdamW(resumed_p, **HYPER)
+    resumed.state_dtype = torch.bfloat16
+    resumed.load_state_dict(copy.deepcopy(opt.state_dict()))
+    assert resumed.state[resumed_p[0]]["exp_avg"].dtype == torch.float32  # torch's cast
+    for P, o in ((params, opt), (resumed_p, resumed)):
+        for p, g in zip(P, grads_for(2)):
+            p.grad = None if g is None else g.clone()
+        o.step()
+    for a, b in zip(resumed_p, params):
+        assert torch.equal(a, b)
+    for (m, v), (m_ref, v_ref) in zip(moments(resumed, resumed_p), moments(opt, params)):
+        assert m.dtype == v.dtype == torch.bfloat16
+        assert torch.equal(m, m_ref) and torch.equal(v, v_ref)
+    fp32_p = make_params()
+    fp32 = run(TritonAdamW(fp32_p, **HYPER), fp32_p, steps=2)
+    into = TritonAdamW([torch.nn.Parameter(p.detach().clone()) for p in fp32_p], **HYPER)
+    into.state_dtype = torch.bfloat16
+    into.load_state_dict(copy.deepcopy(fp32.state_dict()))
+    for p, g in zip(into.param_groups[0]["params"], grads_for(2)):
+        p.grad = None if g is None else g.clone()
+    into.step()
+    assert into.state[into.param_groups[0]["params"][0]]["exp_avg"].dtype == torch.bfloat16

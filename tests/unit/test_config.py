@@ -451,3 +451,15 @@ def test_without_converters_the_model_is_unchanged():
     assert not torch.equal(kept_loss, fp8_loss)
     torch.testing.assert_close(kept_loss, want_loss, rtol=2e-2, atol=0)
     assert kept_grads.keys() == want_grads.keys()
+
+
+def test_bf16_optimizer_state_needs_the_triton_step():
+    """``optimizer.state_dtype = "bfloat16"`` is refused, naming the key, with torch's Adam (which
+    keeps its moments in the parameters' dtype); the Triton step takes it."""
+    with pytest.raises(ConfigError) as e:
+        parse_job_config(["--optimizer.state_dtype", "bfloat16"])
+    assert str(e.value).startswith("optimizer.state_dtype: ") and "\n" not in str(e.value)
+    cfg = parse_job_config(
+        ["--optimizer.state_dtype", "bfloat16", "--optimizer.implementation", "triton"]
+    )
+    assert cfg.optimizer.state_dtype == "bfloat16"

@@ -318,6 +318,22 @@ def test_job_config_resolves_master_weights_and_accumulation_like_the_trainer():
     ).grad_accumulation
 
 
+def test_bf16_optimizer_state_halves_the_optimizer_column():
+    """``[optimizer] state_dtype = "bfloat16"``: the plan holds 2 x 2 bytes of AdamW state per
+    trainable element instead of 2 x 4, and nothing else changes."""
+    from titan_glm52.config import parse_job_config
+
+    proxy = ["--job.config_file", os.path.join(REPO, "train_configs", "glm52_proxy.toml")]
+    reqs = [
+        request_from_job_config(parse_job_config(proxy + extra), gpus=1)
+        for extra in ([], ["--optimizer.state_dtype", "bfloat16"])
+    ]
+    assert [r.state_dtype for r in reqs] == ["fp32", "bf16"]
+    fp32, bf16 = (estimate_memory(r).worst for r in reqs)
+    assert bf16.optimizer == fp32.optimizer / 2 == 4.0 * fp32.trainable_params
+    assert bf16.total == pytest.approx(fp32.total - fp32.optimizer / 2)
+
+
 def test_trainer_start_up_check_logs_the_plan_and_warns_past_the_gpu(monkeypatch, caplog):
     """training.memory_check: on CUDA the node's first process logs the plan beside the GPU's size
     (info), warns when the plan exceeds it (the proxy at 32K with MTP and no checkpointing on a
