@@ -197,6 +197,7 @@ def check_fp8_rowwise(device, counts, dim: int, hidden: int, tol: float, seed: i
     from torchao.float8.float8_utils import tensor_to_scale, to_fp8_saturated
 
     from titan_glm52.model import fp8_grouped as G
+    from titan_glm52.model.expert_mm import _spans
 
     def deq(t, dim_):  # torchao's rowwise quantisation along dim_, back in fp32
         s = tensor_to_scale(
@@ -254,10 +255,3 @@ def check_fp8_rowwise(device, counts, dim: int, hidden: int, tol: float, seed: i
     # FP8's own error against the plain products
     plain = torch.cat([x[s : s + n].float() @ w[e].float().t() for e, s, n in _spans(counts)])
     assert rel(out, plain) < 0.05
-
-
-def _spans(counts):
-    start = 0
-    for e, n in enumerate(counts):
-        yield e, start, n
-        start += n

@@ -24,9 +24,10 @@ from __future__ import annotations
 
 import torch
 
+from titan_glm52.model.expert_mm import _spans
+from titan_glm52.model.fp8_mm import E4M3, EPS, FP8_MAX  # EPS: torchao's floor under an amax too
+
 ALIGN = 16  # torch._scaled_grouped_mm: every group starts on a multiple of 16 rows
-E4M3_MAX = 448.0
-EPS = 1e-12  # torchao's floor under an amax
 
 
 def aligned_layout(counts: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -53,7 +54,7 @@ def to_aligned(x: torch.Tensor, dest: torch.Tensor, total: int) -> torch.Tensor:
 
 
 def _scale(amax: torch.Tensor) -> torch.Tensor:
-    s = (E4M3_MAX / amax.clamp_min(EPS).double()).float()
+    s = (FP8_MAX / amax.clamp_min(EPS).double()).float()
     return torch.exp2(torch.floor(torch.log2(s)))
 
 
@@ -62,14 +63,12 @@ def quant_dequant(x: torch.Tensor, dim: int) -> torch.Tensor:
     ``e4m3(clamp(x s)) / s``."""
     xf = x.float()
     s = _scale(xf.abs().amax(dim, keepdim=True))
-    return (xf * s).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float() / s
+    return (xf * s).clamp(-FP8_MAX, FP8_MAX).to(E4M3).float() / s
 
 
-def _spans(ends: torch.Tensor):
-    start = 0
-    for e, end in enumerate(ends.tolist()):
-        yield e, start, end
-        start = end
+def _groups(ends: torch.Tensor):
+    """(expert, first row, row count) of each group of the int32 group ends ``ends``."""
+    return _spans(torch.diff(ends, prepend=ends.new_zeros(1)).tolist())
 
 
 class _EmulatedRowwise(torch.autograd.Function):
@@ -82,8 +81,8 @@ class _EmulatedRowwise(torch.autograd.Function):
         ctx.save_for_backward(x, w, ends)
         xd, wd = quant_dequant(x, 1), quant_dequant(w, 2)
         out = x.new_zeros(x.shape[0], w.shape[1])
-        for e, s, end in _spans(ends):
-            out[s:end] = (xd[s:end] @ wd[e].t()).to(x.dtype)
+        for e, s, n in _groups(ends):
+            out[s : s + n] = (xd[s : s + n] @ wd[e].t()).to(x.dtype)
         return out
 
     @staticmethod
@@ -93,13 +92,13 @@ class _EmulatedRowwise(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             gd, wd = quant_dequant(grad, 1), quant_dequant(w, 1)
             dx = torch.zeros_like(x)
-            for e, s, end in _spans(ends):
-                dx[s:end] = (gd[s:end] @ wd[e]).to(x.dtype)
+            for e, s, n in _groups(ends):
+                dx[s : s + n] = (gd[s : s + n] @ wd[e]).to(x.dtype)
         if ctx.needs_input_grad[1]:
             dw = torch.zeros_like(w)
-            for e, s, end in _spans(ends):
-                if end > s:
-                    ge, xe = quant_dequant(grad[s:end], 0), quant_dequant(x[s:end], 0)
+            for e, s, n in _groups(ends):
+                if n:
+                    ge, xe = quant_dequant(grad[s : s + n], 0), quant_dequant(x[s : s + n], 0)
                     dw[e] = (ge.t() @ xe).to(w.dtype)
         return dx, dw, None
 
