@@ -7,10 +7,11 @@ sharded state holds them).
 Per variant: GPU time of one step (CUDA events, median of --steps after --warmup), the bytes it must
 move per parameter and the bandwidth that makes, and the host time of the step() call alone (what
 the launches cost). Variants: torch fused AdamW (no clip; 28 B/param), torch fused with the clip as
-grad_scale (the "fused" path of the trainer; it writes the gradient back, 32 B/param), and the
-Triton kernel with the clip as grad_coef and a skip flag (the "triton" path; 28 B/param) for each
---sweep launch setting. The Triton result after the timed steps is checked against torch fused run
-on the same gradients (largest difference of the parameters).
+grad_scale (the "fused" path of the trainer; it writes the gradient back, 32 B/param), the Triton
+kernel with the clip as grad_coef and a skip flag (the "triton" path; 28 B/param) for each --sweep
+launch setting, and the Triton kernel with its moments in bf16 (``[optimizer] state_dtype =
+"bfloat16"``, the default launch setting; 20 B/param). The Triton result after the timed steps is
+checked against torch fused run on the same gradients (largest difference of the parameters).
 """
 
 from __future__ import annotations
@@ -132,6 +133,17 @@ def main() -> None:
         )
         torch.cuda.empty_cache()
     adam_kernel.BLOCK, adam_kernel.NUM_WARPS = default
+    # [optimizer] state_dtype "bfloat16": the two moments stored in bf16 (20 B/param)
+    opt = TritonAdamW(params, **HYPER)
+    opt.state_dtype = torch.bfloat16
+    record(
+        "triton + clip, bf16 moments",
+        20,
+        *time_steps(clipped(opt), args.warmup, args.steps),
+        state_dtype="bfloat16",
+    )
+    opt = None
+    torch.cuda.empty_cache()
 
     # Agreement: three steps of each from the same start on the same (clipped) gradients.
     check = [torch.nn.Parameter(t.clone()) for t in init]

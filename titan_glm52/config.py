@@ -165,8 +165,9 @@ class Optimizer(tt.Optimizer):
     (the fp32 masters) as torch keeps them, or "bfloat16", as DeepSeek-V3 trained: 4 bytes of
     optimizer state per trainable parameter instead of 8, and 8 fewer bytes read and written per
     parameter by each step. The update is computed in fp32 either way; each moment is rounded (to
-    nearest) when stored. Needs implementation = "triton"; checkpoints hold the moments in this
-    dtype, and a resume from the other one converts them."""
+    nearest) when stored, so beta2 above 0.99 is refused with it (bf16 would round away most of a
+    step's change to exp_avg_sq). Needs implementation = "triton"; checkpoints hold the moments in
+    this dtype, and a resume from the other one converts them."""
 
 
 @dataclass
@@ -487,6 +488,9 @@ def resolve_master_weights(
 # torchtitan options this trainer does not implement, by (dotted) section: "*" = every field. A
 # value other than the default is refused, naming the key (and what to use instead, where the
 # section has a hint), instead of being ignored.
+# the largest beta2 taken with optimizer.state_dtype "bfloat16" (validate: the rounding's dead band)
+BF16_STATE_MAX_BETA2 = 0.99
+
 _NOT_IMPLEMENTED = {
     "activation_checkpoint": (
         "per_op_sac_force_recompute_mm_shapes_by_fqns",
@@ -714,6 +718,17 @@ def validate(cfg: JobConfig, world_size: int | None = None, device_type: str | N
             "'bfloat16' moments need optimizer.implementation = 'triton' (torch's Adam keeps them "
             f"in the parameter's dtype; is {cfg.optimizer.implementation!r}); set it, or "
             "state_dtype 'float32'",
+        )
+    if cfg.optimizer.state_dtype == "bfloat16" and cfg.optimizer.beta2 > BF16_STATE_MAX_BETA2:
+        # a stored moment moves only when a step changes it by half a bf16 step (up to 2^-8 of
+        # it): (1 - beta2) |g^2 / v - 1| must pass that, so v would stop short of its target by
+        # up to 2^-8 / (1 - beta2): 8% at beta2 0.95, 39% at 0.99, 390% at 0.999
+        _refuse(
+            "optimizer.state_dtype",
+            f"'bfloat16' moments with beta2 {cfg.optimizer.beta2} > {BF16_STATE_MAX_BETA2}: "
+            "bf16 rounds away most of each step's change to exp_avg_sq; lower "
+            "optimizer.beta2 (DeepSeek-V3 trained bf16 moments at 0.95) or keep state_dtype "
+            "'float32'",
         )
     if cfg.training.global_batch_size > 0 and world_size is not None:
         dp = world_size // max(p.pipeline_parallel_degree * p.context_parallel_degree, 1)

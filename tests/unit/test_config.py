@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from titan_glm52.config import ConfigError, parse_job_config, validate
 
@@ -398,8 +399,6 @@ def test_without_converters_the_model_is_unchanged():
     with the converters the same recipe converts and the loss moves."""
     import copy
 
-    import torch
-
     from tests.losses import cross_entropy_sum
     from titan_glm52.config import fp8_spec
     from titan_glm52.fp8_training import Fp8GroupedExperts, Fp8Linear, Fp8OutputHead, is_fp8
@@ -463,3 +462,19 @@ def test_bf16_optimizer_state_needs_the_triton_step():
         ["--optimizer.state_dtype", "bfloat16", "--optimizer.implementation", "triton"]
     )
     assert cfg.optimizer.state_dtype == "bfloat16"
+
+
+def test_bf16_optimizer_state_refuses_a_slow_second_moment():
+    """bf16 moments with beta2 above 0.99 are refused in one line naming the key: with 0.999 a
+    stored exp_avg_sq of 1 never moves toward a squared gradient of 2 (each step adds 0.001, below
+    half of bf16's step of 2^-7 there), while 0.95 follows it."""
+    v = torch.ones((), dtype=torch.bfloat16)
+    for beta2, moves in ((0.999, False), (0.95, True)):
+        stored = (beta2 * v.float() + (1 - beta2) * 2.0).to(torch.bfloat16)
+        assert bool(stored != v) == moves
+    args = ["--optimizer.state_dtype", "bfloat16", "--optimizer.implementation", "triton"]
+    with pytest.raises(ConfigError) as e:
+        parse_job_config([*args, "--optimizer.beta2", "0.999"])
+    assert str(e.value).startswith("optimizer.state_dtype: ") and "\n" not in str(e.value)
+    assert "beta2" in str(e.value)
+    assert parse_job_config([*args, "--optimizer.beta2", "0.99"]).optimizer.beta2 == 0.99
