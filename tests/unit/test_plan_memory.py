@@ -301,7 +301,7 @@ def test_job_config_resolves_master_weights_and_accumulation_like_the_trainer():
     # auto, Triton step, one GPU
     assert (req.master_weights, req.grad_accumulation) == ("optimizer", False)
     for extra, gpus in (
-        (["--optimizer.implementation", "fused"], 1),
+        (["--optimizer.implementation", "fused", "--optimizer.state_dtype", "float32"], 1),
         ([], 2),
         (["--training.master_weights", "fsdp"], 1),
     ):
@@ -326,7 +326,10 @@ def test_bf16_optimizer_state_halves_the_optimizer_column():
     proxy = ["--job.config_file", os.path.join(REPO, "train_configs", "glm52_proxy.toml")]
     reqs = [
         request_from_job_config(parse_job_config(proxy + extra), gpus=1)
-        for extra in ([], ["--optimizer.state_dtype", "bfloat16"])
+        for extra in (
+            ["--optimizer.state_dtype", "float32"],
+            ["--optimizer.state_dtype", "bfloat16"],
+        )
     ]
     assert [r.state_dtype for r in reqs] == ["fp32", "bf16"]
     fp32, bf16 = (estimate_memory(r).worst for r in reqs)
