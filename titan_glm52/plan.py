@@ -8,6 +8,7 @@
                                       [--seq-len 4096] [--local-batch-size 1] [--microbatch-size 1]
                                       [--ac full|selective|none] [--gpu-memory-gib 141] [--param-dtype bf16]
                                       [--master-weights fsdp|optimizer] [--grad-accumulation]
+                                      [--optimizer-state-dtype bf16]
 
 ``layout`` prints the pipeline split (``pipeline_split.py`` decides it; this file only parses and
 prints): a line ``layers per stage: a,b,...``, then one line per stage (rank, layers, first layer,
@@ -302,6 +303,14 @@ def _add_memory_parser(sub: argparse._SubParsersAction) -> None:
         "(default)",
     )
     p.add_argument(
+        "--optimizer-state-dtype",
+        choices=("fp32", "bf16"),
+        default=None,
+        help="optimizer.state_dtype: 'bf16' keeps Adam's two moments in bf16 (with the Triton "
+        "step, as glm52_proxy.toml does: 4 bytes per trainable parameter fewer) or 'fp32' "
+        "(default)",
+    )
+    p.add_argument(
         "--grad-accumulation",
         action="store_true",
         help="several micro-batches per optimizer step (training.global_batch_size above the "
@@ -404,6 +413,14 @@ def memory_job_config(ns: argparse.Namespace):
     if ns.master_weights is not None:
         argv += ["--training.master_weights", ns.master_weights]
         argv += ["--optimizer.implementation", "triton"] if ns.master_weights == "optimizer" else []
+    if ns.optimizer_state_dtype is not None:
+        argv += [
+            "--optimizer.state_dtype",
+            {"bf16": "bfloat16", "fp32": "float32"}[ns.optimizer_state_dtype],
+        ]
+        argv += (
+            ["--optimizer.implementation", "triton"] if ns.optimizer_state_dtype == "bf16" else []
+        )
     try:
         cfg = parse_job_config(argv)
         if ns.grad_accumulation:  # two micro-batches per optimizer step

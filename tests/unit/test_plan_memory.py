@@ -335,6 +335,12 @@ def test_bf16_optimizer_state_halves_the_optimizer_column():
     fp32, bf16 = (estimate_memory(r).worst for r in reqs)
     assert bf16.optimizer == fp32.optimizer / 2 == 4.0 * fp32.trainable_params
     assert bf16.total == pytest.approx(fp32.total - fp32.optimizer / 2)
+    # plan memory's flag: the same requests from a flavor
+    base = ["memory", "--flavor", "glm52_proxy", "--gpus", "1", "--master-weights", "optimizer"]
+    for flag, want in (("fp32", "fp32"), ("bf16", "bf16")):
+        ns = plan.build_parser().parse_args(base + ["--optimizer-state-dtype", flag])
+        assert plan.memory_request(ns).state_dtype == want
+    assert plan.memory_request(plan.build_parser().parse_args(base)).state_dtype == "fp32"
 
 
 def test_trainer_start_up_check_logs_the_plan_and_warns_past_the_gpu(monkeypatch, caplog):
