@@ -28,9 +28,12 @@ def test_fp8_products_on_the_kernel_path(monkeypatch, splits):
     """The products as CUDA runs them (the Triton quantisation, segments padded to ROW_ALIGN rows,
     per-segment scale views, each product's padded rows written over the next expert's rows or,
     past the end, into a scratch product), with the products of the dequantised operands in place
-    of cuBLAS's: the same results as the CPU path's."""
+    of cuBLAS's: the same results as the CPU path's. The model's copy of the row alignment is the
+    kernel's (the model does not import triton)."""
+    from titan_glm52.kernels import fp8_quant as K
     from titan_glm52.model import fp8_mm as M
 
+    assert M.ROW_ALIGN == K.ROW_ALIGN
     monkeypatch.setattr(M, "_on_kernel", lambda *ts: True)
     check_fp8("cpu", splits, dim=256, hidden=192, tol=1e-5)
 
