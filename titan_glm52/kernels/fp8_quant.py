@@ -34,11 +34,8 @@ FP8_MAX = 448.0
 EPS = 1e-12  # an all-zero tile gets scale EPS / 448 and stays zero
 TILE = 128
 # cuBLAS's block-scaled GEMM reads a 1 x 128 operand's scales M-contiguous: each segment's rows
-# start on a multiple of this many rows, so that every column of its scales is aligned (16 would
-# do). 128: a product's row count is a multiple of 128, so the routed experts' products repeat
-# shapes from step to step, and a shape cuBLAS has not met costs the host about 64 us more
-# (bench/results/2026-12-06_h100_bf16_moments_fp8_host.md)
-ROW_ALIGN = 128
+# start on a multiple of this many rows, so that every column of its scales is 16-byte aligned
+ROW_ALIGN = 16
 ROWS_BM = 32  # rows per program of quant_rows
 COLS_BK = 64  # columns per program of quant_cols
 

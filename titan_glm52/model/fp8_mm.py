@@ -18,11 +18,10 @@ On CUDA the quantisation is ``kernels/fp8_quant.py`` (one Triton pass per operan
 cuBLAS; elsewhere the same quantisation in torch (the same bits) and each product on the dequantised
 operands in fp32 (what the FP8 GEMM computes, up to the order of its fp32 sums), so that the CPU
 tests and the gloo cases run the recipe. On CUDA each expert's quantised rows start on a multiple
-of ``ROW_ALIGN`` (128) rows, with its scales laid out on their own: cuBLAS refused the products of
-uneven row counts otherwise (bench/results/2026-12-04_h200_fp8.md), and rounded to 128 rows the
-experts' products meet shapes cuBLAS has chosen for before (``kernels/fp8_quant.ROW_ALIGN``). The
-product and its two gradient products are registered ops (``model/ops.py``, as ``expert_mm``):
-``torch.compile`` keeps them whole and op-level activation checkpointing can save their outputs.
+of 16 rows, with its scales laid out on their own: cuBLAS refused the products of uneven row counts
+otherwise (bench/results/2026-12-04_h200_fp8.md). The product and its two gradient products are
+registered ops (``model/ops.py``, as ``expert_mm``): ``torch.compile`` keeps them whole and op-level
+activation checkpointing can save their outputs.
 """
 
 from __future__ import annotations
@@ -173,7 +172,7 @@ def _blocks_transposed(w: torch.Tensor):
 
 # ------------------------------------------------------------------------------ the ops
 # kernels/fp8_quant.ROW_ALIGN: each segment's quantised rows start on a multiple of this many
-ROW_ALIGN = 128
+ROW_ALIGN = 16
 
 
 def _padded(n: int) -> int:
