@@ -485,12 +485,12 @@ def resolve_master_weights(
     return mode
 
 
-# torchtitan options this trainer does not implement, by (dotted) section: "*" = every field. A
-# value other than the default is refused, naming the key (and what to use instead, where the
-# section has a hint), instead of being ignored.
 # the largest beta2 taken with optimizer.state_dtype "bfloat16" (validate: the rounding's dead band)
 BF16_STATE_MAX_BETA2 = 0.99
 
+# torchtitan options this trainer does not implement, by (dotted) section: "*" = every field. A
+# value other than the default is refused, naming the key (and what to use instead, where the
+# section has a hint), instead of being ignored.
 _NOT_IMPLEMENTED = {
     "activation_checkpoint": (
         "per_op_sac_force_recompute_mm_shapes_by_fqns",
