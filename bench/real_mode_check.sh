@@ -6,6 +6,8 @@
 #                                         # rebuilt) and 64K (AC full, MLPs and MTP in 16K-token chunks);
 #                                         # the peer with FSDP, AC full where it runs out of memory (~6 min)
 #   bash bench/real_mode_check.sh fp8     # ours alone in FP8 (the default filter) at 4K, 16K and 32K (~4 min)
+#   bash bench/real_mode_check.sh plain32k  # ours alone at 32K, AC none, no chunking and the latent query kept:
+#                                         # whether the MTP layer's backward fits as the config stands (~3 min)
 # On the GPU machine with .whl carried. Results in $OUT (or /tmp/out): real_<part>_*.json / .md.
 set -uo pipefail
 source bench/gpu_env.sh >/dev/null
@@ -32,5 +34,8 @@ case "${1:-}" in
     cell fp8_short --no-peer --ac none --seq-lens 4096,16384 --our-args="$fp8"
     cell fp8_32k --no-peer --ac none --seq-lens 32768 --our-args="$at32k $fp8"
     ;;
-  *) echo "usage: bash bench/real_mode_check.sh short | long | fp8"; exit 2 ;;
+  plain32k)
+    cell plain32k --no-peer --ac none --seq-lens 32768
+    ;;
+  *) echo "usage: bash bench/real_mode_check.sh short | long | fp8 | plain32k"; exit 2 ;;
 esac
