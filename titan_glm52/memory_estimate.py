@@ -252,6 +252,9 @@ from torch import nn
 from titan_glm52.model.args import GLM52ModelArgs
 from titan_glm52.model.head import LOSS_CHUNK
 
+# a request's dtype names ("bf16", "fp32": param_dtype, state_dtype) as the job config spells them
+CONFIG_DTYPE = {"bf16": "bfloat16", "fp32": "float32"}
+
 GIB = 1024**3
 PARAM_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -1103,7 +1106,7 @@ def _check_request(req: MemoryRequest) -> None:
             f"master weights {req.master_weights!r}: choose fsdp or optimizer "
             "(training.master_weights)"
         )
-    dtype = {"bf16": "bfloat16", "fp32": "float32"}[req.param_dtype]
+    dtype = CONFIG_DTYPE[req.param_dtype]
     if req.master_weights == "optimizer" and (
         why := master_weights_blocker(req.gpus, "triton", dtype)
     ):

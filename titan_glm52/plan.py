@@ -372,6 +372,7 @@ def memory_job_config(ns: argparse.Namespace):
     defaults, with every option given on the command line laid over it, checked by the trainer's own
     ``config.validate``."""
     from titan_glm52.config import ConfigError, parse_job_config, validate
+    from titan_glm52.memory_estimate import CONFIG_DTYPE
 
     argv = (
         ["--job.config_file", ns.config]
@@ -405,19 +406,13 @@ def memory_job_config(ns: argparse.Namespace):
     if ns.layers_per_stage is not None:
         argv += ["--parallelism.pipeline_parallel_layout", ",".join(map(str, ns.layers_per_stage))]
     if ns.param_dtype is not None:
-        argv += [
-            "--training.mixed_precision_param",
-            {"bf16": "bfloat16", "fp32": "float32"}[ns.param_dtype],
-        ]
+        argv += ["--training.mixed_precision_param", CONFIG_DTYPE[ns.param_dtype]]
     # "optimizer" is the Triton step's, as the trainer's rule has it
     if ns.master_weights is not None:
         argv += ["--training.master_weights", ns.master_weights]
         argv += ["--optimizer.implementation", "triton"] if ns.master_weights == "optimizer" else []
     if ns.optimizer_state_dtype is not None:
-        argv += [
-            "--optimizer.state_dtype",
-            {"bf16": "bfloat16", "fp32": "float32"}[ns.optimizer_state_dtype],
-        ]
+        argv += ["--optimizer.state_dtype", CONFIG_DTYPE[ns.optimizer_state_dtype]]
         argv += (
             ["--optimizer.implementation", "triton"] if ns.optimizer_state_dtype == "bf16" else []
         )
