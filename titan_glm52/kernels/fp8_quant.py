@@ -17,8 +17,12 @@ torch formulas give the same bits. The layouts are the ones cuBLAS's block-scale
   contiguous. ``tiles [n_tiles, 2]`` int32 holds each tile's first row and row count (at most 128):
   a tile never crosses a segment, a segment's tiles are consecutive, and the rows a tile lacks are
   written as zeros. Without ``tiles`` x's rows are one segment.
-* ``quant_blocks(w [G, N, K])``: 128 x 128 blocks of each of G matrices -> ``q [G, N, K]`` (or
-  ``[G, K, N]``, transposed) and the scales ``[G, N / 128, K / 128]``.
+* ``quant_rows_cols(x [M, K], tiles, segments)``: both of the above from one read of x (a
+  gradient enters the input gradient's product per 1 x 128 tile and the weight gradient's per 128
+  x 1 tile); the same bits as the two calls.
+* ``quant_blocks(w [G, N, K])``: 128 x 128 blocks of each of G matrices -> ``q [G, N, K]`` and
+  the scales ``[G, N / 128, K / 128]``, or transposed (the blocks of w^T: ``[G, K, N]``, ``[G, K /
+  128, N / 128]``).
 """
 
 from __future__ import annotations
@@ -102,6 +106,48 @@ def _quant_cols_kernel(
 
 
 @triton.jit
+def _quant_rows_cols_kernel(
+    x_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, seg_ptr, tiles_ptr, M, K, width,
+    TILE: tl.constexpr, ALIGN: tl.constexpr, EPS: tl.constexpr, SEGMENTED: tl.constexpr,
+):  # fmt: skip
+    # one 128 x 128 tile: 128 rows' 1 x 128 tiles and 128 columns' 128 x 1 tiles
+    t = tl.program_id(0)
+    kb = tl.program_id(1)
+    if SEGMENTED:
+        first = tl.load(tiles_ptr + 2 * t).to(tl.int64)
+        n = tl.load(tiles_ptr + 2 * t + 1)
+    else:
+        first = t.to(tl.int64) * TILE
+        n = tl.minimum(M - first, TILE)
+    r = tl.arange(0, TILE)
+    cols = kb * TILE + tl.arange(0, TILE)
+    live = r < n
+    rows = first + r
+    x = tl.load(x_ptr + rows[:, None] * K + cols[None, :], mask=live[:, None], other=0.0)
+    x = x.to(tl.float32)
+    # 128 x 1 tiles, written transposed (quant_cols); the rows the tile lacks are zeros
+    camax = tl.maximum(tl.max(tl.abs(x), axis=0), EPS)
+    qc, sc = _to_e4m3(x, camax[None, :])
+    tl.store(qt_ptr + cols.to(tl.int64)[None, :] * width + t.to(tl.int64) * TILE + r[:, None], qc)
+    tl.store(st_ptr + t.to(tl.int64) * K + cols, tl.reshape(sc, (TILE,)))
+    # 1 x 128 tiles in the rows' segments (quant_rows)
+    ramax = tl.maximum(tl.max(tl.abs(x), axis=1), EPS)
+    qr, sr = _to_e4m3(x, ramax[:, None])
+    if SEGMENTED:
+        start = tl.load(seg_ptr + rows, mask=live, other=0).to(tl.int64)
+        count = tl.load(seg_ptr + M + rows, mask=live, other=1).to(tl.int64)
+        out0 = tl.load(seg_ptr + 2 * M + rows, mask=live, other=0).to(tl.int64)
+        pos = rows - start
+    else:
+        count = M
+        out0 = 0
+        pos = rows
+    tl.store(q_ptr + (out0 + pos)[:, None] * K + cols[None, :], qr, mask=live[:, None])
+    padded = (count + ALIGN - 1) // ALIGN * ALIGN
+    tl.store(s_ptr + out0 * (K // TILE) + kb * padded + pos, tl.reshape(sr, (TILE,)), mask=live)
+
+
+@triton.jit
 def _quant_blocks_kernel(
     w_ptr, q_ptr, s_ptr, N, K, TRANSPOSE: tl.constexpr, B: tl.constexpr, EPS: tl.constexpr
 ):
@@ -112,11 +158,13 @@ def _quant_blocks_kernel(
     w = tl.load(w_ptr + base + rn[:, None].to(tl.int64) * K + rk[None, :]).to(tl.float32)
     amax = tl.maximum(tl.max(tl.max(tl.abs(w), axis=1), axis=0), EPS)
     q, s = _to_e4m3(w, tl.full((1, 1), 0.0, tl.float32) + amax)
+    scale = tl.max(tl.max(s, axis=1), axis=0)
     if TRANSPOSE:
         tl.store(q_ptr + base + rk[None, :].to(tl.int64) * N + rn[:, None], q)
+        tl.store(s_ptr + (g * (K // B) + kb) * (N // B) + nb, scale)
     else:
         tl.store(q_ptr + base + rn[:, None].to(tl.int64) * K + rk[None, :], q)
-    tl.store(s_ptr + (g * (N // B) + nb) * (K // B) + kb, tl.max(tl.max(s, axis=1), axis=0))
+        tl.store(s_ptr + (g * (N // B) + nb) * (K // B) + kb, scale)
 
 
 def _check(x: torch.Tensor, what: str, dims: tuple[int, ...]) -> None:
@@ -180,14 +228,49 @@ def quant_cols(
     return qt, s.t()
 
 
+def quant_rows_cols(
+    x: torch.Tensor,
+    tiles: torch.Tensor | None = None,
+    segments: torch.Tensor | None = None,
+    padded_rows: int | None = None,
+) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """``quant_rows(x, segments, padded_rows)`` and ``quant_cols(x, tiles)`` from one read of x
+    (K a multiple of 128; ``tiles`` and ``segments`` both given, for the same segments, or neither)
+    -> ((``q``, flat scales), (``qt``, scales)) as those two return them, the same bits."""
+    _check(x, "quant_rows_cols", (1,))
+    if (tiles is None) != (segments is None):
+        raise ValueError("quant_rows_cols: give both the tile and the segment table, or neither")
+    m, k = x.shape
+    if tiles is None:
+        check_device(x)
+        n = triton.cdiv(m, TILE)
+        padded_rows = -(-m // ROW_ALIGN) * ROW_ALIGN
+    else:
+        check_device(x, tiles, segments)
+        n = tiles.shape[0]
+    q = torch.empty(padded_rows, k, dtype=E4M3, device=x.device)
+    s = torch.empty(padded_rows * (k // TILE), dtype=torch.float32, device=x.device)
+    qt = torch.empty(k, n * TILE, dtype=E4M3, device=x.device)
+    st = torch.empty(n, k, dtype=torch.float32, device=x.device)
+    if n:
+        _quant_rows_cols_kernel[(n, k // TILE)](
+            x, q, s, qt, st, x if segments is None else segments, x if tiles is None else tiles,
+            m, k, n * TILE, TILE=TILE, ALIGN=ROW_ALIGN, EPS=EPS, SEGMENTED=tiles is not None,
+            num_warps=8,
+        )  # fmt: skip
+    return (q, s), (qt, st.t())
+
+
 def quant_blocks(w: torch.Tensor, transpose: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """``w [G, N, K]`` (N, K multiples of 128) per 128 x 128 block -> (``q`` e4m3 ``[G, N, K]``, or
-    ``[G, K, N]`` with ``transpose``; scales ``[G, N / 128, K / 128]`` fp32)."""
+    """``w [G, N, K]`` (N, K multiples of 128) per 128 x 128 block -> (``q`` e4m3 ``[G, N, K]``,
+    scales ``[G, N / 128, K / 128]`` fp32), or with ``transpose`` the blocks of w^T (``[G, K, N]``,
+    ``[G, K / 128, N / 128]``)."""
     _check(w, "quant_blocks", (1, 2))
     check_device(w)
     g, n, k = w.shape
     q = torch.empty((g, k, n) if transpose else (g, n, k), dtype=E4M3, device=w.device)
-    s = torch.empty(g, n // TILE, k // TILE, dtype=torch.float32, device=w.device)
+    blocks = (k // TILE, n // TILE) if transpose else (n // TILE, k // TILE)
+    s = torch.empty(g, *blocks, dtype=torch.float32, device=w.device)
     if g:
         _quant_blocks_kernel[(n // TILE, k // TILE, g)](
             w, q, s, n, k, TRANSPOSE=transpose, B=TILE, EPS=EPS
@@ -204,4 +287,5 @@ __all__ = [
     "quant_blocks",
     "quant_cols",
     "quant_rows",
+    "quant_rows_cols",
 ]
