@@ -103,6 +103,7 @@ def main() -> None:
     from titan_glm52.kernels import (
         adam,
         cross_entropy,
+        fp8_quant,
         indexer_loss,
         indexer_topk,
         indexer_topk_ws,
@@ -124,6 +125,7 @@ def main() -> None:
         adam,
         moe_routing,
         linear_fp32,
+        fp8_quant,
     )
     with launch_overrides(parse(args.overrides)):
         for line in collect(args.small, args.only, *modules):

@@ -42,6 +42,9 @@ TILE = 128
 ROW_ALIGN = 16
 ROWS_BM = 32  # rows per program of quant_rows
 COLS_BK = 64  # columns per program of quant_cols
+# warps per 128 x 128 tile of quant_rows_cols: a tile's 16K values take 102 registers a thread at 16
+# warps, 175 at 8 and spill at 4 (bench/compile_check.py)
+ROWS_COLS_WARPS = 16
 
 
 @triton.jit
@@ -256,7 +259,7 @@ def quant_rows_cols(
         _quant_rows_cols_kernel[(n, k // TILE)](
             x, q, s, qt, st, x if segments is None else segments, x if tiles is None else tiles,
             m, k, n * TILE, TILE=TILE, ALIGN=ROW_ALIGN, EPS=EPS, SEGMENTED=tiles is not None,
-            num_warps=8,
+            num_warps=ROWS_COLS_WARPS,
         )  # fmt: skip
     return (q, s), (qt, st.t())
 
@@ -276,6 +279,45 @@ def quant_blocks(w: torch.Tensor, transpose: bool = False) -> tuple[torch.Tensor
             w, q, s, n, k, TRANSPOSE=transpose, B=TILE, EPS=EPS
         )
     return q, s
+
+
+def compile_specs(small: bool = False):
+    """Launch configurations for ``bench/compile_check.py`` (offline sm_90 compile): bf16 input,
+    segmented and not (the sizes are runtime arguments)."""
+    x, seg = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"}, {"M": "i32", "K": "i32"}
+    base = {"TILE": TILE, "EPS": EPS}
+    rows = {**x, "seg_ptr": "*i32", **seg}
+    cols = {**x, "tiles_ptr": "*i32", **seg, "width": "i32"}
+    both = {**x, "qt_ptr": "*fp8e4nv", "st_ptr": "*fp32", "seg_ptr": "*i32", "tiles_ptr": "*i32"}
+    both.update(seg, width="i32")
+    blocks = {"w_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "N": "i32", "K": "i32"}
+    specs = []
+    for on in (False, True):
+        name = "_segmented" if on else ""
+        row_c = {**base, "BM": ROWS_BM, "ALIGN": ROW_ALIGN, "SEGMENTED": on}
+        specs += [
+            (f"fp8_quant_rows{name}", (_quant_rows_kernel, rows, row_c, 4, 3, ())),
+            (
+                f"fp8_quant_cols{name}",
+                (_quant_cols_kernel, cols, {**base, "BK": COLS_BK, "SEGMENTED": on}, 4, 3, ()),
+            ),
+            (
+                f"fp8_quant_rows_cols{name}",
+                (
+                    _quant_rows_cols_kernel,
+                    both,
+                    {**base, "ALIGN": ROW_ALIGN, "SEGMENTED": on},
+                    ROWS_COLS_WARPS,
+                    3,
+                    (),
+                ),
+            ),
+            (
+                f"fp8_quant_blocks{'_t' if on else ''}",
+                (_quant_blocks_kernel, blocks, {"TRANSPOSE": on, "B": TILE, "EPS": EPS}, 4, 3, ()),
+            ),
+        ]
+    return specs
 
 
 __all__ = [
