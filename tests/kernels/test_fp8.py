@@ -38,6 +38,30 @@ def test_fp8_products_on_the_kernel_path(monkeypatch, splits):
     check_fp8("cpu", splits, dim=256, hidden=192, tol=1e-5)
 
 
+def test_fp8_expert_tables_made_once_per_splits(monkeypatch):
+    """On the kernel path a MoE layer's products and their backward meet the same splits several
+    times: the segment and tile tables are made once per splits (``fp8_mm._table``), and a product
+    over other splits gets its own."""
+    import torch
+
+    from titan_glm52.model import fp8_mm as M
+
+    made = []
+    for name in ("segments_of", "tiles_of"):
+        real = getattr(M, name)
+        monkeypatch.setattr(
+            M, name, lambda s, d, real=real, name=name: made.append(name) or real(s, d)
+        )
+    monkeypatch.setattr(M, "_on_kernel", lambda *ts: True)
+    monkeypatch.setattr(M, "_TABLES", {})
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(3, 128, 256, generator=g) * 0.05).requires_grad_()
+    for splits in ([100, 0, 156], [100, 0, 156], [50, 50, 156]):
+        x = torch.randn(256, 256, generator=g).requires_grad_()
+        M.fp8_expert_mm(x, w, splits).sum().backward()
+    assert sorted(made) == ["segments_of", "segments_of", "tiles_of", "tiles_of"]
+
+
 @pytest.mark.parametrize("kernel_path", [False, True])
 @pytest.mark.parametrize(
     "rows, chunk, piece",

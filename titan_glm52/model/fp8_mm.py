@@ -152,7 +152,7 @@ def _cols(xs: tuple[torch.Tensor, ...], splits: list[int]):
     if _on_kernel(*xs):
         from titan_glm52.kernels import fp8_quant
 
-        tiles = tiles_of(splits, xs[0].device) if len(splits) > 1 else None
+        tiles = _table(tiles_of, splits, xs[0].device) if len(splits) > 1 else None
         return [fp8_quant.quant_cols(x, tiles) for x in xs]
     return [quant_cols(x, splits) for x in xs]
 
@@ -206,6 +206,24 @@ def _row_views(q: torch.Tensor, flat: torch.Tensor, splits: list[int]):
     return [(qe, se.view(kb, p).t()) for qe, se, p in zip(q.split(padded), scales, padded)]
 
 
+# The last few tables made (``segments_of``, ``tiles_of``): a MoE layer's two products and their
+# backward meet the same splits four times in a step, and each table costs the host a pinned copy
+# and a few launches (bench/results/2026-12-04_h200_fp8.md: 260 and 129 us). A table depends only
+# on the splits and is never written after it is made.
+_TABLES: dict = {}
+_TABLES_KEPT = 8
+
+
+def _table(make, splits: list[int], device: torch.device) -> torch.Tensor:
+    key = (make, tuple(splits), device)
+    table = _TABLES.get(key)
+    if table is None:
+        while len(_TABLES) >= _TABLES_KEPT:
+            _TABLES.pop(next(iter(_TABLES)), None)
+        table = _TABLES[key] = make(splits, device)
+    return table
+
+
 def _rows_per_segment(x: torch.Tensor, splits: list[int]):
     """``x`` per 1 x 128 tile along K, as each segment's (rows, scales) in the GEMM's layout: on
     CUDA its ``ROW_ALIGN``-padded rows (a product's extra rows are dropped), elsewhere its rows."""
@@ -217,7 +235,8 @@ def _rows_per_segment(x: torch.Tensor, splits: list[int]):
     if len(splits) == 1:  # a linear: no segment table
         return _row_views(*fp8_quant.quant_rows(x), splits)
     padded_rows = sum(_padded(n) for n in splits)
-    return _row_views(*fp8_quant.quant_rows(x, segments_of(splits, x.device), padded_rows), splits)
+    segments = _table(segments_of, splits, x.device)
+    return _row_views(*fp8_quant.quant_rows(x, segments, padded_rows), splits)
 
 
 def _grad_operands(g: torch.Tensor, x: torch.Tensor, splits: list[int]):
@@ -231,10 +250,10 @@ def _grad_operands(g: torch.Tensor, x: torch.Tensor, splits: list[int]):
     if len(splits) == 1:
         (q, flat), g_cols = fp8_quant.quant_rows_cols(g)
         return _row_views(q, flat, splits), g_cols, fp8_quant.quant_cols(x)
-    tiles = tiles_of(splits, g.device)
+    tiles = _table(tiles_of, splits, g.device)
     padded_rows = sum(_padded(n) for n in splits)
     (q, flat), g_cols = fp8_quant.quant_rows_cols(
-        g, tiles, segments_of(splits, g.device), padded_rows
+        g, tiles, _table(segments_of, splits, g.device), padded_rows
     )
     return _row_views(q, flat, splits), g_cols, fp8_quant.quant_cols(x, tiles)
 
