@@ -118,7 +118,6 @@ def rows(device: torch.device, calls: int) -> dict[str, dict[str, float]]:
         "fp8_mm_input_grad implementation directly": lambda: M._input_grad_impl(dy, w3, n),
         "fp8_mm_weight_grad op": lambda: M._weight_grad(dy, x, n, bf16),
         "fp8_mm_weight_grad implementation directly": lambda: M._weight_grad_impl(dy, x, n, bf16),
-        "fp8_mm_grads op (both gradients)": lambda: M._grads(dy, x, w3, n, bf16),
         "bf16 linear, forward + backward": lambda: backward(
             torch.nn.functional.linear(xr, wr), xr, wr
         ),
@@ -148,7 +147,6 @@ def rows(device: torch.device, calls: int) -> dict[str, dict[str, float]]:
                 "Triton quant_rows": lambda: K.quant_rows(x),
                 "Triton quant_cols": lambda: K.quant_cols(x),
                 "Triton quant_blocks": lambda: K.quant_blocks(w3),
-                "Triton quant_rows_cols": lambda: K.quant_rows_cols(dy),
                 "one block-scaled _scaled_mm_v2.out": lambda: M.scaled_mm(
                     aq, a_s, wq[0], ws[0], True, mm_out
                 ),

@@ -15,7 +15,9 @@ ranks of the per-rank gradients is the single-process gradient.
 
 from __future__ import annotations
 
+import hashlib
 import logging
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -279,6 +281,7 @@ def apply_compile(model: nn.Module, backend: str = "inductor", fullgraph: bool =
     that remain: the MoE count guard ``torch._C._current_graph_task_id()`` in MoE blocks and the
     torch DSA backend's ``int(tensor)`` chunk bounds.
     """
+    tag_compile_caches()
     # the eager DSA calls built before tracing: no graph break to build them
     for m in model.modules():
         if isinstance(m, Attention):
@@ -289,6 +292,29 @@ def apply_compile(model: nn.Module, backend: str = "inductor", fullgraph: bool =
         block.forward = torch.compile(
             _as_function(block.forward), backend=backend, fullgraph=fullgraph
         )
+
+
+def source_tag(root: Path = Path(__file__).parent) -> str:
+    """A hash of the package's Python source (every ``*.py`` under ``root``, by relative path)."""
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes())
+    return f"titan_glm52-{digest.hexdigest()[:16]}"
+
+
+def tag_compile_caches() -> None:
+    """Adds ``source_tag()`` to torch.compile's cache keys (``torch.compiler.config.cache_key_tag``,
+    after any tag the user set; once per process).
+
+    Why: the backward formula of a registered op (``model/ops.py``) is not part of the keys of
+    torch.compile's on-disk caches (pytorch/pytorch#144344), so a compiled backward cached by
+    another version of this package would be loaded and run that version's formula. Seen on one
+    H100: a tree whose FP8 backward called a new op loaded by a tree without it failed with
+    "no attribute 'fp8_mm_grads'" (bench/results/2026-12-06_h100_fp8_backward_host.md)."""
+    config = torch.compiler.config
+    tag = source_tag()
+    if tag not in config.cache_key_tag:
+        config.cache_key_tag = f"{config.cache_key_tag}+{tag}" if config.cache_key_tag else tag
 
 
 def _as_function(fn: Callable) -> Callable:

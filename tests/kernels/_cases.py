@@ -82,35 +82,25 @@ def check_fp8(device, splits, dim: int, hidden: int, tol: float, seed: int = 0) 
 
     qr, sr = M.quant_rows(x16)
     padded = [-(-n // K.ROW_ALIGN) * K.ROW_ALIGN for n in splits]
-    kb, p1 = dim // 128, -(-rows // K.ROW_ALIGN) * K.ROW_ALIGN
-
-    def same_rows(q, s, segmented):
-        if not segmented:  # one segment, no segment table (a linear's input)
-            same_bits(q[:rows], qr)
-            assert torch.equal(s.view(kb, p1).t()[:rows], sr)
-            return
-        start, first = 0, 0
-        for n, p in zip(splits, padded):  # rows from a multiple of ROW_ALIGN, scales M-contiguous
-            same_bits(q[first : first + n], qr[start : start + n])
-            got = s[first * kb : (first + p) * kb].view(kb, p).t()[:n]
-            assert torch.equal(got, sr[start : start + n])
-            start, first = start + n, first + p
-
-    def same_cols(qt, st, segmented):
-        qtr, str_ = M.quant_cols(x16, splits if segmented else [rows])
-        same_bits(qt, qtr)
-        assert torch.equal(st, str_)
-
-    tiles, segments = M.tiles_of(splits, x.device), M.segments_of(splits, x.device)
-    same_rows(*K.quant_rows(x16, segments, sum(padded)), True)
-    same_rows(*K.quant_rows(x16), False)
-    same_cols(*K.quant_cols(x16, tiles), True)
-    same_cols(*K.quant_cols(x16), False)
-    # both forms from one read (the backward's gradient), segmented and not
-    for args, segmented in (((tiles, segments, sum(padded)), True), ((), False)):
-        row_form, col_form = K.quant_rows_cols(x16, *args)
-        same_rows(*row_form, segmented)
-        same_cols(*col_form, segmented)
+    qs, ss = K.quant_rows(x16, M.segments_of(splits, x.device), sum(padded))
+    kb, start, first = dim // 128, 0, 0
+    for n, p in zip(splits, padded):  # rows from a multiple of ROW_ALIGN, scales M-contiguous
+        same_bits(qs[first : first + n], qr[start : start + n])
+        got = ss[first * kb : (first + p) * kb].view(kb, p).t()[:n]
+        assert torch.equal(got, sr[start : start + n])
+        start, first = start + n, first + p
+    q1, s1 = K.quant_rows(x16)  # one segment, no segment table (a linear's input)
+    p1 = -(-rows // K.ROW_ALIGN) * K.ROW_ALIGN
+    same_bits(q1[:rows], qr)
+    assert torch.equal(s1.view(kb, p1).t()[:rows], sr)
+    qt, st = K.quant_cols(x16, M.tiles_of(splits, x.device))
+    qtr, str_ = M.quant_cols(x16, splits)
+    same_bits(qt, qtr)
+    assert torch.equal(st, str_)
+    qt1, st1 = K.quant_cols(x16)  # one segment, no tile table
+    qtr1, str1 = M.quant_cols(x16, [rows])
+    same_bits(qt1, qtr1)
+    assert torch.equal(st1, str1)
     for transpose in (False, True):
         qb, sb = K.quant_blocks(w16, transpose)
         qbr, sbr = M.quant_blocks(w16, transpose)
@@ -139,10 +129,6 @@ def check_fp8(device, splits, dim: int, hidden: int, tol: float, seed: int = 0) 
     assert rel(wg.grad, torch.stack(ref_dw)) < tol
     empty = [e for e, n in enumerate(splits) if n == 0]
     assert all(wg.grad[e].abs().max() == 0 for e in empty)
-    # the backward's one op for both gradients (the gradient quantised once) gives the two ops' bits
-    dx2, dw2 = M._grads(dy, x, w, splits, w.dtype)
-    assert torch.equal(dx2, M._input_grad(dy, w, splits))
-    assert torch.equal(dw2, M._weight_grad(dy, x, splits, w.dtype))
     lin = M.fp8_linear(x, w[0])
     assert rel(lin, xd @ fp8_dequantised(w[0], 128, 128).t()) < tol
     # FP8's own error against the plain products: e4m3 keeps 3 mantissa bits

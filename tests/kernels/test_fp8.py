@@ -81,9 +81,9 @@ def test_fp8_head_loss_and_gradients(monkeypatch, kernel_path, rows, chunk, piec
 
 
 def test_registered_ops_pass_torch_checks():
-    """The FP8 product, its two gradient products and the op forming both as torch.library
-    registers them (``model/ops.py``): schema, fake (meta) kernels, autograd registration and
-    tracing, as ``torch.library.opcheck`` checks them, on the CPU path."""
+    """The FP8 product and its two gradient products as torch.library registers them
+    (``model/ops.py``): schema, fake (meta) kernels, autograd registration and tracing, as
+    ``torch.library.opcheck`` checks them, on the CPU path."""
     import torch
 
     from titan_glm52.model import fp8_mm as M
@@ -96,7 +96,6 @@ def test_registered_ops_pass_torch_checks():
     torch.library.opcheck(M.fp8_expert_mm, (x, w, splits))
     torch.library.opcheck(M._input_grad, (dy, w.detach(), splits))
     torch.library.opcheck(M._weight_grad, (dy, x.detach(), splits, torch.float32))
-    torch.library.opcheck(M._grads, (dy, x.detach(), w.detach(), splits, torch.float32))
     with torch.device("meta"):
         out = M.fp8_expert_mm(torch.empty(256, 256), torch.empty(3, 128, 256), splits)
     assert out.shape == (256, 128)

@@ -214,3 +214,35 @@ def test_clip_grad_norm_matches_torch(base, norm_type):
     for (n, p), q in zip(a.named_parameters(), b.parameters()):
         if p.grad is not None:
             torch.testing.assert_close(q.grad, p.grad, msg=lambda m: f"{n}: {m}")
+
+
+def test_compile_caches_tagged_with_the_source(tmp_path, monkeypatch):
+    """torch.compile's cache keys carry a hash of this package's source (``parallelize.
+    tag_compile_caches``): a registered op's backward formula is not in those keys, so without the
+    tag a compiled backward of another version of the package would be loaded. The hash changes
+    with any source file's bytes or name, the tag keeps a tag the user set and is added once."""
+    import torch
+
+    from titan_glm52.parallelize import source_tag, tag_compile_caches
+
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "ops.py").write_text("def backward(g):\n    return g\n")
+    (tmp_path / "notes.txt").write_text("not source")
+    first = source_tag(tmp_path)
+    assert first.startswith("titan_glm52-") and source_tag(tmp_path) == first
+    (tmp_path / "notes.txt").write_text("still not source")
+    assert source_tag(tmp_path) == first
+    (tmp_path / "model" / "ops.py").write_text("def backward(g):\n    return 2 * g\n")
+    second = source_tag(tmp_path)
+    assert second != first
+    (tmp_path / "model" / "ops.py").rename(tmp_path / "model" / "ops2.py")
+    assert source_tag(tmp_path) not in (first, second)
+
+    monkeypatch.setattr(torch.compiler.config, "cache_key_tag", "users-tag")
+    tag_compile_caches()
+    tag_compile_caches()
+    assert torch.compiler.config.cache_key_tag == f"users-tag+{source_tag()}"
+    monkeypatch.setattr(torch.compiler.config, "cache_key_tag", "")
+    model, _ = model_and_tokens()
+    parallelize_model(model, None, compile=True, compile_backend="eager")
+    assert torch.compiler.config.cache_key_tag == source_tag()

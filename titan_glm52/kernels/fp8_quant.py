@@ -17,9 +17,6 @@ torch formulas give the same bits. The layouts are the ones cuBLAS's block-scale
   contiguous. ``tiles [n_tiles, 2]`` int32 holds each tile's first row and row count (at most 128):
   a tile never crosses a segment, a segment's tiles are consecutive, and the rows a tile lacks are
   written as zeros. Without ``tiles`` x's rows are one segment.
-* ``quant_rows_cols(x [M, K], tiles, segments)``: both of the above from one read of x (a
-  gradient enters the input gradient's product per 1 x 128 tile and the weight gradient's per 128
-  x 1 tile); the same bits as the two calls.
 * ``quant_blocks(w [G, N, K])``: 128 x 128 blocks of each of G matrices -> ``q [G, N, K]`` and
   the scales ``[G, N / 128, K / 128]``, or transposed (the blocks of w^T: ``[G, K, N]``, ``[G, K /
   128, N / 128]``).
@@ -42,9 +39,6 @@ TILE = 128
 ROW_ALIGN = 16
 ROWS_BM = 32  # rows per program of quant_rows
 COLS_BK = 64  # columns per program of quant_cols
-# warps per 128 x 128 tile of quant_rows_cols: a tile's 16K values take 102 registers a thread at 16
-# warps, 175 at 8 and spill at 4 (bench/compile_check.py)
-ROWS_COLS_WARPS = 16
 
 
 @triton.jit
@@ -106,48 +100,6 @@ def _quant_cols_kernel(
     out = cols.to(tl.int64)[None, :] * width + t.to(tl.int64) * TILE + r[:, None]
     tl.store(q_ptr + out, q, mask=live[None, :])
     tl.store(s_ptr + t.to(tl.int64) * K + cols, tl.reshape(s, (BK,)), mask=live)
-
-
-@triton.jit
-def _quant_rows_cols_kernel(
-    x_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, seg_ptr, tiles_ptr, M, K, width,
-    TILE: tl.constexpr, ALIGN: tl.constexpr, EPS: tl.constexpr, SEGMENTED: tl.constexpr,
-):  # fmt: skip
-    # one 128 x 128 tile: 128 rows' 1 x 128 tiles and 128 columns' 128 x 1 tiles
-    t = tl.program_id(0)
-    kb = tl.program_id(1)
-    if SEGMENTED:
-        first = tl.load(tiles_ptr + 2 * t).to(tl.int64)
-        n = tl.load(tiles_ptr + 2 * t + 1)
-    else:
-        first = t.to(tl.int64) * TILE
-        n = tl.minimum(M - first, TILE)
-    r = tl.arange(0, TILE)
-    cols = kb * TILE + tl.arange(0, TILE)
-    live = r < n
-    rows = first + r
-    x = tl.load(x_ptr + rows[:, None] * K + cols[None, :], mask=live[:, None], other=0.0)
-    x = x.to(tl.float32)
-    # 128 x 1 tiles, written transposed (quant_cols); the rows the tile lacks are zeros
-    camax = tl.maximum(tl.max(tl.abs(x), axis=0), EPS)
-    qc, sc = _to_e4m3(x, camax[None, :])
-    tl.store(qt_ptr + cols.to(tl.int64)[None, :] * width + t.to(tl.int64) * TILE + r[:, None], qc)
-    tl.store(st_ptr + t.to(tl.int64) * K + cols, tl.reshape(sc, (TILE,)))
-    # 1 x 128 tiles in the rows' segments (quant_rows)
-    ramax = tl.maximum(tl.max(tl.abs(x), axis=1), EPS)
-    qr, sr = _to_e4m3(x, ramax[:, None])
-    if SEGMENTED:
-        start = tl.load(seg_ptr + rows, mask=live, other=0).to(tl.int64)
-        count = tl.load(seg_ptr + M + rows, mask=live, other=1).to(tl.int64)
-        out0 = tl.load(seg_ptr + 2 * M + rows, mask=live, other=0).to(tl.int64)
-        pos = rows - start
-    else:
-        count = M
-        out0 = 0
-        pos = rows
-    tl.store(q_ptr + (out0 + pos)[:, None] * K + cols[None, :], qr, mask=live[:, None])
-    padded = (count + ALIGN - 1) // ALIGN * ALIGN
-    tl.store(s_ptr + out0 * (K // TILE) + kb * padded + pos, tl.reshape(sr, (TILE,)), mask=live)
 
 
 @triton.jit
@@ -231,39 +183,6 @@ def quant_cols(
     return qt, s.t()
 
 
-def quant_rows_cols(
-    x: torch.Tensor,
-    tiles: torch.Tensor | None = None,
-    segments: torch.Tensor | None = None,
-    padded_rows: int | None = None,
-) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
-    """``quant_rows(x, segments, padded_rows)`` and ``quant_cols(x, tiles)`` from one read of x
-    (K a multiple of 128; ``tiles`` and ``segments`` both given, for the same segments, or neither)
-    -> ((``q``, flat scales), (``qt``, scales)) as those two return them, the same bits."""
-    _check(x, "quant_rows_cols", (1,))
-    if (tiles is None) != (segments is None):
-        raise ValueError("quant_rows_cols: give both the tile and the segment table, or neither")
-    m, k = x.shape
-    if tiles is None:
-        check_device(x)
-        n = triton.cdiv(m, TILE)
-        padded_rows = -(-m // ROW_ALIGN) * ROW_ALIGN
-    else:
-        check_device(x, tiles, segments)
-        n = tiles.shape[0]
-    q = torch.empty(padded_rows, k, dtype=E4M3, device=x.device)
-    s = torch.empty(padded_rows * (k // TILE), dtype=torch.float32, device=x.device)
-    qt = torch.empty(k, n * TILE, dtype=E4M3, device=x.device)
-    st = torch.empty(n, k, dtype=torch.float32, device=x.device)
-    if n:
-        _quant_rows_cols_kernel[(n, k // TILE)](
-            x, q, s, qt, st, x if segments is None else segments, x if tiles is None else tiles,
-            m, k, n * TILE, TILE=TILE, ALIGN=ROW_ALIGN, EPS=EPS, SEGMENTED=tiles is not None,
-            num_warps=ROWS_COLS_WARPS,
-        )  # fmt: skip
-    return (q, s), (qt, st.t())
-
-
 def quant_blocks(w: torch.Tensor, transpose: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``w [G, N, K]`` (N, K multiples of 128) per 128 x 128 block -> (``q`` e4m3 ``[G, N, K]``,
     scales ``[G, N / 128, K / 128]`` fp32), or with ``transpose`` the blocks of w^T (``[G, K, N]``,
@@ -288,8 +207,6 @@ def compile_specs(small: bool = False):
     base = {"TILE": TILE, "EPS": EPS}
     rows = {**x, "seg_ptr": "*i32", **seg}
     cols = {**x, "tiles_ptr": "*i32", **seg, "width": "i32"}
-    both = {**x, "qt_ptr": "*fp8e4nv", "st_ptr": "*fp32", "seg_ptr": "*i32", "tiles_ptr": "*i32"}
-    both.update(seg, width="i32")
     blocks = {"w_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "N": "i32", "K": "i32"}
     specs = []
     for on in (False, True):
@@ -300,17 +217,6 @@ def compile_specs(small: bool = False):
             (
                 f"fp8_quant_cols{name}",
                 (_quant_cols_kernel, cols, {**base, "BK": COLS_BK, "SEGMENTED": on}, 4, 3, ()),
-            ),
-            (
-                f"fp8_quant_rows_cols{name}",
-                (
-                    _quant_rows_cols_kernel,
-                    both,
-                    {**base, "ALIGN": ROW_ALIGN, "SEGMENTED": on},
-                    ROWS_COLS_WARPS,
-                    3,
-                    (),
-                ),
             ),
             (
                 f"fp8_quant_blocks{'_t' if on else ''}",
@@ -329,5 +235,4 @@ __all__ = [
     "quant_blocks",
     "quant_cols",
     "quant_rows",
-    "quant_rows_cols",
 ]

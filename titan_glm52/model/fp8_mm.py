@@ -196,16 +196,6 @@ def segments_of(splits: list[int], device: torch.device) -> torch.Tensor:
     )
 
 
-def _row_views(q: torch.Tensor, flat: torch.Tensor, splits: list[int]):
-    """``kernels/fp8_quant.quant_rows``' output as each segment's (rows, scales) in the GEMM's
-    layout. The views come from one ``split`` per tensor: at 4K tokens the host's time per product
-    matters (bench/results/2026-12-04_h200_fp8.md)."""
-    padded = [_padded(n) for n in splits]
-    kb = q.shape[1] // TILE
-    scales = flat.split([p * kb for p in padded])
-    return [(qe, se.view(kb, p).t()) for qe, se, p in zip(q.split(padded), scales, padded)]
-
-
 # The last few tables made (``segments_of``, ``tiles_of``): a MoE layer's two products and their
 # backward meet the same splits four times in a step, and each table costs the host a pinned copy
 # and a few launches (bench/results/2026-12-04_h200_fp8.md: 260 and 129 us). A table depends only
@@ -226,36 +216,22 @@ def _table(make, splits: list[int], device: torch.device) -> torch.Tensor:
 
 def _rows_per_segment(x: torch.Tensor, splits: list[int]):
     """``x`` per 1 x 128 tile along K, as each segment's (rows, scales) in the GEMM's layout: on
-    CUDA its ``ROW_ALIGN``-padded rows (a product's extra rows are dropped), elsewhere its rows."""
+    CUDA its ``ROW_ALIGN``-padded rows (a product's extra rows are dropped), elsewhere its rows.
+    The views come from one ``split`` per tensor: at 4K tokens the host's time per product
+    matters (bench/results/2026-12-04_h200_fp8.md)."""
     if not _on_kernel(x):
         q, s = quant_rows(x)
         return list(zip(q.split(splits), s.split(splits)))
     from titan_glm52.kernels import fp8_quant  # lazy: the model must not import triton
 
+    padded = [_padded(n) for n in splits]
     if len(splits) == 1:  # a linear: no segment table
-        return _row_views(*fp8_quant.quant_rows(x), splits)
-    padded_rows = sum(_padded(n) for n in splits)
-    segments = _table(segments_of, splits, x.device)
-    return _row_views(*fp8_quant.quant_rows(x, segments, padded_rows), splits)
-
-
-def _grad_operands(g: torch.Tensor, x: torch.Tensor, splits: list[int]):
-    """The backward's three quantised operands: ``g`` per 1 x 128 tile (``_rows_per_segment``),
-    ``g`` and ``x`` per 128 x 1 tile (``_cols``). On CUDA the two forms of g come from one read
-    of g."""
-    if not _on_kernel(g, x):
-        return _rows_per_segment(g, splits), *_cols((g, x), splits)
-    from titan_glm52.kernels import fp8_quant
-
-    if len(splits) == 1:
-        (q, flat), g_cols = fp8_quant.quant_rows_cols(g)
-        return _row_views(q, flat, splits), g_cols, fp8_quant.quant_cols(x)
-    tiles = _table(tiles_of, splits, g.device)
-    padded_rows = sum(_padded(n) for n in splits)
-    (q, flat), g_cols = fp8_quant.quant_rows_cols(
-        g, tiles, _table(segments_of, splits, g.device), padded_rows
-    )
-    return _row_views(q, flat, splits), g_cols, fp8_quant.quant_cols(x, tiles)
+        q, flat = fp8_quant.quant_rows(x)
+    else:
+        q, flat = fp8_quant.quant_rows(x, _table(segments_of, splits, x.device), sum(padded))
+    kb = x.shape[1] // TILE
+    scales = flat.split([p * kb for p in padded])
+    return [(qe, se.view(kb, p).t()) for qe, se, p in zip(q.split(padded), scales, padded)]
 
 
 def _check(x: torch.Tensor, w: torch.Tensor, splits: list[int], what: str) -> None:
@@ -277,16 +253,13 @@ def _times_blocks(
     bt_s: torch.Tensor,
     splits: list[int],
     out: torch.Tensor | None = None,
-    a_rows: list | None = None,
 ):
-    """``out[rows of e] = a[rows of e] @ bt[e]^T``: ``a`` quantised here per 1 x 128 tile (or given
-    so as ``a_rows``, ``_rows_per_segment``'s list), ``bt`` e4m3 ``[E, N, Kc]`` with 128 x 128
-    scales ``bt_s [E, N / 128, Kc / 128]``; ``out`` (contiguous ``[rows, N]``) defaults to a new
-    tensor of a's dtype."""
+    """``out[rows of e] = a[rows of e] @ bt[e]^T``: ``a`` quantised here per 1 x 128 tile, ``bt``
+    e4m3 ``[E, N, Kc]`` with 128 x 128 scales ``bt_s [E, N / 128, Kc / 128]``; ``out`` (contiguous
+    ``[rows, N]``) defaults to a new tensor of a's dtype."""
     a = a.contiguous()
     out = a.new_empty(a.shape[0], bt.shape[1]) if out is None else out
-    a_rows = _rows_per_segment(a, splits) if a_rows is None else a_rows
-    parts = zip(_spans(splits), a_rows, bt.unbind(0), bt_s.unbind(0))
+    parts = zip(_spans(splits), _rows_per_segment(a, splits), bt.unbind(0), bt_s.unbind(0))
     for (_, s, n), (aq, a_s), b, b_s in parts:
         if n:
             p = aq.shape[0]  # n, or n padded on CUDA (the product's extra rows are dropped)
@@ -321,10 +294,14 @@ _input_grad = define(
 )  # fmt: skip
 
 
-def _weight_grad_from(g_cols, x_cols, splits: list[int], dw: torch.Tensor) -> torch.Tensor:
-    """``dw[e] = grad[rows of e]^T @ x[rows of e]`` into ``dw [E, N, K]`` (zero for an expert
-    without rows) from both operands per 128 x 1 tile of the expert's rows (``_cols``)."""
-    (gt, gts), (xt, xts) = g_cols, x_cols
+def _weight_grad_impl(
+    grad: torch.Tensor, x: torch.Tensor, splits: list[int], dtype: torch.dtype
+) -> torch.Tensor:
+    """``dw[e] = grad[rows of e]^T @ x[rows of e]`` (``[E, N, K]`` in ``dtype``; zero for an expert
+    without rows), both operands per 128 x 1 tile of the expert's rows."""
+    g, x = grad.contiguous(), x.contiguous()
+    (gt, gts), (xt, xts) = _cols((g, x), splits)
+    dw = g.new_empty(len(splits), g.shape[1], x.shape[1], dtype=dtype)
     tiles = [-(-rows // TILE) for rows in splits]  # each expert's 128 x 1 tiles
     cols = [n * TILE for n in tiles]
     parts = zip(
@@ -339,15 +316,6 @@ def _weight_grad_from(g_cols, x_cols, splits: list[int], dw: torch.Tensor) -> to
     return dw
 
 
-def _weight_grad_impl(
-    grad: torch.Tensor, x: torch.Tensor, splits: list[int], dtype: torch.dtype
-) -> torch.Tensor:
-    """``dw[e] = grad[rows of e]^T @ x[rows of e]`` (``[E, N, K]`` in ``dtype``)."""
-    g, x = grad.contiguous(), x.contiguous()
-    dw = g.new_empty(len(splits), g.shape[1], x.shape[1], dtype=dtype)
-    return _weight_grad_from(*_cols((g, x), splits), splits, dw)
-
-
 _weight_grad = define(
     "fp8_mm_weight_grad(Tensor grad, Tensor x, SymInt[] splits, ScalarType dtype) -> Tensor",
     _weight_grad_impl,
@@ -357,37 +325,10 @@ _weight_grad = define(
 )
 
 
-def _grads_impl(
-    grad: torch.Tensor, x: torch.Tensor, w: torch.Tensor, splits: list[int], dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Both gradients, ``_input_grad_impl``'s and ``_weight_grad_impl``'s, with the gradient read
-    and quantised once for both products (``_grad_operands``): one op and one launch fewer per
-    backward than the two ops, and one read of the gradient less."""
-    g, x = grad.contiguous(), x.contiguous()
-    g_rows, g_cols, x_cols = _grad_operands(g, x, splits)
-    dx = _times_blocks(g, *_blocks_transposed(w), splits, a_rows=g_rows)
-    dw = g.new_empty(len(splits), g.shape[1], x.shape[1], dtype=dtype)
-    return dx, _weight_grad_from(g_cols, x_cols, splits, dw)
-
-
-_grads = define(
-    "fp8_mm_grads(Tensor grad, Tensor x, Tensor w, SymInt[] splits, ScalarType dtype) "
-    "-> (Tensor, Tensor)",
-    _grads_impl,
-    lambda grad, x, w, splits, dtype: (
-        grad.new_empty(grad.shape[0], w.shape[2]),
-        grad.new_empty(len(splits), grad.shape[1], x.shape[1], dtype=dtype),
-    ),
-)
-
-
 def _backward(ctx, grad: torch.Tensor):
     x, w = ctx.saved_tensors
-    need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-    if need_x and need_w:
-        return *_grads(grad, x, w, ctx.splits, w.dtype), None
-    dx = _input_grad(grad, w, ctx.splits) if need_x else None
-    dw = _weight_grad(grad, x, ctx.splits, w.dtype) if need_w else None
+    dx = _input_grad(grad, w, ctx.splits) if ctx.needs_input_grad[0] else None
+    dw = _weight_grad(grad, x, ctx.splits, w.dtype) if ctx.needs_input_grad[1] else None
     return dx, dw, None
 
 
@@ -434,28 +375,10 @@ class Fp8HeadProducts:
         self, g: torch.Tensor, h_c: torch.Tensor, dw: torch.Tensor | None, dtype: torch.dtype
     ) -> torch.Tensor:
         """``dw [V, D] += g^T @ h_c`` (a new ``dw`` of ``dtype`` when None); returns ``dw``."""
-        cols = _cols((g.contiguous(), h_c.contiguous()), [g.shape[0]])
-        return self._add_weight_grad(*cols, dw, dtype)
-
-    def grads(
-        self,
-        g: torch.Tensor,
-        h_c: torch.Tensor,
-        out: torch.Tensor,
-        dw: torch.Tensor | None,
-        dtype: torch.dtype,
-    ) -> torch.Tensor:
-        """``input_grad(g, out)`` and ``weight_grad(g, h_c, dw, dtype)`` with the logits' gradient
-        read and quantised once for both (``_grad_operands``); returns ``dw``."""
-        g_rows, g_cols, h_cols = _grad_operands(g.contiguous(), h_c.contiguous(), [g.shape[0]])
-        _times_blocks(g, self.wtq, self.wts, [g.shape[0]], out, a_rows=g_rows)
-        return self._add_weight_grad(g_cols, h_cols, dw, dtype)
-
-    def _add_weight_grad(self, g_cols, h_cols, dw: torch.Tensor | None, dtype: torch.dtype):
-        (gt, gts), (ht, hts) = g_cols, h_cols
+        (gt, gts), (ht, hts) = _cols((g.contiguous(), h_c.contiguous()), [g.shape[0]])
         first = dw is None
         if first:
-            dw = gt.new_empty(gt.shape[0], ht.shape[0], dtype=dtype)
+            dw = g.new_empty(gt.shape[0], ht.shape[0], dtype=dtype)
         for r0 in range(0, gt.shape[0], self.PIECE):
             rows = slice(r0, r0 + self.PIECE)
             # a row slice of the scales, repacked rows-contiguous as cuBLAS reads them

@@ -56,18 +56,6 @@ class Bf16Products:
             return torch.mm(g.t(), h_c).to(dtype)
         return dw.addmm_(g.t(), h_c.to(dw.dtype))
 
-    def grads(
-        self,
-        g: torch.Tensor,
-        h_c: torch.Tensor,
-        out: torch.Tensor,
-        dw: torch.Tensor | None,
-        dtype: torch.dtype,
-    ) -> torch.Tensor:
-        """``input_grad`` and ``weight_grad`` of one chunk; returns ``dw``."""
-        self.input_grad(g, out)
-        return self.weight_grad(g, h_c, dw, dtype)
-
 
 def _chunk_loss_and_grad(z: torch.Tensor, labels_c: torch.Tensor, want_grad: bool):
     """(summed fp32 CE of a chunk's logits ``z``, the gradient of that sum w.r.t. them in z's dtype
@@ -110,12 +98,9 @@ class _LinearCrossEntropySum(torch.autograd.Function):
         for h_c, labels_c in zip(h.split(chunk), labels.split(chunk)):
             loss, g = _chunk_loss_and_grad(mm.logits(h_c), labels_c, True)
             total += loss
-            dh_c = dh[start : start + h_c.shape[0]] if need_h else None
-            if need_h and need_w:  # one call: the FP8 products quantise g once for both
-                dw = mm.grads(g, h_c, dh_c, dw, weight.dtype)
-            elif need_h:
-                mm.input_grad(g, dh_c)
-            elif need_w:
+            if need_h:
+                mm.input_grad(g, dh[start : start + h_c.shape[0]])
+            if need_w:
                 dw = mm.weight_grad(g, h_c, dw, weight.dtype)
             start += h_c.shape[0]
         if need_w and dw is None:  # no tokens

@@ -9,6 +9,9 @@ that wrapper cost 30-35 us per call of an FP8 product's forward and 127 us of it
 against 7 us for a ``Library`` op, and with the FP8 products registered this way the proxy trained
 5-7% more tokens/s at 4K on an H100, where the host bounds the FP8 step
 (bench/results/2026-12-06_h200_h100_fp8_head.md).
+
+A backward formula registered here is not part of torch.compile's on-disk cache keys; the compiled
+blocks' keys carry a hash of this package's source instead (``parallelize.tag_compile_caches``).
 """
 
 from __future__ import annotations
