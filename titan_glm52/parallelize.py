@@ -309,8 +309,9 @@ def tag_compile_caches() -> None:
     Why: the backward formula of a registered op (``model/ops.py``) is not part of the keys of
     torch.compile's on-disk caches (pytorch/pytorch#144344), so a compiled backward cached by
     another version of this package would be loaded and run that version's formula. Seen on one
-    H100: a tree whose FP8 backward called a new op loaded by a tree without it failed with
-    "no attribute 'fp8_mm_grads'" (bench/results/2026-12-06_h100_fp8_backward_host.md)."""
+    H100: a version without an op loaded the compiled backward that a version with it had cached,
+    and failed with "no attribute 'fp8_mm_grads'"
+    (bench/results/2026-12-06_h100_fp8_backward_host.md)."""
     config = torch.compiler.config
     tag = source_tag()
     if tag not in config.cache_key_tag:

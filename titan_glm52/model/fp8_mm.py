@@ -26,6 +26,8 @@ activation checkpointing can save their outputs.
 
 from __future__ import annotations
 
+import threading
+
 import torch
 import torch.nn.functional as F
 
@@ -202,15 +204,17 @@ def segments_of(splits: list[int], device: torch.device) -> torch.Tensor:
 # on the splits and is never written after it is made.
 _TABLES: dict = {}
 _TABLES_KEPT = 8
+_TABLES_LOCK = threading.Lock()  # a CUDA backward runs on the autograd engine's thread
 
 
 def _table(make, splits: list[int], device: torch.device) -> torch.Tensor:
     key = (make, tuple(splits), device)
-    table = _TABLES.get(key)
-    if table is None:
-        while len(_TABLES) >= _TABLES_KEPT:
-            _TABLES.pop(next(iter(_TABLES)), None)
-        table = _TABLES[key] = make(splits, device)
+    with _TABLES_LOCK:
+        table = _TABLES.get(key)
+        if table is None:
+            while len(_TABLES) >= _TABLES_KEPT:
+                del _TABLES[next(iter(_TABLES))]  # the oldest
+            table = _TABLES[key] = make(splits, device)
     return table
 
 
