@@ -216,7 +216,7 @@ def test_clip_grad_norm_matches_torch(base, norm_type):
             torch.testing.assert_close(q.grad, p.grad, msg=lambda m: f"{n}: {m}")
 
 
-def test_compile_caches_tagged_with_the_source(tmp_path, monkeypatch):
+def test_compile_caches_tagged_with_the_source(tmp_path):
     """torch.compile's cache keys carry a hash of this package's source (``parallelize.
     tag_compile_caches``): a registered op's backward formula is not in those keys, so without the
     tag a compiled backward of another version of the package would be loaded. The hash changes
@@ -238,11 +238,12 @@ def test_compile_caches_tagged_with_the_source(tmp_path, monkeypatch):
     (tmp_path / "model" / "ops.py").rename(tmp_path / "model" / "ops2.py")
     assert source_tag(tmp_path) not in (first, second)
 
-    monkeypatch.setattr(torch.compiler.config, "cache_key_tag", "users-tag")
-    tag_compile_caches()
-    tag_compile_caches()
-    assert torch.compiler.config.cache_key_tag == f"users-tag+{source_tag()}"
-    monkeypatch.setattr(torch.compiler.config, "cache_key_tag", "")
-    model, _ = model_and_tokens()
-    parallelize_model(model, None, compile=True, compile_backend="eager")
-    assert torch.compiler.config.cache_key_tag == source_tag()
+    config = torch.compiler.config
+    with config.patch(cache_key_tag="users-tag"):  # (pytest's monkeypatch would delete it after)
+        tag_compile_caches()
+        tag_compile_caches()
+        assert config.cache_key_tag == f"users-tag+{source_tag()}"
+    with config.patch(cache_key_tag=""):
+        model, _ = model_and_tokens()
+        parallelize_model(model, None, compile=True, compile_backend="eager")
+        assert config.cache_key_tag == source_tag()
