@@ -221,8 +221,6 @@ def test_compile_caches_tagged_with_the_source(tmp_path):
     tag_compile_caches``): a registered op's backward formula is not in those keys, so without the
     tag a compiled backward of another version of the package would be loaded. The hash changes
     with any source file's bytes or name, the tag keeps a tag the user set and is added once."""
-    import torch
-
     from titan_glm52.parallelize import source_tag, tag_compile_caches
 
     (tmp_path / "model").mkdir()
