@@ -252,11 +252,10 @@ from torch import nn
 from titan_glm52.model.args import GLM52ModelArgs
 from titan_glm52.model.head import LOSS_CHUNK
 
-# a request's dtype names ("bf16", "fp32": param_dtype, state_dtype) as the job config spells them
-CONFIG_DTYPE = {"bf16": "bfloat16", "fp32": "float32"}
-
 GIB = 1024**3
 PARAM_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+# a request's dtype names (param_dtype, state_dtype) as the job config spells them: "bfloat16", ...
+CONFIG_DTYPE = {name: str(dtype).removeprefix("torch.") for name, dtype in PARAM_DTYPES.items()}
 
 
 # ===================================================================================== request /

@@ -407,15 +407,14 @@ def memory_job_config(ns: argparse.Namespace):
         argv += ["--parallelism.pipeline_parallel_layout", ",".join(map(str, ns.layers_per_stage))]
     if ns.param_dtype is not None:
         argv += ["--training.mixed_precision_param", CONFIG_DTYPE[ns.param_dtype]]
-    # "optimizer" is the Triton step's, as the trainer's rule has it
     if ns.master_weights is not None:
         argv += ["--training.master_weights", ns.master_weights]
-        argv += ["--optimizer.implementation", "triton"] if ns.master_weights == "optimizer" else []
     if ns.optimizer_state_dtype is not None:
         argv += ["--optimizer.state_dtype", CONFIG_DTYPE[ns.optimizer_state_dtype]]
-        argv += (
-            ["--optimizer.implementation", "triton"] if ns.optimizer_state_dtype == "bf16" else []
-        )
+    # master weights in the optimizer and bf16 moments are the Triton step's, as the trainer's rule
+    # has it
+    if ns.master_weights == "optimizer" or ns.optimizer_state_dtype == "bf16":
+        argv += ["--optimizer.implementation", "triton"]
     try:
         cfg = parse_job_config(argv)
         if ns.grad_accumulation:  # two micro-batches per optimizer step
