@@ -62,9 +62,9 @@ def fp8_modules(model) -> list[str]:
     return [n for n, m in model.named_modules() if is_fp8(m)]
 
 
-def make_batch(vocab: int) -> torch.Tensor:
+def make_batch(vocab: int, rows: int = GLOBAL_BATCH) -> torch.Tensor:
     g = torch.Generator().manual_seed(1234)
-    return torch.randint(1, vocab, (GLOBAL_BATCH, SEQ), generator=g)
+    return torch.randint(1, vocab, (rows, SEQ), generator=g)
 
 
 def labels_of(tokens: torch.Tensor, shift: int) -> torch.Tensor:
@@ -108,6 +108,7 @@ def check_train_step(
     fp8: bool = False,
     fp8_experts: str = "blockwise",
     ref_chunks: int = 1,
+    global_batch: int = GLOBAL_BATCH,
     **arg_overrides,
 ) -> None:
     """Loss, gradients, grad norm (after clipping), one AdamW step (parameters, both moments,
@@ -131,6 +132,7 @@ def check_train_step(
     and reduction in float64 (the FP8 products quantise from fp32 and compute in fp32), so that the
     parallel run's summation order cannot move an FP8 rounding (test_parallel_training.FP8_NOTE).
     ``fp8_experts``: the routed experts' FP8 recipe (``Fp8Spec.expert_recipe``).
+    ``global_batch``: rows of the global batch (fewer keep the Triton interpreter's cases short).
     ``ref_chunks``: the reference runs the global batch as this many accumulated micro-batches (the
     single process's gradient accumulation), summing their losses and gradients. FP8's weight
     gradient quantises its operands per 128 x 1 tile of the tokens (of each expert, for the routed
@@ -167,7 +169,7 @@ def check_train_step(
     if spec is not None:  # (the parallel copy gets it from parallelize_model)
         apply_fp8(ref, spec)
     local_ref = copy.deepcopy(ref)
-    tokens = make_batch(args.vocab_size).to(env.device)
+    tokens = make_batch(args.vocab_size, global_batch).to(env.device)
     n_main = int((labels_of(tokens, 1) != IGNORE).sum())
     n_mtp = int((labels_of(tokens, 2) != IGNORE).sum())
 

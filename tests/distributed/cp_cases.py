@@ -39,12 +39,12 @@ def cp_args(**overrides):
     return get_flavor("debug").replace(index_topk=8, **overrides)
 
 
-def packed_batch(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+def packed_batch(vocab: int, rows=ROWS) -> tuple[torch.Tensor, torch.Tensor]:
     """(tokens ``[B, SEQ]``, labels): each label the next token of its document, else ignored."""
     g = torch.Generator().manual_seed(1234)
-    tokens = torch.randint(1, vocab, (len(ROWS), SEQ), generator=g)
+    tokens = torch.randint(1, vocab, (len(rows), SEQ), generator=g)
     labels = torch.full_like(tokens, IGNORE)
-    for b, lengths in enumerate(ROWS):
+    for b, lengths in enumerate(rows):
         at = 0
         for n in lengths:
             labels[b, at : at + n - 1] = tokens[b, at + 1 : at + n]
@@ -108,11 +108,13 @@ def check_cp_train_step(
     compile: bool = False,
     dense_warmup: bool = False,
     dsa_backend: str = "torch",
+    row_ids: tuple[int, ...] = tuple(range(len(ROWS))),
     **arg_overrides,
 ) -> None:
     """Loss, indexer KL and sequence-loss sums, every gradient, the expert loads and every layer's
     top-k (identical key sets at every position) of CP (x FSDP / EP) equal the single-process run
-    on the same global batch."""
+    on the same global batch (``row_ids``: which of ``ROWS`` it holds)."""
+    batch_rows = [ROWS[i] for i in row_ids]
     if dsa_backend == "triton" and DEVICE_TYPE == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")
     env = init_distributed(device_type=DEVICE_TYPE)
@@ -132,13 +134,13 @@ def check_cp_train_step(
     ref.to(env.device)
     model = copy.deepcopy(ref)
 
-    tokens, labels = packed_batch(args.vocab_size)
+    tokens, labels = packed_batch(args.vocab_size, batch_rows)
     tokens, labels = tokens.to(env.device), labels.to(env.device)
     mtp = mtp_labels(labels)
     n_main, n_mtp = float((labels != IGNORE).sum()), float((mtp != IGNORE).sum())
     rec_ref = TopkRecorder(ref)
-    ref_aux = AuxTerms(tokens=n_main, sequences=float(len(ROWS)))
-    ref_loss = _loss(ref, tokens, labels, cu_seqlens(ROWS), ref_aux, n_main, n_mtp, mtp=mtp)
+    ref_aux = AuxTerms(tokens=n_main, sequences=float(len(batch_rows)))
+    ref_loss = _loss(ref, tokens, labels, cu_seqlens(batch_rows), ref_aux, n_main, n_mtp, mtp=mtp)
     ref_loss.backward()
     ref_grads = {n: p.grad for n, p in ref.named_parameters()}
 
@@ -155,18 +157,18 @@ def check_cp_train_step(
     dp, cpm = mesh["dp"], mesh["cp"]
     group = CPGroup.of(cpm.get_group())
     assert (group.rank, group.size) == (cpm.get_local_rank(), cp)
-    rows = len(ROWS) // dp.size()
+    rows = len(batch_rows) // dp.size()
     mine = slice(dp.get_local_rank() * rows, (dp.get_local_rank() + 1) * rows)
 
     def part(x):
         return zigzag_split(x[mine], cp, group.rank)
 
-    aux = AuxTerms(tokens=n_main, sequences=float(len(ROWS)))
+    aux = AuxTerms(tokens=n_main, sequences=float(len(batch_rows)))
     loss = _loss(
         model,
         part(tokens),
         part(labels),
-        cu_seqlens(ROWS[mine]),
+        cu_seqlens(batch_rows[mine]),
         aux,
         n_main,
         n_mtp,
@@ -205,7 +207,7 @@ def check_cp_train_step(
 
     # this rank's rows of the reference's top-k, in local order, as rows of this data-parallel
     # rank's stream
-    flat = torch.arange(len(ROWS) * SEQ, device=env.device).view(len(ROWS), SEQ)
+    flat = torch.arange(len(batch_rows) * SEQ, device=env.device).view(len(batch_rows), SEQ)
     local_rows = part(flat).reshape(-1)
     want = rec_ref.first()
     got = rec.first()

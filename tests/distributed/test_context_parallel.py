@@ -17,8 +17,9 @@ CASES = {
     "cp2_ep2_ac_selective_op": (2, dict(cp=2, ep=2, ac_mode="selective")),
     "cp2_compile_ac_full": (2, dict(cp=2, compile=True, ac_mode="full")),
     "cp2_dense_warmup": (2, dict(cp=2, dense_warmup=True)),
-    # the Triton kernels (interpreter on CPU) with q_rows; 2 layers + MTP to keep it short
-    "cp2_triton": (2, dict(cp=2, dsa_backend="triton", num_hidden_layers=2)),
+    # the Triton kernels (interpreter on CPU) with q_rows; 2 layers + MTP and two of the rows (4
+    # documents crossing the chunks, one document) to keep it short
+    "cp2_triton": (2, dict(cp=2, dsa_backend="triton", num_hidden_layers=2, row_ids=(0, 1))),
 }
 
 

@@ -49,12 +49,18 @@ CASES = {
     "fsdp2_fused_clip": (2, dict(dp_shard=2, clip_in_step="fused")),
     "ep2_fsdp2_fused_clip": (2, dict(dp_shard=2, ep=2, clip_in_step="fused")),
     "fsdp2_triton_clip": (2, dict(dp_shard=2, clip_in_step="triton")),
-    # the DSA kernels (the interpreter on CPU; 2 layers + MTP to keep it short), resharding after
-    # forward: the latent query rebuilt in backward from W_uk's view of the parameter FSDP gathers
-    # again
+    # the DSA kernels (the interpreter on CPU; 2 layers + MTP and one sequence per rank to keep it
+    # short), resharding after forward: the latent query rebuilt in backward from W_uk's view of
+    # the parameter FSDP gathers again
     "fsdp2_triton_dsa_latent_query_rebuilt": (
         2,
-        dict(dp_shard=2, dsa_backend="triton", num_hidden_layers=2, reshard_after_forward="always"),
+        dict(
+            dp_shard=2,
+            dsa_backend="triton",
+            num_hidden_layers=2,
+            reshard_after_forward="always",
+            global_batch=2,
+        ),
     ),
     # 4 processes
     "fsdp4_meta_init": (4, dict(dp_shard=4, reshard_after_forward="always", meta_init=True)),
