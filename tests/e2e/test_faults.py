@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -133,10 +134,13 @@ def test_bad_config_files_are_refused_before_any_work(tmp_path, toml, message):
 
 
 # ------------------------------------------------------------------------------ damaged checkpoints
-def _first_part(tmp_path):
-    """Four of the six steps: checkpoints step-2 and step-4."""
-    run_train(tmp_path, "--training.steps", "4", *COMMON, nproc=1)
-    return tmp_path / "checkpoint"
+def _checkpoints_of(reference, tmp_path, *steps: int):
+    """``tmp_path/checkpoint`` holding copies of the reference run's checkpoints at ``steps``: what
+    a run stopped after the last of them leaves (the same steps, the same pinned schedule)."""
+    ckpt = tmp_path / "checkpoint"
+    for step in steps:
+        shutil.copytree(reference / "checkpoint" / f"step-{step}", ckpt / f"step-{step}")
+    return ckpt
 
 
 def _truncate(path) -> None:
@@ -148,7 +152,7 @@ def _truncate(path) -> None:
     "damage", ["truncated .distcp", "truncated .metadata", "missing .metadata"]
 )
 def test_a_damaged_latest_checkpoint_is_skipped_and_kept(tmp_path, reference, damage):
-    ckpt = _first_part(tmp_path)
+    ckpt = _checkpoints_of(reference, tmp_path, 2, 4)
     step4 = ckpt / "step-4"
     if damage == "truncated .distcp":
         _truncate(
@@ -172,8 +176,7 @@ def test_a_damaged_latest_checkpoint_is_skipped_and_kept(tmp_path, reference, da
 
 
 def test_no_complete_checkpoint_is_refused_or_started_over_on_request(tmp_path, reference):
-    run_train(tmp_path, "--training.steps", "2", *COMMON, nproc=1)
-    os.remove(tmp_path / "checkpoint" / "step-2" / ".metadata")
+    os.remove(_checkpoints_of(reference, tmp_path, 2) / "step-2" / ".metadata")
     proc = run_train(tmp_path, "--training.steps", "6", *COMMON, nproc=1, check=False)
     out = _output(proc)
     assert proc.returncode != 0 and "holds no complete checkpoint: step-2 (no .metadata" in out
@@ -254,8 +257,8 @@ def test_a_kill_during_a_save_loses_nothing(tmp_path, reference, when):
         (("--model.n_routed_experts", "4"), "model.n_routed_experts: checkpoint 8, this run 4"),
     ],
 )
-def test_resuming_a_different_model_is_refused(tmp_path, change, difference):
-    run_train(tmp_path, "--training.steps", "2", *COMMON, nproc=1)
+def test_resuming_a_different_model_is_refused(tmp_path, reference, change, difference):
+    _checkpoints_of(reference, tmp_path, 2)
     proc = run_train(tmp_path, "--training.steps", "4", *COMMON, *change, nproc=1, check=False)
     assert proc.returncode != 0 and difference in _output(proc), _output(proc)[-2000:]
     assert sorted(os.listdir(tmp_path / "checkpoint")) == [
