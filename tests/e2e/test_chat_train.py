@@ -3,9 +3,8 @@ loss on the assistant's tokens, resumes exactly (the chat loader's position and 
 the checkpoint), and a checkpoint of a text run is not resumed as a chat run."""
 
 import os
-import shutil
 
-from tests.e2e.test_train import ROOT, read_metrics, run_train
+from tests.e2e.test_train import ROOT, copy_checkpoints, read_metrics, run_train
 
 SFT_TOML = os.path.join(ROOT, "train_configs", "glm52_sft_debug.toml")
 
@@ -32,8 +31,7 @@ def test_sft_config_trains_and_resumes_exactly(tmp_path):
     out = log.stdout + log.stderr
     # seq_len 512 truncates some conversations of the sample; the loader says how many
     assert "were truncated" in out and "data.chat_overflow" in out
-    # resumed from a copy of the step-3 checkpoint (what a run stopped after step 3 writes)
-    shutil.copytree(full / "checkpoint" / "step-3", part / "checkpoint" / "step-3")
+    copy_checkpoints(full, part, 3)  # resumed from a copy of the step-3 checkpoint
     run_train(part, "--training.steps", "6", *COMMON, config=SFT_TOML)
     a = {r["step"]: r for r in read_metrics(full)}
     b = {r["step"]: r for r in read_metrics(part)}

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import signal
 import socket
 import subprocess
@@ -16,7 +15,7 @@ import sys
 
 import pytest
 
-from tests.e2e.test_train import ROOT, read_metrics, run_train, small
+from tests.e2e.test_train import ROOT, copy_checkpoints, read_metrics, run_train, small
 
 # Six steps, a checkpoint every two, all kept, the LR schedule pinned to six steps: a run stopped
 # anywhere and resumed is the same run.
@@ -134,15 +133,6 @@ def test_bad_config_files_are_refused_before_any_work(tmp_path, toml, message):
 
 
 # ------------------------------------------------------------------------------ damaged checkpoints
-def _checkpoints_of(reference, tmp_path, *steps: int):
-    """``tmp_path/checkpoint`` holding copies of the reference run's checkpoints at ``steps``: what
-    a run stopped after the last of them leaves (the same steps, the same pinned schedule)."""
-    ckpt = tmp_path / "checkpoint"
-    for step in steps:
-        shutil.copytree(reference / "checkpoint" / f"step-{step}", ckpt / f"step-{step}")
-    return ckpt
-
-
 def _truncate(path) -> None:
     with open(path, "r+b") as f:
         f.truncate(os.path.getsize(path) // 2)
@@ -152,7 +142,7 @@ def _truncate(path) -> None:
     "damage", ["truncated .distcp", "truncated .metadata", "missing .metadata"]
 )
 def test_a_damaged_latest_checkpoint_is_skipped_and_kept(tmp_path, reference, damage):
-    ckpt = _checkpoints_of(reference, tmp_path, 2, 4)
+    ckpt = copy_checkpoints(reference, tmp_path, 2, 4)
     step4 = ckpt / "step-4"
     if damage == "truncated .distcp":
         _truncate(
@@ -176,7 +166,7 @@ def test_a_damaged_latest_checkpoint_is_skipped_and_kept(tmp_path, reference, da
 
 
 def test_no_complete_checkpoint_is_refused_or_started_over_on_request(tmp_path, reference):
-    os.remove(_checkpoints_of(reference, tmp_path, 2) / "step-2" / ".metadata")
+    os.remove(copy_checkpoints(reference, tmp_path, 2) / "step-2" / ".metadata")
     proc = run_train(tmp_path, "--training.steps", "6", *COMMON, nproc=1, check=False)
     out = _output(proc)
     assert proc.returncode != 0 and "holds no complete checkpoint: step-2 (no .metadata" in out
@@ -258,7 +248,7 @@ def test_a_kill_during_a_save_loses_nothing(tmp_path, reference, when):
     ],
 )
 def test_resuming_a_different_model_is_refused(tmp_path, reference, change, difference):
-    _checkpoints_of(reference, tmp_path, 2)
+    copy_checkpoints(reference, tmp_path, 2)
     proc = run_train(tmp_path, "--training.steps", "4", *COMMON, *change, nproc=1, check=False)
     assert proc.returncode != 0 and difference in _output(proc), _output(proc)[-2000:]
     assert sorted(os.listdir(tmp_path / "checkpoint")) == [

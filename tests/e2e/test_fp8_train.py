@@ -8,14 +8,13 @@ from __future__ import annotations
 import math
 import os
 import re
-import shutil
 
 import torch
 from safetensors.torch import load_file
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from tests.e2e.test_train import read_metrics, run_train, small
+from tests.e2e.test_train import copy_checkpoints, read_metrics, run_train, small
 
 CONVERTERS = ("--model.converters", "quantize.linear.float8,quantize.grouped_mm.float8")
 # The LR schedule is pinned to 4 steps, so a run stopped after 2 and extended to 4 is the same run.
@@ -97,8 +96,7 @@ def test_fp8_trains_resumes_exactly_and_keeps_checkpoint_and_export_names(tmp_pa
     assert all(math.isfinite(r["loss/total"]) and math.isfinite(r["grad_norm"]) for r in a.values())
 
     # (b) resume from the step-2 checkpoint
-    (part / "checkpoint").mkdir(parents=True)
-    shutil.copytree(full / "checkpoint" / "step-2", part / "checkpoint" / "step-2")
+    copy_checkpoints(full, part, 2)
     run_train(part, "--training.steps", "4", *COMMON, *CONVERTERS)
     b = {r["step"]: r for r in read_metrics(part)}
     assert sorted(b) == [3, 4]  # resumed after step 2

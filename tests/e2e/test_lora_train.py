@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 
@@ -14,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.e2e.test_train import ROOT, read_metrics
+from tests.e2e.test_train import ROOT, copy_checkpoints, read_metrics
 
 LORA_TOML = os.path.join(ROOT, "train_configs", "glm52_lora_debug.toml")
 SMALL = ("--training.seq_len", "64", "--training.local_batch_size", "2", "--metrics.log_freq", "1")
@@ -82,8 +81,7 @@ def test_resume_from_a_lora_checkpoint_reproduces_the_uninterrupted_run(tmp_path
     )
     log = run_lora(full, "--training.steps", "6", *common)
     assert "trainable parameters" in log.stdout + log.stderr
-    # resumed from a copy of the step-3 checkpoint (what a run stopped after step 3 writes)
-    shutil.copytree(full / "checkpoint" / "step-3", part / "checkpoint" / "step-3")
+    copy_checkpoints(full, part, 3)  # resumed from a copy of the step-3 checkpoint
     run_lora(part, "--training.steps", "6", *common)
     a = {r["step"]: r for r in read_metrics(full)}
     b = {r["step"]: r for r in read_metrics(part)}

@@ -56,6 +56,18 @@ def read_metrics(folder) -> list[dict]:
         return [json.loads(line) for line in f]
 
 
+def copy_checkpoints(run, to, *steps: int):
+    """``to/checkpoint`` holding copies of run folder ``run``'s complete checkpoints at ``steps``:
+    what a run stopped after the last of them leaves, when both take the same steps on a pinned LR
+    schedule. Returns ``to/checkpoint``."""
+    ckpt = to / "checkpoint"
+    for step in steps:
+        src = run / "checkpoint" / f"step-{step}"
+        assert (src / ".metadata").exists(), src
+        shutil.copytree(src, ckpt / f"step-{step}")
+    return ckpt
+
+
 def small(*extra: str) -> tuple[str, ...]:
     return (
         "--training.seq_len",
@@ -133,10 +145,8 @@ def test_resume_reproduces_uninterrupted_losses(tmp_path, impl):
     assert ("fp32 masters in the optimizer" in log.stdout + log.stderr) == (
         impl == "triton-master-weights"
     )
-    # The uninterrupted run's step-3 checkpoint is what a run stopped after step 3 writes (the same
-    # steps, the same pinned schedule): resume from a copy of it alone in a fresh folder.
-    assert os.path.exists(full / "checkpoint" / "step-3" / ".metadata")
-    shutil.copytree(full / "checkpoint" / "step-3", part / "checkpoint" / "step-3")
+    # resumed from a copy of the uninterrupted run's step-3 checkpoint alone, in a fresh folder
+    copy_checkpoints(full, part, 3)
     meta = FileSystemReader(str(part / "checkpoint" / "step-3")).read_metadata()
     moments = {
         m.properties.dtype
