@@ -507,6 +507,13 @@ def summarize_ours(rows: list[dict], warmup: int, steps: int) -> dict:
             if all(k in r for r in timed):
                 out[name] = max(r[k] for r in timed)
                 break
+    # the caching allocator's retries (cumulative in the log) during the timed steps
+    key = "memory/alloc_retries"
+    for k in (key + "_max_over_ranks", key):
+        if all(k in r for r in timed):
+            before = [r[k] for r in rows if r["step"] <= warmup and k in r]
+            out["alloc_retries"] = timed[-1][k] - (before[-1] if before else 0)
+            break
     return out
 
 
@@ -904,9 +911,15 @@ def main(argv: list[str]) -> int:
                 tag = f"s{seq_len}_c{compile_flag}_{ac}"
                 print(f"[e2e] {config}: ours ...", flush=True)
                 ours = run_ours(a, runner, seq_len, compile_on, ac, "ours_" + tag)
+                ok = ours["status"] == "ok"
                 print(
                     f"[e2e]   ours {ours['status']}"
-                    + (f" {ours['tokens_per_s']:.0f} tok/s" if ours["status"] == "ok" else ""),
+                    + (f" {ours['tokens_per_s']:.0f} tok/s" if ok else "")
+                    + (
+                        f", {ours['alloc_retries']:.0f} alloc retries"
+                        if ok and ours.get("alloc_retries")
+                        else ""
+                    ),
                     flush=True,
                 )
                 cell = {

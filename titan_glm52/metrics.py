@@ -41,11 +41,17 @@ def peak_flops(device: torch.device) -> float | None:
 
 
 def memory_stats(device: torch.device) -> dict[str, float]:
-    """Peak memory in GiB since the last reset (device memory on CUDA, process RSS on CPU)."""
+    """Peak memory in GiB since the last reset (device memory on CUDA, process RSS on CPU); on CUDA
+    also the caching allocator's retries since the start: each is a ``cudaMalloc`` that failed, so
+    the allocator freed its cached blocks (a device-wide sync) and tried again. A count that grows
+    means the run is near the device's capacity and losing speed to it."""
     if device.type == "cuda":
         return {
             "memory/peak_allocated_gib": torch.cuda.max_memory_allocated(device) / 2**30,
             "memory/peak_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30,
+            "memory/alloc_retries": float(
+                torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
+            ),
         }
     return {"memory/peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
 
@@ -111,6 +117,8 @@ def format_line(step: int, total_steps: int, s: dict[str, float], eta_s: float) 
     mem = s.get("memory/peak_allocated_gib", s.get("memory/peak_rss_gib"))
     if mem is not None:
         parts.append(f"mem {mem:.2f}GiB")
+    if s.get("memory/alloc_retries", 0):
+        parts.append(f"alloc retries {int(s['memory/alloc_retries'])}")
     if s.get("faults/skipped_steps", 0):
         parts.append(f"skipped {int(s['faults/skipped_steps'])}")
     parts.append(f"eta {time.strftime('%H:%M:%S', time.gmtime(max(eta_s, 0)))}")

@@ -133,14 +133,20 @@ def test_summarize_ours_averages_after_warmup():
             "throughput/tflops_per_device": 1.0,
             "throughput/mfu_pct": m,
             "memory/peak_allocated_gib": g,
+            "memory/alloc_retries": r,
         }
-        for s, t, m, g in ((1, 9.0, 1.0, 50.0), (2, 0.1 * 3, 10.0, 20.0), (3, 0.1 * 3, 20.0, 21.0))
+        for s, t, m, g, r in (
+            (1, 9.0, 1.0, 50.0, 4.0),
+            (2, 0.1 * 3, 10.0, 20.0, 4.0),
+            (3, 0.1 * 3, 20.0, 21.0, 7.0),
+        )
     ]
     out = e2e.summarize_ours(rows, warmup=1, steps=2)
     assert out["tokens_per_s"] == pytest.approx(200 / 0.6) and out["step_s"] == pytest.approx(0.3)
     # whole tokens: 100 / t * t is 99.99999999999999 for this t
     assert out["tokens_per_step"] == 100
     assert out["mfu_pct"] == pytest.approx(15.0) and out["peak_allocated_gib"] == 21.0
+    assert out["alloc_retries"] == 3.0  # the cumulative count's growth over the timed steps
     with pytest.raises(ValueError):
         e2e.summarize_ours(rows, warmup=1, steps=3)
 
