@@ -1491,24 +1491,19 @@ def format_report(report: MemoryReport, model_name: str) -> str:
             + " ".join(f"{v / scale:7.2f}" for v in values)
             + f" {r.in_flight:>3}  {'yes' if r.total <= report.budget else 'NO ':<3}  {r.phase}"
         )
+    states = f"AdamW states (2 x {req.state_dtype})"
     lines.append(
         'columns: what is alive at the peak, the phase named last (module docstring, "Masters in '
-        'the optimizer"): '
-        "fp32 masters + bf16 compute copies, gradients formed so far (bf16; fp32 sums when "
-        "accumulating), AdamW "
-        "states (2 x fp32), saved activations, transient (recompute, backward workspace, loss "
-        "chunk, the gradient "
-        "being formed)"
+        'the optimizer"): fp32 masters + bf16 compute copies, gradients formed so far (bf16; fp32 '
+        f"sums when accumulating), {states}, saved activations, transient (recompute, backward "
+        "workspace, loss chunk, the gradient being formed)"
         if master
         else "columns: what is alive at the rank's peak, the phase named last (module docstring, "
-        '"Peak"): fp32 '
-        "master params, fp32 sharded grads already reduced, AdamW states (2 x fp32), FSDP "
-        "unsharded params "
-        f"({req.param_dtype}), unsharded fp32 gradient accumulation (pipeline), saved activations "
-        "of the in-flight "
-        "micro-batches (mb) and the pipeline schedule's per-micro-batch buffers, transient "
-        "(recompute, backward "
-        "workspace, loss chunk, FSDP gradient buffers)"
+        f'"Peak"): fp32 master params, fp32 sharded grads already reduced, {states}, FSDP '
+        f"unsharded params ({req.param_dtype}), unsharded fp32 gradient accumulation (pipeline), "
+        "saved activations of the in-flight micro-batches (mb) and the pipeline schedule's "
+        "per-micro-batch buffers, transient (recompute, backward workspace, loss chunk, FSDP "
+        "gradient buffers)"
     )
     worst = report.worst
     lines += [

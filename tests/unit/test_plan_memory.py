@@ -26,6 +26,7 @@ from titan_glm52.memory_estimate import (
     loss_chunk_bytes,
     moe_backward_peak,
     estimate_memory,
+    format_report,
     request_from_job_config,
 )
 from titan_glm52.model.args import _debug_args, _proxy_args
@@ -335,6 +336,8 @@ def test_bf16_optimizer_state_halves_the_optimizer_column():
     fp32, bf16 = (estimate_memory(r).worst for r in reqs)
     assert bf16.optimizer == fp32.optimizer / 2 == 4.0 * fp32.trainable_params
     assert bf16.total == pytest.approx(fp32.total - fp32.optimizer / 2)
+    for r in reqs:  # the report's legend names the states' dtype
+        assert f"AdamW states (2 x {r.state_dtype})" in format_report(estimate_memory(r), "proxy")
     # plan memory's flag: the same requests from a flavor
     base = ["memory", "--flavor", "glm52_proxy", "--gpus", "1", "--master-weights", "optimizer"]
     for flag, want in (("fp32", "fp32"), ("bf16", "bf16")):
