@@ -313,7 +313,14 @@ def test_dense_masked_equals_all_sparse(backend, kl, monkeypatch):
         attention, "_masked_sdpa", lambda *a: calls.append((a[0].shape, a[3].shape)) or sdpa(*a)
     )
     results = []
-    for prefix, ratio in ((True, 2.0), (True, 0.0), (False, 2.0)):
+    # masked + prefix, prefix alone, all sparse; under the Triton interpreter (minutes a run) the
+    # prefix alone is left to test_dense_prefix_equals_all_sparse
+    runs = (
+        ((True, 2.0), (True, 0.0), (False, 2.0))
+        if backend == "torch"
+        else ((True, 2.0), (False, 2.0))
+    )
+    for prefix, ratio in runs:
         results.append(
             _loss_kls_grads(
                 _with_options(model, dense_prefix=prefix, dense_masked_ratio=ratio), tokens, cu
