@@ -467,6 +467,15 @@ def our_indexer_kl(a: argparse.Namespace) -> float | None:
     return float(value)
 
 
+def _logged(timed: list[dict], key: str) -> str | None:
+    """The name under which every timed step logged memory ``key``: the fullest rank's (the trainer
+    all-reduces it) when logged, else rank 0's own; None when not logged."""
+    for k in (key + "_max_over_ranks", key):
+        if all(k in r for r in timed):
+            return k
+    return None
+
+
 def summarize_ours(rows: list[dict], warmup: int, steps: int) -> dict:
     """Averages the trainer's per-step metrics over the steps after the warm-up."""
     timed = [r for r in rows if warmup < r["step"] <= warmup + steps]
@@ -502,18 +511,14 @@ def summarize_ours(rows: list[dict], warmup: int, steps: int) -> dict:
         ("memory/peak_reserved_gib", "peak_reserved_gib"),
         ("memory/peak_rss_gib", "peak_rss_gib"),
     ):
-        # the fullest rank's peak (the trainer all-reduces it) when logged, else rank 0's own
-        for k in (key + "_max_over_ranks", key):
-            if all(k in r for r in timed):
-                out[name] = max(r[k] for r in timed)
-                break
+        k = _logged(timed, key)
+        if k:
+            out[name] = max(r[k] for r in timed)
     # the caching allocator's retries (cumulative in the log) during the timed steps
-    key = "memory/alloc_retries"
-    for k in (key + "_max_over_ranks", key):
-        if all(k in r for r in timed):
-            before = [r[k] for r in rows if r["step"] <= warmup and k in r]
-            out["alloc_retries"] = timed[-1][k] - (before[-1] if before else 0)
-            break
+    k = _logged(timed, "memory/alloc_retries")
+    if k:
+        before = [r[k] for r in rows if r["step"] <= warmup and k in r]
+        out["alloc_retries"] = timed[-1][k] - (before[-1] if before else 0)
     return out
 
 
