@@ -1,4 +1,4 @@
-"""Per-rank bodies of the distributed tests (run by ``launcher.run_on_ranks``).
+"""Per-rank bodies of the distributed tests (run by ``launcher.run_cases``).
 
 Every rank builds the debug model with the same seed, runs the single-process reference on the whole
 global batch itself, then runs the parallelized copy on its slice of the batch and compares.

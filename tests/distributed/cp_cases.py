@@ -1,4 +1,4 @@
-"""Per-rank bodies of the context-parallel tests (run by ``launcher.run_on_ranks``).
+"""Per-rank bodies of the context-parallel tests (run by ``launcher.run_cases``).
 
 Every rank builds the debug model (index_topk 8 < the document lengths, 8 indexer heads, IndexShare
 FFFSSSFS, MTP, the indexer KL and the MoE sequence loss on) with the same seed, runs the

@@ -1,12 +1,17 @@
-"""Runs a function on N local processes (spawn, gloo, one thread each) and re-raises the first
-failure."""
+"""Runs functions on N local processes (spawn, gloo, one thread each): one function
+(``run_on_ranks``, re-raises the first failure), or a test module's cases in groups that share the
+processes (``run_cases``)."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import sys
 import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch.multiprocessing as mp
 
@@ -17,7 +22,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world_size: int, port: int, fn, kwargs: dict) -> None:
+def _rank_env(rank: int, world_size: int, port: int) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -30,6 +35,24 @@ def _entry(rank: int, world_size: int, port: int, fn, kwargs: dict) -> None:
     import torch
 
     torch.set_num_threads(1)
+
+
+def _leave(code: int) -> None:
+    """Tears the process group down and leaves without interpreter teardown: rarely a C++ thread of
+    the distributed stack aborts there ("terminate called without an active exception", SIGABRT),
+    which turned passing cases into failures (seen in CI on test_hf_load[ep2_fsdp2]); train.py exits
+    the same way."""
+    import torch.distributed as dist
+
+    if code == 0 and dist.is_initialized():
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _entry(rank: int, world_size: int, port: int, fn, kwargs: dict) -> None:
+    _rank_env(rank, world_size, port)
     try:
         fn(**kwargs)
     finally:
@@ -37,14 +60,8 @@ def _entry(rank: int, world_size: int, port: int, fn, kwargs: dict) -> None:
 
         if dist.is_initialized():
             dist.destroy_process_group()
-    # The rank finished and tore its group down. Leave without interpreter teardown: rarely a C++
-    # thread of the distributed stack aborts there ("terminate called without an active exception",
-    # SIGABRT), which turned passing cases into failures (seen in CI on test_hf_load[ep2_fsdp2]);
-    # train.py exits the same way. A raised exception never gets here: torch's spawn wrapper reports
-    # it and exits 1.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    # A raised exception never gets here: torch's spawn wrapper reports it and exits 1.
+    _leave(0)
 
 
 def run_on_ranks(fn, world_size: int, timeout_s: float = 120.0, **kwargs) -> None:
@@ -70,3 +87,129 @@ def run_on_ranks(fn, world_size: int, timeout_s: float = 120.0, **kwargs) -> Non
                 f"{getattr(fn, '__name__', fn)} on {world_size} ranks did not finish in "
                 f"{timeout_s} s"
             )
+
+
+# ----------------------------------------------------------------------------- grouped test cases
+@dataclass(frozen=True)
+class Case:
+    """One distributed test case: ``fn(**kwargs)`` on ``world`` ranks, within ``timeout_s``."""
+
+    fn: Callable[..., None]
+    world: int
+    kwargs: dict = field(default_factory=dict)
+    timeout_s: float = 120.0
+
+
+def run_cases(cases: dict[str, Case], report_dir: str) -> dict[str, str | None]:
+    """Runs ``cases`` in their order, those of one world size in one group of processes, and
+    returns name -> None (passed) or the failure's text (each failing rank's traceback).
+
+    Why groups: a case's own work is 2-3 s here, while starting its processes (spawn, then the
+    imports of torch, torchtitan and this project) cost as much again on every rank. In a group
+    every case still builds its own model from its own seed, and dynamo's caches are cleared before
+    each. A case that fails or times out ends its group (its ranks may have stopped at different
+    collectives); the cases after it run in a new group.
+    """
+    results: dict[str, str | None] = {}
+    for world in dict.fromkeys(c.world for c in cases.values()):
+        pending = [name for name, c in cases.items() if c.world == world]
+        while pending:
+            folder = os.path.join(report_dir, f"world{world}_{len(results)}")
+            os.makedirs(folder)
+            results.update(_run_group(world, [(n, cases[n]) for n in pending], folder))
+            pending = [n for n in pending if n not in results]
+    return results
+
+
+def _group_entry(rank: int, world: int, port: int, items: list, folder: str) -> None:
+    _rank_env(rank, world, port)
+    import torch
+
+    with open(os.path.join(folder, f"rank{rank}.jsonl"), "a") as report:
+        for name, case in items:
+            try:
+                torch._dynamo.reset()
+                case.fn(**case.kwargs)
+            except BaseException:
+                report.write(json.dumps({"case": name, "error": traceback.format_exc()}) + "\n")
+                report.flush()
+                _leave(1)  # the other ranks may wait in a collective: the parent ends them
+            report.write(json.dumps({"case": name}) + "\n")
+            report.flush()
+    _leave(0)
+
+
+def _reports(folder: str, world: int) -> list[dict[str, str | None]]:
+    """Per rank: case -> None (passed) or its traceback, from the rank's report lines."""
+    out = []
+    for rank in range(world):
+        seen: dict[str, str | None] = {}
+        path = os.path.join(folder, f"rank{rank}.jsonl")
+        if os.path.exists(path):
+            with open(path) as f:
+                for line in f:
+                    if line.endswith("\n"):
+                        r = json.loads(line)
+                        seen[r["case"]] = r.get("error")
+        out.append(seen)
+    return out
+
+
+def _run_group(world: int, items: list[tuple[str, Case]], folder: str) -> dict[str, str | None]:
+    """The cases that finished, in order, up to and including the first failure."""
+    ctx = mp.start_processes(
+        _group_entry,
+        args=(world, free_port(), items, folder),
+        nprocs=world,
+        start_method="spawn",
+        join=False,
+    )
+    current, deadline, stopped = 0, time.monotonic() + items[0][1].timeout_s, None
+    while True:
+        try:
+            finished = ctx.join(timeout=1.0)
+        except Exception as e:  # a rank exited non-zero; join ended the others
+            finished, stopped = True, str(e)
+        reports = _reports(folder, world)
+        while current < len(items) and all(
+            items[current][0] in r and r[items[current][0]] is None for r in reports
+        ):
+            current += 1
+            if current < len(items):
+                deadline = time.monotonic() + items[current][1].timeout_s
+        if finished:
+            break
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+            stopped = f"did not finish in {items[current][1].timeout_s} s on {world} ranks"
+            break
+    results: dict[str, str | None] = {name: None for name, _ in items[:current]}
+    if current < len(items):
+        name = items[current][0]
+        errors = [f"rank {i}:\n{r[name]}" for i, r in enumerate(reports) if r.get(name)]
+        results[name] = "\n".join(errors) or stopped or "the ranks left without a report"
+    return results
+
+
+def selected_cases(request, cases: dict[str, Case]) -> dict[str, Case]:
+    """The cases that this pytest session runs of the module of ``request`` (a module fixture's):
+    those named by the ``name`` argument of the selected tests that use the fixture, all of them if
+    such a test takes no ``name``."""
+    names = set()
+    for item in request.session.items:
+        if item.module is request.module and request.fixturename in item.fixturenames:
+            spec = getattr(item, "callspec", None)
+            if spec is None or "name" not in spec.params:
+                return cases
+            names.add(spec.params["name"])
+    return {n: c for n, c in cases.items() if n in names}
+
+
+def assert_passed(results: dict[str, str | None], name: str) -> None:
+    """Fails the calling test with case ``name``'s failure from ``run_cases``, if it failed."""
+    import pytest
+
+    if results[name] is not None:
+        pytest.fail(f"case {name}:\n{results[name]}", pytrace=False)

@@ -1,4 +1,4 @@
-"""Per-rank bodies of the LoRA distributed tests (run by ``launcher.run_on_ranks``).
+"""Per-rank bodies of the LoRA distributed tests (run by ``launcher.run_cases``).
 
 Every rank builds the debug model with the same seed and random adapters, runs the single-process
 reference on the whole global batch itself, then the parallelized copy (LoRA applied by the recipe,

@@ -78,8 +78,8 @@ def check_pipeline(
     fp8: bool = False,
 ) -> None:
     """Loss, every gradient, the clipped grad norm and the MoE loads equal the single-process
-    run. ``mtp_token_chunk``: the stages run the MTP layer in token chunks (``[activation_checkpoint]
-    mtp_token_chunk``), the reference without them.
+    run. ``mtp_token_chunk``: the stages run the MTP layer in token chunks
+    (``[activation_checkpoint] mtp_token_chunk``), the reference without them.
 
     ``fp8``: the "debug_fp8" flavor with FP8 products (``FP8_CASE_SPEC``: the linears, the routed
     experts and the output head) on both sides. The schedule runs micro-batches of one sequence and

@@ -6,9 +6,9 @@ loss, auxiliary sums, every gradient, expert loads and every layer's top-k."""
 import pytest
 
 from tests.distributed import cp_cases
-from tests.distributed.launcher import run_on_ranks
+from tests.distributed.launcher import Case, assert_passed
 
-CASES = {
+TRAIN_STEP = {
     "cp2": (2, dict(cp=2)),
     "cp4": (4, dict(cp=4)),
     "cp2_fsdp2": (4, dict(cp=2, dp_shard=2)),
@@ -23,13 +23,22 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_context_parallel_matches_single_process(name):
-    world, kwargs = CASES[name]
-    slow = kwargs.get("dsa_backend") == "triton"
-    run_on_ranks(cp_cases.check_cp_train_step, world, timeout_s=420 if slow else 180, **kwargs)
+CASES = {
+    **{
+        name: Case(
+            cp_cases.check_cp_train_step, world, kwargs, 420 if "dsa_backend" in kwargs else 180
+        )
+        for name, (world, kwargs) in TRAIN_STEP.items()
+    },
+    "cp2_pp2_1f1b": Case(cp_cases.check_cp_pipeline, 4, dict(cp=2, pp=2, schedule="1F1B"), 180),
+}
 
 
-@pytest.mark.parametrize("schedule", ["1F1B"])
-def test_context_parallel_with_pipeline_matches_single_process(schedule):
-    run_on_ranks(cp_cases.check_cp_pipeline, 4, timeout_s=180, cp=2, pp=2, schedule=schedule)
+@pytest.mark.parametrize("name", list(TRAIN_STEP))
+def test_context_parallel_matches_single_process(name, case_results):
+    assert_passed(case_results, name)
+
+
+@pytest.mark.parametrize("name", ["cp2_pp2_1f1b"])
+def test_context_parallel_with_pipeline_matches_single_process(name, case_results):
+    assert_passed(case_results, name)

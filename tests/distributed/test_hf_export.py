@@ -9,7 +9,7 @@ import torch
 
 from tests.distributed.cases import debug_args
 from tests.distributed.hf_export_cases import check_hf_export
-from tests.distributed.launcher import run_on_ranks
+from tests.distributed.launcher import Case, assert_passed, run_cases, selected_cases
 from tests.parity.test_hf_parity import randomise
 from tests.parity.test_hf_roundtrip import read_all
 from titan_glm52 import GLM52Model, save_hf_model
@@ -32,22 +32,35 @@ def dirs(tmp_path_factory):
     return root
 
 
-@pytest.mark.parametrize(
-    "world, kwargs",
-    [
-        (2, dict(dp_shard=2)),
-        (4, dict(dp_shard=4, ep=2)),
-        (2, dict(pp=2)),
-        (4, dict(pp=2, dp_shard=2, with_mtp=False)),
-        (4, dict(dp_replicate=2, dp_shard=2, ep=2)),
-    ],
-    ids=["fsdp2", "ep2_fsdp2", "pp2", "pp2_fsdp2_no_mtp", "hsdp2x2_ep2"],
-)
-def test_distributed_export_equals_single_process(dirs, tmp_path, world, kwargs):
-    out = tmp_path / "out"
-    run_on_ranks(
-        check_hf_export, world, timeout_s=180, src_dir=str(dirs / "src"), out_dir=str(out), **kwargs
-    )
+LAYOUTS = {
+    "fsdp2": (2, dict(dp_shard=2)),
+    "ep2_fsdp2": (4, dict(dp_shard=4, ep=2)),
+    "pp2": (2, dict(pp=2)),
+    "pp2_fsdp2_no_mtp": (4, dict(pp=2, dp_shard=2, with_mtp=False)),
+    "hsdp2x2_ep2": (4, dict(dp_replicate=2, dp_shard=2, ep=2)),
+}
+
+
+@pytest.fixture(scope="module")
+def case_results(request, dirs):
+    """The layouts' exports of ``dirs / "src"`` into ``dirs / "out_<layout>"``, grouped
+    (``launcher.run_cases``)."""
+    cases = {
+        name: Case(
+            check_hf_export,
+            world,
+            dict(kwargs, src_dir=str(dirs / "src"), out_dir=str(dirs / f"out_{name}")),
+            180,
+        )
+        for name, (world, kwargs) in LAYOUTS.items()
+    }
+    return run_cases(selected_cases(request, cases), str(dirs / "rank_reports"))
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_distributed_export_equals_single_process(dirs, case_results, name):
+    assert_passed(case_results, name)
+    out, kwargs = dirs / f"out_{name}", LAYOUTS[name][1]
     with_mtp = kwargs.get("with_mtp", True)
     ref = dirs / ("ref_mtp" if with_mtp else "ref_no_mtp")
     got, want = read_all(str(out)), read_all(str(ref))

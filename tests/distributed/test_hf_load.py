@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from tests.distributed.hf_load_cases import check_hf_load
-from tests.distributed.launcher import run_on_ranks
+from tests.distributed.launcher import Case, assert_passed, run_cases, selected_cases
 from tests.parity.test_hf_parity import randomise
 from tests.unit.test_fp8_checkpoint import read_all, write_fp8
 from titan_glm52 import GLM52Model, load_hf_model, save_hf_model
@@ -24,13 +24,35 @@ def hf_dir(tmp_path_factory):
     return str(folder)
 
 
-@pytest.mark.parametrize(
-    "world, kwargs",
-    [(2, dict(dp_shard=2)), (2, dict(dp_shard=2, ep=2)), (2, dict(pp=2))],
-    ids=["fsdp2", "ep2_fsdp2", "pp2"],
-)
-def test_sharded_load_equals_full_load(hf_dir, world, kwargs):
-    run_on_ranks(check_hf_load, world, timeout_s=90, hf_dir=hf_dir, **kwargs)
+LAYOUTS = {"fsdp2": dict(dp_shard=2), "ep2_fsdp2": dict(dp_shard=2, ep=2), "pp2": dict(pp=2)}
+
+
+@pytest.fixture(scope="module")
+def case_results(request, hf_dir, fp8_dir):
+    """Every layout loading the fp32 and the FP8 checkpoint, in one group of processes
+    (``launcher.run_cases``); the FP8 loads export into ``fp8_dir / "out_fp8_<layout>"``."""
+    cases = {
+        f"fp32_{n}": Case(check_hf_load, 2, dict(kw, hf_dir=hf_dir), 90)
+        for n, kw in LAYOUTS.items()
+    }
+    for name, kwargs in LAYOUTS.items():
+        cases[f"fp8_{name}"] = Case(
+            check_hf_load,
+            2,
+            dict(
+                kwargs,
+                hf_dir=str(fp8_dir / "fp8"),
+                args_from_checkpoint=True,
+                fp8_export_dir=str(fp8_dir / f"out_fp8_{name}"),
+            ),
+            120,
+        )
+    return run_cases(selected_cases(request, cases), str(fp8_dir / "rank_reports"))
+
+
+@pytest.mark.parametrize("name", [f"fp32_{n}" for n in LAYOUTS])
+def test_sharded_load_equals_full_load(name, case_results):
+    assert_passed(case_results, name)
 
 
 # Widths above 128 that are not multiples of 128, so that shards start inside a 128 x 128 block:
@@ -68,24 +90,12 @@ def fp8_dir(tmp_path_factory):
     return folder
 
 
-@pytest.mark.parametrize(
-    "world, kwargs",
-    [(2, dict(dp_shard=2)), (2, dict(dp_shard=2, ep=2)), (2, dict(pp=2))],
-    ids=["fsdp2", "ep2_fsdp2", "pp2"],
-)
-def test_sharded_fp8_load_equals_full_load(fp8_dir, tmp_path, world, kwargs):
+@pytest.mark.parametrize("name", [f"fp8_{n}" for n in LAYOUTS])
+def test_sharded_fp8_load_equals_full_load(fp8_dir, case_results, name):
     """Each rank dequantises its own slices: the shards equal the single-process load bitwise, and
     the streamed FP8 export of the sharded model equals the single-process FP8 export."""
-    out = tmp_path / "out"
-    run_on_ranks(
-        check_hf_load,
-        world,
-        timeout_s=120,
-        hf_dir=str(fp8_dir / "fp8"),
-        args_from_checkpoint=True,
-        fp8_export_dir=str(out),
-        **kwargs,
-    )
+    assert_passed(case_results, name)
+    out = fp8_dir / f"out_{name}"
     got, want = read_all(str(out)), read_all(str(fp8_dir / "ref"))
     assert sorted(got) == sorted(want)
     for key, t in want.items():

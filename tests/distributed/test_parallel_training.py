@@ -11,9 +11,9 @@ run FP8 products on both sides (FP8_NOTE says against which micro-batches of the
 import pytest
 
 from tests.distributed import cases
-from tests.distributed.launcher import run_on_ranks
+from tests.distributed.launcher import Case, assert_passed
 
-CASES = {
+TRAIN_STEP = {
     # 2 processes
     "fsdp2": (2, dict(dp_shard=2)),
     "replicate2_no_shard": (2, dict(dp_replicate=2, dp_shard=1)),  # DDP-like: HSDP on a (2, 1) mesh
@@ -98,7 +98,8 @@ CASES = {
     ),
 }
 
-FP8_NOTE = """FP8 (block-wise) cases: which micro-batches the single process runs, and why in float64.
+FP8_NOTE = """FP8 (block-wise) cases: which micro-batches the single process runs, and why in
+float64.
 
 Tiles. The forward and the input gradient quantise per 1 x 128 tile along the contraction, i.e. per
 row: they do not depend on how the batch is split. The weight gradient quantises the gradient and
@@ -135,20 +136,26 @@ reference, or in fp32, these cases fail: checked by hand.)
 """
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_matches_single_process(name):
-    world, kwargs = CASES[name]
-    run_on_ranks(
-        cases.check_train_step,
-        world,
-        timeout_s=420 if kwargs.get("dsa_backend") == "triton" else 90,
-        **kwargs,
-    )
+CASES = {
+    **{
+        name: Case(cases.check_train_step, world, kwargs, 420 if "dsa_backend" in kwargs else 90)
+        for name, (world, kwargs) in TRAIN_STEP.items()
+    },
+    "backward_all_to_alls": Case(cases.check_backward_all_to_alls, 2, timeout_s=60),
+    "mixed_precision": Case(cases.check_mixed_precision, 2, dict(ep=2), timeout_s=60),
+}
 
 
-def test_selective_ac_does_not_resend_all_to_alls():
-    run_on_ranks(cases.check_backward_all_to_alls, 2, timeout_s=60)
+@pytest.mark.parametrize("name", list(TRAIN_STEP))
+def test_matches_single_process(name, case_results):
+    assert_passed(case_results, name)
 
 
-def test_bf16_params_with_fp32_reduction():
-    run_on_ranks(cases.check_mixed_precision, 2, timeout_s=60, ep=2)
+@pytest.mark.parametrize("name", ["backward_all_to_alls"])
+def test_selective_ac_does_not_resend_all_to_alls(name, case_results):
+    assert_passed(case_results, name)
+
+
+@pytest.mark.parametrize("name", ["mixed_precision"])
+def test_bf16_params_with_fp32_reduction(name, case_results):
+    assert_passed(case_results, name)

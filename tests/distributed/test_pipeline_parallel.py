@@ -3,10 +3,10 @@ gloo processes: loss, gradients, grad norm and MoE loads equal the single-proces
 
 import pytest
 
-from tests.distributed.launcher import run_on_ranks
+from tests.distributed.launcher import Case, assert_passed
 from tests.distributed.pipeline_cases import check_pipeline
 
-CASES = {
+LAYOUTS = {
     "1f1b_pp2": (2, dict(schedule="1F1B", pp=2)),
     "gpipe_pp2_explicit_layout": (2, dict(schedule="GPipe", pp=2, layout=[2, 6])),
     "interleaved1f1b_pp2_v2": (2, dict(schedule="Interleaved1F1B", pp=2, stages_per_rank=2)),
@@ -30,7 +30,9 @@ CASES = {
 }
 
 
+CASES = {name: Case(check_pipeline, world, kwargs) for name, (world, kwargs) in LAYOUTS.items()}
+
+
 @pytest.mark.parametrize("name", list(CASES))
-def test_pipeline_matches_single_process(name):
-    world, kwargs = CASES[name]
-    run_on_ranks(check_pipeline, world, timeout_s=120, **kwargs)
+def test_pipeline_matches_single_process(name, case_results):
+    assert_passed(case_results, name)

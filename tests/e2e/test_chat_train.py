@@ -45,7 +45,14 @@ def test_sft_config_trains_and_resumes_exactly(tmp_path):
 def test_a_text_checkpoint_is_not_resumed_as_chat(tmp_path):
     run_train(tmp_path, "--training.steps", "1", "--training.seq_len", "128", nproc=1)
     proc = run_train(
-        tmp_path, "--training.steps", "2", *COMMON, config=SFT_TOML, nproc=1, check=False
+        tmp_path,
+        "--training.steps",
+        "2",
+        *COMMON,
+        config=SFT_TOML,
+        nproc=1,
+        check=False,
+        torchrun=True,
     )
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0 and "exitcode  : 2" in out  # torchrun's report of the refusal

@@ -1,4 +1,5 @@
-"""Faults and bad input through ``train.py`` (torchrun, CPU, gloo): one clear line and status 2 for
+"""Faults and bad input through ``train.py`` (CPU, gloo; torchrun for two processes and where its
+report is the subject, plain ``python`` for one): one clear line and status 2 for
 a refusal, the newest complete checkpoint after a crash or a damaged file (nothing lost, the losses
 of an uninterrupted run), resumes that would misread a checkpoint refused, one job per output
 folder, what a run did."""
@@ -74,7 +75,14 @@ def test_a_refusal_is_one_line_once_with_status_2(tmp_path):
 
 def test_fp8_on_a_model_it_cannot_convert_is_refused_before_any_work(tmp_path):
     # the debug flavor's widths are not in 128 x 128 blocks: nothing would run in FP8
-    proc = run_train(tmp_path, "--model.converters", "quantize.linear.float8", nproc=1, check=False)
+    proc = run_train(
+        tmp_path,
+        "--model.converters",
+        "quantize.linear.float8",
+        nproc=1,
+        check=False,
+        torchrun=True,
+    )
     out = _output(proc)
     assert proc.returncode != 0 and "exitcode  : 2" in out, out[-2000:]
     line = [ln for ln in out.splitlines() if ln.startswith("error: model.converters:")]

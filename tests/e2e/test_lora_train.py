@@ -7,42 +7,19 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.e2e.test_train import ROOT, copy_checkpoints, read_metrics
+from tests.e2e.test_train import ROOT, copy_checkpoints, read_metrics, run_train
 
 LORA_TOML = os.path.join(ROOT, "train_configs", "glm52_lora_debug.toml")
 SMALL = ("--training.seq_len", "64", "--training.local_batch_size", "2", "--metrics.log_freq", "1")
 
 
 def run_lora(folder, *overrides: str, nproc: int = 2) -> subprocess.CompletedProcess:
-    env = dict(
-        os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1"
-    )
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        str(nproc),
-        "--standalone",
-        os.path.join(ROOT, "train.py"),
-        "--job.config_file",
-        LORA_TOML,
-        "--job.dump_folder",
-        str(folder),
-        *overrides,
-    ]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    if proc.returncode != 0:
-        raise AssertionError(
-            f"train.py failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
-        )
-    return proc
+    return run_train(folder, *overrides, nproc=nproc, config=LORA_TOML)
 
 
 def adapter(folder, step: int) -> dict[str, torch.Tensor]:

@@ -25,17 +25,16 @@ def run_train(
     check: bool = True,
     script: str = os.path.join(ROOT, "train.py"),
     config: str = DEBUG_TOML,
+    torchrun: bool | None = None,
 ) -> subprocess.CompletedProcess:
+    """``script`` under torchrun, or for one process (unless ``torchrun``) as ``python train.py``:
+    the same one-process group (``trainer.one_process_env``) without the agent's start-up (about 3
+    s of CPU per launch on the CI machine)."""
     env = dict(
         os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1"
     )
     cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        str(nproc),
-        "--standalone",
+        *launcher(nproc, torchrun),
         script,
         "--job.config_file",
         config,
@@ -49,6 +48,19 @@ def run_train(
             f"train.py failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
         )
     return proc
+
+
+def launcher(nproc: int, torchrun: bool | None = None) -> list[str]:
+    if nproc == 1 and not torchrun:
+        return [sys.executable]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(nproc),
+        "--standalone",
+    ]
 
 
 def read_metrics(folder) -> list[dict]:
@@ -115,14 +127,13 @@ def test_main_command_trains_and_writes_tensorboard(tmp_path):
     assert os.path.isdir(os.path.join(tmp_path, "checkpoint", "step-40"))
 
 
-@pytest.mark.parametrize(
-    "impl", ["foreach", "triton", "triton-master-weights", "triton-bf16-moments"]
-)
+@pytest.mark.parametrize("impl", ["triton-master-weights", "triton-bf16-moments"])
 def test_resume_reproduces_uninterrupted_losses(tmp_path, impl):
-    """Also with TritonAdamW: its state (the device step counter, both moments on the FSDP2 shards)
-    goes through the DCP checkpoint and back, also with its moments in bf16 (``[optimizer]
-    state_dtype``). With the master weights in the optimizer (one process, bf16 copies) the
-    checkpoint holds the fp32 masters, and the copies are re-cast from them after the load."""
+    """TritonAdamW's state (the device step counter, both moments on the FSDP2 shards, in bf16 by
+    ``[optimizer] state_dtype``) goes through the DCP checkpoint and back. With the master weights
+    in the optimizer (one process, bf16 copies, fp32 moments) the checkpoint holds the fp32
+    masters, and the copies are re-cast from them after the load. (torch's AdamW state resumes in
+    the SIGTERM tests below and in tests/e2e/test_faults.py.)"""
     full, part = tmp_path / "full", tmp_path / "part"
     # The LR schedule is pinned to 6 steps, so stopping after 3 and extending to 6 is the same run.
     common = small(
@@ -193,21 +204,9 @@ def _sigterm_resumes_exactly(
 
     run = tmp_path / "run"
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    launch = (
-        [sys.executable]
-        if nproc == 1
-        else [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node",
-            str(nproc),
-            "--standalone",
-        ]
-    )
     proc = subprocess.Popen(
         [
-            *launch,
+            *launcher(nproc),
             os.path.join(ROOT, "train.py"),
             "--job.config_file",
             DEBUG_TOML,
@@ -268,18 +267,17 @@ def _sigterm_args(impl: str) -> tuple[str, ...]:
     )
 
 
-@pytest.mark.parametrize("impl", ["foreach", "fused"])
-def test_sigterm_saves_a_checkpoint_and_stops(tmp_path, impl):
-    """The checkpoint written on SIGTERM resumes exactly (with "fused" the host has the next step
-    queued when the signal comes: it finishes that step and saves after it, so the data loader's
-    position matches)."""
-    _sigterm_resumes_exactly(tmp_path, _sigterm_args(impl), nproc=1, signal_rank=None)
+def test_sigterm_saves_a_checkpoint_and_stops(tmp_path):
+    """The checkpoint written on SIGTERM resumes exactly (one process, the foreach step)."""
+    _sigterm_resumes_exactly(tmp_path, _sigterm_args("foreach"), nproc=1, signal_rank=None)
 
 
 def test_sigterm_to_one_rank_stops_every_rank_after_the_same_step(tmp_path):
     """A preemption signal that reaches one rank only: every rank learns it with a step's numbers (a
     maximum over the ranks), so they stop after the same step and write one checkpoint together
-    instead of waiting on each other's collectives."""
+    instead of waiting on each other's collectives. With the fused step the host has the next step
+    queued when the signal comes: it finishes that step and saves after it, so the data loader's
+    position matches."""
     _sigterm_resumes_exactly(tmp_path, _sigterm_args("fused"), nproc=2, signal_rank=1)
 
 
@@ -368,7 +366,7 @@ def test_consecutive_faults_stop_and_keep_last_good_checkpoint(tmp_path):
 )
 def test_config_errors_name_the_key(tmp_path, override, message):
     """Through torchrun; every other refusal is checked in-process in tests/unit/test_config.py."""
-    proc = run_train(tmp_path, *override, nproc=1, check=False)
+    proc = run_train(tmp_path, *override, nproc=1, check=False, torchrun=True)
     assert proc.returncode != 0
     assert message in proc.stdout + proc.stderr
 
@@ -402,6 +400,14 @@ SAME_BATCH = (
 )
 
 
+PIPELINE_2 = (
+    "--parallelism.pipeline_parallel_degree",
+    "2",
+    "--parallelism.pipeline_parallel_schedule",
+    "1F1B",
+)
+
+
 @pytest.fixture(scope="module")
 def one_process_reference(tmp_path_factory):
     """Metrics of the 1-process run with 4 rows per step (shared by the layout comparisons)."""
@@ -415,12 +421,7 @@ def one_process_reference(tmp_path_factory):
     [
         ("--parallelism.data_parallel_shard_degree", "2"),
         ("--parallelism.expert_parallel_degree", "2"),
-        (
-            "--parallelism.pipeline_parallel_degree",
-            "2",
-            "--parallelism.pipeline_parallel_schedule",
-            "1F1B",
-        ),
+        PIPELINE_2,
     ],
 )
 def test_two_processes_train_like_one(tmp_path, one_process_reference, layout):
@@ -476,25 +477,13 @@ trainer.main(sys.argv[1:])
 
 
 @pytest.mark.parametrize("impl", ["fused", "triton"])
-@pytest.mark.parametrize(
-    "layout",
-    [
-        ("--parallelism.data_parallel_shard_degree", "2"),
-        (
-            "--parallelism.pipeline_parallel_degree",
-            "2",
-            "--parallelism.pipeline_parallel_schedule",
-            "1F1B",
-        ),
-    ],
-)
-def test_adamw_kernel_folds_the_clip_like_the_in_place_clip(tmp_path, layout, impl):
-    """optimizer.implementation = "fused" / "triton": the gradient clip applied inside the
-    optimizer's kernel (FSDP2 DTensor parameters, or pipeline stages with the norm reduced over
-    stages) trains like the in-place clip before the same optimizer's step: to fp32 rounding with
-    torch's fused kernel (it divides by 1 / c), bitwise with the Triton one (it multiplies by c, as
-    the in-place clip does). max_norm 0.05 clips every step; without the clip the losses differ by
-    ~1e-4."""
+def test_adamw_kernel_folds_the_clip_like_the_in_place_clip(tmp_path, impl):
+    """optimizer.implementation = "fused" / "triton" in the trainer: the gradient clip applied
+    inside the optimizer's kernel (pipeline stages, the norm reduced over stages) trains like the
+    in-place clip before the same optimizer's step: to fp32 rounding with torch's fused kernel (it
+    divides by 1 / c), bitwise with the Triton one (it multiplies by c, as the in-place clip does).
+    max_norm 0.05 clips every step; without the clip the losses differ by ~1e-4. (On FSDP2 DTensor
+    parameters: tests/distributed/test_parallel_training.py, the *_clip cases.)"""
     common = (
         "--training.steps",
         "3",
@@ -509,7 +498,7 @@ def test_adamw_kernel_folds_the_clip_like_the_in_place_clip(tmp_path, layout, im
         impl,
         "--training.max_norm",
         "0.05",
-        *layout,
+        *PIPELINE_2,
     )
     reference = tmp_path / "in_place_clip_train.py"
     reference.write_text(_IN_PLACE_CLIP_TRAIN)
