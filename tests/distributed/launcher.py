@@ -4,6 +4,7 @@ processes (``run_cases``)."""
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import socket
@@ -121,10 +122,23 @@ def run_cases(cases: dict[str, Case], report_dir: str) -> dict[str, str | None]:
     return results
 
 
-def _group_entry(rank: int, world: int, port: int, items: list, folder: str) -> None:
-    _rank_env(rank, world, port)
-    import torch
+def _group_entry(rank: int, world: int, ports: tuple[int, int], items: list, folder: str) -> None:
+    _rank_env(rank, world, ports[0])
+    import datetime
 
+    import torch
+    import torch.distributed as dist
+
+    # The launcher's own store (not the process group's): the ranks meet there after each case, so
+    # no rank starts the next case while another still works in this one. Why: a case whose ranks
+    # ran different collectives would otherwise pair its leftover ones with the next case's and
+    # could pass both; this way it waits until the parent's deadline and fails alone.
+    # a rank that dies by a signal (SIGSEGV, SIGABRT) leaves its Python stack for the report
+    crash = open(os.path.join(folder, f"rank{rank}.crash"), "w")
+    faulthandler.enable(crash)
+    store = dist.TCPStore(
+        "127.0.0.1", ports[1], world, rank == 0, datetime.timedelta(hours=1), wait_for_workers=False
+    )
     with open(os.path.join(folder, f"rank{rank}.jsonl"), "a") as report:
         for name, case in items:
             try:
@@ -134,6 +148,9 @@ def _group_entry(rank: int, world: int, port: int, items: list, folder: str) -> 
                 report.write(json.dumps({"case": name, "error": traceback.format_exc()}) + "\n")
                 report.flush()
                 _leave(1)  # the other ranks may wait in a collective: the parent ends them
+            store.add(name, 1)
+            while store.add(name, 0) < world:
+                time.sleep(0.01)
             report.write(json.dumps({"case": name}) + "\n")
             report.flush()
     _leave(0)
@@ -159,7 +176,7 @@ def _run_group(world: int, items: list[tuple[str, Case]], folder: str) -> dict[s
     """The cases that finished, in order, up to and including the first failure."""
     ctx = mp.start_processes(
         _group_entry,
-        args=(world, free_port(), items, folder),
+        args=(world, (free_port(), free_port()), items, folder),
         nprocs=world,
         start_method="spawn",
         join=False,
@@ -189,6 +206,10 @@ def _run_group(world: int, items: list[tuple[str, Case]], folder: str) -> dict[s
     if current < len(items):
         name = items[current][0]
         errors = [f"rank {i}:\n{r[name]}" for i, r in enumerate(reports) if r.get(name)]
+        for i in range(world):
+            path = os.path.join(folder, f"rank{i}.crash")
+            if os.path.exists(path) and (stack := open(path).read()):
+                errors.append(f"rank {i} crashed:\n{stack}")
         results[name] = "\n".join(errors) or stopped or "the ranks left without a report"
     return results
 
