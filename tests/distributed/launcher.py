@@ -153,6 +153,10 @@ def _group_entry(rank: int, world: int, ports: tuple[int, int], items: list, fol
                 time.sleep(0.01)
             report.write(json.dumps({"case": name}) + "\n")
             report.flush()
+    # rank 0 hosts the store: it leaves only after every rank's last call to it
+    store.add("left", 1)
+    while rank == 0 and store.add("left", 0) < world:
+        time.sleep(0.01)
     _leave(0)
 
 
