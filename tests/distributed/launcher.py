@@ -129,13 +129,13 @@ def _group_entry(rank: int, world: int, ports: tuple[int, int], items: list, fol
     import torch
     import torch.distributed as dist
 
+    # a rank that dies by a signal (SIGSEGV, SIGABRT) leaves its Python stack for the report
+    crash = open(os.path.join(folder, f"rank{rank}.crash"), "w")
+    faulthandler.enable(crash)
     # The launcher's own store (not the process group's): the ranks meet there after each case, so
     # no rank starts the next case while another still works in this one. Why: a case whose ranks
     # ran different collectives would otherwise pair its leftover ones with the next case's and
     # could pass both; this way it waits until the parent's deadline and fails alone.
-    # a rank that dies by a signal (SIGSEGV, SIGABRT) leaves its Python stack for the report
-    crash = open(os.path.join(folder, f"rank{rank}.crash"), "w")
-    faulthandler.enable(crash)
     store = dist.TCPStore(
         "127.0.0.1", ports[1], world, rank == 0, datetime.timedelta(hours=1), wait_for_workers=False
     )
@@ -148,16 +148,19 @@ def _group_entry(rank: int, world: int, ports: tuple[int, int], items: list, fol
                 report.write(json.dumps({"case": name, "error": traceback.format_exc()}) + "\n")
                 report.flush()
                 _leave(1)  # the other ranks may wait in a collective: the parent ends them
-            store.add(name, 1)
-            while store.add(name, 0) < world:
-                time.sleep(0.01)
+            _meet(store, name, world)
             report.write(json.dumps({"case": name}) + "\n")
             report.flush()
     # rank 0 hosts the store: it leaves only after every rank's last call to it
-    store.add("left", 1)
-    while rank == 0 and store.add("left", 0) < world:
-        time.sleep(0.01)
+    _meet(store, "left", world, wait=rank == 0)
     _leave(0)
+
+
+def _meet(store, key: str, world: int, wait: bool = True) -> None:
+    """Counts this rank in at ``key``; with ``wait``, returns once all ``world`` ranks are in."""
+    store.add(key, 1)
+    while wait and store.add(key, 0) < world:
+        time.sleep(0.01)
 
 
 def _reports(folder: str, world: int) -> list[dict[str, str | None]]:
