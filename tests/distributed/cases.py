@@ -1,7 +1,8 @@
 """Per-rank bodies of the distributed tests (run by ``launcher.run_cases``).
 
 Every rank builds the debug model with the same seed, runs the single-process reference on the whole
-global batch itself, then runs the parallelized copy on its slice of the batch and compares.
+global batch itself (once per group of processes for the cases that share it), then runs the
+parallelized copy on its slice of the batch and compares.
 """
 
 from __future__ import annotations
@@ -91,6 +92,94 @@ def moe_counts(model) -> list[torch.Tensor]:
     return [m.tokens_per_expert.clone() for m in model.modules() if isinstance(m, MoE)]
 
 
+@dataclasses.dataclass
+class Reference:
+    """The single process's training step on the whole global batch, and what the cases compare
+    with: ``base`` the initialised model (untrained; the parallel copies start from it),
+    ``converted`` the same with FP8 applied where asked (untrained), the loss, the gradients before
+    and after the clip, the clipped norm, and after one AdamW step the parameters, both moments by
+    parameter name and the MoE loads."""
+
+    base: GLM52Model
+    converted: GLM52Model
+    tokens: torch.Tensor
+    n_main: int
+    n_mtp: int
+    loss: torch.Tensor
+    grads: dict
+    norm: torch.Tensor
+    clipped: dict
+    params: dict
+    moments: dict
+    moe_counts: list
+
+
+# A group's ranks run many cases one after another (launcher.run_cases) and most of them compare
+# with the same reference: it is formed once per rank and group.
+_REFERENCES: dict = {}
+
+
+def reference(
+    args, dsa_backend, spec, dtype, route_to_first_experts, ref_chunks, global_batch, device
+) -> Reference:
+    """The memoised ``Reference`` of these settings (``check_train_step`` says what each means)."""
+    settings = (args, dsa_backend, spec, dtype, route_to_first_experts, ref_chunks, global_batch)
+    key = (*map(repr, settings), str(device))
+    if key not in _REFERENCES:
+        _REFERENCES[key] = _form_reference(*settings, device)
+    return _REFERENCES[key]
+
+
+def _form_reference(
+    args, dsa_backend, spec, dtype, route_to_first_experts, ref_chunks, global_batch, device
+) -> Reference:
+    torch.manual_seed(0)
+    ref = GLM52Model(args, ModelOptions(dsa_backend=dsa_backend))
+    ref.init_weights()
+    if route_to_first_experts:
+        with torch.no_grad():
+            for m in ref.modules():
+                if isinstance(m, MoE):
+                    m.router.e_score_correction_bias[: args.n_routed_experts // 2] = 100.0
+    ref.to(device, dtype)
+    base = copy.deepcopy(ref)
+    if spec is not None:  # (the parallel copy gets it from parallelize_model)
+        apply_fp8(ref, spec)
+    converted = copy.deepcopy(ref)
+    tokens = make_batch(args.vocab_size, global_batch).to(device)
+    n_main = int((labels_of(tokens, 1) != IGNORE).sum())
+    n_mtp = int((labels_of(tokens, 2) != IGNORE).sum())
+    # In ``ref_chunks`` accumulated micro-batches. AdamW eps 1e-6: with the default 1e-8, weights
+    # whose gradient is ~1e-8 would turn fp32 rounding differences of the reductions into
+    # different updates.
+    loss = 0
+    for chunk in tokens.chunk(ref_chunks):
+        part = loss_on(ref, chunk, n_main, n_mtp)
+        part.backward()
+        loss = loss + part.detach()
+    # The DSA indexer runs under no_grad (its own KL loss trains it), so its weights get no gradient
+    # here.
+    grads = {n: None if p.grad is None else p.grad.clone() for n, p in ref.named_parameters()}
+    norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm=0.5)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=1e-6, weight_decay=0.1)
+    opt.step()
+    params = dict(ref.named_parameters())
+    return Reference(
+        base=base,
+        converted=converted,
+        tokens=tokens,
+        n_main=n_main,
+        n_mtp=n_mtp,
+        loss=loss,
+        grads=grads,
+        norm=norm,
+        clipped={n: p.grad for n, p in params.items()},
+        params={n: p.detach() for n, p in params.items()},
+        moments={n: opt.state[p] for n, p in params.items() if p in opt.state},
+        moe_counts=moe_counts(ref),
+    )
+
+
 def check_train_step(
     dp_replicate: int = 1,
     dp_shard: int = -1,
@@ -149,45 +238,20 @@ def check_train_step(
     args = debug_args("debug_fp8" if fp8 else "debug").replace(**arg_overrides)
     spec = dataclasses.replace(FP8_CASE_SPEC, expert_recipe=fp8_experts) if fp8 else None
     dtype = FP8_CASE_DTYPE if fp8 else torch.float32
-    torch.manual_seed(0)
-    ref = GLM52Model(args, ModelOptions(dsa_backend=dsa_backend))
-    ref.init_weights()
-    if route_to_first_experts:
-        with torch.no_grad():
-            for m in ref.modules():
-                if isinstance(m, MoE):
-                    m.router.e_score_correction_bias[: args.n_routed_experts // 2] = 100.0
-    ref.to(env.device, dtype)
-    init_params = {n: p.detach().clone() for n, p in ref.named_parameters()}
-    model = copy.deepcopy(ref)
+    ref = reference(
+        args, dsa_backend, spec, dtype, route_to_first_experts, ref_chunks, global_batch, env.device
+    )
+    init_params = dict(ref.base.named_parameters())
+    model = copy.deepcopy(ref.base)
     if mtp_token_chunk:
         model = GLM52Model(
             args, ModelOptions(dsa_backend=dsa_backend, mtp_token_chunk=mtp_token_chunk)
         )
-        model.load_state_dict(ref.state_dict())
+        model.load_state_dict(ref.base.state_dict())
         model.to(env.device, dtype)
-    if spec is not None:  # (the parallel copy gets it from parallelize_model)
-        apply_fp8(ref, spec)
-    local_ref = copy.deepcopy(ref)
-    tokens = make_batch(args.vocab_size, global_batch).to(env.device)
-    n_main = int((labels_of(tokens, 1) != IGNORE).sum())
-    n_mtp = int((labels_of(tokens, 2) != IGNORE).sum())
-
-    # Single-process reference on the whole global batch (in ``ref_chunks`` accumulated
-    # micro-batches). AdamW eps 1e-6: with the default 1e-8,
-    # weights whose gradient is ~1e-8 would turn fp32 rounding differences of the reductions into
-    # different updates.
-    ref_loss = 0
-    for chunk in tokens.chunk(ref_chunks):
-        part = loss_on(ref, chunk, n_main, n_mtp)
-        part.backward()
-        ref_loss = ref_loss + part.detach()
-    # The DSA indexer runs under no_grad (its own KL loss trains it), so its weights get no gradient
-    # here.
-    ref_grads = {n: None if p.grad is None else p.grad.clone() for n, p in ref.named_parameters()}
-    ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm=0.5)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=1e-6, weight_decay=0.1)
-    ref_opt.step()
+    local_ref = copy.deepcopy(ref.converted)
+    tokens, n_main, n_mtp = ref.tokens, ref.n_main, ref.n_mtp
+    ref_loss, ref_grads, ref_norm = ref.loss, ref.grads, ref.norm
 
     mesh = build_mesh(
         env.world_size,
@@ -212,7 +276,7 @@ def check_train_step(
     assert [n for n, _ in model.named_parameters()] == list(ref_grads), "parameter names changed"
     if spec is not None:
         converted = fp8_modules(model)
-        assert converted == fp8_modules(ref), converted
+        assert converted == fp8_modules(ref.converted), converted
         assert any(n.endswith("moe.experts") for n in converted), converted
     # experts: EP shards dim 0 on "ep"; FSDP on "efsdp" shards dim 0 again, or dim 1 if too few
     if ep > 1:
@@ -257,7 +321,7 @@ def check_train_step(
         torch.testing.assert_close(got, want, rtol=0, atol=0)
     # ... so the all-reduce over the data-parallel ranks gives the global load.
     all_reduce_moe_load(model, dp)
-    for got, want in zip(moe_counts(model), moe_counts(ref)):
+    for got, want in zip(moe_counts(model), ref.moe_counts):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
 
     assert ref_norm > 0.5, (
@@ -279,11 +343,10 @@ def check_train_step(
         assert getattr(opt, "grad_scale", None) is None and getattr(opt, "grad_coef", None) is None
     else:
         opt.step()
-    ref_params = dict(ref.named_parameters())
     for name, p in model.named_parameters():
         torch.testing.assert_close(
             full(p.detach()),
-            ref_params[name].detach(),
+            ref.params[name],
             rtol=RTOL,
             atol=ATOL,
             msg=lambda m: f"{name} after AdamW: {m}",
@@ -294,7 +357,7 @@ def check_train_step(
         # applied (the parameters after one Adam step hardly do, Adam's update is nearly invariant
         # to a gradient scale). The gradients left after the step are the clipped ones, except under
         # TritonAdamW (it never writes them).
-        ref_state, state = ref_opt.state[ref_params[name]], opt.state[p]
+        ref_state, state = ref.moments[name], opt.state[p]
         torch.testing.assert_close(
             full(state["exp_avg"]),
             ref_state["exp_avg"],
@@ -309,7 +372,7 @@ def check_train_step(
             atol=ATOL**2,
             msg=lambda m: f"{name} exp_avg_sq after AdamW: {m}",
         )
-        want = ref_grads[name] if clip_in_step == "triton" else ref_params[name].grad
+        want = ref_grads[name] if clip_in_step == "triton" else ref.clipped[name]
         torch.testing.assert_close(
             full(p.grad),
             want,

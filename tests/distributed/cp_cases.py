@@ -2,7 +2,8 @@
 
 Every rank builds the debug model (index_topk 8 < the document lengths, 8 indexer heads, IndexShare
 FFFSSSFS, MTP, the indexer KL and the MoE sequence loss on) with the same seed, runs the
-single-process reference on the whole global batch of packed documents, then runs its data-parallel
+single-process reference on the whole global batch of packed documents (once per group of
+processes for the cases that share it), then runs its data-parallel
 rows' zigzag part (``context_parallel.zigzag_split``) through the parallelized copy and compares the
 loss, the auxiliary sums, every gradient, the expert loads and every layer's top-k rows.
 """
@@ -10,6 +11,7 @@ loss, the auxiliary sums, every gradient, the expert loads and every layer's top
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 
 import torch
@@ -100,6 +102,60 @@ def _same_selection(got: torch.Tensor, want: torch.Tensor, layer: int) -> None:
     assert not differ.any(), f"layer {layer}: the top-k differs in {int(differ.sum())} rows"
 
 
+@dataclasses.dataclass
+class Reference:
+    """The single process's forward and backward on the global batch: ``base`` the initialised
+    model (untrained), the batch, and the loss, the indexer KL and sequence-loss sums, the
+    gradients, the expert loads and every layer's first top-k."""
+
+    base: GLM52Model
+    tokens: torch.Tensor
+    labels: torch.Tensor
+    mtp: torch.Tensor
+    loss: torch.Tensor
+    indexer_kl: torch.Tensor
+    seq_aux: torch.Tensor
+    grads: dict
+    loads: list
+    topk: dict
+
+
+# most cases of a group compare with the same reference (cases._REFERENCES says why)
+_REFERENCES: dict = {}
+
+
+def _reference(args, options: ModelOptions, row_ids, device) -> Reference:
+    key = (repr(args), repr(options), row_ids, str(device))
+    if key not in _REFERENCES:
+        batch_rows = [ROWS[i] for i in row_ids]
+        torch.manual_seed(0)
+        ref = GLM52Model(args, options)
+        ref.init_weights()
+        ref.to(device)
+        base = copy.deepcopy(ref)
+        tokens, labels = packed_batch(args.vocab_size, batch_rows)
+        tokens, labels = tokens.to(device), labels.to(device)
+        mtp = mtp_labels(labels)
+        n_main, n_mtp = float((labels != IGNORE).sum()), float((mtp != IGNORE).sum())
+        rec = TopkRecorder(ref)
+        aux = AuxTerms(tokens=n_main, sequences=float(len(batch_rows)))
+        loss = _loss(ref, tokens, labels, cu_seqlens(batch_rows), aux, n_main, n_mtp, mtp=mtp)
+        loss.backward()
+        _REFERENCES[key] = Reference(
+            base=base,
+            tokens=tokens,
+            labels=labels,
+            mtp=mtp,
+            loss=loss.detach(),
+            indexer_kl=aux.indexer_kl_sum().detach(),
+            seq_aux=aux.seq_aux.detach(),
+            grads={n: p.grad for n, p in ref.named_parameters()},
+            loads=[m.tokens_per_expert for m in ref.modules() if isinstance(m, MoE)],
+            topk=rec.first(),
+        )
+    return _REFERENCES[key]
+
+
 def check_cp_train_step(
     cp: int,
     dp_shard: int = -1,
@@ -128,21 +184,10 @@ def check_cp_train_step(
         # the reference runs every row sparse as CP does (the dense prefix is tested against it)
         dense_prefix=False,
     )
-    torch.manual_seed(0)
-    ref = GLM52Model(args, options)
-    ref.init_weights()
-    ref.to(env.device)
-    model = copy.deepcopy(ref)
-
-    tokens, labels = packed_batch(args.vocab_size, batch_rows)
-    tokens, labels = tokens.to(env.device), labels.to(env.device)
-    mtp = mtp_labels(labels)
+    ref = _reference(args, options, row_ids, env.device)
+    model = copy.deepcopy(ref.base)
+    tokens, labels, mtp = ref.tokens, ref.labels, ref.mtp
     n_main, n_mtp = float((labels != IGNORE).sum()), float((mtp != IGNORE).sum())
-    rec_ref = TopkRecorder(ref)
-    ref_aux = AuxTerms(tokens=n_main, sequences=float(len(batch_rows)))
-    ref_loss = _loss(ref, tokens, labels, cu_seqlens(batch_rows), ref_aux, n_main, n_mtp, mtp=mtp)
-    ref_loss.backward()
-    ref_grads = {n: p.grad for n, p in ref.named_parameters()}
 
     mesh = build_mesh(
         env.world_size,
@@ -181,27 +226,27 @@ def check_cp_train_step(
     world = dist.group.WORLD
     total = loss.detach().clone()
     dist.all_reduce(total, group=world)
-    torch.testing.assert_close(total, ref_loss.detach(), rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(total, ref.loss, rtol=RTOL, atol=ATOL)
     kl = aux.indexer_kl_sum().clone()
     dist.all_reduce(kl, group=world)
-    torch.testing.assert_close(kl, ref_aux.indexer_kl_sum(), rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(kl, ref.indexer_kl, rtol=RTOL, atol=ATOL)
     seq_aux = aux.seq_aux.clone()
     dist.all_reduce(seq_aux, group=world)
-    torch.testing.assert_close(seq_aux, ref_aux.seq_aux, rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(seq_aux, ref.seq_aux, rtol=RTOL, atol=ATOL)
 
     checked = 0
     for name, p in model.named_parameters():
-        if ref_grads[name] is None:
+        if ref.grads[name] is None:
             assert p.grad is None, name
             continue
         torch.testing.assert_close(
-            full(p.grad), ref_grads[name], rtol=RTOL, atol=ATOL, msg=lambda m: f"{name}: {m}"
+            full(p.grad), ref.grads[name], rtol=RTOL, atol=ATOL, msg=lambda m: f"{name}: {m}"
         )
         checked += ".indexer." in name
     assert checked > 0, "no indexer gradient was compared: the KL is not tested"
 
     loads = [m.tokens_per_expert.clone() for m in model.modules() if isinstance(m, MoE)]
-    for got, want in zip(loads, [m.tokens_per_expert for m in ref.modules() if isinstance(m, MoE)]):
+    for got, want in zip(loads, ref.loads):
         dist.all_reduce(got, group=world)
         torch.testing.assert_close(got, want, rtol=0, atol=0)
 
@@ -209,7 +254,7 @@ def check_cp_train_step(
     # rank's stream
     flat = torch.arange(len(batch_rows) * SEQ, device=env.device).view(len(batch_rows), SEQ)
     local_rows = part(flat).reshape(-1)
-    want = rec_ref.first()
+    want = ref.topk
     got = rec.first()
     assert sorted(got) == sorted(want) and len(got) == args.num_hidden_layers + 1, sorted(got)
     offset = mine.start * SEQ  # the reference's rows are the whole batch's

@@ -93,9 +93,10 @@ def small(*extra: str) -> tuple[str, ...]:
 
 
 def test_main_command_trains_and_writes_tensorboard(tmp_path):
-    run_train(tmp_path, "--training.steps", "40", "--metrics.log_freq", "1")
+    # 20 steps: the debug config's checkpoint interval, and the loss has fallen by about 1 by then
+    run_train(tmp_path, "--training.steps", "20", "--metrics.log_freq", "1")
     rows = read_metrics(tmp_path)
-    assert [r["step"] for r in rows] == list(range(1, 41))
+    assert [r["step"] for r in rows] == list(range(1, 21))
     first, last = sum(r["loss/ce"] for r in rows[:5]) / 5, sum(r["loss/ce"] for r in rows[-5:]) / 5
     assert last < first - 0.5, (first, last)  # real text: the loss falls
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -124,7 +125,7 @@ def test_main_command_trains_and_writes_tensorboard(tmp_path):
     ):
         assert tag in tags, (tag, sorted(tags), tb)
     assert 0.0 <= rows[0]["dsa/topk_recall"] <= 1.0
-    assert os.path.isdir(os.path.join(tmp_path, "checkpoint", "step-40"))
+    assert os.path.isdir(os.path.join(tmp_path, "checkpoint", "step-20"))
 
 
 @pytest.mark.parametrize("impl", ["triton-master-weights", "triton-bf16-moments"])

@@ -92,7 +92,8 @@ def test_compiled_blocks_break_only_at_the_eager_calls(prepared):
     torch._dynamo.reset()
     counters.clear()
     tokens = torch.randint(0, args.vocab_size, (1, 32), generator=torch.Generator().manual_seed(0))
-    model(tokens, torch.tensor([0, 32], dtype=torch.int32)).float().pow(2).mean().backward()
+    # (the forward alone: dynamo traces, and breaks, only there)
+    model(tokens, torch.tensor([0, 32], dtype=torch.int32))
     builds = sum(
         v
         for k, v in counters["graph_break"].items()
