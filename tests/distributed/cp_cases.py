@@ -273,15 +273,9 @@ def check_cp_pipeline(cp: int, pp: int, schedule: str = "1F1B") -> None:
     env = init_distributed(device_type=DEVICE_TYPE)
     args = cp_args()
     options = ModelOptions(indexer_loss_coeff=0.1, seq_aux_loss_coeff=0.01, dense_prefix=False)
-    ref = GLM52Model(args, options)
-    ref.init_weights(seed=0)
-    tokens, labels = packed_batch(args.vocab_size)
-    mtp = mtp_labels(labels)
+    ref = _reference(args, options, tuple(range(len(ROWS))), env.device)
+    tokens, labels, mtp = ref.tokens, ref.labels, ref.mtp
     n_main, n_mtp = float((labels != IGNORE).sum()), float((mtp != IGNORE).sum())
-    rec_ref = TopkRecorder(ref)
-    ref_aux = AuxTerms(tokens=n_main, sequences=float(len(ROWS)))
-    ref_loss = _loss(ref, tokens, labels, cu_seqlens(ROWS), ref_aux, n_main, n_mtp, mtp=mtp)
-    ref_loss.backward()
 
     mesh = build_mesh(env.world_size, pp=pp, cp=cp, device_type="cpu")
     assert mesh["dp"].size() == 1
@@ -341,25 +335,24 @@ def check_cp_pipeline(cp: int, pp: int, schedule: str = "1F1B") -> None:
     world = dist.group.WORLD
     total = torch.stack(losses).sum() if losses else torch.zeros(())
     dist.all_reduce(total, group=world)
-    torch.testing.assert_close(total, ref_loss.detach(), rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(total, ref.loss, rtol=RTOL, atol=ATOL)
     # (a stage without MoE layers has no sequence loss)
-    sums = ((aux.indexer_kl_sum(), ref_aux.indexer_kl_sum()), (aux.seq_aux, ref_aux.seq_aux))
+    sums = ((aux.indexer_kl_sum(), ref.indexer_kl), (aux.seq_aux, ref.seq_aux))
     for got, want in sums:
         got = torch.zeros(()) if got is None else got.clone()
         dist.all_reduce(got, group=world)
         torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
-    ref_grads = {n: p.grad for n, p in ref.named_parameters()}
     for p_ in parts:
         for name, p in p_.named_parameters():
-            if ref_grads[name] is None:
+            if ref.grads[name] is None:
                 assert p.grad is None, name
                 continue
             torch.testing.assert_close(
-                full(p.grad), ref_grads[name], rtol=RTOL, atol=ATOL, msg=lambda m: f"{name}: {m}"
+                full(p.grad), ref.grads[name], rtol=RTOL, atol=ATOL, msg=lambda m: f"{name}: {m}"
             )
     # each micro-batch is one row: its top-k rows are rows of that row's stream
     cols = part(torch.arange(SEQ)[None])[0]
-    want = rec_ref.first()
+    want = ref.topk
     for rec in recs:
         assert rec.seen
         for layer, outs in rec.seen.items():
