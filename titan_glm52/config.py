@@ -9,6 +9,7 @@ lists every option.
 
 import contextlib
 import dataclasses
+import importlib.util
 import io
 import os
 import re
@@ -26,6 +27,7 @@ from titan_glm52.errors import ConfigError
 from titan_glm52.fp8_training import DEFAULT_FILTER as DEFAULT_FP8_FILTER
 from titan_glm52.fp8_training import EXPERT_RECIPES as FP8_EXPERT_RECIPES
 from titan_glm52.fp8_training import RECIPES as FP8_RECIPES
+from titan_glm52.fp8_training import TORCHAO_RECIPES as FP8_TORCHAO_RECIPES
 from titan_glm52.fp8_training import Fp8Spec
 from titan_glm52.lora import ATTENTION_TARGETS, MLP_TARGETS, LoRASpec, target_refusal
 from titan_glm52.model.args import GLM52ModelArgs, get_flavor
@@ -379,8 +381,10 @@ class Float8Linear(tt.Float8Linear):
     """The FP8 recipe of the linears and the LM head (with ``model.converters`` holding
     "quantize.linear.float8"): "blockwise" is DeepSeek-V3's, e4m3 products accumulated in fp32 with
     activations and gradients scaled per 1 x 128 tile and weights per 128 x 128 block
-    (docs/fp8_training.md). The weights, gradients, master weights and optimizer state stay as
-    without FP8; checkpoints and the HF export are unchanged."""
+    (docs/fp8_training.md). "tensorwise", "rowwise" and "rowwise_with_gw_hp" run the linears as
+    torchao's Float8Linear (torchtitan's recipes; torchao needed), the head's fused loss staying
+    block-wise. The weights, gradients, master weights and optimizer state stay as without FP8;
+    checkpoints and the HF export are unchanged."""
 
     filter_fqns: list[str] = field(default_factory=lambda: list(DEFAULT_FP8_FILTER))
     """Linears whose name contains one of these stay bf16 (torchtitan's option). The default keeps
@@ -820,9 +824,15 @@ def _validate_fp8(cfg: JobConfig) -> None:
     if recipe not in FP8_RECIPES:
         _refuse(
             "quantize.linear.float8.recipe_name",
-            f"{recipe!r} is not implemented; use 'blockwise' (DeepSeek-V3's scaling: 1 x 128 tiles "
-            "of activations and gradients, 128 x 128 blocks of weights)",
+            f"{recipe!r} is not implemented; use one of {FP8_RECIPES} (docs/fp8_training.md)",
         )
+    if FP8_LINEARS in cfg.model.converters and recipe in FP8_TORCHAO_RECIPES:
+        if importlib.util.find_spec("torchao") is None:
+            _refuse(
+                "quantize.linear.float8.recipe_name",
+                f"{recipe!r} runs torchao's Float8Linear and torchao is not installed; pip "
+                "install torchao, or use 'blockwise'",
+            )
     if cfg.lora.enable:
         _refuse(
             "model.converters",

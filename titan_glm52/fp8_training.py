@@ -1,19 +1,24 @@
-"""FP8 training (``[quantize]``): DeepSeek-V3's block-wise FP8 products applied to a plain
-``GLM52Model`` from outside.
+"""FP8 training (``[quantize]``): DeepSeek-V3's block-wise FP8 products (or torchao's tensorwise and
+rowwise recipes for the linears) applied to a plain ``GLM52Model`` from outside.
 
 ``apply_fp8(model, spec)`` runs in the parallelize recipe after LoRA and before EP, compile, AC and
-FSDP. It changes the class of the chosen modules in place, so every parameter keeps its object and
-its name (checkpoints, the HF export and the optimizer see the same model):
+FSDP. It changes the class of the chosen modules in place (or, for torchao's linears, puts a module
+holding the same weight in their place), so every parameter keeps its object and its name
+(checkpoints, the HF export and the optimizer see the same model):
 
 * every ``nn.Linear`` whose name contains none of ``spec.filter_fqns`` and whose two dimensions are
-  multiples of 128 becomes an ``Fp8Linear``: its forward is ``model/fp8_mm.fp8_linear``;
+  multiples of 128 becomes an ``Fp8Linear``: its forward is ``model/fp8_mm.fp8_linear``; with
+  ``spec.recipe`` one of torchao's (``TORCHAO_RECIPES``: dimensions in multiples of 16) it is
+  replaced by torchao's ``Float8Linear`` holding the same weight (a new module object, the same
+  name and parameter);
 * every routed experts' module (``GroupedExperts``) whose name contains one of
   ``spec.expert_fqns`` becomes ``Fp8GroupedExperts``: one block-wise FP8 GEMM per expert
   (``fp8_expert_mm``; cuBLAS has no block-scaled grouped GEMM on Hopper), or with
   ``spec.expert_recipe`` "rowwise" ``Fp8RowwiseGroupedExperts``: torchao's rowwise FP8 grouped
   GEMM, one per product (``model/fp8_grouped.py``);
 * the output head (``OutputHead``), unless ``output`` is in ``spec.filter_fqns``, becomes an
-  ``Fp8OutputHead``: its fused loss forms its three products in FP8 (``Fp8HeadProducts``).
+  ``Fp8OutputHead``: its fused loss forms its three products in FP8 (``Fp8HeadProducts``),
+  block-wise whatever ``spec.recipe`` says (torchao has no fused loss; docs/fp8_training.md).
 
 The weights, their gradients, the fp32 master weights and the optimizer state stay as they are;
 only the products run in FP8. What stays bf16 and why is docs/fp8_training.md's table: the router
@@ -24,6 +29,7 @@ multiple of 128).
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -34,7 +40,12 @@ from titan_glm52.model.fp8_mm import TILE, Fp8HeadProducts, fp8_expert_mm, fp8_l
 from titan_glm52.model.head import OutputHead, linear_cross_entropy_sum
 from titan_glm52.model.moe import GroupedExperts
 
-RECIPES = ("blockwise",)
+# the linears' recipes: "blockwise" is this project's; the others torchao's Float8Linear, by
+# torchtitan's names
+TORCHAO_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+RECIPES = ("blockwise", *TORCHAO_RECIPES)
+# torch._scaled_mm (torchao's product) takes dimensions in multiples of 16
+SCALED_MM_ALIGN = 16
 EXPERT_RECIPES = ("blockwise", "rowwise")
 # torchtitan's filter_fqns: linears whose name contains one of these stay bf16. Not the head
 # ("output", torchtitan's default): in FP8 it made the proxy 1.16x bf16 at 32K tokens against 1.10x
@@ -101,16 +112,37 @@ class Fp8RowwiseGroupedExperts(GroupedExperts):
         return rowwise_grouped_mm(h, w2, ends).index_select(0, dest)
 
 
-def _kept_why(name: str, module: nn.Linear, spec: Fp8Spec) -> str | None:
-    """Why the linear or head ``name`` stays bf16, or None."""
+def _kept_why(name: str, module: nn.Linear, spec: Fp8Spec, unit: int) -> str | None:
+    """Why the linear or head ``name`` stays bf16, or None (``unit``: what its two dimensions must
+    be multiples of)."""
     if module.bias is not None:
         return "has a bias"
     hit = next((f for f in spec.filter_fqns if f in name), None)
     if hit is not None:
         return f"filter_fqns {hit!r}"
-    if module.in_features % TILE or module.out_features % TILE:
-        return f"{module.out_features} x {module.in_features} is not in 128 x 128 blocks"
+    if module.in_features % unit or module.out_features % unit:
+        return f"{module.out_features} x {module.in_features} is not in multiples of {unit}"
     return None
+
+
+def _torchao_linears(model: nn.Module, names: list[str], recipe: str) -> None:
+    """Replaces the linears ``names`` of ``model`` by torchao's ``Float8Linear`` of ``recipe``;
+    each keeps its weight (``Float8Linear.from_float``)."""
+    # lazy: torchao is needed by these recipes alone
+    from torchao.float8 import Float8LinearConfig
+    from torchao.float8.float8_linear import Float8Linear
+
+    config = Float8LinearConfig.from_recipe_name(recipe)
+    for name in names:
+        parent, _, child = name.rpartition(".")
+        owner = model.get_submodule(parent)
+        setattr(owner, child, Float8Linear.from_float(getattr(owner, child), config=config))
+
+
+def _is_torchao_linear(module: nn.Module) -> bool:
+    # torchao is imported only when a recipe of its own converted a linear
+    ao = sys.modules.get("torchao.float8.float8_linear")
+    return ao is not None and isinstance(module, ao.Float8Linear)
 
 
 def apply_fp8(model: nn.Module, spec: Fp8Spec) -> dict[str, dict[str, str]]:
@@ -119,15 +151,24 @@ def apply_fp8(model: nn.Module, spec: Fp8Spec) -> dict[str, dict[str, str]]:
     before any parallelism."""
     done: dict[str, str] = {}
     kept: dict[str, str] = {}
+    torchao = spec.recipe in TORCHAO_RECIPES
+    swapped: list[str] = []  # linears torchao's Float8Linear replaces, after the walk
     for name, module in model.named_modules():
         if type(module) in (nn.Linear, OutputHead) and spec.linears:
-            why = _kept_why(name, module, spec)
             head = type(module) is OutputHead
-            if why is None:
-                module.__class__ = Fp8OutputHead if head else Fp8Linear
-                done[name] = "output head" if head else "linear"
-            else:
+            unit = SCALED_MM_ALIGN if torchao and not head else TILE
+            why = _kept_why(name, module, spec, unit)
+            if why is not None:
                 kept[name] = why
+            elif head:
+                module.__class__ = Fp8OutputHead
+                done[name] = "output head (blockwise)" if torchao else "output head"
+            elif torchao:
+                swapped.append(name)
+                done[name] = f"linear ({spec.recipe}, torchao)"
+            else:
+                module.__class__ = Fp8Linear
+                done[name] = "linear"
         elif type(module) is GroupedExperts:
             if any(f in name for f in spec.expert_fqns):
                 dims = (*module.w13.shape[1:], *module.w2.shape[1:])
@@ -142,11 +183,13 @@ def apply_fp8(model: nn.Module, spec: Fp8Spec) -> dict[str, dict[str, str]]:
                 done[name] = f"routed experts ({spec.expert_recipe})"
             else:
                 kept[name] = "not in expert_fqns"
+    if swapped:
+        _torchao_linears(model, swapped, spec.recipe)
     return {"fp8": done, "bf16": kept}
 
 
 def is_fp8(module: nn.Module) -> bool:
-    return isinstance(
+    return _is_torchao_linear(module) or isinstance(
         module, (Fp8Linear, Fp8OutputHead, Fp8GroupedExperts, Fp8RowwiseGroupedExperts)
     )
 
@@ -154,6 +197,7 @@ def is_fp8(module: nn.Module) -> bool:
 __all__ = [
     "EXPERT_RECIPES",
     "RECIPES",
+    "TORCHAO_RECIPES",
     "Fp8GroupedExperts",
     "Fp8RowwiseGroupedExperts",
     "Fp8Linear",

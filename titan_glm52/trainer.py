@@ -904,7 +904,7 @@ class Trainer:
         if not fp8:
             raise ConfigError(
                 "model.converters: no product of this model runs in FP8: a linear needs both "
-                "dimensions in multiples of 128 and a name outside "
+                "dimensions in multiples of 128 (16 with torchao's recipes) and a name outside "
                 "quantize.linear.float8.filter_fqns; remove the FP8 converters"
             )
         if self.env.rank:

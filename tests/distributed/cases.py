@@ -195,6 +195,7 @@ def check_train_step(
     dsa_backend: str = "torch",
     mtp_token_chunk: int = 0,
     fp8: bool = False,
+    fp8_linears: str = "blockwise",
     fp8_experts: str = "blockwise",
     ref_chunks: int = 1,
     global_batch: int = GLOBAL_BATCH,
@@ -220,6 +221,8 @@ def check_train_step(
     ``parallelize_model(fp8=...)`` on the parallel copy; parameters, gradients and the FSDP compute
     and reduction in float64 (the FP8 products quantise from fp32 and compute in fp32), so that the
     parallel run's summation order cannot move an FP8 rounding (test_parallel_training.FP8_NOTE).
+    ``fp8_linears``: the linears' FP8 recipe (``Fp8Spec.recipe``: torchao's Float8Linear for
+    "tensorwise" and the rowwise ones).
     ``fp8_experts``: the routed experts' FP8 recipe (``Fp8Spec.expert_recipe``).
     ``global_batch``: rows of the global batch (fewer keep the Triton interpreter's cases short).
     ``ref_chunks``: the reference runs the global batch as this many accumulated micro-batches (the
@@ -236,7 +239,11 @@ def check_train_step(
         raise NotImplementedError("fp8 cases run in float64; the meta-device path initialises fp32")
     env = init_distributed(device_type=DEVICE_TYPE)
     args = debug_args("debug_fp8" if fp8 else "debug").replace(**arg_overrides)
-    spec = dataclasses.replace(FP8_CASE_SPEC, expert_recipe=fp8_experts) if fp8 else None
+    spec = (
+        dataclasses.replace(FP8_CASE_SPEC, recipe=fp8_linears, expert_recipe=fp8_experts)
+        if fp8
+        else None
+    )
     dtype = FP8_CASE_DTYPE if fp8 else torch.float32
     ref = reference(
         args, dsa_backend, spec, dtype, route_to_first_experts, ref_chunks, global_batch, env.device

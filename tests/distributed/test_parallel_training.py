@@ -92,6 +92,24 @@ TRAIN_STEP = {
         2,
         {"dp_shard": 2, "ep": 2, "fp8": True, "fp8_experts": "rowwise"},
     ),
+    # torchao's Float8Linear for the linears: tensorwise scales (the weight's amax over the whole
+    # gathered weight, the activations' over the rank's micro-batch), and rowwise compiled with
+    # op-level checkpointing (its products are aten._scaled_mm, which the policy saves)
+    "fp8_tensorwise_linears_fsdp2": (
+        2,
+        {"dp_shard": 2, "fp8": True, "fp8_linears": "tensorwise", "ref_chunks": 2},
+    ),
+    "fp8_rowwise_linears_fsdp2_compile_ac_selective": (
+        2,
+        {
+            "dp_shard": 2,
+            "compile": True,
+            "ac_mode": "selective",
+            "fp8": True,
+            "fp8_linears": "rowwise",
+            "ref_chunks": 2,
+        },
+    ),
     "fp8_hsdp2x2_ac_full": (
         4,
         {"dp_replicate": 2, "dp_shard": 2, "ac_mode": "full", "fp8": True, "ref_chunks": 4},

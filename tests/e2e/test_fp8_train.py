@@ -47,15 +47,16 @@ def _hf_tensors(folder) -> dict[str, torch.Tensor]:
     return out
 
 
-def _fp8_counts() -> tuple[int, int]:
-    """(linears, routed-expert modules) that FP8 converts in the debug_fp8 model with MTP."""
+def _fp8_counts(recipe: str = "blockwise") -> tuple[int, int]:
+    """(linears, routed-expert modules) that FP8 converts in the debug_fp8 model with MTP, the
+    linears in ``recipe``."""
     from titan_glm52.fp8_training import Fp8Spec, apply_fp8
     from titan_glm52.model.args import get_flavor
     from titan_glm52.model.model import GLM52Model
 
     with torch.device("meta"):
         model = GLM52Model(get_flavor("debug_fp8"))
-    done = apply_fp8(model, Fp8Spec())["fp8"]
+    done = apply_fp8(model, Fp8Spec(recipe=recipe))["fp8"]
     experts = sum(1 for what in done.values() if what.startswith("routed experts"))
     return len(done) - experts, experts
 
@@ -72,7 +73,10 @@ def test_fp8_trains_resumes_exactly_and_keeps_checkpoint_and_export_names(tmp_pa
     exactly, and so does its HF export; the DCP checkpoint holds the keys and shapes of the run
     without FP8 (same parameters, names and optimizer state).
     (c) The HF export of the FP8 run has the tensor names, shapes and dtypes (and config.json) of
-    the export without FP8."""
+    the export without FP8.
+    (d) With the linears in torchao's rowwise recipe (2 steps) it trains, says so, its losses
+    are those without FP8 up to FP8's rounding, and its checkpoint holds the same keys and
+    shapes."""
     full, part, plain = tmp_path / "full", tmp_path / "part", tmp_path / "plain"
     log = run_train(full, "--training.steps", "4", *COMMON, *CONVERTERS)
 
@@ -128,3 +132,18 @@ def test_fp8_trains_resumes_exactly_and_keeps_checkpoint_and_export_names(tmp_pa
     for k, t in ref.items():
         assert (exported[k].shape, exported[k].dtype) == (t.shape, t.dtype), k
     assert (hf_fp8 / "config.json").read_text() == (hf_plain / "config.json").read_text()
+
+    # (d) torchao's rowwise linears (torchao's Float8Linear in place of each linear)
+    rowwise = tmp_path / "rowwise"
+    recipe = ("--quantize.linear.float8.recipe_name", "rowwise")
+    log = run_train(rowwise, "--training.steps", "2", *COMMON, *CONVERTERS, *recipe)
+    found = re.search(r"FP8 \(rowwise; experts blockwise\): (\d+) linears and (\d+)", log.stderr)
+    assert found, log.stderr[-4000:]
+    n_rowwise = _fp8_counts("rowwise")
+    # wkv_a's 576 outputs are a multiple of 16: in FP8 here, not block-wise
+    assert (int(found[1]), int(found[2])) == n_rowwise and n_rowwise[0] > n_linears, found[0]
+    r = read_metrics(rowwise)
+    assert [m["step"] for m in r] == [1, 2]
+    for step in (1, 2):
+        assert math.isclose(r[step - 1]["loss/ce"], p[step]["loss/ce"], rel_tol=2e-2), step
+    assert _checkpoint_entries(rowwise / "checkpoint" / "step-2") == want

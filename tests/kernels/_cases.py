@@ -255,3 +255,73 @@ def check_fp8_rowwise(device, counts, dim: int, hidden: int, tol: float, seed: i
     # FP8's own error against the plain products
     plain = torch.cat([x[s : s + n].float() @ w[e].float().t() for e, s, n in _spans(counts)])
     assert rel(out, plain) < 0.05
+
+
+def _seen(x, dims, dtype, pow2: bool):
+    """``x`` in fp32 as its FP8 copy of ``dtype`` sees it, one scale per slice over ``dims`` (all
+    dims: one per tensor): ``q(x s) / s`` with ``s = max(dtype) / max(amax, 1e-12)`` (computed in
+    float64), rounded down to a power of two with ``pow2``."""
+    from titan_glm52.model.fp8_grouped import EPS
+
+    fmax = torch.finfo(dtype).max
+    amax = x.float().abs().amax(dims, keepdim=True)
+    s = (fmax / amax.clamp_min(EPS).double()).float()
+    if pow2:
+        s = torch.exp2(torch.floor(torch.log2(s)))
+    return (x.float() * s).clamp(-fmax, fmax).to(dtype).float() / s
+
+
+def torchao_recipe_products(recipe: str, x, w, dy):
+    """(y, dx, dw) of ``y = x w^T`` in torchao's linear recipe ``recipe`` (as its
+    ``Float8LinearConfig.from_recipe_name`` configures it), each product on the dequantised
+    operands in fp32, rounded once to bf16."""
+    e4m3, e5m2, bf16 = torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16
+    every = (0, 1)
+    if recipe == "tensorwise":  # e4m3 forward, e5m2 gradients; scales as computed
+        xs, ws = _seen(x, every, e4m3, False), _seen(w, every, e4m3, False)
+        ds = _seen(dy, every, e5m2, False)
+        return (xs @ ws.t()).to(bf16), (ds @ ws).to(bf16), (ds.t() @ xs).to(bf16)
+    # the rowwise ones: power-of-two scales, e4m3; per row of x and dy, per output feature of w
+    y = (_seen(x, 1, e4m3, True) @ _seen(w, 1, e4m3, True).t()).to(bf16)
+    if recipe == "rowwise":  # dx: w per input feature; dw: dy and x per feature over the tokens
+        dx = _seen(dy, 1, e4m3, True) @ _seen(w, 0, e4m3, True)
+        dw = _seen(dy, 0, e4m3, True).t() @ _seen(x, 0, e4m3, True)
+        return y, dx.to(bf16), dw.to(bf16)
+    # rowwise_with_gw_hp: dx with w tensorwise; dw in bf16, not quantised
+    dx = _seen(dy, 1, e4m3, True) @ _seen(w, every, e4m3, True)
+    return y, dx.to(bf16), (dy.float().t() @ x.float()).to(bf16)
+
+
+def check_torchao_linear(device, recipe: str, rows: int, dim: int, out: int, tol: float) -> None:
+    """torchao's Float8Linear of ``recipe`` (what ``fp8_training.apply_fp8`` puts in a linear's
+    place) on bf16 ``x [rows, dim]`` and ``w [out, dim]``: its output, input gradient and weight
+    gradient equal ``torchao_recipe_products`` within ``tol`` (relative; fp32 summation order and
+    bf16 rounding), while the other recipes' formulas differ by more (rows and features of four
+    orders of magnitude make the scaling granularity show)."""
+    from torch import nn
+
+    from titan_glm52.fp8_training import TORCHAO_RECIPES, Fp8Spec, apply_fp8
+
+    g = gen(0)
+    model = nn.ModuleDict({"proj": nn.Linear(dim, out, bias=False)}).to(device, torch.bfloat16)
+    with torch.no_grad():
+        model.proj.weight.copy_(torch.randn(out, dim, generator=g) / dim**0.5)
+    apply_fp8(model, Fp8Spec(recipe=recipe, expert_fqns=()))
+    x = torch.randn(rows, dim, generator=g) * torch.logspace(-2, 2, rows)[:, None]
+    dy = torch.randn(rows, out, generator=g) * torch.logspace(2, -2, out)
+    x = x.to(device, torch.bfloat16).requires_grad_()
+    dy = dy.to(device, torch.bfloat16)
+    y = model.proj(x)
+    y.backward(dy)
+    got = (y, x.grad, model.proj.weight.grad)
+    w = model.proj.weight.detach()
+
+    def close(a, b) -> bool:
+        return torch.allclose(a.float(), b.float(), rtol=tol, atol=1e-5 * float(b.abs().max()))
+
+    want = torchao_recipe_products(recipe, x.detach(), w, dy)
+    for name, a, b in zip(("y", "dx", "dw"), got, want):
+        assert close(a, b), (recipe, name, float((a.float() - b.float()).abs().max()))
+    for other in TORCHAO_RECIPES:
+        theirs = torchao_recipe_products(other, x.detach(), w, dy)
+        assert other == recipe or not all(map(close, got, theirs)), other

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 
 try:
-    from ._cases import check_fp8, check_fp8_head, check_fp8_rowwise
+    from ._cases import check_fp8, check_fp8_head, check_fp8_rowwise, check_torchao_linear
 except ImportError:
-    from _cases import check_fp8, check_fp8_head, check_fp8_rowwise
+    from _cases import check_fp8, check_fp8_head, check_fp8_rowwise, check_torchao_linear
 
 
 @pytest.mark.parametrize(
@@ -146,3 +146,24 @@ def test_fp8_rowwise_experts_module(recompute):
     ref.backward(dy)
     for a, b in zip(got, [ref, src2.grad, w13.grad, w2.grad]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "rowwise_with_gw_hp"])
+def test_torchao_linear_recipes_compute_their_formulas(recipe):
+    """``quantize.linear.float8.recipe_name`` tensorwise / rowwise / rowwise_with_gw_hp:
+    ``apply_fp8`` puts torchao's Float8Linear (on CPU through torch's ``_scaled_mm``) in the
+    linear's place with the same weight, and it computes the recipe's formulas, not the other
+    recipes' (``_cases.check_torchao_linear``); a linear whose width is not a multiple of 16 stays
+    bf16."""
+    from torch import nn
+
+    from titan_glm52.fp8_training import Fp8Spec, apply_fp8, is_fp8
+
+    model = nn.ModuleDict({"proj": nn.Linear(256, 384, bias=False), "odd": nn.Linear(256, 40)})
+    model.odd.bias = None
+    weight = model.proj.weight
+    done = apply_fp8(model, Fp8Spec(recipe=recipe, expert_fqns=()))
+    assert done["fp8"] == {"proj": f"linear ({recipe}, torchao)"}
+    assert done["bf16"] == {"odd": "40 x 256 is not in multiples of 16"}
+    assert is_fp8(model.proj) and model.proj.weight is weight and not is_fp8(model.odd)
+    check_torchao_linear("cpu", recipe, rows=64, dim=256, out=384, tol=8e-3)

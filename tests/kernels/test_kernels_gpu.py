@@ -10,9 +10,21 @@ import pytest
 import torch
 
 try:
-    from ._cases import check_fp8, check_fp8_head, check_fp8_rowwise, cos_diff
+    from ._cases import (
+        check_fp8,
+        check_fp8_head,
+        check_fp8_rowwise,
+        check_torchao_linear,
+        cos_diff,
+    )
 except ImportError:
-    from _cases import check_fp8, check_fp8_head, check_fp8_rowwise, cos_diff
+    from _cases import (
+        check_fp8,
+        check_fp8_head,
+        check_fp8_rowwise,
+        check_torchao_linear,
+        cos_diff,
+    )
 
 from titan_glm52 import packed
 from titan_glm52.kernels import reference as R
@@ -467,6 +479,13 @@ def test_fp8_rowwise_experts_real_size():
     operands up to bf16 rounding and the GEMM's FP8 accumulation."""
     counts = [2048, 0, 1, 130, 3000, 127, 1790, 1096]  # 8192 routed rows, uneven, one empty
     check_fp8_rowwise(DEV, counts, dim=6144, hidden=2048, tol=5e-3)
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "rowwise_with_gw_hp"])
+def test_torchao_linear_recipes_real_size(recipe):
+    """The linears in torchao's recipes (``quantize.linear.float8.recipe_name``) at the proxy's
+    wq_b width, through cuBLAS (``_cases.check_torchao_linear``)."""
+    check_torchao_linear(DEV, recipe, rows=4096, dim=2048, out=6144, tol=8e-3)
 
 
 def test_fp8_head_real_size():

@@ -263,7 +263,7 @@ FP8_BOTH = "quantize.linear.float8,quantize.grouped_mm.float8"
         (["--model.converters", "float8"], "model.converters"),
         (["--model.converters", f"{FP8_BOTH},quantize.linear.mx"], "model.converters"),
         (
-            ["--model.converters", FP8_BOTH, "--quantize.linear.float8.recipe_name", "rowwise"],
+            ["--model.converters", FP8_BOTH, "--quantize.linear.float8.recipe_name", "mxfp8"],
             "quantize.linear.float8.recipe_name",
         ),
         # (bias_update_rate 0: LoRA's own refusal of the routing bias would come first)
@@ -390,6 +390,23 @@ def test_fp8_spec_from_the_converters(tmp_path):
         ]
     )
     assert fp8_spec(rowwise) == Fp8Spec(expert_recipe="rowwise")
+    # torchao's recipes for the linears
+    for recipe in ("tensorwise", "rowwise", "rowwise_with_gw_hp"):
+        argv = ["--model.converters", FP8_BOTH, "--quantize.linear.float8.recipe_name", recipe]
+        assert fp8_spec(parse_job_config(argv)) == Fp8Spec(recipe=recipe)
+
+
+def test_torchao_recipes_are_refused_without_torchao(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "torchao" else real(name, *a)
+    )
+    argv = ["--model.converters", FP8_BOTH, "--quantize.linear.float8.recipe_name", "tensorwise"]
+    with pytest.raises(ConfigError, match="^quantize.linear.float8.recipe_name: .*not installed"):
+        parse_job_config(argv)
+    parse_job_config(argv[:2])  # the block-wise recipe needs no torchao
 
 
 def test_without_converters_the_model_is_unchanged():
