@@ -201,7 +201,7 @@ def adam_step_(
     n = param.numel()
     if n == 0:
         return
-    block = elementwise_block(BLOCK)
+    block = elementwise_block(BLOCK, n)
     _adam_kernel[(triton.cdiv(n, block),)](
         param,
         grad,

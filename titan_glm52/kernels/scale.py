@@ -37,7 +37,7 @@ def scaled(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     out = torch.empty_like(x)
     n = x.numel()
     if n:
-        block = elementwise_block(BLOCK)
+        block = elementwise_block(BLOCK, n)
         _scale_kernel[(triton.cdiv(n, block),)](x, g, out, n, BLOCK=block, num_warps=8)
     return out
 

@@ -71,7 +71,7 @@ def _launch(gu: torch.Tensor) -> tuple[torch.Tensor, int, tuple[int], int]:
     gu = gu.contiguous()
     f = gu.shape[-1] // 2
     n = gu.numel() // 2
-    block = elementwise_block(BLOCK)
+    block = elementwise_block(BLOCK, n)
     return gu, f, (triton.cdiv(n, block),), block
 
 
