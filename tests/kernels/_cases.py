@@ -295,9 +295,10 @@ def torchao_recipe_products(recipe: str, x, w, dy):
 def check_torchao_linear(device, recipe: str, rows: int, dim: int, out: int, tol: float) -> None:
     """torchao's Float8Linear of ``recipe`` (what ``fp8_training.apply_fp8`` puts in a linear's
     place) on bf16 ``x [rows, dim]`` and ``w [out, dim]``: its output, input gradient and weight
-    gradient equal ``torchao_recipe_products`` within ``tol`` (relative; fp32 summation order and
-    bf16 rounding), while the other recipes' formulas differ by more (rows and features of four
-    orders of magnitude make the scaling granularity show)."""
+    gradient equal ``torchao_recipe_products`` within ``tol`` of each result's largest element
+    (fp32 summation order, bf16 rounding, and on a GPU cuBLAS's fast FP8 accumulation, which
+    torchao asks for in the forward), while the other recipes' formulas differ by more than twice
+    that (rows and features of four orders of magnitude make the scaling granularity show)."""
     from torch import nn
 
     from titan_glm52.fp8_training import TORCHAO_RECIPES, Fp8Spec, apply_fp8
@@ -316,12 +317,12 @@ def check_torchao_linear(device, recipe: str, rows: int, dim: int, out: int, tol
     got = (y, x.grad, model.proj.weight.grad)
     w = model.proj.weight.detach()
 
-    def close(a, b) -> bool:
-        return torch.allclose(a.float(), b.float(), rtol=tol, atol=1e-5 * float(b.abs().max()))
+    def err(a, b) -> float:
+        return float((a.float() - b.float()).abs().max() / b.float().abs().max())
 
     want = torchao_recipe_products(recipe, x.detach(), w, dy)
     for name, a, b in zip(("y", "dx", "dw"), got, want):
-        assert close(a, b), (recipe, name, float((a.float() - b.float()).abs().max()))
+        assert err(a, b) <= tol, (recipe, name, err(a, b))
     for other in TORCHAO_RECIPES:
         theirs = torchao_recipe_products(other, x.detach(), w, dy)
-        assert other == recipe or not all(map(close, got, theirs)), other
+        assert other == recipe or max(map(err, got, theirs)) > 2 * tol, other

@@ -485,7 +485,7 @@ def test_fp8_rowwise_experts_real_size():
 def test_torchao_linear_recipes_real_size(recipe):
     """The linears in torchao's recipes (``quantize.linear.float8.recipe_name``) at the proxy's
     wq_b width, through cuBLAS (``_cases.check_torchao_linear``)."""
-    check_torchao_linear(DEV, recipe, rows=4096, dim=2048, out=6144, tol=8e-3)
+    check_torchao_linear(DEV, recipe, rows=4096, dim=2048, out=6144, tol=1e-2)
 
 
 def test_fp8_head_real_size():
