@@ -899,7 +899,8 @@ class Trainer:
 
     def _log_fp8(self) -> None:
         """Which products run in FP8 (this rank's model parts), and which linears stay bf16; none
-        in FP8 is refused (the model's widths are not in multiples of 128, or 16 for torchao's recipes)."""
+        in FP8 is refused (the model's widths are not in multiples of 128, or 16 for torchao's
+        recipes)."""
         fp8 = [n for part in self.model_parts for n, m in part.named_modules() if is_fp8(m)]
         if not fp8:
             raise ConfigError(
