@@ -257,38 +257,33 @@ def check_fp8_rowwise(device, counts, dim: int, hidden: int, tol: float, seed: i
     assert rel(out, plain) < 0.05
 
 
-def _seen(x, dims, dtype, pow2: bool):
-    """``x`` in fp32 as its FP8 copy of ``dtype`` sees it, one scale per slice over ``dims`` (all
-    dims: one per tensor): ``q(x s) / s`` with ``s = max(dtype) / max(amax, 1e-12)`` (computed in
-    float64), rounded down to a power of two with ``pow2``."""
+def _tensorwise(x, dtype):
+    """``x`` in fp32 as its FP8 copy of ``dtype`` with one scale sees it: ``q(x s) / s``, ``s =
+    max(dtype) / max(amax, 1e-12)`` computed in float64, not rounded (torchao's tensorwise)."""
     from titan_glm52.model.fp8_grouped import EPS
 
     fmax = torch.finfo(dtype).max
-    amax = x.float().abs().amax(dims, keepdim=True)
-    s = (fmax / amax.clamp_min(EPS).double()).float()
-    if pow2:
-        s = torch.exp2(torch.floor(torch.log2(s)))
+    s = (fmax / x.float().abs().amax().clamp_min(EPS).double()).float()
     return (x.float() * s).clamp(-fmax, fmax).to(dtype).float() / s
 
 
 def torchao_recipe_products(recipe: str, x, w, dy):
     """(y, dx, dw) of ``y = x w^T`` in torchao's linear recipe ``recipe`` (as its
     ``Float8LinearConfig.from_recipe_name`` configures it), each product on the dequantised
-    operands in fp32, rounded once to bf16."""
+    operands in fp32, rounded once to bf16. The rowwise recipes' scaling (e4m3, power-of-two scales
+    per slice) is the rowwise experts' (``fp8_grouped.quant_dequant``)."""
+    from titan_glm52.model.fp8_grouped import quant_dequant as rows
+
     e4m3, e5m2, bf16 = torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16
-    every = (0, 1)
-    if recipe == "tensorwise":  # e4m3 forward, e5m2 gradients; scales as computed
-        xs, ws = _seen(x, every, e4m3, False), _seen(w, every, e4m3, False)
-        ds = _seen(dy, every, e5m2, False)
+    if recipe == "tensorwise":  # e4m3 forward, e5m2 gradients
+        xs, ws, ds = _tensorwise(x, e4m3), _tensorwise(w, e4m3), _tensorwise(dy, e5m2)
         return (xs @ ws.t()).to(bf16), (ds @ ws).to(bf16), (ds.t() @ xs).to(bf16)
-    # the rowwise ones: power-of-two scales, e4m3; per row of x and dy, per output feature of w
-    y = (_seen(x, 1, e4m3, True) @ _seen(w, 1, e4m3, True).t()).to(bf16)
+    # per row of x and dy, per output feature of w
+    y = (rows(x, 1) @ rows(w, 1).t()).to(bf16)
     if recipe == "rowwise":  # dx: w per input feature; dw: dy and x per feature over the tokens
-        dx = _seen(dy, 1, e4m3, True) @ _seen(w, 0, e4m3, True)
-        dw = _seen(dy, 0, e4m3, True).t() @ _seen(x, 0, e4m3, True)
-        return y, dx.to(bf16), dw.to(bf16)
-    # rowwise_with_gw_hp: dx with w tensorwise; dw in bf16, not quantised
-    dx = _seen(dy, 1, e4m3, True) @ _seen(w, every, e4m3, True)
+        return y, (rows(dy, 1) @ rows(w, 0)).to(bf16), (rows(dy, 0).t() @ rows(x, 0)).to(bf16)
+    # rowwise_with_gw_hp: dx with one power-of-two scale for w; dw in bf16, not quantised
+    dx = rows(dy, 1) @ rows(w, (0, 1))
     return y, dx.to(bf16), (dy.float().t() @ x.float()).to(bf16)
 
 

@@ -159,8 +159,9 @@ def test_torchao_linear_recipes_compute_their_formulas(recipe):
 
     from titan_glm52.fp8_training import Fp8Spec, apply_fp8, is_fp8
 
-    model = nn.ModuleDict({"proj": nn.Linear(256, 384, bias=False), "odd": nn.Linear(256, 40)})
-    model.odd.bias = None
+    model = nn.ModuleDict(
+        {"proj": nn.Linear(256, 384, bias=False), "odd": nn.Linear(256, 40, bias=False)}
+    )
     weight = model.proj.weight
     done = apply_fp8(model, Fp8Spec(recipe=recipe, expert_fqns=()))
     assert done["fp8"] == {"proj": f"linear ({recipe}, torchao)"}
