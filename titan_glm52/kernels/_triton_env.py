@@ -140,14 +140,19 @@ def _fix_interpreter_nested_repatch() -> None:
     interpreter's time in the sparse MLA and top-k kernels, whose helpers run per program and loop
     step. Skip that repeat while a kernel's patch covering the helper's language modules is active
     (the helper then sees the same patched modules); results are unchanged, only the repeated
-    patching goes."""
+    patching goes. A kernel's patch also covers ``triton.language.core``, which the standard
+    library's helpers (``tl.zeros``, ``tl.sum``, ``tl.max``) reach through their own globals: the
+    interpreter would patch it for each of their calls (2,400 calls in the sparse MLA tests)."""
     try:
         import inspect
+        import types
 
         import triton.language as tl
         from triton.runtime import interpreter as interp
     except ImportError:  # pragma: no cover - layout of a future triton
         return
+    if not hasattr(interp, "_patch_lang"):
+        return  # pragma: no cover - a triton that patches the language differently
     grid_cls, fn_cls = (
         getattr(interp, "GridExecutor", None),
         getattr(interp, "InterpretedFunction", None),
@@ -171,13 +176,17 @@ def _fix_interpreter_nested_repatch() -> None:
         return cache[key]
 
     grid_call, helper_call = grid_cls.__call__, fn_cls.__call__
+    # a function whose globals hold triton.language.core alone: what ``_patch_lang`` patches for it
+    core_only = types.FunctionType((lambda: None).__code__, {"core": tl.core})
 
     def run_kernel(self, *args, **kwargs):
-        active.append(langs(self.fn))
+        core_scope = interp._patch_lang(core_only)
+        active.append(langs(self.fn) | {id(tl.core)})
         try:
             return grid_call(self, *args, **kwargs)
         finally:
             active.pop()
+            core_scope.restore()
 
     def call_helper(self, *args, **kwargs):
         if not active or not langs(self.fn) <= active[-1]:
@@ -192,6 +201,69 @@ def _fix_interpreter_nested_repatch() -> None:
     grid_cls.__call__, fn_cls.__call__ = run_kernel, call_helper
 
 
+def _fix_interpreter_type_bookkeeping() -> None:
+    """Triton 3.6's interpreter spends about a fifth of its time, in the model tests, on type
+    bookkeeping per operation: every block type formats its name when built (its shape, a
+    ``tl.tuple`` whose own type formats one too), though few are ever read, and every numpy view of
+    a value rebuilds a dict of twenty dtypes. Format each name when first read (the same string)
+    and look the dtypes up in one dict built once; the values computed are the same."""
+    try:
+        import numpy as np
+        import triton.language as tl
+        from triton.runtime import interpreter as interp
+    except ImportError:  # pragma: no cover - layout of a future triton
+        return
+    core = tl.core
+    np_dtype = getattr(interp, "_get_np_dtype", None)
+    if np_dtype is None or getattr(np_dtype, "_titan_fixed", False):
+        return
+    scalars = ("int1", "float16", "bfloat16", "float32", "float64", "float8e5", "float8e4nv")
+    scalars += ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64")
+    table = {getattr(tl, n): np_dtype(getattr(tl, n)) for n in scalars}
+    pointer = np.dtype(np.uint64)
+
+    def get_np_dtype(tt_dtype):
+        if isinstance(tt_dtype, tl.block_type):
+            tt_dtype = tt_dtype.element_ty
+        if isinstance(tt_dtype, tl.pointer_type):
+            return pointer
+        found = table.get(tt_dtype)
+        return found if found is not None else np_dtype(tt_dtype)
+
+    get_np_dtype._titan_fixed = True
+    interp._get_np_dtype = get_np_dtype
+
+    def lazy_name(fmt):
+        def get(self):
+            if "_name" not in self.__dict__:
+                self.__dict__["_name"] = fmt(self)
+            return self.__dict__["_name"]
+
+        def put(self, value):
+            self.__dict__["_name"] = value
+
+        return property(get, put)
+
+    def tuple_type_init(self, types, fields=None):
+        self.types = types
+        self.fields = fields or [""] * len(types)
+
+    def block_type_init(self, element_ty, shape):
+        assert isinstance(shape, (list, core.tuple))
+        self.element_ty = element_ty
+        self.shape = core.tuple(core._unwrap_shape(shape))
+        if not self.shape:
+            raise TypeError("0d block_type is forbidden")
+        self.numel = core.validate_block_shape(self.shape)
+
+    core.tuple_type.__init__ = tuple_type_init
+    core.tuple_type.name = lazy_name(
+        lambda t: "[" + ",".join(f"{k}:{v}" for k, v in zip(t.fields, t.types)) + "]"
+    )
+    core.block_type.__init__ = block_type_init
+    core.block_type.name = lazy_name(lambda t: f"<{t.shape}, {t.element_ty}>")
+
+
 _interpreter_fixed = False  # the fixes below are in place (they stay for the process)
 
 
@@ -204,6 +276,7 @@ def _fix_interpreter() -> None:
     _fix_interpreter_bf16_rounding()
     _fix_interpreter_bf16_dot()
     _fix_interpreter_nested_repatch()
+    _fix_interpreter_type_bookkeeping()
     _interpreter_fixed = True
 
 
