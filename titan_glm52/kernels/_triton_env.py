@@ -208,6 +208,8 @@ def _fix_interpreter_type_bookkeeping() -> None:
     a value rebuilds a dict of twenty dtypes. Format each name when first read (the same string)
     and look the dtypes up in one dict built once; the values computed are the same."""
     try:
+        import inspect
+
         import numpy as np
         import triton.language as tl
         from triton.runtime import interpreter as interp
@@ -256,6 +258,13 @@ def _fix_interpreter_type_bookkeeping() -> None:
             raise TypeError("0d block_type is forbidden")
         self.numel = core.validate_block_shape(self.shape)
 
+    def params(fn) -> list[str]:
+        return list(inspect.signature(fn).parameters)
+
+    if params(core.tuple_type.__init__) != ["self", "types", "fields"] or params(
+        core.block_type.__init__
+    ) != ["self", "element_ty", "shape"]:
+        return  # pragma: no cover - types built differently in a future triton: leave them
     core.tuple_type.__init__ = tuple_type_init
     core.tuple_type.name = lazy_name(
         lambda t: "[" + ",".join(f"{k}:{v}" for k, v in zip(t.fields, t.types)) + "]"
