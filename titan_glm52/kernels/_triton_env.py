@@ -205,7 +205,7 @@ def _fix_interpreter_type_bookkeeping() -> None:
     """Triton 3.6's interpreter spends about a fifth of its time, in the model tests, on type
     bookkeeping per operation: every block type formats its name when built (its shape, a
     ``tl.tuple`` whose own type formats one too), though few are ever read, and every numpy view of
-    a value rebuilds a dict of twenty dtypes. Format each name when first read (the same string)
+    a value rebuilds a dict of eighteen dtypes. Format each name when first read (the same string)
     and look the dtypes up in one dict built once; the values computed are the same."""
     try:
         import inspect
