@@ -203,11 +203,14 @@ def _fix_interpreter_nested_repatch() -> None:
 
 def _fix_interpreter_type_bookkeeping() -> None:
     """Triton 3.6's interpreter spends about a fifth of its time, in the model tests, on type
-    bookkeeping per operation: every block type formats its name when built (its shape, a
-    ``tl.tuple`` whose own type formats one too), though few are ever read, and every numpy view of
-    a value rebuilds a dict of eighteen dtypes. Format each name when first read (the same string)
-    and look the dtypes up in one dict built once; the values computed are the same."""
+    bookkeeping per operation: every block type builds its shape as a ``tl.tuple`` (with a type of
+    its own) and formats its name (and the tuple's) when built, though a kernel has few distinct
+    shapes and few names are ever read, and every numpy view of a value rebuilds a dict of eighteen
+    dtypes. Build each distinct shape once (the same values), format each name when first read (the
+    same string) and look the dtypes up in one dict built once; the values computed are the
+    same."""
     try:
+        import builtins
         import inspect
 
         import numpy as np
@@ -250,13 +253,18 @@ def _fix_interpreter_type_bookkeeping() -> None:
         self.types = types
         self.fields = fields or [""] * len(types)
 
+    shapes: dict = {}  # dims -> (the shape as triton's tuple, its element count), built once
+
     def block_type_init(self, element_ty, shape):
         assert isinstance(shape, (list, core.tuple))
         self.element_ty = element_ty
-        self.shape = core.tuple(core._unwrap_shape(shape))
-        if not self.shape:
+        dims = builtins.tuple(core._unwrap_shape(shape))
+        if not dims:
             raise TypeError("0d block_type is forbidden")
-        self.numel = core.validate_block_shape(self.shape)
+        if dims not in shapes:
+            as_tuple = core.tuple(list(dims))
+            shapes[dims] = (as_tuple, core.validate_block_shape(as_tuple))
+        self.shape, self.numel = shapes[dims]
 
     def params(fn) -> list[str]:
         return list(inspect.signature(fn).parameters)
@@ -273,6 +281,24 @@ def _fix_interpreter_type_bookkeeping() -> None:
     core.block_type.name = lazy_name(lambda t: f"<{t.shape}, {t.element_ty}>")
 
 
+def _skip_interpreter_overflow_checks() -> None:
+    """Triton 3.6's interpreter forms an overflow check for every 32-bit integer add, subtract and
+    multiply (``sanitize_overflow``: each widened to int64 and compared with the int32 bounds), and
+    hands it to ``device_assert``, which drops it unless the ``debug`` option is on (it is off by
+    default). Those checks were about a fifth of the interpreter's time in the model tests. Without
+    ``debug`` turn them off, which changes no value and no outcome."""
+    try:
+        import dataclasses
+
+        from triton.runtime import interpreter as interp
+    except ImportError:  # pragma: no cover - layout of a future triton
+        return
+    builder = getattr(interp, "interpreter_builder", None)
+    options = getattr(builder, "options", None)
+    if getattr(options, "sanitize_overflow", False) and not getattr(options, "debug", True):
+        builder.options = dataclasses.replace(options, sanitize_overflow=False)
+
+
 _interpreter_fixed = False  # the fixes below are in place (they stay for the process)
 
 
@@ -286,6 +312,7 @@ def _fix_interpreter() -> None:
     _fix_interpreter_bf16_dot()
     _fix_interpreter_nested_repatch()
     _fix_interpreter_type_bookkeeping()
+    _skip_interpreter_overflow_checks()
     _interpreter_fixed = True
 
 
