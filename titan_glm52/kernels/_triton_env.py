@@ -203,15 +203,16 @@ def _fix_interpreter_nested_repatch() -> None:
 
 def _fix_interpreter_type_bookkeeping() -> None:
     """Triton 3.6's interpreter spends about a fifth of its time, in the model tests, on type
-    bookkeeping per operation: every block type builds its shape as a ``tl.tuple`` (with a type of
-    its own) and formats its name (and the tuple's) when built, though a kernel has few distinct
-    shapes and few names are ever read, and every numpy view of a value rebuilds a dict of eighteen
-    dtypes. Build each distinct shape once (the same values), format each name when first read (the
-    same string) and look the dtypes up in one dict built once; the values computed are the
-    same."""
+    bookkeeping per operation: every block type, and every value, builds its shape as a
+    ``tl.tuple`` (with a type of its own), every block type formats its name (and the tuple's) when
+    built, though a kernel has few distinct shapes and few names are ever read, and every numpy
+    view of a value rebuilds a dict of eighteen dtypes. Build each distinct shape once (the same
+    values), format each name when first read (the same string) and look the dtypes up in one dict
+    built once; the values computed are the same."""
     try:
         import builtins
         import inspect
+        import math
 
         import numpy as np
         import triton.language as tl
@@ -266,13 +267,27 @@ def _fix_interpreter_type_bookkeeping() -> None:
             shapes[dims] = (as_tuple, core.validate_block_shape(as_tuple))
         self.shape, self.numel = shapes[dims]
 
+    consts: dict = {}  # dims -> (a value's element count, its shape as constants), built once
+
+    def tensor_init(self, handle, type):
+        self.handle = handle
+        self.type = type
+        self.dtype = type.scalar
+        dims = builtins.tuple(type.shape) if type.is_block() else ()
+        if dims not in consts:
+            consts[dims] = (core.constexpr(math.prod(dims)), core.tuple(map(core.constexpr, dims)))
+        self.numel, self.shape = consts[dims]
+
     def params(fn) -> list[str]:
         return list(inspect.signature(fn).parameters)
 
-    if params(core.tuple_type.__init__) != ["self", "types", "fields"] or params(
-        core.block_type.__init__
-    ) != ["self", "element_ty", "shape"]:
+    if (
+        params(core.tuple_type.__init__) != ["self", "types", "fields"]
+        or params(core.block_type.__init__) != ["self", "element_ty", "shape"]
+        or params(core.tensor.__init__) != ["self", "handle", "type"]
+    ):
         return  # pragma: no cover - types built differently in a future triton: leave them
+    core.tensor.__init__ = tensor_init
     core.tuple_type.__init__ = tuple_type_init
     core.tuple_type.name = lazy_name(
         lambda t: "[" + ",".join(f"{k}:{v}" for k, v in zip(t.fields, t.types)) + "]"
