@@ -1,6 +1,6 @@
-"""Runs functions on N local processes (spawn, gloo, one thread each): one function
-(``run_on_ranks``, re-raises the first failure), or a test module's cases in groups that share the
-processes (``run_cases``)."""
+"""Runs functions on N local processes (forked from a fork server, gloo, one thread each): one
+function (``run_on_ranks``, re-raises the first failure), or a test module's cases in groups that
+share the processes (``run_cases``)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,29 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch.multiprocessing as mp
+
+# What a rank imports, loaded once into the fork server from which every rank of this test process
+# is forked. Why not spawn: each spawned rank imported torch, torchtitan and this project anew (3.5
+# to 5.4 CPU-s apiece on a 2-core machine like CI's) for every group of every distributed module;
+# four of the modules alone took 119 s under pytest with spawn, 87 s forked. The server starts at
+# the first launch, with this process's environment (TRITON_INTERPRET included), and never runs a
+# case or touches a GPU, so every rank starts from the modules as imported.
+_PRELOAD = [
+    "tests.distributed.launcher",
+    "tests.distributed.cases",
+    "tests.distributed.cp_cases",
+    "tests.distributed.hf_export_cases",
+    "tests.distributed.hf_load_cases",
+    "tests.distributed.lora_cases",
+    "tests.distributed.pipeline_cases",
+]
+
+
+def _start(entry, args: tuple, nprocs: int):
+    mp.get_context("forkserver").set_forkserver_preload(_PRELOAD)
+    return mp.start_processes(
+        entry, args=args, nprocs=nprocs, start_method="forkserver", join=False
+    )
 
 
 def free_port() -> int:
@@ -71,13 +94,7 @@ def run_on_ranks(fn, world_size: int, timeout_s: float = 120.0, **kwargs) -> Non
     ``fn`` must be importable (a module-level function). Raises the first rank's exception (with its
     traceback) or TimeoutError after ``timeout_s`` (the processes are then killed).
     """
-    ctx = mp.start_processes(
-        _entry,
-        args=(world_size, free_port(), fn, kwargs),
-        nprocs=world_size,
-        start_method="spawn",
-        join=False,
-    )
+    ctx = _start(_entry, (world_size, free_port(), fn, kwargs), world_size)
     deadline = time.monotonic() + timeout_s
     while not ctx.join(timeout=1.0):
         if time.monotonic() > deadline:
@@ -105,9 +122,9 @@ def run_cases(cases: dict[str, Case], report_dir: str) -> dict[str, str | None]:
     """Runs ``cases`` in their order, those of one world size in one group of processes, and
     returns name -> None (passed) or the failure's text (each failing rank's traceback).
 
-    Why groups: a case's own work is 2-3 s here, while starting its processes (spawn, then the
-    imports of torch, torchtitan and this project) cost as much again on every rank. In a group
-    every case still builds its own model from its own seed, and dynamo's caches are cleared before
+    Why groups: a case's own work is 2-3 s here, and its ranks' start (the processes, gloo's
+    rendezvous, the imports the fork server did not make) is paid once per group. In a group every
+    case still builds its own model from its own seed, and dynamo's caches are cleared before
     each. A case that fails or times out ends its group (its ranks may have stopped at different
     collectives); the cases after it run in a new group.
     """
@@ -181,13 +198,7 @@ def _reports(folder: str, world: int) -> list[dict[str, str | None]]:
 
 def _run_group(world: int, items: list[tuple[str, Case]], folder: str) -> dict[str, str | None]:
     """The cases that finished, in order, up to and including the first failure."""
-    ctx = mp.start_processes(
-        _group_entry,
-        args=(world, (free_port(), free_port()), items, folder),
-        nprocs=world,
-        start_method="spawn",
-        join=False,
-    )
+    ctx = _start(_group_entry, (world, (free_port(), free_port()), items, folder), world)
     current, deadline, stopped = 0, time.monotonic() + items[0][1].timeout_s, None
     while True:
         try:
