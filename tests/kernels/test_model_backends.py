@@ -71,6 +71,24 @@ def test_compiled_blocks_do_not_recompile_when_the_kl_scale_changes():
     assert torch.isfinite(kls[1]) and kls[1] > 0
 
 
+def test_compiled_blocks_compile_once_per_kind_of_layer():
+    """16 compiled layers (GLM-5.2 has 78) stay below torch._dynamo's recompile_limit (8) in every
+    compiled frame: a block compiles once per kind of layer (dense or MoE, with or without an
+    indexer), not once per layer. A layer's own number reaching a compiled block as a constant (the
+    KL sink's layer id did) made every layer compile the block's attention again, and past the
+    limit the layers after ran it uncompiled."""
+    args = get_flavor("debug").replace(index_topk=8, num_hidden_layers=16)
+    model = GLM52Model(args, ModelOptions(indexer_loss_coeff=0.5))
+    model.init_weights(seed=3)
+    apply_compile(model, backend="eager")
+    torch._dynamo.reset()
+    tokens = torch.randint(0, args.vocab_size, (2, 32), generator=torch.Generator())
+    cu = torch.tensor([0, 20, 32, 64], dtype=torch.int32)
+    # (the forward alone: dynamo traces, and guards, only there)
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        model(tokens, cu, with_mtp=True, aux=AuxTerms())
+
+
 @pytest.mark.parametrize("prepared", [True, False])
 def test_compiled_blocks_break_only_at_the_eager_calls(prepared):
     """Compiled blocks break their graphs at the eager DSA calls themselves, not before them to

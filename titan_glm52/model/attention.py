@@ -475,10 +475,7 @@ class Attention(nn.Module):
                 self.kv_rank,
                 self.recompute_latent_query,
                 prefix,
-                (q_i, k_i, w_i, self.indexer.softmax_scale, self.indexer_loss_coeff, ctx.aux)
-                if kl_fused
-                else None,
-                self.layer_id,
+                (q_i, k_i, w_i, self, ctx.aux) if kl_fused else None,
             )
             # the KL needs the dense rows' LSE too: their sparse forward
             if dense_rows and train_indexer:
@@ -657,7 +654,6 @@ def _absorbed_sparse_mla(
     rebuild: bool,
     prefix: DensePrefix | None,
     kl: tuple | None = None,
-    layer_id: int = 0,
 ):
     """(latent query, the plain queries of the dense prefix's rows or None, latent output, lse): the
     latent query formed here and the sparse attention over it, eagerly (called through ``_eager``,
@@ -666,13 +662,22 @@ def _absorbed_sparse_mla(
     same eager ops on the same inputs (the same bits), instead of keeping it: H x kv_rank values per
     token fewer held from forward to backward (64 KB per token and layer at GLM-5.2's widths, bf16;
     the rope part, a source of the rebuild, stays), for one batched GEMM of 2 H nope kv_rank FLOPs
-    per token in backward. ``kl`` = (q_idx, k_idx, w_idx, indexer scale, indexer_loss_coeff, the
-    step's AuxTerms): the attention's backward also trains the indexer (``sparse_mla_indexer_kl``),
-    its KL summed into layer ``layer_id``'s sink."""
+    per token in backward. ``kl`` = (q_idx, k_idx, w_idx, the Attention, the step's AuxTerms): the
+    attention's backward also trains the indexer (``sparse_mla_indexer_kl``), its KL summed into
+    the layer's sink. Why the module, not its layer id: an int attribute passed out of a compiled
+    block is a constant that dynamo guards, so every layer compiled the block's attention again and
+    past 8 layers (torch._dynamo's recompile_limit) the rest ran it uncompiled."""
     if kl is not None:
-        q_i, k_i, w_i, idx_scale, coeff, aux = kl
-        sink = aux.indexer_kl_sink(layer_id, q_nope.device)
-        kl = (q_i, k_i, w_i, idx_scale, coeff / aux.tokens, sink)
+        q_i, k_i, w_i, attn, aux = kl
+        sink = aux.indexer_kl_sink(attn.layer_id, q_nope.device)
+        kl = (
+            q_i,
+            k_i,
+            w_i,
+            attn.indexer.softmax_scale,
+            attn.indexer_loss_coeff / aux.tokens,
+            sink,
+        )
     q_abs, q_pre = (
         _absorb(q_nope, q_rope, w_uk)
         if prefix is None
