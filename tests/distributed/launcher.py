@@ -18,10 +18,10 @@ import torch.multiprocessing as mp
 
 # What a rank imports, loaded once into the fork server from which every rank of this test process
 # is forked. Why not spawn: each spawned rank imported torch, torchtitan and this project anew (3.5
-# to 5.4 CPU-s apiece on a 2-core machine like CI's) for every group of every distributed module;
-# four of the modules alone took 119 s under pytest with spawn, 87 s forked. The server starts at
-# the first launch, with this process's environment (TRITON_INTERPRET included), and never runs a
-# case or touches a GPU, so every rank starts from the modules as imported.
+# to 5.4 CPU-s apiece on a 2-core machine like CI's) for every group of every distributed module:
+# tests/distributed under the README's command (2 workers) took 537 s spawned, 446 s forked. The
+# server starts at the first launch, with this process's environment (TRITON_INTERPRET included),
+# and never runs a case or touches a GPU, so every rank starts from the modules as imported.
 _PRELOAD = [
     "tests.distributed.launcher",
     "tests.distributed.cases",
