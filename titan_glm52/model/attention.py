@@ -291,8 +291,8 @@ def topk_recall(
     sm_scale: float,
     chunk: int | None = None,
 ) -> torch.Tensor:
-    """Mean over queries of |selected ∩ dense top-k| / |dense top-k|, where the dense top-k are the k
-    keys with the largest head-summed attention probability over all visible keys (k = the
+    """Mean over queries of |selected ∩ dense top-k| / |dense top-k|, where the dense top-k are the
+    k keys with the largest head-summed attention probability over all visible keys (k = the
     query's number of selected keys; queries ``rows`` with document starts ``starts``, ``q [n,
     H, D]``). A 0-dim fp32 tensor on ``q``'s device, computed without a host sync, so the host
     stays ahead of the GPU on the steps that probe it; ``chunk`` queries at a time (default: as
