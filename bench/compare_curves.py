@@ -35,7 +35,10 @@ def main() -> None:
     for s in steps[::6] + ([steps[-1]] if steps and steps[-1] not in steps[::6] else []):
         print(f"| {s} | " + " | ".join(f"{curves[n][s]:.3f}" for n in names) + " |")
     late = [s for s in steps if s >= a.from_step]
-    print(f"\nabsolute difference to {names[0]} from step {a.from_step} ({len(late)} logged steps):")
+    print(
+        f"\nabsolute difference to {names[0]} from step {a.from_step} "
+        f"({len(late)} logged steps):"
+    )
     for n in names[1:]:
         d = [abs(curves[n][s] - ref[s]) for s in late]
         if d:

@@ -51,7 +51,10 @@ def _ptxas_report(ptx: str, arch: str = "sm_90a") -> str:
     txt = res.stdout + res.stderr
     regs = re.search(r"Used (\d+) registers", txt)
     spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", txt)
-    return f"regs={regs.group(1) if regs else '?'} spill_st/ld={spill.group(1) + '/' + spill.group(2) if spill else '?'}"
+    return (
+        f"regs={regs.group(1) if regs else '?'} "
+        f"spill_st/ld={spill.group(1) + '/' + spill.group(2) if spill else '?'}"
+    )
 
 
 def compile_one(
@@ -91,7 +94,10 @@ def compile_one(
         raise RuntimeError(
             f"shared memory {k.metadata.shared} B > {SMEM_LIMIT} B available per block on sm_90"
         )
-    return f"{fn.__name__:28s} {_ptxas_report(k.asm['ptx'])} smem={k.metadata.shared} ({time.time() - t0:.1f}s)"
+    return (
+        f"{fn.__name__:28s} {_ptxas_report(k.asm['ptx'])} smem={k.metadata.shared} "
+        f"({time.time() - t0:.1f}s)"
+    )
 
 
 def main() -> None:

@@ -7,13 +7,14 @@ which torch first exports in 2.12.0, and the GPU machine has 2.11 (bench/README.
 
 On the GPU machine (wheels carried in .whl/, see bench/gpu_env.sh):
 
-    source bench/gpu_env.sh && python3 bench/e2e.py                       # lean default matrix, < 9 min
-    python3 bench/e2e.py --quick                                          # 4K and 32K, compile off, AC selective
-    python3 bench/e2e.py --real-mode --ac full                            # ours as trained: MTP, indexer KL; 4K to 64K
-    python3 bench/e2e.py --seq-lens 4096,16384,32768 --compile off,on --ac none,selective --steps 6 --warmup 3
-    python3 bench/e2e.py --nproc 2 --parallel fsdp                        # each side on 2 GPUs, FSDP over 2
-    python3 bench/e2e.py --nproc 2 --parallel ep                          # EP = 2 (carved out of FSDP's 2 ranks)
-    python3 bench/e2e.py --seq-lens 4096 --trace                          # + top GPU kernels of both sides
+    source bench/gpu_env.sh && python3 bench/e2e.py  # lean default matrix, < 9 min
+    python3 bench/e2e.py --quick                     # 4K and 32K, compile off, AC selective
+    python3 bench/e2e.py --real-mode --ac full       # ours as trained: MTP, indexer KL; 4K to 64K
+    python3 bench/e2e.py --seq-lens 4096,16384,32768 --compile off,on --ac none,selective \\
+        --steps 6 --warmup 3
+    python3 bench/e2e.py --nproc 2 --parallel fsdp   # each side on 2 GPUs, FSDP over 2
+    python3 bench/e2e.py --nproc 2 --parallel ep     # EP = 2 (carved out of FSDP's 2 ranks)
+    python3 bench/e2e.py --seq-lens 4096 --trace     # + top GPU kernels of both sides
     python3 bench/e2e.py --quick --peer-args="--float8 rowwise"           # the peer in float8
 
 Every cell of the matrix (seq_len x compile x AC) runs twice, each side in its own subprocess
@@ -123,7 +124,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--sac-option",
         default="2",
         help="activation_checkpoint.selective_ac_option for both sides: N = every N-th block "
-        "(torchtitan's default, and the proxy config's), 'op' = per-op SAC (each side's own policy)",
+        "(torchtitan's default, and the proxy config's), 'op' = per-op SAC "
+        "(each side's own policy)",
     )
     p.add_argument("--steps", type=int, default=4, help="timed steps per cell, after the warm-up")
     p.add_argument(
@@ -192,7 +194,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--our-mtp",
         choices=("on", "off"),
         default="on",
-        help="ours trains the proxy's MTP layer (as its config does); 'off' = no MTP, like the peer",
+        help="ours trains the proxy's MTP layer (as its config does); "
+        "'off' = no MTP, like the peer",
     )
     p.add_argument(
         "--real-mode",
@@ -380,7 +383,10 @@ def parallel_text(nproc: int, parallel: str) -> str:
         )
     if parallel == "fsdp":
         return f"{nproc} GPUs per side, FSDP (dp_shard {nproc})"
-    return f"{nproc} GPUs per side, EP {nproc} + FSDP (dp_shard {nproc}; routed experts: ep {nproc} x efsdp 1)"
+    return (
+        f"{nproc} GPUs per side, EP {nproc} + FSDP (dp_shard {nproc}; "
+        f"routed experts: ep {nproc} x efsdp 1)"
+    )
 
 
 # ----------------------------------------------------------------------------------------- our side
@@ -740,10 +746,12 @@ def table_rows(cells: list[dict]) -> tuple[list[str], list[list[str]]]:
 
 def text_table(head: list[str], rows: list[list[str]]) -> str:
     widths = [max(len(r[i]) for r in [head] + rows) for i in range(len(head))]
-    # noqa
-    line = lambda r: "  ".join(
-        v.rjust(w) if i else v.ljust(w) for i, (v, w) in enumerate(zip(r, widths))
-    )
+
+    def line(r):
+        return "  ".join(
+            v.rjust(w) if i else v.ljust(w) for i, (v, w) in enumerate(zip(r, widths))
+        )
+
     return "\n".join([line(head), "  ".join("-" * w for w in widths)] + [line(r) for r in rows])
 
 
@@ -753,22 +761,23 @@ def real_mode_notes(m: dict) -> list[str]:
     if not m.get("real_mode"):
         return []
     return [
-        f"- ours ran in the real mode (`--real-mode`): MTP on, the DSA sparse stage with the indexer "
-        f"KL loss at coefficient {m['our_indexer_loss_coeff']:g} (`--dsa.indexer_loss_coeff`).",
+        f"- ours ran in the real mode (`--real-mode`): MTP on, the DSA sparse stage with the "
+        f"indexer KL loss at coefficient {m['our_indexer_loss_coeff']:g} "
+        f"(`--dsa.indexer_loss_coeff`).",
         "- ours' MFU in the real mode = 3 F / step time / 989 TFLOP/s (backward = twice the "
         "forward, recomputation not counted), with the forward FLOPs F = 2 [T W + (L + 1) H (2 d_c "
         "+ d_r) P_sel + (L_I + 1) H_I (D_I + 1) (P_vis + P_sel) + (L - L_I) B ((H (d_qk + d_v) - H "
         "(2 d_c + d_r)) k (k + 1) / 2 + k d_c H (d_nope + d_v))]: T = B S tokens; W = the "
         "multiply-adds per token of every weight a token meets (the L = 4 layers' MLA projections "
         "and MLPs, the indexer projections of the L_I + 1 layers with an indexer, the head, and "
-        "MTP's eh_proj 2D x D, its MoE layer and the head once more); P_sel = B sum_{t=1..S} min(k, "
-        "t) selected and P_vis = B S (S + 1) / 2 visible (query, key) pairs per layer; k = "
+        "MTP's eh_proj 2D x D, its MoE layer and the head once more); P_sel = B sum_{t=1..S} "
+        "min(k, t) selected and P_vis = B S (S + 1) / 2 visible (query, key) pairs per layer; k = "
         "index_topk = 2048; L_I = the IndexShare full layers (3, FFFS), + 1 for the MTP layer's "
         "block. The terms: the weights; the absorbed sparse attention core (H heads, latent d_c = "
         "512, RoPE d_r = 64) over the selected keys; the indexer's scores (H_I heads of D_I, then "
         "their weighted sum) over the visible keys and, for the KL, its logits once more over the "
-        "selected keys; the dense prefix (`[dsa] dense_prefix`, on: each sequence's first k rows in "
-        "the plain MLA form, plus their keys' up-projection, on the L - L_I layers without an "
+        "selected keys; the dense prefix (`[dsa] dense_prefix`, on: each sequence's first k rows "
+        "in the plain MLA form, plus their keys' up-projection, on the L - L_I layers without an "
         "indexer; the layers with one run those rows sparse, whose backward forms their KL; every "
         "sequence here is longer than k). Not counted: the KL's target (the attention's "
         "probabilities on those keys, which the attention computes anyway).",
@@ -818,7 +827,8 @@ def markdown(report: dict) -> str:
         f"- per cell: {m['warmup']} warm-up ({m.get('warmup_compiled', m['warmup'])} with compile) "
         "+ "
         f"{m['steps']} timed steps, local batch {m['batch']} per rank, "
-        f"selective_ac_option {m['sac_option']!r}, our MTP {m['our_mtp']}; wall {m['wall_s']:.0f} s",
+        f"selective_ac_option {m['sac_option']!r}, our MTP {m['our_mtp']}; "
+        f"wall {m['wall_s']:.0f} s",
         "",
         "| " + " | ".join(head) + " |",
         "|" + "|".join("---" for _ in head) + "|",
@@ -857,7 +867,8 @@ def markdown(report: dict) -> str:
         "parallelize_deepseekv3 over torchtitan's ParallelDims meshes, with its EP when EP > 1), "
         "build_optimizers_with_moe_load_balancing (fused AdamW). "
         "MFU = (6 N_active T + 3 L 2 H (d_qk + d_v) B S(S+1)/2) / step time / 989 TFLOP/s "
-        "(dense causal attention; `mfu_pct_tt` in the JSON uses torchtitan's own full S x S count).",
+        "(dense causal attention; "
+        "`mfu_pct_tt` in the JSON uses torchtitan's own full S x S count).",
         *peer_float8_notes(report["cells"]),
         f"- AC 'selective' = activation_checkpoint.selective_ac_option {m['sac_option']!r} on both "
         "sides "

@@ -99,7 +99,8 @@ def quant_tiles(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def quant_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """e4m3 of ``w [N, K]`` per 128x128 block: (``q [N, K]``, ``scale [ceil(N/128), ceil(K/128)]``)."""
+    """e4m3 of ``w [N, K]`` per 128x128 block: (``q [N, K]``,
+    ``scale [ceil(N/128), ceil(K/128)]``)."""
     n, k = w.shape
     nb, kb = -(-n // 128), -(-k // 128)
     pad = F.pad(w.float(), (0, kb * 128 - k, 0, nb * 128 - n)).view(nb, 128, kb, 128)
@@ -186,7 +187,10 @@ def products(name: str, m: int, n: int, k: int, reps: int) -> None:
             if k % 128 == 0 and n % 128 == 0
             else None
         )
-        fwd = lambda: blockwise_mm(xq, xs, wq.t(), ws.t(), "128x128")
+
+        def fwd():
+            return blockwise_mm(xq, xs, wq.t(), ws.t(), "128x128")
+
         out = fwd()
         add(
             **base,
@@ -198,7 +202,10 @@ def products(name: str, m: int, n: int, k: int, reps: int) -> None:
         add(**base, impl="blockwise_fwd", status=f"error: {str(e)[:160]}")
     try:
         wtq, wts = quant_blocks(w.t().contiguous())  # W [N, K] as B [N, K] contracted over N
-        dgrad = lambda: blockwise_mm(gq, gs, wtq.t(), wts.t(), "128x128")
+
+        def dgrad():
+            return blockwise_mm(gq, gs, wtq.t(), wts.t(), "128x128")
+
         add(**base, impl="blockwise_dgrad", ms=timed(dgrad, reps))
     except Exception as e:  # noqa: BLE001 (recorded as this cell's error)
         add(**base, impl="blockwise_dgrad", status=f"error: {str(e)[:160]}")
@@ -206,7 +213,10 @@ def products(name: str, m: int, n: int, k: int, reps: int) -> None:
         # dW [N, K] = g^T [N, M] @ x [M, K]: both per 1x128 tile along M
         gtq, gts = quant_tiles(g.t().contiguous())
         xtq, xts = quant_tiles(x.t().contiguous())
-        wgrad = lambda: blockwise_mm(gtq, gts, xtq.t(), xts, "1x128")
+
+        def wgrad():
+            return blockwise_mm(gtq, gts, xtq.t(), xts, "1x128")
+
         add(**base, impl="blockwise_wgrad", ms=timed(wgrad, reps))
     except Exception as e:  # noqa: BLE001 (recorded as this cell's error)
         add(**base, impl="blockwise_wgrad", status=f"error: {str(e)[:160]}")
@@ -214,22 +224,28 @@ def products(name: str, m: int, n: int, k: int, reps: int) -> None:
         xr = x.float().abs().amax(1, keepdim=True) / FP8_MAX
         wr = w.float().abs().amax(1, keepdim=True) / FP8_MAX
         xrq, wrq = (x / xr).to(E4M3), (w / wr).to(E4M3)
-        rw = lambda: torch._scaled_mm(
-            xrq,
-            wrq.t(),
-            scale_a=xr,
-            scale_b=wr.t(),
-            out_dtype=torch.bfloat16,
-        )
+
+        def rw():
+            return torch._scaled_mm(
+                xrq,
+                wrq.t(),
+                scale_a=xr,
+                scale_b=wr.t(),
+                out_dtype=torch.bfloat16,
+            )
+
         add(**base, impl="rowwise_fwd", ms=timed(rw, reps))
         one = torch.ones((), device="cuda")
-        tw = lambda: torch._scaled_mm(
-            xrq,
-            wrq.t(),
-            scale_a=one,
-            scale_b=one,
-            out_dtype=torch.bfloat16,
-        )
+
+        def tw():
+            return torch._scaled_mm(
+                xrq,
+                wrq.t(),
+                scale_a=one,
+                scale_b=one,
+                out_dtype=torch.bfloat16,
+            )
+
         add(**base, impl="tensorwise_fwd", ms=timed(tw, reps))
     except Exception as e:  # noqa: BLE001 (recorded as this cell's error)
         add(**base, impl="rowwise_fwd", status=f"error: {str(e)[:160]}")
@@ -273,14 +289,17 @@ def experts(m: int, reps: int) -> None:
         xs = x.float().abs().amax(1) / FP8_MAX
         ws = w13.float().abs().amax(2) / FP8_MAX
         xq, wq = (x / xs[:, None]).to(E4M3), (w13 / ws[..., None]).to(E4M3)
-        gr = lambda: torch._scaled_grouped_mm(
-            xq,
-            wq.transpose(-2, -1),
-            xs,
-            ws,
-            offs=offs,
-            out_dtype=torch.bfloat16,
-        )
+
+        def gr():
+            return torch._scaled_grouped_mm(
+                xq,
+                wq.transpose(-2, -1),
+                xs,
+                ws,
+                offs=offs,
+                out_dtype=torch.bfloat16,
+            )
+
         add(**base, impl="grouped_rowwise", ms=timed(gr, reps))
     except Exception as e:  # noqa: BLE001 (recorded as this cell's error)
         add(**base, impl="grouped_rowwise", status=f"error: {str(e)[:160]}")
@@ -411,7 +430,8 @@ def main() -> None:
                 None,
             )
         print(
-            f"{r['shape']:14s} {r['M']:6d} {r['impl']:22s} {(f'{ms:.3f}' if ms else r.get('status', '')[:40]):>9s} "
+            f"{r['shape']:14s} {r['M']:6d} {r['impl']:22s} "
+            f"{(f'{ms:.3f}' if ms else r.get('status', '')[:40]):>9s} "
             f"{(f'{tf:.0f}' if tf else '-'):>8s} {(f'{ref / ms:.2f}' if ms and ref else '-'):>7s}"
         )
 

@@ -1,7 +1,8 @@
 """GPU benchmark of the Triton DSA kernels at GLM-5.2 sizes, side by side with the torch reference
 and dense causal attention of the same model.
 
-    python bench/kernels.py [--sizes 4096,16384,32768,65536,131072] [--out bench/results/kernels_h200.json]
+    python bench/kernels.py [--sizes 4096,16384,32768,65536,131072] \\
+        [--out bench/results/kernels_h200.json]
     python bench/kernels.py --sweep-only --tune-out chosen.json  # launch alternatives, fastest kept
     python bench/kernels.py --sweep-only --sweep-parts indexer_loss.fwd_given,indexer_loss.bwd
     python bench/kernels.py --overrides chosen.json              # every size with those launches
@@ -341,8 +342,10 @@ def run_dense(args, T, layout, deadline):
         d_flop = 2 * H * (T * (T + 1) // 2) * (256 + 256)
         try:
             with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-                # noqa: E731
-                df = lambda: F.scaled_dot_product_attention(qd, kd, vd, is_causal=True)
+
+                def df():
+                    return F.scaled_dot_product_attention(qd, kd, vd, is_causal=True)
+
                 with torch.no_grad():
                     record(
                         out,
@@ -356,8 +359,10 @@ def run_dense(args, T, layout, deadline):
                         peak_of(df),
                     )
                 od = df()
-                # noqa: E731
-                db = lambda: torch.autograd.grad(od, (qd, kd, vd), dd, retain_graph=True)
+
+                def db():
+                    return torch.autograd.grad(od, (qd, kd, vd), dd, retain_graph=True)
+
                 record(
                     out,
                     "dense_attn_bwd",
@@ -608,8 +613,10 @@ def print_table():
             if r.get("x_floor")
             else (str(r.get("config")) if r.get("config") else "")
         )
-        # noqa: E731
-        f = lambda v, p: f"{v:.{p}f}" if isinstance(v, (int, float)) and v is not None else "-"
+
+        def f(v, p):
+            return f"{v:.{p}f}" if isinstance(v, (int, float)) and v is not None else "-"
+
         print(
             f"{r['kernel']:22s} {r['impl']:7s} {r['T']:<8d} {r['layout']:9s} "
             f"{r['status'][:10]:10s} "

@@ -48,6 +48,12 @@ def plain_moe_forward(self, x, rows=1):
     return plain_combine(routed, weights, order, x.dtype) + self.shared_experts(x)
 
 
+def compiled_block(fwd, block):
+    """``torch.compile`` of ``fwd(block, inp)``: the block is bound here, not to a name of
+    ``main``'s loop that the loop deletes."""
+    return torch.compile(lambda inp: fwd(block, inp))
+
+
 def bench(fn, inputs, grad, rep=100):
     """Median ms of forward + backward (do_bench: as many runs as fit in ``rep`` ms, at least
     one)."""
@@ -89,9 +95,11 @@ def main():
                 d_fn, c_fn = wrap(disp), wrap(comb)
                 key = f"{name}_{'compiled' if comp else 'eager'}"
                 row[key] = dict(
-                    dispatch_ms=bench(lambda: d_fn(x, token_of, pos), [x], g_rows),
+                    dispatch_ms=bench(lambda x=x: d_fn(x, token_of, pos), [x], g_rows),
                     combine_ms=bench(
-                        lambda: c_fn(routed, weights, order, torch.bfloat16, pos),
+                        lambda routed=routed, weights=weights: c_fn(
+                            routed, weights, order, torch.bfloat16, pos
+                        ),
                         [routed, weights],
                         g_out,
                     ),
@@ -113,12 +121,14 @@ def main():
         block = block.cuda().bfloat16()
         for name, fwd in (("plain", plain_moe_forward), ("ours", M.MoE.forward)):
             torch._dynamo.reset()
-            f = torch.compile(lambda inp: fwd(block, inp))
+            f = compiled_block(fwd, block)
             params = list(block.parameters())
-            row[f"block_{name}_compiled_ms"] = bench(lambda: f(x), [x] + params, g_out, rep=2000)
+            row[f"block_{name}_compiled_ms"] = bench(
+                lambda f=f, x=x: f(x), [x] + params, g_out, rep=2000
+            )
             print(n, f"block {name}", row[f"block_{name}_compiled_ms"], flush=True)
         res[f"N{n}"] = row
-        del x, routed, weights, g_rows, g_out, block
+        del x, routed, weights, g_rows, g_out, block, f
         torch.cuda.empty_cache()
     with open(os.path.join(os.environ.get("OUT", "/tmp"), "moe_routing.json"), "w") as f:
         json.dump(res, f, indent=1)

@@ -1,8 +1,9 @@
 """Per-kernel profile of the Triton DSA kernels at one size: what limits them.
 
-    python bench/profile_dsa.py --T 32768                       # torch.profiler: time of every kernel launch
-    ncu --clock-control none --set full -k regex:'^_(fwd|bwd_ps|bwd_grad|score|select|kl_fwd|kl_bwd)_kernel' \\
-        -o dsa python bench/profile_dsa.py --T 32768 --once     # hardware counters, one launch of each
+    python bench/profile_dsa.py --T 32768  # torch.profiler: time of every kernel launch
+    ncu --clock-control none --set full \\
+        -k regex:'^_(fwd|bwd_ps|bwd_grad|score|select|kl_fwd|kl_bwd)_kernel' \\
+        -o dsa python bench/profile_dsa.py --T 32768 --once  # hardware counters, one launch of each
 
 Shapes as bench/kernels.py (H = 64, D_qk = 576, d_v = 512, topk = 2048, H_I = 32, D_I = 128, bf16,
 one document of T tokens, random data). The backward runs as one chunk (one launch per kernel).
@@ -10,7 +11,8 @@ Prints one table: per kernel, ms per call and TFLOP/s by the FLOP counts of benc
 per kernel (backward part 1, ps: S, dP = 2*H*K_valid*(D_qk + d_v); part 2, grad: dK, dV, dQ =
 2*H*K_valid*(2*D_qk + d_v)); JSON to --out.
 
-    python bench/profile_dsa.py --T 32768 --chunked 1024,1024:maxnreg=none,1024:maxnreg=96   # chunked backward
+    # chunked backward
+    python bench/profile_dsa.py --T 32768 --chunked 1024,1024:maxnreg=none,1024:maxnreg=96
 
 ``--chunked`` instead times the sparse MLA backward as training runs it, in chunks of queries, per
 variant ``SCRATCH_MiB[:KEY=VALUE...]`` (the P / dS scratch, and launch overrides of the Triton part

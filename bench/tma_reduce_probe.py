@@ -4,7 +4,8 @@ the pattern of the sparse MLA backward's dKV: 64 random rows per step, DC column
 column block.
 
     python3 bench/tma_reduce_probe.py --out tma_reduce_rate.json
-    python3 bench/tma_reduce_probe.py --ptx     # no GPU: lower the Gluon kernel for sm_90, print its reductions
+    python3 bench/tma_reduce_probe.py --ptx     # no GPU: lower the Gluon kernel for sm_90, print
+                                                # its reductions
 
 One H200 (``results/2026-12-03_h200_kernels.md``): no faster than ``red.v4``: 7.9e11 against
 9.6e11 adds/s into dKV's 192-column slice at 32K rows (25 MB, in L2), 5.6e11 for both into all 576

@@ -372,7 +372,10 @@ def summarize(path: str, steps: int = 1, top: int = 40, gemms: bool = False) -> 
 
 def text(summary: dict, title: str = "") -> str:
     lines = [
-        f"{title} GPU kernel time {summary['gpu_ms_per_step']:.1f} ms/step ({summary['trace']})".strip()
+        (
+            f"{title} GPU kernel time {summary['gpu_ms_per_step']:.1f} ms/step "
+            f"({summary['trace']})"
+        ).strip()
     ]
     tl = summary.get("timeline") or {}
     if tl:

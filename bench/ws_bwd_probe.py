@@ -11,10 +11,13 @@ part 1, and both Gluon parts.
 Writes $OUT/ws_bwd_<variant>.json; lines starting RESULT summarise.
 """
 
-import json, os, sys
+import json
+import os
+import sys
 
 sys.path.insert(0, os.getcwd())
-import torch, triton
+import torch
+import triton
 from titan_glm52.kernels import reference as R
 from titan_glm52.kernels import sparse_mla as SM
 from titan_glm52.kernels import sparse_mla_ws as W

@@ -37,7 +37,7 @@ for T in [4096, 32768]:
     q, kv, idx, kend, go, out, lse = bwd_inputs([T], 2, gen, scale)
     rows, ref = [], None
 
-    def backward():
+    def backward(q=q, kv=kv, idx=idx, kend=kend, out=out, lse=lse, go=go):
         return SM._bwd(q, kv, idx, kend, out, lse, go, scale, D_V)
 
     for var in variants:
@@ -61,7 +61,7 @@ for T in [4096, 32768]:
         )
         print(T, json.dumps(rows[-1]), flush=True)
     res[f"T{T}"] = rows
-    del q, kv, idx, go, out, lse, ref
+    del q, kv, idx, go, out, lse, ref, backward
 with open(os.path.join(os.environ.get("OUT", "/tmp"), f"ws_bwd_sweep_{part}.json"), "w") as f:
     json.dump(res, f, indent=1)
 for T in [4096, 32768]:

@@ -8,10 +8,14 @@ Triton kernel and the fp32 reference on one GPU: correctness on a packed batch w
 Writes $OUT/ws_probe_<variant>.json; lines starting RESULT summarise.
 """
 
-import json, os, sys, time
+import json
+import os
+import sys
+import time
 
 sys.path.insert(0, os.getcwd())
-import torch, triton
+import torch
+import triton
 from titan_glm52.kernels import reference as R
 from titan_glm52.kernels import sparse_mla as SM
 from titan_glm52.kernels import sparse_mla_ws as W
@@ -51,15 +55,15 @@ def main():
     ro, rl = R.sparse_mla(q.float(), kv.float(), idx, scale, D_V)
     fin = torch.isfinite(rl)
     m = {}
-    for name, (o, l) in {"ws": (o1, l1), "triton": (o2, l2)}.items():
+    for name, (o, lse) in {"ws": (o1, l1), "triton": (o2, l2)}.items():
         d = (o.float() - ro).abs()
         m[name] = dict(
             out_max_abs=float(d.max()),
             out_bad=int((d > 1e-2 + 0.024 * ro.abs()).sum()),
             out_cos=cos(o, ro),
-            lse_max_abs=float((l[fin] - rl[fin]).abs().max()),
-            lse_inf_match=bool(torch.equal(fin, torch.isfinite(l))),
-            empty_ok=bool(torch.all(o[:3] == 0) and torch.all(l[:3] == float("-inf"))),
+            lse_max_abs=float((lse[fin] - rl[fin]).abs().max()),
+            lse_inf_match=bool(torch.equal(fin, torch.isfinite(lse))),
+            empty_ok=bool(torch.all(o[:3] == 0) and torch.all(lse[:3] == float("-inf"))),
             finite=bool(torch.isfinite(o).all()),
         )
     m["ws_vs_triton_out_max_abs"] = float((o1.float() - o2.float()).abs().max())

@@ -2,7 +2,8 @@
 
 Layout of the ranks (outermost first)::
 
-    pp x dp_replicate x dp_shard x cp   dense parameters (FSDP over dp_shard x cp, HSDP: dp_replicate)
+    pp x dp_replicate x dp_shard x cp   dense parameters (FSDP over dp_shard x cp,
+                                                          HSDP: dp_replicate)
     pp x dp_replicate x efsdp x ep      routed experts   (EP over ep, FSDP over efsdp)
     with dp_shard x cp = efsdp x ep
 

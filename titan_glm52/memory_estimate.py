@@ -122,21 +122,26 @@ extent, out, lse); the indexer runs under no_grad (no indexer loss); an RMSNorm 
 fp32 rstd and the normalised copy its weight multiplies:
 
   none       every tensor autograd keeps, per block:
-             attention  a*(3D + 3r + H(n+p) + 2(c+p) + c + H(c+p) + Hc + Hv) + 4H (lse) + 16 (3 rstd, extent)
-                        + 8p (complex RoPE tables of q and k) + 4K on full layers (the int32 top-k; shared
-                        layers reference the same tensor) + on the dense-prefix rows (min(K, S) of each
-                        sequence of S tokens: one document per row assumed; packed documents of K to 2K tokens
-                        put a larger share of rows there) a*(H(2(n+p) + 2v + n) + c) + 4H (SDPA's q and k, v
-                        inside the wkv_b output, out, lse; the gathered latents)
-                        (3D: norm input, normalised copy, output; 3r: the q_norm's; (c+p) + c: the kv_norm's;
-                        H(c+p): the latent query, a*Hp instead with ``recompute_latent_query``, the default, in a
-                        block that is not checkpointed: rebuilt in backward, its rope part kept)
+             attention  a*(3D + 3r + H(n+p) + 2(c+p) + c + H(c+p) + Hc + Hv) + 4H (lse)
+                        + 16 (3 rstd, extent) + 8p (complex RoPE tables of q and k)
+                        + 4K on full layers (the int32 top-k; shared layers reference the same
+                        tensor) + on the dense-prefix rows (min(K, S) of each sequence of S
+                        tokens: one document per row assumed; packed documents of K to 2K
+                        tokens put a larger share of rows there) a*(H(2(n+p) + 2v + n) + c)
+                        + 4H (SDPA's q and k, v inside the wkv_b output, out, lse; the gathered
+                        latents)
+                        (3D: norm input, normalised copy, output; 3r: the q_norm's; (c+p) + c:
+                        the kv_norm's; H(c+p): the latent query, a*Hp instead with
+                        ``recompute_latent_query``, the default, in a block that is not
+                        checkpointed: rebuilt in backward, its rope part kept)
              dense MLP  a*(3D + 4Fd) + 4;  MoE  a*3D + 4 + 4D + 4E (fp32 router input, scores)
-                        + 32k (int64 routing indices, fp32 combine weights; + 16kL under EP: the permutations)
-                        + L*a*(kD + 4kF) (routed token copies, expert intermediates) + a*kD + 12k (the
-                        combine's token-ordered copy of the routed rows, its permutation and weights)
-                        + a*4Fs (shared expert); with ``[moe] recompute_expert_inputs`` (default) L*a*2kF
-                        instead of L*a*(kD + 4kF), L*a*(kD + 2kF) under EP (the received rows are kept)
+                        + 32k (int64 routing indices, fp32 combine weights; + 16kL under EP:
+                        the permutations)
+                        + L*a*(kD + 4kF) (routed token copies, expert intermediates)
+                        + a*kD + 12k (the combine's token-ordered copy of the routed rows, its
+                        permutation and weights) + a*4Fs (shared expert); with
+                        ``[moe] recompute_expert_inputs`` (default) L*a*2kF instead of
+                        L*a*(kD + 4kF), L*a*(kD + 2kF) under EP (the received rows are kept)
   full       the block input a*D, plus 4K on full layers (the top-k a checkpointed full block
              returns is kept by the shared blocks' checkpoints)
   selective "op" (the policy of ``parallelize.py``): block input a*D, 4K on full layers, and the
@@ -162,17 +167,19 @@ fp32 rstd and the normalised copy its weight multiplies:
              it formed (see head)
 
 Backward bytes of a step (on top of what it saved):
-  block      a checkpointed block ("full", "op") rebuilds its "none" set while its own saved tensors are still
-             held (for "op" the cached ones are shared: counted twice, an upper bound), plus the larger of the
-             attention's and the MLP's backward workspace (they run one after the other):
-             attention  a*H(2c+p) (gradient of the latent output, dQ) + 4(c+p) (fp32 dKV) + 3aD (residual and
-                        input gradients) + a*H(c+p) where the latent query is rebuilt, plus the DSA kernels'
-                        scratch: min(1 GiB, 2HKa per token) (P and dS of the split backward; the
-                        indexer's 1 GiB score scratch of a recompute comes before them); with the
-                        dense prefix, per prefix row a*H(2(n+p) + 3v + n) (its output gradient, dQ,
-                        dK, dV, the wkv_b output's gradient) and per token a*H(n+p) (the gathered
-                        queries' full-size gradient), n = qk_nope_head_dim, p = qk_rope_head_dim, v
-                        = v_head_dim
+  block      a checkpointed block ("full", "op") rebuilds its "none" set while its own saved
+             tensors are still held (for "op" the cached ones are shared: counted twice, an
+             upper bound), plus the larger of the attention's and the MLP's backward workspace
+             (they run one after the other):
+             attention  a*H(2c+p) (gradient of the latent output, dQ) + 4(c+p) (fp32 dKV)
+                        + 3aD (residual and input gradients) + a*H(c+p) where the latent query
+                        is rebuilt, plus the DSA kernels' scratch: min(1 GiB, 2HKa per token)
+                        (P and dS of the split backward; the indexer's 1 GiB score scratch of a
+                        recompute comes before them); with the dense prefix, per prefix row
+                        a*H(2(n+p) + 3v + n) (its output gradient, dQ, dK, dV, the wkv_b
+                        output's gradient) and per token a*H(n+p) (the gathered queries'
+                        full-size gradient), n = qk_nope_head_dim, p = qk_rope_head_dim,
+                        v = v_head_dim
              MoE        3aD + the largest moment of the routed path (``moe_backward_peak``), walked
                         in the order autograd runs it with the saved tensors each step frees
                         subtracted (u = a*k per token, l = L*a*k on the experts' side, R: silu and
@@ -207,18 +214,18 @@ loss chunk too), the dense prefix's share is 0 (its rows run on the sparse kerne
 are read from the real dp_shard x cp mesh, and the gathered key state of the global ``seq_len``
 tokens, w = c + p latent values (and d_I = index_head_dim indexer values on layers with an indexer),
 adds per local token:
-  saved      a*(cp - 1)*w in a block that is not checkpointed ("none"): the sparse attention keeps the
-             gathered latent rows (cp per local token) where it kept the local ones; nothing in "full"
-             or "op" (the gather is recomputed, not kept: keeping it would grow the op policy's saved
-             set with the CP degree)
-  backward   (cp - 1)*4w (the fp32 gradient of the gathered rows beyond the local ones) + (2cp + 1)*a*w
-             (that gradient in param_dtype, the laid-order buffer it is reordered into for the
-             reduce-scatter, the reduce-scatter's output) + on indexer layers 2cp*a*d_I (the gathered
-             indexer keys and their laid copy, alive in a recompute's top-k; counted at the backward's
-             peak, an upper bound) (``cp_key_state_bytes``); a recompute's "none" set includes the
-             saved term. The indexer's score scratch stays bounded by its 1 GiB budget (its rows are
-             the global document lengths wide, so fewer rows fit), and comes before the sparse
-             backward's.
+  saved      a*(cp - 1)*w in a block that is not checkpointed ("none"): the sparse attention
+             keeps the gathered latent rows (cp per local token) where it kept the local ones;
+             nothing in "full" or "op" (the gather is recomputed, not kept: keeping it would
+             grow the op policy's saved set with the CP degree)
+  backward   (cp - 1)*4w (the fp32 gradient of the gathered rows beyond the local ones)
+             + (2cp + 1)*a*w (that gradient in param_dtype, the laid-order buffer it is
+             reordered into for the reduce-scatter, the reduce-scatter's output) + on indexer
+             layers 2cp*a*d_I (the gathered indexer keys and their laid copy, alive in a
+             recompute's top-k; counted at the backward's peak, an upper bound)
+             (``cp_key_state_bytes``); a recompute's "none" set includes the saved term. The
+             indexer's score scratch stays bounded by its 1 GiB budget (its rows are the global
+             document lengths wide, so fewer rows fit), and comes before the sparse backward's.
   extras     8 (the local rows' global rows)
 
 Checked against ``torch.cuda.max_memory_allocated`` on H200s

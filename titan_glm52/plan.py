@@ -1,14 +1,16 @@
 """``python -m titan_glm52.plan``: plan the 744B model's parallel layout without any GPU.
 
-    python -m titan_glm52.plan layout --flavor glm52_744b --pp 8 [--schedule 1F1B] [--stages-per-rank V]
-                                      [--seq-len 4096] [--layers-per-stage 14,8,8,8,8,8,8,16]
+    python -m titan_glm52.plan layout --flavor glm52_744b --pp 8 [--schedule 1F1B]
+                                      [--stages-per-rank V] [--seq-len 4096]
+                                      [--layers-per-stage 14,8,8,8,8,8,8,16]
 
-    python -m titan_glm52.plan memory --flavor glm52_744b --gpus 256 --pp 8 --ep 32 [--cp N] [--dp-replicate R]
-                                      [--schedule 1F1B] [--stages-per-rank V] [--layers-per-stage ...]
-                                      [--seq-len 4096] [--local-batch-size 1] [--microbatch-size 1]
-                                      [--ac full|selective|none] [--gpu-memory-gib 141] [--param-dtype bf16]
-                                      [--master-weights fsdp|optimizer] [--grad-accumulation]
-                                      [--optimizer-state-dtype bf16]
+    python -m titan_glm52.plan memory --flavor glm52_744b --gpus 256 --pp 8 --ep 32 [--cp N]
+                                      [--dp-replicate R] [--schedule 1F1B] [--stages-per-rank V]
+                                      [--layers-per-stage ...] [--seq-len 4096]
+                                      [--local-batch-size 1] [--microbatch-size 1]
+                                      [--ac full|selective|none] [--gpu-memory-gib 141]
+                                      [--param-dtype bf16] [--master-weights fsdp|optimizer]
+                                      [--grad-accumulation] [--optimizer-state-dtype bf16]
 
 ``layout`` prints the pipeline split (``pipeline_split.py`` decides it; this file only parses and
 prints): a line ``layers per stage: a,b,...``, then one line per stage (rank, layers, first layer,

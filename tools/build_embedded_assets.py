@@ -3,7 +3,8 @@
 Usage (from the repository root)::
 
     python tools/build_embedded_assets.py            # rebuild the assets in place
-    python tools/build_embedded_assets.py --check    # rebuild in memory, fail if the committed files differ
+    python tools/build_embedded_assets.py --check    # rebuild in memory, fail if the committed
+                                                     # files differ
 
 The text is real English prose shipped with CPython itself, so no network is needed:
 

@@ -43,8 +43,9 @@ from titan_glm52.packed import doc_positions
 
 GLM_MARKERS = ("<|user|>", "<|observation|>")
 
-# A ChatML-like template: other role markers, the turn closed by <|im_end|>, and {% generation %} around
-# exactly what should be trained (the assistant's text, its tool calls and its <|im_end|>, not the newline).
+# A ChatML-like template: other role markers, the turn closed by <|im_end|>, and {% generation %}
+# around exactly what should be trained (the assistant's text, its tool calls and its <|im_end|>,
+# not the newline).
 CHATML = (
     "{%- if tools -%}"
     "{{- '<|im_start|>system\\n<tools>' + tools | tojson + '</tools><|im_end|>\\n' -}}"
@@ -153,9 +154,9 @@ def token_byte_ends(tok, ids: list[int]) -> np.ndarray:
 
 
 def glm_expected_targets(tok, messages, tools, n_ids: int) -> np.ndarray:
-    """The trained tokens of a conversation under the shipped template, from character spans: after the
-    generation prompt to the end of the message, then the next message's <|user|> / <|observation|>, or
-    after the last message the eos."""
+    """The trained tokens of a conversation under the shipped template, from character spans: after
+    the generation prompt to the end of the message, then the next message's <|user|> /
+    <|observation|>, or after the last message the eos."""
     template = open(EMBEDDED_TEMPLATE_FILE).read()
     renders = [jinja_render(template, messages[:j], tools) for j in range(len(messages) + 1)]
     full = renders[-1]
@@ -403,7 +404,10 @@ def test_non_prefix_templates_are_refused(tmp_path, tok):
     with pytest.raises(ChatTemplateError, match="closing.jinja"):
         ChatEncoder(tok, write_template(tmp_path, closing, "closing.jinja"))
     # renders as a prefix, but a token spans two messages: refused on the row, naming it
-    glued = "{% for m in messages %}{{ m.content }}{% endfor %}{% if add_generation_prompt %}{% endif %}"
+    glued = (
+        "{% for m in messages %}{{ m.content }}{% endfor %}"
+        "{% if add_generation_prompt %}{% endif %}"
+    )
     enc = ChatEncoder(tok, write_template(tmp_path, glued, "glued.jinja"))
     row = ChatRow(
         [{"role": "user", "content": "th"}, {"role": "assistant", "content": "e"}],

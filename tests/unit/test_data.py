@@ -90,7 +90,10 @@ def test_embedded_tokenizer_round_trip():
     tok = build_tokenizer("embedded")
     assert (tok.vocab_size, tok.eos_id, tok.pad_id, tok.bos_id) == (2048, 0, 0, None)
     assert tok.eos_token == "<|endoftext|>"
-    text = "The quick brown fox jumps over the lazy dog.\n\n  def f(x):\n\treturn x ** 2  # café, naïve, 漢字"
+    text = (
+        "The quick brown fox jumps over the lazy dog.\n\n"
+        "  def f(x):\n\treturn x ** 2  # café, naïve, 漢字"
+    )
     ids = tok.encode(text)
     assert ids and all(0 <= i < tok.vocab_size for i in ids) and tok.eos_id not in ids
     assert tok.decode(ids) == text

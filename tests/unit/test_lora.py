@@ -1,5 +1,5 @@
-"""LoRA on one process (titan_glm52/lora.py): names, freezing, every weight use of a target, training
-that moves only the adapters, the merge, the memory it saves, the config's refusals."""
+"""LoRA on one process (titan_glm52/lora.py): names, freezing, every weight use of a target,
+training that moves only the adapters, the merge, the memory it saves, the config's refusals."""
 
 from __future__ import annotations
 

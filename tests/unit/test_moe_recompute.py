@@ -199,9 +199,10 @@ def test_cuda_same_bits_and_the_expected_saving():
 
 @pytest.mark.parametrize("grouped", [True, False], ids=["grouped_mm", "per_expert"])
 def test_token_chunks_give_the_whole_batch_result(grouped):
-    """``[activation_checkpoint] mlp_token_chunk``: the routed experts over chunks of tokens, each recomputed in backward, give
-    the output and every gradient of the whole batch at once (the products row for row; the weight
-    gradients summed chunk by chunk), and the load counts of the whole batch."""
+    """``[activation_checkpoint] mlp_token_chunk``: the routed experts over chunks of tokens, each
+    recomputed in backward, give the output and every gradient of the whole batch at once (the
+    products row for row; the weight gradients summed chunk by chunk), and the load counts of the
+    whole batch."""
     dtype = torch.float32 if grouped else torch.float64  # (torch._grouped_mm takes no fp64)
     whole, chunked = _block(dtype, grouped), _block(dtype, grouped)
     chunked.token_chunk = 16  # (the option's switch on the same weights: 40 tokens in 3 chunks)

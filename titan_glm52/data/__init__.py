@@ -3,8 +3,11 @@
 The trainer needs two calls::
 
     tokenizer = build_tokenizer("embedded")               # or an HF tokenizer directory
-    loader = build_dataloader(tokenizer, "embedded", seq_len, local_batch_size, dp_rank, dp_world, seed)
-    batch = next(loader)  # input_ids/labels/positions [B, S] int64, cu_seqlens int32 over the B*S stream
+    loader = build_dataloader(
+        tokenizer, "embedded", seq_len, local_batch_size, dp_rank, dp_world, seed
+    )
+    # input_ids/labels/positions [B, S] int64, cu_seqlens int32 over the B*S stream
+    batch = next(loader)
 
 and ``loader.state_dict()`` / ``loader.load_state_dict()`` for checkpoints. Chat data (conversations
 in a ``messages`` field, labels only on the assistant's tokens) goes through the same call with

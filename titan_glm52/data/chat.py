@@ -1,15 +1,16 @@
 """Chat data: a conversation -> its token ids and which of them are trained (the loss mask).
 
-The template. A conversation is rendered to text by a Jinja chat template through transformers' own
-``apply_chat_template(..., tokenize=False)`` (the public entry point, the same in transformers 4.4x and
-5.x), then tokenized by the loader's ``Tokenizer`` (special tokens written by the template, such as GLM's
-``<|user|>``, become their ids). The template is found as transformers finds it (``find_chat_template``):
-``chat_template.jinja`` (and ``additional_chat_templates/*.jinja``) beside ``tokenizer.json``, else the
-``chat_template`` entry of ``tokenizer_config.json``; or a file or directory named by ``chat_template``;
-or ``"embedded"``, the GLM-style template shipped in ``titan_glm52/assets/chat/`` (the default for the
-embedded tokenizer, whose 2048-token vocabulary has no role tokens: there ``<|user|>`` is 6 ordinary
-tokens). The template sees ``messages``, ``tools``, ``add_generation_prompt`` and the tokenizer's
-``eos_token`` / ``bos_token`` / ``pad_token``.
+The template. A conversation is rendered to text by a Jinja chat template through transformers'
+own ``apply_chat_template(..., tokenize=False)`` (the public entry point, the same in transformers
+4.4x and 5.x), then tokenized by the loader's ``Tokenizer`` (special tokens written by the
+template, such as GLM's ``<|user|>``, become their ids). The template is found as transformers
+finds it (``find_chat_template``): ``chat_template.jinja`` (and
+``additional_chat_templates/*.jinja``) beside ``tokenizer.json``, else the ``chat_template`` entry
+of ``tokenizer_config.json``; or a file or directory named by ``chat_template``; or
+``"embedded"``, the GLM-style template shipped in ``titan_glm52/assets/chat/`` (the default for
+the embedded tokenizer, whose 2048-token vocabulary has no role tokens: there ``<|user|>`` is 6
+ordinary tokens). The template sees ``messages``, ``tools``, ``add_generation_prompt`` and the
+tokenizer's ``eos_token`` / ``bos_token`` / ``pad_token``.
 
 The turns. Message ``j``'s tokens are found without knowing the template: render the first ``j`` and
 the first ``j + 1`` messages; the tokens of the longer rendering past the shorter one are message
@@ -21,18 +22,19 @@ prompt*: the rendering of the messages before it with ``add_generation_prompt=Tr
 (``<|assistant|>`` and its newline: what a server writes before the model speaks); everything after
 that, up to the turn's end, is what the model must produce.
 
-The end of an assistant turn. Generation stops at an *end-of-turn marker*: the tokenizer's eos, the ids
-in ``generation_config.json``'s ``eos_token_id`` beside ``tokenizer.json`` (GLM-5.2: ``<|endoftext|>``,
-``<|user|>``, ``<|observation|>``), the embedded template's ``<|user|>`` and ``<|observation|>``, and any
-given as ``end_of_turn``. Then:
+The end of an assistant turn. Generation stops at an *end-of-turn marker*: the tokenizer's eos, the
+ids in ``generation_config.json``'s ``eos_token_id`` beside ``tokenizer.json`` (GLM-5.2:
+``<|endoftext|>``, ``<|user|>``, ``<|observation|>``), the embedded template's ``<|user|>`` and
+``<|observation|>``, and any given as ``end_of_turn``. Then:
 
-* the template closes the turn itself (ChatML's ``<|im_end|>``, Llama 3's ``<|eot_id|>``): the message's
-  tokens end with a marker followed only by whitespace tokens. The marker is trained; the whitespace after
-  it is not (the model stops at the marker and never writes it);
-* GLM-style: nothing closes the turn but the next role token. The message's tokens are all trained, and
-  so is the marker that follows them: the next message's ``<|user|>`` or ``<|observation|>`` (all of its
-  tokens where it is several), or, after the last message, the eos that ends the conversation. A turn
-  followed by a role that is no marker (``<|system|>``, another ``<|assistant|>``) trains no end token;
+* the template closes the turn itself (ChatML's ``<|im_end|>``, Llama 3's ``<|eot_id|>``): the
+  message's tokens end with a marker followed only by whitespace tokens. The marker is trained;
+  the whitespace after it is not (the model stops at the marker and never writes it);
+* GLM-style: nothing closes the turn but the next role token. The message's tokens are all
+  trained, and so is the marker that follows them: the next message's ``<|user|>`` or
+  ``<|observation|>`` (all of its tokens where it is several), or, after the last message, the eos
+  that ends the conversation. A turn followed by a role that is no marker (``<|system|>``, another
+  ``<|assistant|>``) trains no end token;
 * otherwise every token after the generation prompt is trained.
 
 A conversation's tokens end with eos (appended unless the template's rendering ends with it): eos is

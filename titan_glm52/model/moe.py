@@ -412,7 +412,8 @@ class MoE(nn.Module):
 
         Under context parallelism (``cp``: this rank holds part of each sequence) ``f`` counts the
         whole sequence (summed over the CP ranks; it carries no gradient) and ``P`` only this rank's
-        tokens, over the whole length: the ranks' terms add up to the loss of the whole sequences."""
+        tokens, over the whole length: the ranks' terms add up to the loss of the whole
+        sequences."""
         e, k = self.num_experts, self.router.top_k
         seq = scores.shape[0] // batch
         chosen = torch.zeros_like(scores).scatter_(1, idx, 1.0).view(batch, seq, e)
