@@ -72,12 +72,19 @@ def test_compiled_blocks_do_not_recompile_when_the_kl_scale_changes():
 
 
 def test_compiled_blocks_compile_once_per_kind_of_layer():
-    """16 compiled layers (GLM-5.2 has 78) stay below torch._dynamo's recompile_limit (8) in every
-    compiled frame: a block compiles once per kind of layer (dense or MoE, with or without an
-    indexer), not once per layer. A layer's own number reaching a compiled block as a constant (the
-    KL sink's layer id did) made every layer compile the block's attention again, and past the
-    limit the layers after ran it uncompiled."""
-    args = get_flavor("debug").replace(index_topk=8, num_hidden_layers=16)
+    """GLM-5.2's 78 layers (its dense prefix and IndexShare schedule, at the debug widths) stay
+    below torch._dynamo's recompile_limit (8) in every compiled frame: a block compiles once per
+    kind of layer (dense or MoE, with or without an indexer), not once per layer. A layer's own
+    number reaching a compiled block as a constant (the KL sink's layer id did) made every layer
+    compile the block's attention again, and past the limit the layers after ran it uncompiled."""
+    full = get_flavor("glm52_744b")
+    args = get_flavor("debug").replace(
+        index_topk=8,
+        num_hidden_layers=full.num_hidden_layers,
+        first_k_dense_replace=full.first_k_dense_replace,
+        index_topk_freq=full.index_topk_freq,
+        index_topk_pattern=full.index_topk_pattern,
+    )
     model = GLM52Model(args, ModelOptions(indexer_loss_coeff=0.5))
     model.init_weights(seed=3)
     apply_compile(model, backend="eager")
