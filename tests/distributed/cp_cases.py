@@ -17,9 +17,10 @@ import os
 import torch
 import torch.distributed as dist
 
-from tests.distributed.cases import DEVICE_TYPE, full
+from tests.distributed.cases import DEVICE_TYPE, FP8_CASE_DTYPE, fp8_modules, full
 from titan_glm52.context_parallel import CPGroup, next_token_ids, zigzag_split
 from titan_glm52.distributed import build_mesh, init_distributed
+from titan_glm52.fp8_training import DEFAULT_FILTER, Fp8Linear, Fp8Spec, apply_fp8
 from titan_glm52.model.args import get_flavor
 from titan_glm52.model.attention import Attention
 from titan_glm52.model.aux_loss import AuxTerms
@@ -35,10 +36,14 @@ RTOL, ATOL = 1e-4, 1e-5
 # than a chunk (1, 2, 3, 4, 5), longer than index_topk (8), a row that is one document.
 ROWS = ([5, 19, 2, 22], [48], [13, 1, 30, 4], [3, 3, 42])
 MTP_WEIGHT = 0.3
+# FP8 with CP: the dense linears only. Their weight gradient quantises per 128 tokens of a rank's
+# rows, which the test forms from the reference's inputs and output gradients; the head's fused loss
+# and the routed experts tile their tokens in ways of their own, so they stay bf16 here.
+CP_FP8_SPEC = Fp8Spec(filter_fqns=(*DEFAULT_FILTER, "output"), expert_fqns=())
 
 
-def cp_args(**overrides):
-    return get_flavor("debug").replace(index_topk=8, **overrides)
+def cp_args(fp8: bool = False, **overrides):
+    return get_flavor("debug_fp8" if fp8 else "debug").replace(index_topk=8, **overrides)
 
 
 def packed_batch(vocab: int, rows=ROWS) -> tuple[torch.Tensor, torch.Tensor]:
@@ -118,21 +123,45 @@ class Reference:
     grads: dict
     loads: list
     topk: dict
+    # with FP8: every FP8 linear's input and output gradient, ``[T, in]`` and ``[T, out]``
+    fp8_io: dict
 
 
 # most cases of a group compare with the same reference (cases._REFERENCES says why)
 _REFERENCES: dict = {}
 
 
-def _reference(args, options: ModelOptions, row_ids, device) -> Reference:
-    key = (repr(args), repr(options), row_ids, str(device))
+def _record_fp8_io(model) -> dict:
+    """Each FP8 linear's input and output gradient of the next forward and backward, by name."""
+    io = {}
+
+    def hook(name):
+        def forward_hook(module, args, out):
+            io[name] = [args[0].detach().reshape(-1, module.in_features), None]
+            out.register_hook(lambda g: io[name].__setitem__(1, g.reshape(-1, g.shape[-1])))
+
+        return forward_hook
+
+    for name, m in model.named_modules():
+        if isinstance(m, Fp8Linear):
+            m.register_forward_hook(hook(name))
+    return io
+
+
+def _reference(args, options: ModelOptions, row_ids, device, spec=None) -> Reference:
+    key = (repr(args), repr(options), row_ids, str(device), repr(spec))
     if key not in _REFERENCES:
         batch_rows = [ROWS[i] for i in row_ids]
         torch.manual_seed(0)
         ref = GLM52Model(args, options)
         ref.init_weights()
-        ref.to(device)
+        # FP8 cases in float64 (cases.FP8_CASE_DTYPE says why)
+        ref.to(device, FP8_CASE_DTYPE if spec else torch.float32)
         base = copy.deepcopy(ref)
+        fp8_io = {}
+        if spec is not None:
+            apply_fp8(ref, spec)
+            fp8_io = _record_fp8_io(ref)
         tokens, labels = packed_batch(args.vocab_size, batch_rows)
         tokens, labels = tokens.to(device), labels.to(device)
         mtp = mtp_labels(labels)
@@ -152,8 +181,30 @@ def _reference(args, options: ModelOptions, row_ids, device) -> Reference:
             grads={n: p.grad for n, p in ref.named_parameters()},
             loads=[m.tokens_per_expert for m in ref.modules() if isinstance(m, MoE)],
             topk=rec.first(),
+            fp8_io=fp8_io,
         )
     return _REFERENCES[key]
+
+
+def _fp8_weight_grads(ref: Reference, batch_rows, dp: int, cp: int) -> dict:
+    """The FP8 linears' weight gradients the parallel run should form: on every rank the block-wise
+    product over the 128-token tiles of its own rows (its data-parallel rows' zigzag part), summed
+    over the ranks, from the reference's inputs and output gradients of those rows."""
+    flat = torch.arange(len(batch_rows) * SEQ).view(len(batch_rows), SEQ)
+    per = len(batch_rows) // dp
+    ranks = [
+        zigzag_split(flat[d * per : (d + 1) * per], cp, c).reshape(-1)
+        for d in range(dp)
+        for c in range(cp)
+    ]
+    want = {}
+    for name, (x, dy) in ref.fp8_io.items():
+        grads = [
+            torch.ops.titan_glm52.fp8_mm_weight_grad(dy[r], x[r], [len(r)], x.dtype)[0]
+            for r in ranks
+        ]
+        want[name + ".weight"] = torch.stack(grads).sum(0)
+    return want
 
 
 def check_cp_train_step(
@@ -165,16 +216,24 @@ def check_cp_train_step(
     dense_warmup: bool = False,
     dsa_backend: str = "torch",
     row_ids: tuple[int, ...] = tuple(range(len(ROWS))),
+    fp8: bool = False,
     **arg_overrides,
 ) -> None:
     """Loss, indexer KL and sequence-loss sums, every gradient, the expert loads and every layer's
     top-k (identical key sets at every position) of CP (x FSDP / EP) equal the single-process run
-    on the same global batch (``row_ids``: which of ``ROWS`` it holds)."""
+    on the same global batch (``row_ids``: which of ``ROWS`` it holds).
+
+    ``fp8``: the "debug_fp8" flavor in float64 with its dense linears in FP8 (``CP_FP8_SPEC``) on
+    both sides. A product's forward and input gradient quantise per token, so everything but the
+    FP8 weights' gradients equals the reference; those quantise per 128 tokens of each rank's rows
+    and are compared with the same products formed from the reference's (``_fp8_weight_grads``)."""
     batch_rows = [ROWS[i] for i in row_ids]
     if dsa_backend == "triton" and DEVICE_TYPE == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")
     env = init_distributed(device_type=DEVICE_TYPE)
-    args = cp_args(**arg_overrides)
+    args = cp_args(fp8, **arg_overrides)
+    spec = CP_FP8_SPEC if fp8 else None
+    dtype = FP8_CASE_DTYPE if fp8 else torch.float32
     options = ModelOptions(
         dsa_backend=dsa_backend,
         sparse_attention=not dense_warmup,
@@ -184,7 +243,7 @@ def check_cp_train_step(
         # the reference runs every row sparse as CP does (the dense prefix is tested against it)
         dense_prefix=False,
     )
-    ref = _reference(args, options, row_ids, env.device)
+    ref = _reference(args, options, row_ids, env.device, spec)
     model = copy.deepcopy(ref.base)
     tokens, labels, mtp = ref.tokens, ref.labels, ref.mtp
     n_main, n_mtp = float((labels != IGNORE).sum()), float((mtp != IGNORE).sum())
@@ -197,7 +256,19 @@ def check_cp_train_step(
         device_type=env.device.type,
         n_routed_experts=args.n_routed_experts,
     )
-    parallelize_model(model, mesh, ac_mode=ac_mode, compile=compile, compile_backend="aot_eager")
+    parallelize_model(
+        model,
+        mesh,
+        param_dtype=dtype,
+        reduce_dtype=dtype,
+        ac_mode=ac_mode,
+        compile=compile,
+        compile_backend="aot_eager",
+        fp8=spec,
+    )
+    if fp8:
+        converted = fp8_modules(model)
+        assert converted and sorted(converted) == sorted(ref.fp8_io), converted
     rec = TopkRecorder(model)
     dp, cpm = mesh["dp"], mesh["cp"]
     group = CPGroup.of(cpm.get_group())
@@ -235,12 +306,13 @@ def check_cp_train_step(
     torch.testing.assert_close(seq_aux, ref.seq_aux, rtol=RTOL, atol=ATOL)
 
     checked = 0
+    want = {**ref.grads, **(_fp8_weight_grads(ref, batch_rows, dp.size(), cp) if fp8 else {})}
     for name, p in model.named_parameters():
-        if ref.grads[name] is None:
+        if want[name] is None:
             assert p.grad is None, name
             continue
         torch.testing.assert_close(
-            full(p.grad), ref.grads[name], rtol=RTOL, atol=ATOL, msg=lambda m: f"{name}: {m}"
+            full(p.grad), want[name], rtol=RTOL, atol=ATOL, msg=lambda m: f"{name}: {m}"
         )
         checked += ".indexer." in name
     assert checked > 0, "no indexer gradient was compared: the KL is not tested"

@@ -1,7 +1,8 @@
 """Context parallelism (zigzag split, gathered key state, top-k over global rows) on 2 and 4 gloo
-processes, alone and with FSDP, EP, activation checkpointing, compile, the dense warm-up and the
-Triton kernels, against a single process on the same global batch (cp_cases.check_cp_train_step):
-loss, auxiliary sums, every gradient, expert loads and every layer's top-k."""
+processes, alone and with FSDP, EP, activation checkpointing, compile, the dense warm-up, FP8 and
+the Triton kernels, against a single process on the same global batch
+(cp_cases.check_cp_train_step): loss, auxiliary sums, every gradient, expert loads and every
+layer's top-k."""
 
 import pytest
 
@@ -17,6 +18,8 @@ TRAIN_STEP = {
     "cp2_ep2_ac_selective_op": (2, dict(cp=2, ep=2, ac_mode="selective")),
     "cp2_compile_ac_full": (2, dict(cp=2, compile=True, ac_mode="full")),
     "cp2_dense_warmup": (2, dict(cp=2, dense_warmup=True)),
+    # the dense linears in FP8 (block-wise), float64 otherwise (cp_cases.CP_FP8_SPEC)
+    "cp2_fp8": (2, dict(cp=2, fp8=True)),
     # the Triton kernels (interpreter on CPU) with q_rows; 2 layers + MTP and two of the rows (4
     # documents crossing the chunks, one document) to keep it short
     "cp2_triton": (2, dict(cp=2, dsa_backend="triton", num_hidden_layers=2, row_ids=(0, 1))),

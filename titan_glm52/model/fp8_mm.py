@@ -16,12 +16,12 @@ bf16 product keeps (x and w), so memory and activation checkpointing are unchang
 
 On CUDA the quantisation is ``kernels/fp8_quant.py`` (one Triton pass per operand) and the products
 cuBLAS; elsewhere the same quantisation in torch (the same bits) and each product on the dequantised
-operands in fp32 (what the FP8 GEMM computes, up to the order of its fp32 sums), so that the CPU
-tests and the gloo cases run the recipe. On CUDA each expert's quantised rows start on a multiple
-of 16 rows, with its scales laid out on their own: cuBLAS refused the products of uneven row counts
-otherwise (bench/results/2026-12-04_h200_fp8.md). The product and its two gradient products are
-registered ops (``model/ops.py``, as ``expert_mm``): ``torch.compile`` keeps them whole and op-level
-activation checkpointing can save their outputs.
+operands in fp32 (what the FP8 GEMM computes, up to the order of its fp32 sums; float64 into a
+float64 output, ``scaled_mm``), so that the CPU tests and the gloo cases run the recipe. On CUDA
+each expert's quantised rows start on a multiple of 16 rows, with its scales laid out on their own:
+cuBLAS refused the products of uneven row counts otherwise (bench/results/2026-12-04_h200_fp8.md).
+The product and its two gradient products are registered ops (``model/ops.py``, as ``expert_mm``):
+``torch.compile`` keeps them whole and op-level activation checkpointing can save their outputs.
 """
 
 from __future__ import annotations
@@ -104,13 +104,13 @@ def tiles_of(splits: list[int], device: torch.device) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------ the products
-def _dequant(q: torch.Tensor, s: torch.Tensor, blocks: bool) -> torch.Tensor:
-    """fp32 values of ``q [R, C]``: scales ``s`` per 1 x 128 tile ``[R, C / 128]`` or per 128 x 128
-    block ``[R / 128, C / 128]``."""
+def _dequant(q: torch.Tensor, s: torch.Tensor, blocks: bool, dtype: torch.dtype) -> torch.Tensor:
+    """``dtype`` values of ``q [R, C]``: scales ``s`` per 1 x 128 tile ``[R, C / 128]`` or per 128 x
+    128 block ``[R / 128, C / 128]``."""
     s = s.repeat_interleave(TILE, -1)[..., : q.shape[1]]
     if blocks:
         s = s.repeat_interleave(TILE, 0)[: q.shape[0]]
-    return q.float() * s
+    return q.to(dtype) * s.to(dtype)
 
 
 def _k_major(s: torch.Tensor) -> torch.Tensor:
@@ -137,7 +137,11 @@ def scaled_mm(
     128]`` (``blocks``) or 1 x 128 scales ``[N, Kc / 128]`` (N contiguous on CUDA); fp32 sums,
     rounded once to ``out``'s dtype (``out [M, N]`` contiguous). Returns ``out``."""
     if not a.is_cuda:
-        return out.copy_(_dequant(a, a_s, False) @ _dequant(bt, bt_s, blocks).t())
+        # fp32 sums, as the GPU's; float64 ones into a float64 output (the distributed tests' FP8
+        # cases), whose rows then do not depend on how many rows the product has: a context-parallel
+        # rank's against the whole sequence's, which fp32's blocked sums made differ in the last bit
+        acc = torch.float64 if out.dtype == torch.float64 else torch.float32
+        return out.copy_(_dequant(a, a_s, False, acc) @ _dequant(bt, bt_s, blocks, acc).t())
     # aten's out= form of F.scaled_mm: cuBLAS writes into out (an expert's rows of the output)
     # instead of a new tensor copied there
     b_recipe = F.ScalingType.BlockWise128x128 if blocks else F.ScalingType.BlockWise1x128
