@@ -186,17 +186,20 @@ def _reference(args, options: ModelOptions, row_ids, device, spec=None) -> Refer
     return _REFERENCES[key]
 
 
-def _fp8_weight_grads(ref: Reference, batch_rows, dp: int, cp: int) -> dict:
+def rank_rows(n_rows: int, dp: int, dp_rank: int, cp: int, cp_rank: int, device=None):
+    """The global batch's flat token rows (``row * SEQ + column``) that data-parallel rank
+    ``dp_rank`` and context-parallel rank ``cp_rank`` hold, in their local order: its data-parallel
+    rows' zigzag part."""
+    flat = torch.arange(n_rows * SEQ, device=device).view(n_rows, SEQ)
+    per = n_rows // dp
+    return zigzag_split(flat[dp_rank * per : (dp_rank + 1) * per], cp, cp_rank).reshape(-1)
+
+
+def _fp8_weight_grads(ref: Reference, n_rows: int, dp: int, cp: int) -> dict:
     """The FP8 linears' weight gradients the parallel run should form: on every rank the block-wise
-    product over the 128-token tiles of its own rows (its data-parallel rows' zigzag part), summed
-    over the ranks, from the reference's inputs and output gradients of those rows."""
-    flat = torch.arange(len(batch_rows) * SEQ).view(len(batch_rows), SEQ)
-    per = len(batch_rows) // dp
-    ranks = [
-        zigzag_split(flat[d * per : (d + 1) * per], cp, c).reshape(-1)
-        for d in range(dp)
-        for c in range(cp)
-    ]
+    product over the 128-token tiles of its own rows (``rank_rows``), summed over the ranks, from
+    the reference's inputs and output gradients of those rows."""
+    ranks = [rank_rows(n_rows, dp, d, cp, c) for d in range(dp) for c in range(cp)]
     want = {}
     for name, (x, dy) in ref.fp8_io.items():
         grads = [
@@ -306,13 +309,13 @@ def check_cp_train_step(
     torch.testing.assert_close(seq_aux, ref.seq_aux, rtol=RTOL, atol=ATOL)
 
     checked = 0
-    want = {**ref.grads, **(_fp8_weight_grads(ref, batch_rows, dp.size(), cp) if fp8 else {})}
+    grads = {**ref.grads, **(_fp8_weight_grads(ref, len(batch_rows), dp.size(), cp) if fp8 else {})}
     for name, p in model.named_parameters():
-        if want[name] is None:
+        if grads[name] is None:
             assert p.grad is None, name
             continue
         torch.testing.assert_close(
-            full(p.grad), want[name], rtol=RTOL, atol=ATOL, msg=lambda m: f"{name}: {m}"
+            full(p.grad), grads[name], rtol=RTOL, atol=ATOL, msg=lambda m: f"{name}: {m}"
         )
         checked += ".indexer." in name
     assert checked > 0, "no indexer gradient was compared: the KL is not tested"
@@ -324,8 +327,9 @@ def check_cp_train_step(
 
     # this rank's rows of the reference's top-k, in local order, as rows of this data-parallel
     # rank's stream
-    flat = torch.arange(len(batch_rows) * SEQ, device=env.device).view(len(batch_rows), SEQ)
-    local_rows = part(flat).reshape(-1)
+    local_rows = rank_rows(
+        len(batch_rows), dp.size(), dp.get_local_rank(), cp, group.rank, env.device
+    )
     want = ref.topk
     got = rec.first()
     assert sorted(got) == sorted(want) and len(got) == args.num_hidden_layers + 1, sorted(got)

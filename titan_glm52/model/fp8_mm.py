@@ -134,12 +134,13 @@ def scaled_mm(
 ) -> torch.Tensor:
     """``out = a @ bt^T`` of e4m3 operands: ``a [M, Kc]`` with 1 x 128 scales ``a_s [M, Kc / 128]``
     (M contiguous on CUDA), ``bt [N, Kc]`` (rows contiguous) with 128 x 128 scales ``[N / 128, Kc /
-    128]`` (``blocks``) or 1 x 128 scales ``[N, Kc / 128]`` (N contiguous on CUDA); fp32 sums,
-    rounded once to ``out``'s dtype (``out [M, N]`` contiguous). Returns ``out``."""
+    128]`` (``blocks``) or 1 x 128 scales ``[N, Kc / 128]`` (N contiguous on CUDA); fp32 sums (on
+    CPU float64 ones into a float64 output), rounded once to ``out``'s dtype (``out [M, N]``
+    contiguous). Returns ``out``."""
     if not a.is_cuda:
-        # fp32 sums, as the GPU's; float64 ones into a float64 output (the distributed tests' FP8
-        # cases), whose rows then do not depend on how many rows the product has: a context-parallel
-        # rank's against the whole sequence's, which fp32's blocked sums made differ in the last bit
+        # (float64: the distributed tests' FP8 cases, whose rows then do not depend on how many rows
+        # the product has: a context-parallel rank's against the whole sequence's, which fp32's
+        # blocked sums made differ in the last bit)
         acc = torch.float64 if out.dtype == torch.float64 else torch.float32
         return out.copy_(_dequant(a, a_s, False, acc) @ _dequant(bt, bt_s, blocks, acc).t())
     # aten's out= form of F.scaled_mm: cuBLAS writes into out (an expert's rows of the output)
