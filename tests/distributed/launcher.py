@@ -206,7 +206,10 @@ def _run_group(world: int, items: list[tuple[str, Case]], folder: str) -> dict[s
         except Exception as e:  # a rank exited non-zero; join ended the others
             finished, stopped = True, str(e)
         reports = _reports(folder, world)
-        while current < len(items) and all(
+        # A case passed once one rank reports it so: a rank writes that line only after every rank
+        # met after the case. Why not wait for all ranks' lines: when the next case fails on one
+        # rank, the others are ended, and one may not have written its line yet.
+        while current < len(items) and any(
             items[current][0] in r and r[items[current][0]] is None for r in reports
         ):
             current += 1

@@ -2,18 +2,26 @@
 failure on one rank, a crash or a hang fails that case only, with its report, and the cases after it
 still run and pass."""
 
+import time
+
 import torch
 import torch.distributed as dist
 
+from tests.distributed import launcher
 from tests.distributed.launcher import Case, run_cases
 from titan_glm52.distributed import init_distributed
 
 
-def _sum_of_ones() -> None:
+def _sum_of_ones(rank0_meets_late: bool = False) -> None:
     init_distributed(device_type="cpu")
     t = torch.ones(1)
     dist.all_reduce(t)
     assert t.item() == dist.get_world_size()
+    if rank0_meets_late and dist.get_rank() == 0:
+        # Rank 0 then leaves the meeting after this case 1 s late: rank 1 has failed the next case
+        # by then, and the parent ends rank 0 before rank 0 reports this one as passed.
+        meet = launcher._meet
+        launcher._meet = lambda *args, **kwargs: (meet(*args, **kwargs), time.sleep(1.0))
 
 
 def _fails_on_the_last_rank() -> None:
@@ -40,7 +48,7 @@ def _crashes() -> None:
 def test_a_failure_a_crash_or_a_hang_fails_its_case_only(tmp_path):
     results = run_cases(
         {
-            "first": Case(_sum_of_ones, 2),
+            "first": Case(_sum_of_ones, 2, {"rank0_meets_late": True}),
             "fails": Case(_fails_on_the_last_rank, 2),
             "crashes": Case(_crashes, 2),
             "hangs": Case(_hangs, 2, timeout_s=5),
