@@ -17,13 +17,21 @@ import os
 import torch
 import torch.distributed as dist
 
-from tests.distributed.cases import DEVICE_TYPE, FP8_CASE_DTYPE, fp8_modules, full
+from tests.distributed.cases import (
+    DEVICE_TYPE,
+    FP8_CASE_DTYPE,
+    FP8_CASE_SPEC,
+    fp8_modules,
+    full,
+)
 from titan_glm52.context_parallel import CPGroup, next_token_ids, zigzag_split
 from titan_glm52.distributed import build_mesh, init_distributed
-from titan_glm52.fp8_training import DEFAULT_FILTER, Fp8Linear, Fp8Spec, apply_fp8
+from titan_glm52.fp8_training import Fp8GroupedExperts, Fp8Linear, Fp8OutputHead, apply_fp8
 from titan_glm52.model.args import get_flavor
 from titan_glm52.model.attention import Attention
 from titan_glm52.model.aux_loss import AuxTerms
+from titan_glm52.model.fp8_mm import Fp8HeadProducts, fp8_expert_mm
+from titan_glm52.model.head import linear_cross_entropy_sum
 from titan_glm52.model.model import GLM52Model
 from titan_glm52.model.moe import MoE
 from titan_glm52.model.options import ModelOptions
@@ -36,10 +44,6 @@ RTOL, ATOL = 1e-4, 1e-5
 # than a chunk (1, 2, 3, 4, 5), longer than index_topk (8), a row that is one document.
 ROWS = ([5, 19, 2, 22], [48], [13, 1, 30, 4], [3, 3, 42])
 MTP_WEIGHT = 0.3
-# FP8 with CP: the dense linears only. Their weight gradient quantises per 128 tokens of a rank's
-# rows, which the test forms from the reference's inputs and output gradients; the head's fused loss
-# and the routed experts tile their tokens in ways of their own, so they stay bf16 here.
-CP_FP8_SPEC = Fp8Spec(filter_fqns=(*DEFAULT_FILTER, "output"), expert_fqns=())
 
 
 def cp_args(fp8: bool = False, **overrides):
@@ -123,29 +127,92 @@ class Reference:
     grads: dict
     loads: list
     topk: dict
-    # with FP8: every FP8 linear's input and output gradient, ``[T, in]`` and ``[T, out]``
-    fp8_io: dict
+    # with FP8: what each FP8 product's weight gradient is formed from (``Fp8Records``)
+    fp8: Fp8Records | None
 
 
 # most cases of a group compare with the same reference (cases._REFERENCES says why)
 _REFERENCES: dict = {}
 
 
-def _record_fp8_io(model) -> dict:
-    """Each FP8 linear's input and output gradient of the next forward and backward, by name."""
-    io = {}
+@dataclasses.dataclass
+class Fp8Records:
+    """What the FP8 products' weight gradients of one forward and backward are formed from: per
+    FP8 linear its input ``[T, in]`` and output gradient ``[T, out]``; per routed-expert weight
+    (``<experts>.w13`` / ``.w2``) the expert-sorted rows of its product's input and output
+    gradient, the rows per expert and each row's token; per call of the head's fused loss its
+    input ``[T, D]``, its logits' gradient ``[T, V]`` (before the incoming gradient scales it) and
+    that incoming gradient."""
 
-    def hook(name):
-        def forward_hook(module, args, out):
-            io[name] = [args[0].detach().reshape(-1, module.in_features), None]
-            out.register_hook(lambda g: io[name].__setitem__(1, g.reshape(-1, g.shape[-1])))
+    linears: dict = dataclasses.field(default_factory=dict)
+    experts: dict = dataclasses.field(default_factory=dict)
+    head: list = dataclasses.field(default_factory=list)
 
-        return forward_hook
+
+def _record_fp8(model) -> Fp8Records:
+    """Records (``Fp8Records``) the next forward and backward of ``model``'s FP8 products."""
+    rec = Fp8Records()
+
+    def keep_grad(out, entry: list, at: int):
+        out.register_hook(lambda g: entry.__setitem__(at, g.reshape(-1, g.shape[-1])))
+
+    def linear_hook(name):
+        def hook(module, args, out):
+            rec.linears[name] = [args[0].detach().reshape(-1, module.in_features), None]
+            keep_grad(out, rec.linears[name], 1)
+
+        return hook
+
+    def experts_mm(name, experts, tokens: dict):
+        def mm(x, w, splits):
+            out = fp8_expert_mm(x, w, splits)
+            which = "w13" if w is experts.w13 else "w2"
+            # the sorted rows' tokens, as MoE._routed orders them (by expert, then token)
+            idx = tokens["idx"]
+            token_of = torch.argsort(idx.reshape(-1), stable=True) // idx.shape[1]
+            entry = [x.detach(), list(splits), token_of, None]
+            rec.experts[f"{name}.{which}"] = entry
+            keep_grad(out, entry, 3)
+            return out
+
+        return mm
+
+    def head_forward(head):
+        def forward(h, labels=None):
+            entry = {"h": [], "g": []}
+
+            def products(weight, input_grad):
+                mm = Fp8HeadProducts(weight, input_grad)
+                weight_grad = mm.weight_grad
+
+                def recorded(g, h_c, dw, dtype):
+                    entry["g"].append(g.clone())
+                    entry["h"].append(h_c.detach())
+                    return weight_grad(g, h_c, dw, dtype)
+
+                mm.weight_grad = recorded
+                return mm
+
+            out = linear_cross_entropy_sum(
+                h.reshape(-1, h.shape[-1]), head.weight, labels, products=products
+            )
+            out.register_hook(lambda g: entry.__setitem__("scale", g))
+            rec.head.append(entry)
+            return out
+
+        return forward
 
     for name, m in model.named_modules():
         if isinstance(m, Fp8Linear):
-            m.register_forward_hook(hook(name))
-    return io
+            m.register_forward_hook(linear_hook(name))
+        elif isinstance(m, Fp8GroupedExperts):
+            tokens: dict = {}
+            router = model.get_submodule(name.rpartition(".")[0]).router
+            router.register_forward_hook(lambda mod, a, out, t=tokens: t.update(idx=out[1]))
+            m.per_expert_mm = experts_mm(name, m, tokens)
+        elif isinstance(m, Fp8OutputHead):
+            m.forward = head_forward(m)
+    return rec
 
 
 def _reference(args, options: ModelOptions, row_ids, device, spec=None) -> Reference:
@@ -158,10 +225,10 @@ def _reference(args, options: ModelOptions, row_ids, device, spec=None) -> Refer
         # FP8 cases in float64 (cases.FP8_CASE_DTYPE says why)
         ref.to(device, FP8_CASE_DTYPE if spec else torch.float32)
         base = copy.deepcopy(ref)
-        fp8_io = {}
+        fp8 = None
         if spec is not None:
             apply_fp8(ref, spec)
-            fp8_io = _record_fp8_io(ref)
+            fp8 = _record_fp8(ref)
         tokens, labels = packed_batch(args.vocab_size, batch_rows)
         tokens, labels = tokens.to(device), labels.to(device)
         mtp = mtp_labels(labels)
@@ -181,7 +248,7 @@ def _reference(args, options: ModelOptions, row_ids, device, spec=None) -> Refer
             grads={n: p.grad for n, p in ref.named_parameters()},
             loads=[m.tokens_per_expert for m in ref.modules() if isinstance(m, MoE)],
             topk=rec.first(),
-            fp8_io=fp8_io,
+            fp8=fp8,
         )
     return _REFERENCES[key]
 
@@ -196,17 +263,34 @@ def rank_rows(n_rows: int, dp: int, dp_rank: int, cp: int, cp_rank: int, device=
 
 
 def _fp8_weight_grads(ref: Reference, n_rows: int, dp: int, cp: int) -> dict:
-    """The FP8 linears' weight gradients the parallel run should form: on every rank the block-wise
-    product over the 128-token tiles of its own rows (``rank_rows``), summed over the ranks, from
-    the reference's inputs and output gradients of those rows."""
+    """The FP8 products' weight gradients the parallel run should form: on every rank the
+    block-wise products over the 128-token tiles of its own rows (``rank_rows``; a routed expert's
+    tiles over that rank's rows of the expert, the head's over the rank's tokens of each call of
+    its fused loss), summed over the ranks, from the reference's records of those rows."""
     ranks = [rank_rows(n_rows, dp, d, cp, c) for d in range(dp) for c in range(cp)]
-    want = {}
-    for name, (x, dy) in ref.fp8_io.items():
-        grads = [
-            torch.ops.titan_glm52.fp8_mm_weight_grad(dy[r], x[r], [len(r)], x.dtype)[0]
-            for r in ranks
-        ]
+    # a rank's rows in its local order ascend, so filtering an expert's rows keeps the order the
+    # rank's own sort by expert, then token, gives them
+    assert all(bool((r[1:] > r[:-1]).all()) for r in ranks)
+    weight_grad = torch.ops.titan_glm52.fp8_mm_weight_grad
+    rec, want = ref.fp8, {}
+    for name, (x, dy) in rec.linears.items():
+        grads = [weight_grad(dy[r], x[r], [len(r)], x.dtype)[0] for r in ranks]
         want[name + ".weight"] = torch.stack(grads).sum(0)
+    for name, (x, splits, token_of, dy) in rec.experts.items():
+        expert_of = torch.repeat_interleave(torch.arange(len(splits)), torch.tensor(splits))
+        grads = []
+        for r in ranks:
+            mine = torch.isin(token_of, r)
+            counts = torch.bincount(expert_of[mine], minlength=len(splits)).tolist()
+            grads.append(weight_grad(dy[mine], x[mine], counts, x.dtype))
+        want[name] = torch.stack(grads).sum(0)
+    weight, grads = ref.base.output.weight, []
+    for call in rec.head:  # the main loss's and the MTP loss's
+        h, g = torch.cat(call["h"]), torch.cat(call["g"])
+        for r in ranks:
+            wg = Fp8HeadProducts(weight, False).weight_grad(g[r], h[r], None, weight.dtype)
+            grads.append(call["scale"].to(wg.dtype) * wg)
+    want["output.weight"] = torch.stack(grads).sum(0)
     return want
 
 
@@ -226,16 +310,17 @@ def check_cp_train_step(
     top-k (identical key sets at every position) of CP (x FSDP / EP) equal the single-process run
     on the same global batch (``row_ids``: which of ``ROWS`` it holds).
 
-    ``fp8``: the "debug_fp8" flavor in float64 with its dense linears in FP8 (``CP_FP8_SPEC``) on
-    both sides. A product's forward and input gradient quantise per token, so everything but the
-    FP8 weights' gradients equals the reference; those quantise per 128 tokens of each rank's rows
-    and are compared with the same products formed from the reference's (``_fp8_weight_grads``)."""
+    ``fp8``: the "debug_fp8" flavor in float64 with FP8 where training puts it by default (the
+    linears, the routed experts, the head's fused loss) on both sides. A product's forward and
+    input gradient quantise per token, so everything but the FP8 weights' gradients equals the
+    reference; those quantise per 128 tokens of each rank's rows and are compared with the same
+    products formed from the reference's records of those rows (``_fp8_weight_grads``)."""
     batch_rows = [ROWS[i] for i in row_ids]
     if dsa_backend == "triton" and DEVICE_TYPE == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")
     env = init_distributed(device_type=DEVICE_TYPE)
     args = cp_args(fp8, **arg_overrides)
-    spec = CP_FP8_SPEC if fp8 else None
+    spec = FP8_CASE_SPEC if fp8 else None
     dtype = FP8_CASE_DTYPE if fp8 else torch.float32
     options = ModelOptions(
         dsa_backend=dsa_backend,
@@ -270,8 +355,8 @@ def check_cp_train_step(
         fp8=spec,
     )
     if fp8:
-        converted = fp8_modules(model)
-        assert converted and sorted(converted) == sorted(ref.fp8_io), converted
+        recorded = [*ref.fp8.linears, *{n.rpartition(".")[0] for n in ref.fp8.experts}, "output"]
+        assert sorted(fp8_modules(model)) == sorted(recorded), fp8_modules(model)
     rec = TopkRecorder(model)
     dp, cpm = mesh["dp"], mesh["cp"]
     group = CPGroup.of(cpm.get_group())

@@ -18,7 +18,7 @@ TRAIN_STEP = {
     "cp2_ep2_ac_selective_op": (2, dict(cp=2, ep=2, ac_mode="selective")),
     "cp2_compile_ac_full": (2, dict(cp=2, compile=True, ac_mode="full")),
     "cp2_dense_warmup": (2, dict(cp=2, dense_warmup=True)),
-    # the dense linears in FP8 (block-wise), float64 otherwise (cp_cases.CP_FP8_SPEC)
+    # FP8 (block-wise) where training puts it by default, float64 otherwise
     "cp2_fp8": (2, dict(cp=2, fp8=True)),
     # the Triton kernels (interpreter on CPU) with q_rows; 2 layers + MTP and two of the rows (4
     # documents crossing the chunks, one document) to keep it short
