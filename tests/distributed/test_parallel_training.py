@@ -82,6 +82,16 @@ TRAIN_STEP = {
     # FP8 products (the linears, the routed experts and the head) on both sides, "debug_fp8"
     # flavor: see FP8_NOTE for the reference's micro-batches
     "fp8_fsdp2": (2, {"dp_shard": 2, "fp8": True, "ref_chunks": 2}),
+    "fp8_fsdp2_ac_every_2nd_block": (
+        2,
+        {
+            "dp_shard": 2,
+            "ac_mode": "selective",
+            "selective_ac_option": "2",
+            "fp8": True,
+            "ref_chunks": 2,
+        },
+    ),
     "fp8_ep2_fsdp2_compile_ac_selective": (
         2,
         {"dp_shard": 2, "ep": 2, "compile": True, "ac_mode": "selective", "fp8": True},
