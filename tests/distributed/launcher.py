@@ -4,16 +4,18 @@ share the processes (``run_cases``)."""
 
 from __future__ import annotations
 
+import datetime
 import faulthandler
 import json
 import os
-import socket
 import sys
 import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 # What a rank imports, loaded once into the fork server from which every rank of this test process
@@ -40,24 +42,29 @@ def _start(entry, args: tuple, nprocs: int):
     )
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _host_store(world_size: int):
+    """A TCPStore served by this process on a port the system picks and that stays bound until the
+    store is dropped: the ranks' process group meets there (torchrun's agent store, which every rank
+    joins as a client) and so do the launcher's own meetings. Why not a free port passed to rank 0:
+    between finding it and rank 0 binding it, another process (a gloo connection of a parallel test
+    worker) could take it."""
+    return dist.TCPStore(
+        "127.0.0.1", 0, world_size, True, datetime.timedelta(hours=1), wait_for_workers=False
+    )
 
 
 def _rank_env(rank: int, world_size: int, port: int) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
+        # init_process_group joins the store at MASTER_PORT as a client instead of serving it
+        TORCHELASTIC_USE_AGENT_STORE="True",
         RANK=str(rank),
         LOCAL_RANK=str(rank),
         WORLD_SIZE=str(world_size),
         LOCAL_WORLD_SIZE=str(world_size),
         OMP_NUM_THREADS="1",
     )
-    import torch
-
     torch.set_num_threads(1)
 
 
@@ -66,8 +73,6 @@ def _leave(code: int) -> None:
     the distributed stack aborts there ("terminate called without an active exception", SIGABRT),
     which turned passing cases into failures (seen in CI on test_hf_load[ep2_fsdp2]); train.py exits
     the same way."""
-    import torch.distributed as dist
-
     if code == 0 and dist.is_initialized():
         dist.destroy_process_group()
     sys.stdout.flush()
@@ -80,8 +85,6 @@ def _entry(rank: int, world_size: int, port: int, fn, kwargs: dict) -> None:
     try:
         fn(**kwargs)
     finally:
-        import torch.distributed as dist
-
         if dist.is_initialized():
             dist.destroy_process_group()
     # A raised exception never gets here: torch's spawn wrapper reports it and exits 1.
@@ -94,7 +97,8 @@ def run_on_ranks(fn, world_size: int, timeout_s: float = 120.0, **kwargs) -> Non
     ``fn`` must be importable (a module-level function). Raises the first rank's exception (with its
     traceback) or TimeoutError after ``timeout_s`` (the processes are then killed).
     """
-    ctx = _start(_entry, (world_size, free_port(), fn, kwargs), world_size)
+    store = _host_store(world_size)
+    ctx = _start(_entry, (world_size, store.port, fn, kwargs), world_size)
     deadline = time.monotonic() + timeout_s
     while not ctx.join(timeout=1.0):
         if time.monotonic() > deadline:
@@ -139,22 +143,17 @@ def run_cases(cases: dict[str, Case], report_dir: str) -> dict[str, str | None]:
     return results
 
 
-def _group_entry(rank: int, world: int, ports: tuple[int, int], items: list, folder: str) -> None:
-    _rank_env(rank, world, ports[0])
-    import datetime
-
-    import torch
-    import torch.distributed as dist
-
+def _group_entry(rank: int, world: int, port: int, items: list, folder: str) -> None:
+    _rank_env(rank, world, port)
     # a rank that dies by a signal (SIGSEGV, SIGABRT) leaves its Python stack for the report
     crash = open(os.path.join(folder, f"rank{rank}.crash"), "w")
     faulthandler.enable(crash)
-    # The launcher's own store (not the process group's): the ranks meet there after each case, so
-    # no rank starts the next case while another still works in this one. Why: a case whose ranks
-    # ran different collectives would otherwise pair its leftover ones with the next case's and
-    # could pass both; this way it waits until the parent's deadline and fails alone.
-    store = dist.TCPStore(
-        "127.0.0.1", ports[1], world, rank == 0, datetime.timedelta(hours=1), wait_for_workers=False
+    # The ranks meet in the parent's store after each case (keys of their own beside the process
+    # group's), so no rank starts the next case while another still works in this one. Why: a case
+    # whose ranks ran different collectives would otherwise pair its leftover ones with the next
+    # case's and could pass both; this way it waits until the parent's deadline and fails alone.
+    store = dist.PrefixStore(
+        "launcher", dist.TCPStore("127.0.0.1", port, world, False, datetime.timedelta(hours=1))
     )
     with open(os.path.join(folder, f"rank{rank}.jsonl"), "a") as report:
         for name, case in items:
@@ -168,15 +167,13 @@ def _group_entry(rank: int, world: int, ports: tuple[int, int], items: list, fol
             _meet(store, name, world)
             report.write(json.dumps({"case": name}) + "\n")
             report.flush()
-    # rank 0 hosts the store: it leaves only after every rank's last call to it
-    _meet(store, "left", world, wait=rank == 0)
     _leave(0)
 
 
-def _meet(store, key: str, world: int, wait: bool = True) -> None:
-    """Counts this rank in at ``key``; with ``wait``, returns once all ``world`` ranks are in."""
+def _meet(store, key: str, world: int) -> None:
+    """Counts this rank in at ``key`` and returns once all ``world`` ranks are in."""
     store.add(key, 1)
-    while wait and store.add(key, 0) < world:
+    while store.add(key, 0) < world:
         time.sleep(0.01)
 
 
@@ -198,7 +195,8 @@ def _reports(folder: str, world: int) -> list[dict[str, str | None]]:
 
 def _run_group(world: int, items: list[tuple[str, Case]], folder: str) -> dict[str, str | None]:
     """The cases that finished, in order, up to and including the first failure."""
-    ctx = _start(_group_entry, (world, (free_port(), free_port()), items, folder), world)
+    store = _host_store(world)  # held until the group's ranks are gone
+    ctx = _start(_group_entry, (world, store.port, items, folder), world)
     current, deadline, stopped = 0, time.monotonic() + items[0][1].timeout_s, None
     while True:
         try:
