@@ -17,13 +17,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from tests.distributed.cases import (
-    DEVICE_TYPE,
-    FP8_CASE_DTYPE,
-    FP8_CASE_SPEC,
-    fp8_modules,
-    full,
-)
+from tests.distributed.cases import DEVICE_TYPE, FP8_CASE_DTYPE, FP8_CASE_SPEC, fp8_modules, full
 from titan_glm52.context_parallel import CPGroup, next_token_ids, zigzag_split
 from titan_glm52.distributed import build_mesh, init_distributed
 from titan_glm52.fp8_training import Fp8GroupedExperts, Fp8Linear, Fp8OutputHead, apply_fp8
