@@ -157,14 +157,19 @@ def _record_fp8(model) -> Fp8Records:
 
         return hook
 
+    def sorted_tokens(tokens: dict):
+        def hook(router, args, out):
+            # the expert-sorted rows' tokens, as MoE._routed orders them (by expert, then token)
+            idx = out[1]
+            tokens["of"] = torch.argsort(idx.reshape(-1), stable=True) // idx.shape[1]
+
+        return hook
+
     def experts_mm(name, experts, tokens: dict):
         def mm(x, w, splits):
             out = fp8_expert_mm(x, w, splits)
             which = "w13" if w is experts.w13 else "w2"
-            # the sorted rows' tokens, as MoE._routed orders them (by expert, then token)
-            idx = tokens["idx"]
-            token_of = torch.argsort(idx.reshape(-1), stable=True) // idx.shape[1]
-            entry = [x.detach(), list(splits), token_of, None]
+            entry = [x.detach(), list(splits), tokens["of"], None]
             rec.experts[f"{name}.{which}"] = entry
             keep_grad(out, entry, 3)
             return out
@@ -202,7 +207,7 @@ def _record_fp8(model) -> Fp8Records:
         elif isinstance(m, Fp8GroupedExperts):
             tokens: dict = {}
             router = model.get_submodule(name.rpartition(".")[0]).router
-            router.register_forward_hook(lambda mod, a, out, t=tokens: t.update(idx=out[1]))
+            router.register_forward_hook(sorted_tokens(tokens))
             m.per_expert_mm = experts_mm(name, m, tokens)
         elif isinstance(m, Fp8OutputHead):
             m.forward = head_forward(m)
@@ -265,24 +270,34 @@ def _fp8_weight_grads(ref: Reference, n_rows: int, dp: int, cp: int) -> dict:
     # a rank's rows in its local order ascend, so filtering an expert's rows keeps the order the
     # rank's own sort by expert, then token, gives them
     assert all(bool((r[1:] > r[:-1]).all()) for r in ranks)
-    weight_grad = torch.ops.titan_glm52.fp8_mm_weight_grad
-    rec, want = ref.fp8, {}
-    for name, (x, dy) in rec.linears.items():
-        grads = [weight_grad(dy[r], x[r], [len(r)], x.dtype)[0] for r in ranks]
-        want[name + ".weight"] = torch.stack(grads).sum(0)
-    for name, (x, splits, token_of, dy) in rec.experts.items():
-        expert_of = torch.repeat_interleave(torch.arange(len(splits)), torch.tensor(splits))
+
+    def summed(x, splits, token_of, dy):
+        """``[E, N, K]``: each rank's per-expert product over its rows, summed over the ranks (a
+        linear is one expert holding every token)."""
+        on = token_of.device
+        expert_of = torch.repeat_interleave(
+            torch.arange(len(splits), device=on), torch.tensor(splits, device=on)
+        )
         grads = []
         for r in ranks:
-            mine = torch.isin(token_of, r)
+            mine = torch.isin(token_of, r.to(on))
             counts = torch.bincount(expert_of[mine], minlength=len(splits)).tolist()
-            grads.append(weight_grad(dy[mine], x[mine], counts, x.dtype))
-        want[name] = torch.stack(grads).sum(0)
+            grads.append(
+                torch.ops.titan_glm52.fp8_mm_weight_grad(dy[mine], x[mine], counts, x.dtype)
+            )
+        return torch.stack(grads).sum(0)
+
+    rec, want = ref.fp8, {}
+    for name, (x, dy) in rec.linears.items():
+        want[name + ".weight"] = summed(x, [len(x)], torch.arange(len(x), device=x.device), dy)[0]
+    for name, entry in rec.experts.items():
+        want[name] = summed(*entry)
     weight, grads = ref.base.output.weight, []
+    products = Fp8HeadProducts(weight, False)
     for call in rec.head:  # the main loss's and the MTP loss's
         h, g = torch.cat(call["h"]), torch.cat(call["g"])
         for r in ranks:
-            wg = Fp8HeadProducts(weight, False).weight_grad(g[r], h[r], None, weight.dtype)
+            wg = products.weight_grad(g[r], h[r], None, weight.dtype)
             grads.append(call["scale"].to(wg.dtype) * wg)
     want["output.weight"] = torch.stack(grads).sum(0)
     return want
